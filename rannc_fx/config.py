@@ -1,0 +1,124 @@
+"""Every user-facing option, with its default; ``RANNC_FX_<NAME>`` environment variables override."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["Config", "ENV_PREFIX"]
+
+ENV_PREFIX = "RANNC_FX_"
+
+
+class Config(BaseModel):
+    """Options of the compiler and the runtime.
+
+    ``None`` for ``stages``, ``replicas`` and ``micro_batches`` means "searched"; a value
+    forces it, and the forced plan is still checked against the memory budget.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # -- what the search may choose ------------------------------------------------------
+    stages: int | None = Field(default=None, ge=1, description="number of pipeline stages")
+    replicas: tuple[int, ...] | None = Field(
+        default=None, description="replica count of each stage; sums to the world size"
+    )
+    micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step")
+    max_micro_batches: int = Field(default=32, ge=1, description="largest count the search tries")
+
+    # -- memory ----------------------------------------------------------------------------
+    device_memory: int | None = Field(
+        default=None, gt=0, description="bytes per device; None = the device's own size"
+    )
+    memory_margin: float = Field(
+        default=0.1, ge=0, lt=1, description="fraction of device memory kept free"
+    )
+    optimizer_state_factor: float = Field(
+        default=2.0, ge=0, description="optimizer state bytes per parameter byte (Adam: 2)"
+    )
+
+    # -- capture and profile ---------------------------------------------------------------
+    tracer: Literal["auto", "fx", "export"] = "auto"
+    leaf_modules: tuple[str, ...] = Field(
+        default=(), description="module class names that torch.fx keeps as single calls"
+    )
+    cost_model: Literal["auto", "measured", "analytic"] = Field(
+        default="auto", description="auto = measured on a real device, analytic on meta"
+    )
+    batch_dim: int = Field(default=0, ge=0, description="batch dimension of the inputs")
+    profile_repeats: int = Field(default=3, ge=1, description="timed runs per profiled op")
+    profile_cache_dir: Path | None = Field(
+        default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "rannc_fx",
+        description="where profiles persist; None disables the disk cache",
+    )
+
+    # -- grouping and search ---------------------------------------------------------------
+    max_blocks: int = Field(default=96, ge=2, description="blocks the search cuts between")
+
+    # -- runtime ---------------------------------------------------------------------------
+    timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout")
+    debug: bool = Field(default=False, description="dump graphs before and after each pass")
+
+    @model_validator(mode="after")
+    def _check_forced(self) -> Config:
+        if self.replicas is not None:
+            if any(r < 1 for r in self.replicas):
+                raise ValueError(f"replicas={list(self.replicas)}: every stage needs at least 1")
+            if self.stages is not None and self.stages != len(self.replicas):
+                raise ValueError(
+                    f"stages={self.stages} but replicas={list(self.replicas)} names "
+                    f"{len(self.replicas)} stages; give one replica count per stage"
+                )
+        if self.micro_batches is not None and self.micro_batches > self.max_micro_batches:
+            raise ValueError(
+                f"micro_batches={self.micro_batches} exceeds max_micro_batches="
+                f"{self.max_micro_batches}; raise max_micro_batches too"
+            )
+        return self
+
+    @property
+    def forced_stages(self) -> int | None:
+        return len(self.replicas) if self.replicas is not None else self.stages
+
+    @classmethod
+    def from_env(cls, base: Config | None = None, environ: dict[str, str] | None = None) -> Config:
+        """``base`` (or the defaults) with ``RANNC_FX_<NAME>`` variables applied on top.
+
+        Values are parsed as JSON where they parse (``RANNC_FX_REPLICAS=[2,1]``,
+        ``RANNC_FX_STAGES=2``, ``RANNC_FX_PROFILE_CACHE_DIR=null``), else taken as strings.
+        """
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = (base or cls()).model_dump()
+        changed = False
+        for name in cls.model_fields:
+            key = ENV_PREFIX + name.upper()
+            if key not in env:
+                continue
+            raw = env[key]
+            try:
+                data[name] = json.loads(raw)
+            except json.JSONDecodeError:
+                data[name] = raw
+            changed = True
+        unknown = sorted(
+            k
+            for k in env
+            if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() not in cls.model_fields
+        )
+        if unknown:
+            raise ValueError(
+                f"unknown rannc_fx option(s) in the environment: {', '.join(unknown)}; known: "
+                + ", ".join(ENV_PREFIX + n.upper() for n in cls.model_fields)
+            )
+        if not changed:
+            return base or cls()
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ValueError(f"bad {ENV_PREFIX}* environment variable: {e}") from None

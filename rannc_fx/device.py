@@ -1,0 +1,113 @@
+"""Describe the hardware a plan is made for: memory, compute and link speeds."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["DeviceSpec", "GiB"]
+
+GiB = 1024**3
+
+# Dense peak rates as the vendors list them (no sparsity); the interconnect figure is the
+# per-GPU bandwidth of the usual fabric for that part (NVLink within a node).
+_PRESETS: dict[str, dict[str, float | str]] = {
+    "v100-32gb": dict(
+        memory_bytes=32 * GiB,
+        peak_flops={"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12},
+        memory_bandwidth=900e9,
+        interconnect_bandwidth=150e9,
+    ),
+    "a100-40gb": dict(
+        memory_bytes=40 * GiB,
+        peak_flops={"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
+        memory_bandwidth=1555e9,
+        interconnect_bandwidth=300e9,
+    ),
+    "a100-80gb": dict(
+        memory_bytes=80 * GiB,
+        peak_flops={"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
+        memory_bandwidth=2039e9,
+        interconnect_bandwidth=300e9,
+    ),
+    "h100-80gb": dict(
+        memory_bytes=80 * GiB,
+        peak_flops={"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
+        memory_bandwidth=3350e9,
+        interconnect_bandwidth=450e9,
+    ),
+    "h200-141gb": dict(
+        memory_bytes=141 * GiB,
+        peak_flops={"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
+        memory_bandwidth=4800e9,
+        interconnect_bandwidth=450e9,
+    ),
+    # A commodity CPU host running gloo over loopback: a few cores, tens of GB.
+    "cpu": dict(
+        memory_bytes=16 * GiB,
+        peak_flops={"float32": 100e9, "float16": 10e9, "bfloat16": 50e9},
+        memory_bandwidth=20e9,
+        interconnect_bandwidth=5e9,
+    ),
+}
+
+
+class DeviceSpec(BaseModel):
+    """One accelerator as the cost model sees it.
+
+    ``peak_flops`` maps a dtype name (``"float32"``) to dense FLOP/s; ``memory_bandwidth``
+    is device-memory bytes/s; ``interconnect_bandwidth`` is the bytes/s one device can send
+    to a peer (point-to-point and ring all-reduce use it).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    memory_bytes: int = Field(gt=0)
+    peak_flops: dict[str, float]
+    memory_bandwidth: float = Field(gt=0)
+    interconnect_bandwidth: float = Field(gt=0)
+    # Fraction of peak that real kernels reach; the analytic cost model divides by it.
+    efficiency: float = Field(default=0.5, gt=0, le=1)
+
+    @classmethod
+    def preset(cls, name: str) -> DeviceSpec:
+        """A known device by name, e.g. ``DeviceSpec.preset("v100-32gb")``."""
+        key = name.lower()
+        if key not in _PRESETS:
+            raise ValueError(
+                f"unknown device preset {name!r}; known presets: {', '.join(sorted(_PRESETS))}. "
+                "Describe another device with DeviceSpec(name=..., memory_bytes=..., "
+                "peak_flops={'float32': ...}, memory_bandwidth=..., interconnect_bandwidth=...)."
+            )
+        return cls(name=key, **_PRESETS[key])  # type: ignore[arg-type]
+
+    @classmethod
+    def presets(cls) -> list[str]:
+        return sorted(_PRESETS)
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> DeviceSpec:
+        """A spec for a local device: its real memory size, rates from the closest preset.
+
+        Measured profiles take their times from the device itself, so only memory and the
+        link speed matter for them.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            props = torch.cuda.get_device_properties(dev)
+            base = "h100-80gb" if props.major >= 9 else "a100-80gb" if props.major == 8 else "v100-32gb"
+            spec = cls.preset(base)
+            return spec.model_copy(update={"name": props.name, "memory_bytes": props.total_memory})
+        if dev.type == "cpu":
+            return cls.preset("cpu")
+        if dev.type == "meta":
+            raise ValueError(
+                "a meta-device model has no hardware to measure; pass device=DeviceSpec.preset(...) "
+                f"(one of {', '.join(sorted(_PRESETS))}) to plan it with the analytic cost model"
+            )
+        raise ValueError(f"no device spec for {dev}; pass a DeviceSpec")
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for a dtype name, falling back to float32's rate."""
+        return self.peak_flops.get(dtype, self.peak_flops.get("float32", max(self.peak_flops.values())))

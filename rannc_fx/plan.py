@@ -1,0 +1,376 @@
+"""The partition plan: the one serializable object between the compiler and the runtime.
+
+Glossary (these words mean only this, everywhere in rannc_fx):
+
+node
+    One ``torch.fx`` node of the captured graph, named by ``node.name``.
+block
+    A run of nodes that is never cut apart (a matmul with its weight transpose, a view with
+    its producer, a layer the grouping pass coarsened). Blocks form a chain in topological
+    order; the search only cuts between consecutive blocks.
+stage
+    A contiguous range of blocks. It becomes one ``fx.GraphModule`` (``stage_0``, ...).
+replica
+    One rank running a stage. A stage with ``r`` replicas splits every micro-batch ``r``
+    ways by sample (data parallelism inside the stage) and all-reduces its gradients among
+    those ``r`` ranks.
+micro-batch
+    One of the ``micro_batches`` equal slices of the global batch that flow through the
+    pipeline one after another (GPipe).
+sample
+    One row of the batch dimension of the model's inputs. Shapes in a plan are given per
+    sample, so a rank can work out any tensor's shape for the samples it holds.
+rank
+    One process. Stage ``s`` runs on ranks ``stages[s].ranks``; ranks are handed out to the
+    stages in order.
+value
+    What one node produces. A *cut value* is produced in one stage and consumed in a later
+    one; it is sent straight from its producer to every consumer stage.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .device import DeviceSpec
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Block",
+    "CutValue",
+    "MemoryEstimate",
+    "OutputRef",
+    "Plan",
+    "SharedParam",
+    "Stage",
+    "ValueSpec",
+]
+
+FORMAT_VERSION = 1
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class ValueSpec(BaseModel):
+    """What a value is, for any number of samples, so that no rank asks another.
+
+    For a tensor with a batch dimension, ``shape`` is its shape for ONE sample:
+    ``shape[batch_dim]`` is the rows a sample contributes (1 normally, ``seq`` after a
+    ``view(B * seq, h)``). A tensor with ``batch_dim=None`` is the same for every micro-batch.
+    An integer (a size the graph computes) is ``int_coeffs = (a, c)``: ``a * samples + c``;
+    a tuple of them (a ``torch.Size``) is one pair per element.
+    """
+
+    model_config = _FROZEN
+
+    name: str
+    kind: Literal["tensor", "int", "ints", "constant"]
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+    batch_dim: int | None = None
+    int_coeffs: tuple[tuple[int, int], ...] = ()
+    requires_grad: bool = False
+
+    def shape_for(self, samples: int) -> tuple[int, ...]:
+        """The tensor's shape when it holds ``samples`` samples."""
+        if self.kind != "tensor":
+            raise ValueError(f"value {self.name!r} is a {self.kind}, not a tensor")
+        if self.batch_dim is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.batch_dim] *= samples
+        return tuple(s)
+
+    def ints_for(self, samples: int) -> tuple[int, ...]:
+        """The integer(s) this value holds when its stage sees ``samples`` samples."""
+        return tuple(a * samples + c for a, c in self.int_coeffs)
+
+    def nbytes_for(self, samples: int) -> int:
+        if self.kind != "tensor":
+            return 8 * len(self.int_coeffs)
+        import math
+
+        from .passes.shapes import dtype_itemsize
+
+        return math.prod(self.shape_for(samples)) * dtype_itemsize(self.dtype or "float32")
+
+
+class Block(BaseModel):
+    """A run of nodes the search never cuts, with its costs at its stage's micro-batch."""
+
+    model_config = _FROZEN
+
+    index: int
+    nodes: tuple[str, ...]
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    activation_bytes: int
+
+
+class MemoryEstimate(BaseModel):
+    """Predicted peak bytes held by one replica of a stage, by what holds them."""
+
+    model_config = _FROZEN
+
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    comm_buffers: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params
+            + self.grads
+            + self.optimizer_state
+            + self.activations
+            + self.comm_buffers
+            + self.workspace
+        )
+
+
+class Stage(BaseModel):
+    """A contiguous range of blocks run by ``replicas`` ranks.
+
+    ``inputs`` lists the values the stage's GraphModule takes, in placeholder order (graph
+    inputs and cut values from earlier stages); ``outputs`` the values it returns, in order.
+    ``samples`` is how many samples one replica handles per micro-batch (the largest slice
+    when the micro-batch does not divide evenly).
+    """
+
+    model_config = _FROZEN
+
+    index: int
+    first_block: int
+    end_block: int  # exclusive
+    replicas: int = Field(ge=1)
+    ranks: tuple[int, ...]
+    samples: int = Field(ge=1)
+    num_nodes: int
+    param_names: tuple[str, ...]
+    buffer_names: tuple[str, ...] = ()
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    fwd_ms: float
+    bwd_ms: float
+    comm_ms: float
+    allreduce_ms: float
+    memory: MemoryEstimate
+
+    @property
+    def param_bytes(self) -> int:
+        return self.memory.params
+
+
+class CutValue(BaseModel):
+    """A value produced by stage ``producer`` and read by the later ``consumers``."""
+
+    model_config = _FROZEN
+
+    producer: int
+    consumers: tuple[int, ...]
+    spec: ValueSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class OutputRef(BaseModel):
+    """Leaf ``index`` of the model's flattened output: which value, made by which stage."""
+
+    model_config = _FROZEN
+
+    index: int
+    stage: int
+    spec: ValueSpec
+
+
+class SharedParam(BaseModel):
+    """A parameter used by more than one stage (a tied embedding and LM head)."""
+
+    model_config = _FROZEN
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    stages: tuple[int, ...]
+
+
+class Plan(BaseModel):
+    """Where every node runs, on how many ranks, and what crosses between stages."""
+
+    model_config = _FROZEN
+
+    format_version: int = FORMAT_VERSION
+    model_fingerprint: str
+    tracer: Literal["fx", "export"]
+    world_size: int = Field(ge=1)
+    global_batch: int = Field(ge=1, description="samples per step over all ranks")
+    micro_batches: int = Field(ge=1)
+    device: DeviceSpec
+    cost_model: Literal["measured", "analytic"]
+    memory_budget: int
+    optimizer_state_factor: float
+    blocks: tuple[Block, ...]
+    stages: tuple[Stage, ...]
+    inputs: tuple[ValueSpec, ...]
+    outputs: tuple[OutputRef, ...]
+    cut_values: tuple[CutValue, ...]
+    shared_params: tuple[SharedParam, ...] = ()
+    predicted_step_ms: float
+    search_seconds: float = 0.0
+
+    # -- invariants ------------------------------------------------------------------------
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"plan format version {self.format_version} is not {FORMAT_VERSION}; "
+                "make the plan again with this version of rannc_fx"
+            )
+        if [b.index for b in self.blocks] != list(range(len(self.blocks))):
+            raise ValueError("blocks must be numbered 0, 1, ... in order")
+        if not self.stages:
+            raise ValueError("a plan needs at least one stage")
+        expect_block, next_rank = 0, 0
+        for i, st in enumerate(self.stages):
+            if st.index != i:
+                raise ValueError(f"stage {st.index} is listed at position {i}")
+            if st.first_block != expect_block or st.end_block <= st.first_block:
+                raise ValueError(
+                    f"stage {i} covers blocks [{st.first_block}, {st.end_block}) but must start "
+                    f"at block {expect_block} and be non-empty: stages cover all blocks in order"
+                )
+            if st.ranks != tuple(range(next_rank, next_rank + st.replicas)):
+                raise ValueError(
+                    f"stage {i} has ranks {list(st.ranks)}; with {st.replicas} replicas it must "
+                    f"have ranks {list(range(next_rank, next_rank + st.replicas))}"
+                )
+            expect_block, next_rank = st.end_block, next_rank + st.replicas
+        if expect_block != len(self.blocks):
+            raise ValueError(
+                f"stages end at block {expect_block} but the plan has {len(self.blocks)} blocks"
+            )
+        if next_rank != self.world_size:
+            raise ValueError(
+                f"replica counts {[s.replicas for s in self.stages]} sum to {next_rank}, "
+                f"not the world size {self.world_size}"
+            )
+        n = len(self.stages)
+        for cv in self.cut_values:
+            if not cv.consumers:
+                raise ValueError(f"cut value {cv.name!r} has no consumer stage")
+            if not 0 <= cv.producer < n or any(
+                not cv.producer < c < n for c in cv.consumers
+            ):
+                raise ValueError(
+                    f"cut value {cv.name!r}: producer stage {cv.producer} must come before "
+                    f"its consumers {list(cv.consumers)} within {n} stages"
+                )
+            if cv.name not in self.stages[cv.producer].outputs:
+                raise ValueError(f"cut value {cv.name!r} is not an output of stage {cv.producer}")
+            for c in cv.consumers:
+                if cv.name not in self.stages[c].inputs:
+                    raise ValueError(f"cut value {cv.name!r} is not an input of stage {c}")
+        return self
+
+    # -- lookups ---------------------------------------------------------------------------
+    def stage_of_rank(self, rank: int) -> Stage:
+        for st in self.stages:
+            if rank in st.ranks:
+                return st
+        raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
+
+    def node_stage(self) -> dict[str, int]:
+        """Node name -> stage index, for every node the blocks hold."""
+        out: dict[str, int] = {}
+        for st in self.stages:
+            for b in self.blocks[st.first_block : st.end_block]:
+                for name in b.nodes:
+                    out[name] = st.index
+        return out
+
+    def cut(self, name: str) -> CutValue:
+        for cv in self.cut_values:
+            if cv.name == name:
+                return cv
+        raise KeyError(f"no cut value named {name!r}")
+
+    def iter_stage_blocks(self, stage: int) -> Iterator[Block]:
+        st = self.stages[stage]
+        return iter(self.blocks[st.first_block : st.end_block])
+
+    # -- serialization ---------------------------------------------------------------------
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.model_validate_json(text)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
+
+    # -- for people ------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A table: one row per stage, with predicted time and memory against the budget."""
+        gib = 1024**3
+        head = (
+            f"rannc_fx plan: {len(self.stages)} stage(s) on {self.world_size} rank(s), "
+            f"{self.micro_batches} micro-batch(es) of {self.global_batch // self.micro_batches}"
+            f"{'+' if self.global_batch % self.micro_batches else ''} samples, "
+            f"device {self.device.name} ({self.cost_model} costs)"
+        )
+        cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
+                "comm ms", "allred ms", "memory GiB", "of budget")
+        rows = []
+        for st in self.stages:
+            nparam = st.memory.params
+            rows.append((
+                str(st.index),
+                f"{st.first_block}-{st.end_block - 1}",
+                str(st.num_nodes),
+                _human_bytes(nparam),
+                str(st.replicas),
+                str(st.samples),
+                f"{st.fwd_ms:.2f}",
+                f"{st.bwd_ms:.2f}",
+                f"{st.comm_ms:.2f}",
+                f"{st.allreduce_ms:.2f}",
+                f"{st.memory.total / gib:.2f}",
+                f"{100 * st.memory.total / self.memory_budget:.0f}%",
+            ))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
+        body = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+        tail = [
+            f"predicted step time {self.predicted_step_ms:.2f} ms; memory budget "
+            f"{self.memory_budget / gib:.2f} GiB per device; {len(self.cut_values)} cut value(s)",
+        ]
+        for sp in self.shared_params:
+            tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
+        return "\n".join([head, line, "-" * len(line), *body, *tail])
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def dump_plan(plan: Plan) -> str:
+    """Plan JSON with sorted keys, for golden-file diffs."""
+    return json.dumps(json.loads(plan.to_json()), indent=1, sort_keys=True)

@@ -1,0 +1,53 @@
+"""Small transformers models built from configs with random weights (no download)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
+
+
+def bert_example(batch: int = 4, seq: int = 16, layers: int = 2) -> Example:
+    cfg = transformers.BertConfig(
+        vocab_size=320, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForPreTraining(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    kwargs = {
+        "labels": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),
+        "next_sentence_label": torch.randint(0, 2, (batch,), generator=g),
+    }
+    return model, (ids,), kwargs
+
+
+def gpt2_example(batch: int = 4, seq: int = 16, layers: int = 2, vocab: int = 512) -> Example:
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=64, n_embd=64, n_layer=layers, n_head=4, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return model, (ids,), {"labels": ids.clone()}
+
+
+def resnet_example(batch: int = 4, image: int = 32) -> Example:
+    cfg = transformers.ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10,
+    )
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(cfg)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, image, image, generator=g)
+    return model, (), {"pixel_values": x, "labels": torch.randint(0, 10, (batch,), generator=g)}
