@@ -1,0 +1,26 @@
+# The two set-up commands of the README: `make train` (the main job) and `make test`.
+# Each installs what it needs first; torch is pinned before anything else so that pip takes
+# the CPU wheel instead of resolving the newest CUDA build.
+PYTHON ?= python3
+STAMP := .setup-done
+
+.PHONY: setup train plan test lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+plan: $(STAMP)
+	$(PYTHON) -m rannc_fx plan rannc_fx.models:gpt_example --world-size 2 --out plan.json
+
+train: plan
+
+lint: $(STAMP)
+	$(PYTHON) -m ruff check rannc_fx tests benchmarks
+	$(PYTHON) -m mypy
+
+test: lint
+	$(PYTHON) -m pytest -q

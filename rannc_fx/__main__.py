@@ -1,0 +1,112 @@
+"""Command line: ``python -m rannc_fx plan MODULE:FACTORY --world-size N --device PRESET``."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from .config import Config
+from .device import DeviceSpec
+from .partition import partition
+
+__all__ = ["main"]
+
+
+def _factory_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--arg {item!r}: write it as NAME=VALUE, e.g. --arg layers=24")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
+def _load_factory(spec: str) -> Any:
+    mod_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise SystemExit(
+            f"{spec!r}: name a factory as MODULE:FUNCTION, e.g. rannc_fx.models:gpt_example; "
+            "it returns (model, args) or (model, args, kwargs)"
+        )
+    try:
+        return getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"cannot load {spec!r}: {e}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rannc_fx", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="partition a model and print/write its plan")
+    plan.add_argument("factory", help="MODULE:FUNCTION returning (model, args[, kwargs])")
+    plan.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
+                      help="keyword argument for the factory (repeatable)")
+    plan.add_argument("--world-size", type=int, required=True, help="number of devices")
+    plan.add_argument("--device", default=None,
+                      help=f"a preset ({', '.join(DeviceSpec.presets())}) for the analytic "
+                           "cost model, or a torch device (cpu, cuda) to measure on")
+    plan.add_argument("--meta", action="store_true",
+                      help="build the model on the meta device (no weights allocated)")
+    plan.add_argument("--global-batch", type=int, default=None,
+                      help="samples per step (default: the factory's example batch)")
+    plan.add_argument("--stages", type=int, default=None, help="force the stage count")
+    plan.add_argument("--replicas", default=None, help="force replica counts, e.g. 2,1")
+    plan.add_argument("--micro-batches", type=int, default=None, help="force the micro-batch count")
+    plan.add_argument("--device-memory-gib", type=float, default=None,
+                      help="per-device memory in GiB (default: the device's)")
+    plan.add_argument("--tracer", choices=("auto", "fx", "export"), default=None)
+    plan.add_argument("--out", default="plan.json", help="where to write the plan JSON")
+    plan.add_argument("-v", "--verbose", action="store_true", help="log each pass")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s")
+    factory = _load_factory(args.factory)
+    with torch.device("meta") if args.meta else nullcontext():
+        made = factory(**_factory_kwargs(args.arg))
+    model, ex_args, ex_kwargs = (*made, {}) if len(made) == 2 else made
+    overrides: dict[str, Any] = {}
+    if args.stages is not None:
+        overrides["stages"] = args.stages
+    if args.replicas is not None:
+        overrides["replicas"] = tuple(int(r) for r in args.replicas.split(","))
+    if args.micro_batches is not None:
+        overrides["micro_batches"] = args.micro_batches
+    if args.device_memory_gib is not None:
+        overrides["device_memory"] = int(args.device_memory_gib * 1024**3)
+    if args.tracer is not None:
+        overrides["tracer"] = args.tracer
+    config = Config(**overrides)
+    device = args.device
+    if device is None and args.meta:
+        raise SystemExit("--meta needs --device PRESET (the analytic cost model): "
+                         + ", ".join(DeviceSpec.presets()))
+    try:
+        parted = partition(model, tuple(ex_args), dict(ex_kwargs), world_size=args.world_size,
+                           device=device, config=config, global_batch=args.global_batch)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(parted.plan.summary())
+    parted.plan.save(args.out)
+    print(f"plan written to {args.out} (search took {parted.plan.search_seconds:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""The offline API: run every compiler pass and return the plan with its stage GraphModules."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import fx, nn
+
+from .config import Config
+from .device import DeviceSpec
+from .passes.capture import CapturedGraph, capture_pass
+from .passes.costs import build_cost_table
+from .passes.group import BlockGraph, group_pass
+from .passes.profile import Profile, profile_pass
+from .passes.search import SearchResult, SearchSpace, needed_sizes, search_pass
+from .passes.shapes import infer_values_pass
+from .passes.split import split_pass, stage_interfaces
+from .plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage, ValueSpec
+
+__all__ = ["Partitioned", "partition"]
+
+log = logging.getLogger("rannc_fx")
+
+
+@dataclass
+class Partitioned:
+    """A plan and its stages, runnable in this process (stage after stage)."""
+
+    plan: Plan
+    stages: list[fx.GraphModule]
+    captured: CapturedGraph
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.captured.flatten_inputs(args, kwargs)
+        env: dict[str, Any] = dict(zip(self.captured.input_names, flat, strict=True))
+        for spec, gm in zip(self.plan.stages, self.stages, strict=True):
+            outs = gm(*(env[name] for name in spec.inputs))
+            env.update(zip(spec.outputs, outs, strict=True))
+        return self.captured.unflatten_outputs([env[n] for n in self.captured.output_names])
+
+    def __repr__(self) -> str:
+        return f"Partitioned(\n{self.plan.summary()}\n)"
+
+
+def partition(
+    model: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    world_size: int,
+    device: DeviceSpec | str | torch.device | None = None,
+    config: Config | None = None,
+    global_batch: int | None = None,
+) -> Partitioned:
+    """Capture, profile, group, search and split ``model`` for ``world_size`` devices.
+
+    ``example_args``/``example_kwargs`` are one global batch (what a whole step sees), unless
+    ``global_batch`` says how many samples a step really has (the example is then resized).
+    ``device`` is where costs come from: a ``DeviceSpec`` or preset name plans with the
+    analytic cost model (needed for a meta-device model); a ``torch.device`` (default: where
+    the model's parameters live) is measured.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: need at least one device")
+    cfg = Config.from_env(config)
+    kwargs = dict(example_kwargs or {})
+    t0 = time.perf_counter()
+
+    captured = capture_pass(
+        model, tuple(example_args), kwargs,
+        tracer=cfg.tracer, leaf_modules=cfg.leaf_modules, batch_dim=cfg.batch_dim,
+    )
+    flat = captured.flatten_inputs(tuple(example_args), kwargs)
+    values = infer_values_pass(captured, flat, batch_dim=cfg.batch_dim)
+    example_batch = _batch_size(captured, values, flat, cfg.batch_dim)
+    batch = global_batch or example_batch
+
+    spec, run_device, cost_model = _resolve_device(model, device, cfg)
+    budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
+    space = _search_space(cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec)
+    sizes = needed_sizes(space)
+
+    profile = profile_pass(
+        captured, flat, values,
+        batch_sizes=_profile_sizes(sizes),
+        device_spec=spec,
+        cost_model=cost_model,
+        device=run_device,
+        cache_dir=cfg.profile_cache_dir,
+        repeats=cfg.profile_repeats,
+    )
+    blocks = group_pass(captured, profile, values, max_blocks=cfg.max_blocks)
+    table = build_cost_table(captured, blocks, profile, values, sizes=sizes)
+    t_search = time.perf_counter()
+    result = search_pass(table, space)
+    search_s = time.perf_counter() - t_search
+
+    plan = build_plan(
+        captured, values, profile, blocks, result,
+        space=space, spec=spec, cost_model=cost_model, config=cfg, search_seconds=search_s,
+    )
+    stages = split_pass(captured, plan)
+    log.info("partitioned in %.2f s total\n%s", time.perf_counter() - t0, plan.summary())
+    return Partitioned(plan=plan, stages=stages, captured=captured)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _batch_size(
+    captured: CapturedGraph, values: dict[str, ValueSpec], flat: list[torch.Tensor], batch_dim: int
+) -> int:
+    for name, t in zip(captured.input_names, flat, strict=True):
+        v = values[name]
+        if v.kind == "tensor" and v.batch_dim is not None:
+            return int(t.shape[v.batch_dim]) // v.shape[v.batch_dim]
+    raise ValueError(
+        f"no input has a batch dimension (dim {batch_dim}) that varies with the batch size; "
+        "rannc_fx splits micro-batches along it: set Config(batch_dim=...) to the right dimension"
+    )
+
+
+def _resolve_device(
+    model: nn.Module, device: DeviceSpec | str | torch.device | None, cfg: Config
+) -> tuple[DeviceSpec, torch.device | None, Literal["measured", "analytic"]]:
+    """(spec, device to measure on or None, cost model)."""
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if isinstance(device, DeviceSpec) or (isinstance(device, str) and device in DeviceSpec.presets()):
+        spec = device if isinstance(device, DeviceSpec) else DeviceSpec.preset(device)
+        run: torch.device | None = None
+    else:
+        if device is None:
+            p = next(model.parameters(), None)
+            run = p.device if p is not None else torch.device("cpu")
+        else:
+            run = torch.device(device)
+        if run.type == "meta":
+            raise ValueError(
+                "the model's parameters are on the meta device, so nothing can be measured; "
+                f"pass device=<a preset: {', '.join(DeviceSpec.presets())}> or a DeviceSpec "
+                "to plan it with the analytic cost model"
+            )
+        spec = DeviceSpec.of(run)
+    cost_model: Literal["measured", "analytic"]
+    if cfg.cost_model == "auto":
+        cost_model = "analytic" if (on_meta or run is None) else "measured"
+    else:
+        cost_model = cfg.cost_model
+    if cost_model == "measured" and (on_meta or run is None):
+        raise ValueError(
+            "cost_model='measured' needs a real device and real weights; "
+            + ("the model is on the meta device" if on_meta else f"device={spec.name!r} is a spec")
+            + ": use cost_model='analytic' (or 'auto')"
+        )
+    return spec, run, cost_model
+
+
+def _search_space(
+    cfg: Config, *, world_size: int, global_batch: int, budget: int, spec: DeviceSpec
+) -> SearchSpace:
+    if cfg.replicas is not None and sum(cfg.replicas) != world_size:
+        raise ValueError(
+            f"replicas={list(cfg.replicas)} sum to {sum(cfg.replicas)}, not the world size "
+            f"{world_size}; give counts that add up to {world_size}"
+        )
+    if cfg.micro_batches is not None:
+        if cfg.micro_batches > global_batch:
+            raise ValueError(
+                f"micro_batches={cfg.micro_batches} exceeds the global batch of {global_batch} "
+                "samples; use at most that many micro-batches"
+            )
+        candidates: tuple[int, ...] = (cfg.micro_batches,)
+    else:
+        limit = min(cfg.max_micro_batches, global_batch)
+        pow2 = {1 << i for i in range(limit.bit_length()) if (1 << i) <= limit}
+        divisors = {d for d in range(1, limit + 1) if global_batch % d == 0}
+        candidates = tuple(sorted(pow2 | divisors))
+    return SearchSpace(
+        world_size=world_size,
+        global_batch=global_batch,
+        memory_budget=budget,
+        link_bandwidth=spec.interconnect_bandwidth,
+        optimizer_state_factor=cfg.optimizer_state_factor,
+        micro_batches=candidates,
+        stages=cfg.forced_stages,
+        replicas=cfg.replicas,
+    )
+
+
+def _profile_sizes(sizes: tuple[int, ...], most: int = 4) -> tuple[int, ...]:
+    """At most ``most`` sizes spread geometrically over ``sizes``; the rest are interpolated."""
+    if len(sizes) <= most:
+        return tuple(sizes)
+    lo, hi = math.log(sizes[0]), math.log(sizes[-1])
+    picks = {sizes[0], sizes[-1]}
+    for k in range(1, most - 1):
+        target = math.exp(lo + (hi - lo) * k / (most - 1))
+        picks.add(min(sizes, key=lambda s: abs(s - target)))
+    return tuple(sorted(picks))
+
+
+def build_plan(
+    captured: CapturedGraph,
+    values: dict[str, ValueSpec],
+    profile: Profile,
+    blocks: BlockGraph,
+    result: SearchResult,
+    *,
+    space: SearchSpace,
+    spec: DeviceSpec,
+    cost_model: Literal["measured", "analytic"],
+    config: Config,
+    search_seconds: float = 0.0,
+) -> Plan:
+    """Assemble the Plan: blocks and stages with predicted costs, cut values, outputs."""
+    ms = 1e3
+    node_stage: dict[str, int] = {}
+    block_stage: list[int] = []
+    for s, choice in enumerate(result.stages):
+        for b in range(choice.start, choice.end):
+            block_stage.append(s)
+            for name in blocks.blocks[b]:
+                node_stage[name] = s
+    ifaces = stage_interfaces(captured, node_stage, values, len(result.stages))
+
+    param_bytes = _param_bytes(captured)
+    plan_blocks = []
+    for b, nodes in enumerate(blocks.blocks):
+        samples = result.evaluation.stages[block_stage[b]].samples
+        plan_blocks.append(Block(
+            index=b,
+            nodes=nodes,
+            fwd_ms=ms * sum(profile.at(n, "fwd_s", samples) for n in nodes),
+            bwd_ms=ms * sum(profile.at(n, "bwd_s", samples) for n in nodes),
+            param_bytes=sum(param_bytes.get(p, 0) for p in blocks.params[b]),
+            activation_bytes=int(sum(profile.at(n, "saved_bytes", samples) for n in nodes)),
+        ))
+
+    stage_params: list[set[str]] = [set() for _ in result.stages]
+    for b, names in enumerate(blocks.params):
+        stage_params[block_stage[b]].update(names)
+    params_set = {n for n, _ in captured.gm.named_parameters(remove_duplicate=False)}
+
+    stages = []
+    rank = 0
+    for s, (choice, cost) in enumerate(zip(result.stages, result.evaluation.stages, strict=True)):
+        names = sorted(stage_params[s])
+        stages.append(Stage(
+            index=s,
+            first_block=choice.start,
+            end_block=choice.end,
+            replicas=choice.replicas,
+            ranks=tuple(range(rank, rank + choice.replicas)),
+            samples=cost.samples,
+            num_nodes=sum(len(blocks.blocks[b]) for b in range(choice.start, choice.end)),
+            param_names=tuple(n for n in names if n in params_set),
+            buffer_names=tuple(n for n in names if n not in params_set),
+            inputs=ifaces[s].inputs,
+            outputs=ifaces[s].outputs,
+            fwd_ms=ms * cost.fwd_s,
+            bwd_ms=ms * cost.bwd_s,
+            comm_ms=ms * cost.comm_s,
+            allreduce_ms=ms * cost.allreduce_s,
+            memory=MemoryEstimate(
+                params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
+                activations=cost.activations, comm_buffers=cost.comm_buffers,
+                workspace=cost.workspace,
+            ),
+        ))
+        rank += choice.replicas
+
+    cut_values = tuple(
+        CutValue(producer=p, consumers=tuple(c), spec=values[name])
+        for name, p, c in ifaces[0].cut_values
+    ) if ifaces else ()
+    outputs = tuple(
+        OutputRef(index=i, stage=node_stage.get(name, 0), spec=values[name])
+        for i, name in enumerate(captured.output_names)
+    )
+    shared = _shared_params(captured, stage_params)
+
+    return Plan(
+        model_fingerprint=captured.fingerprint(),
+        tracer=captured.tracer,
+        world_size=space.world_size,
+        global_batch=space.global_batch,
+        micro_batches=result.micro_batches,
+        device=spec,
+        cost_model=cost_model,
+        memory_budget=int(space.memory_budget),
+        optimizer_state_factor=space.optimizer_state_factor,
+        blocks=tuple(plan_blocks),
+        stages=tuple(stages),
+        inputs=tuple(values[n] for n in captured.input_names),
+        outputs=outputs,
+        cut_values=cut_values,
+        shared_params=shared,
+        predicted_step_ms=ms * result.evaluation.step_s,
+        search_seconds=search_seconds,
+    )
+
+
+def _param_bytes(captured: CapturedGraph) -> dict[str, int]:
+    gm = captured.gm
+    out = {n: p.numel() * p.element_size() for n, p in gm.named_parameters(remove_duplicate=False)}
+    out.update(
+        {n: b.numel() * b.element_size() for n, b in gm.named_buffers(remove_duplicate=False)}
+    )
+    return out
+
+
+def _shared_params(captured: CapturedGraph, stage_params: list[set[str]]) -> tuple[SharedParam, ...]:
+    """Parameters (under any of their names) that more than one stage reads."""
+    canon = captured.aliases
+    users: dict[str, set[int]] = {}
+    for s, names in enumerate(stage_params):
+        for n in names:
+            users.setdefault(canon.get(n, n), set()).add(s)
+    aliases_of: dict[str, list[str]] = {}
+    for alias, c in canon.items():
+        aliases_of.setdefault(c, []).append(alias)
+    return tuple(
+        SharedParam(name=n, aliases=tuple(sorted(aliases_of.get(n, []))), stages=tuple(sorted(s)))
+        for n, s in sorted(users.items())
+        if len(s) > 1
+    )
