@@ -17,12 +17,12 @@ from .passes.capture import CapturedGraph, capture_pass
 from .passes.costs import build_cost_table
 from .passes.group import BlockGraph, group_pass
 from .passes.profile import Profile, profile_pass
-from .passes.search import SearchResult, SearchSpace, needed_sizes, search_pass
+from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
 from .passes.shapes import infer_values_pass
 from .passes.split import split_pass, stage_interfaces
 from .plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage, ValueSpec
 
-__all__ = ["Partitioned", "partition"]
+__all__ = ["Analysis", "Partitioned", "analyze", "build_plan", "partition"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -60,11 +60,51 @@ def partition(
     """Capture, profile, group, search and split ``model`` for ``world_size`` devices.
 
     ``example_args``/``example_kwargs`` are one global batch (what a whole step sees), unless
-    ``global_batch`` says how many samples a step really has (the example is then resized).
+    ``global_batch`` says how many samples a step really has (costs are computed for that).
     ``device`` is where costs come from: a ``DeviceSpec`` or preset name plans with the
     analytic cost model (needed for a meta-device model); a ``torch.device`` (default: where
     the model's parameters live) is measured.
     """
+    a = analyze(
+        model, example_args, example_kwargs,
+        world_size=world_size, device=device, config=config, global_batch=global_batch,
+    )
+    t_search = time.perf_counter()
+    result = search_pass(a.table, a.space)
+    search_s = time.perf_counter() - t_search
+    plan = build_plan(a, result, search_seconds=search_s)
+    stages = split_pass(a.captured, plan)
+    log.info("partitioned in %.2f s total\n%s", time.perf_counter() - a.started, plan.summary())
+    return Partitioned(plan=plan, stages=stages, captured=a.captured)
+
+
+@dataclass
+class Analysis:
+    """Everything the passes before the search produce; benchmarks compare plans on ``table``."""
+
+    captured: CapturedGraph
+    values: dict[str, ValueSpec]
+    profile: Profile
+    blocks: BlockGraph
+    table: CostTable
+    space: SearchSpace
+    spec: DeviceSpec
+    cost_model: Literal["measured", "analytic"]
+    config: Config
+    started: float
+
+
+def analyze(
+    model: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    world_size: int,
+    device: DeviceSpec | str | torch.device | None = None,
+    config: Config | None = None,
+    global_batch: int | None = None,
+) -> Analysis:
+    """Run capture, shapes, profile, group and costs: the inputs of the search."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one device")
     cfg = Config.from_env(config)
@@ -77,8 +117,7 @@ def partition(
     )
     flat = captured.flatten_inputs(tuple(example_args), kwargs)
     values = infer_values_pass(captured, flat, batch_dim=cfg.batch_dim)
-    example_batch = _batch_size(captured, values, flat, cfg.batch_dim)
-    batch = global_batch or example_batch
+    batch = global_batch or _batch_size(captured, values, flat, cfg.batch_dim)
 
     spec, run_device, cost_model = _resolve_device(model, device, cfg)
     budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
@@ -96,17 +135,7 @@ def partition(
     )
     blocks = group_pass(captured, profile, values, max_blocks=cfg.max_blocks)
     table = build_cost_table(captured, blocks, profile, values, sizes=sizes)
-    t_search = time.perf_counter()
-    result = search_pass(table, space)
-    search_s = time.perf_counter() - t_search
-
-    plan = build_plan(
-        captured, values, profile, blocks, result,
-        space=space, spec=spec, cost_model=cost_model, config=cfg, search_seconds=search_s,
-    )
-    stages = split_pass(captured, plan)
-    log.info("partitioned in %.2f s total\n%s", time.perf_counter() - t0, plan.summary())
-    return Partitioned(plan=plan, stages=stages, captured=captured)
+    return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -204,20 +233,9 @@ def _profile_sizes(sizes: tuple[int, ...], most: int = 4) -> tuple[int, ...]:
     return tuple(sorted(picks))
 
 
-def build_plan(
-    captured: CapturedGraph,
-    values: dict[str, ValueSpec],
-    profile: Profile,
-    blocks: BlockGraph,
-    result: SearchResult,
-    *,
-    space: SearchSpace,
-    spec: DeviceSpec,
-    cost_model: Literal["measured", "analytic"],
-    config: Config,
-    search_seconds: float = 0.0,
-) -> Plan:
+def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0) -> Plan:
     """Assemble the Plan: blocks and stages with predicted costs, cut values, outputs."""
+    captured, values, profile, blocks, space = a.captured, a.values, a.profile, a.blocks, a.space
     ms = 1e3
     node_stage: dict[str, int] = {}
     block_stage: list[int] = []
@@ -290,8 +308,8 @@ def build_plan(
         world_size=space.world_size,
         global_batch=space.global_batch,
         micro_batches=result.micro_batches,
-        device=spec,
-        cost_model=cost_model,
+        device=a.spec,
+        cost_model=a.cost_model,
         memory_budget=int(space.memory_budget),
         optimizer_state_factor=space.optimizer_state_factor,
         blocks=tuple(plan_blocks),

@@ -1,0 +1,126 @@
+"""End to end in one process: partition() on every model of the zoo, the CLI, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import rannc_fx
+from rannc_fx import Config, DeviceSpec, Plan
+from rannc_fx.__main__ import main as cli
+from rannc_fx.models import TransformerLM, cnn_example, gpt_example, mlp_example
+
+from . import hf_models
+
+CFG = Config(profile_cache_dir=None, profile_repeats=1)
+
+ZOO = {
+    "mlp": mlp_example,
+    "cnn": cnn_example,
+    "transformer_lm": gpt_example,
+    "bert": hf_models.bert_example,
+    "gpt2": hf_models.gpt2_example,
+    "resnet": hf_models.resnet_example,
+}
+
+
+def _leaves(out):
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_stages_compose_to_the_model(name, world_size):
+    model, args, kwargs = ZOO[name]()
+    model.eval()  # BatchNorm: compare without updating running statistics twice
+    parted = rannc_fx.partition(model, args, kwargs, world_size=world_size, config=CFG)
+    plan = parted.plan
+    assert sum(s.replicas for s in plan.stages) == world_size
+    assert len(parted.stages) == len(plan.stages)
+    assert Plan.from_json(plan.to_json()) == plan
+
+    got = parted(*args, **kwargs)
+    whole = parted.captured.unflatten_outputs(
+        parted.captured.gm(*parted.captured.flatten_inputs(args, kwargs)))
+    want = model(*args, **kwargs)
+    assert type(got) is type(want)
+    for g, w, c in zip(_leaves(got), _leaves(want), _leaves(whole), strict=True):
+        assert torch.equal(g, c), "stages differ from the captured graph"
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for gm in parted.stages:
+        assert "def forward" in gm.code
+
+
+def test_forced_stages_split_the_transformer_and_share_the_tied_embedding():
+    model, args, kwargs = gpt_example(layers=4)
+    cfg = CFG.model_copy(update={"replicas": (1, 1, 1, 1), "micro_batches": 2})
+    parted = rannc_fx.partition(model, args, kwargs, world_size=4, config=cfg)
+    plan = parted.plan
+    assert [s.replicas for s in plan.stages] == [1, 1, 1, 1] and plan.micro_batches == 2
+    tied = {sp.name: sp for sp in plan.shared_params}
+    assert any(set(sp.stages) == {0, 3} for sp in tied.values()), plan.shared_params
+    # every stage holds only its own parameters
+    for st, gm in zip(plan.stages, parted.stages, strict=True):
+        names = {n for n, _ in gm.named_parameters()}
+        assert names, f"stage {st.index} has no parameters"
+        assert len(names) < len(dict(model.named_parameters()))
+    # every cut value has its shape and dtype, for any number of samples
+    for cv in plan.cut_values:
+        if cv.spec.kind == "tensor":
+            assert cv.spec.dtype and cv.spec.shape_for(3)
+    loss = parted(*args, **kwargs)["loss"]
+    torch.testing.assert_close(loss, model(*args, **kwargs)["loss"])
+
+
+def test_meta_device_model_is_planned_analytically_without_weights():
+    with torch.device("meta"):
+        model = TransformerLM(vocab=1000, d_model=128, layers=6, seq=32)
+    ids = torch.zeros(16, 32, dtype=torch.long)
+    parted = rannc_fx.partition(model, (ids,), {"labels": ids}, world_size=4,
+                                device="a100-40gb", config=CFG)
+    assert parted.plan.cost_model == "analytic" and parted.plan.device.name == "a100-40gb"
+    assert all(p.device.type == "meta" for gm in parted.stages for p in gm.parameters())
+    assert parted.plan.predicted_step_ms > 0
+
+
+def test_a_model_too_big_for_the_devices_says_by_how_much_and_what_fits():
+    with torch.device("meta"):
+        model = TransformerLM(vocab=32000, d_model=1024, layers=8, seq=64)
+    ids = torch.zeros(8, 64, dtype=torch.long)
+    cfg = CFG.model_copy(update={"device_memory": 1 * 1024**3})
+    with pytest.raises(ValueError, match=r"GiB.*world size"):
+        rannc_fx.partition(model, (ids,), {"labels": ids}, world_size=2, device="v100-32gb",
+                           config=cfg)
+
+
+def test_meta_model_without_a_device_spec_is_refused_with_the_way_out():
+    with torch.device("meta"):
+        model = TransformerLM()
+    ids = torch.zeros(4, 32, dtype=torch.long)
+    with pytest.raises(ValueError, match="preset"):
+        rannc_fx.partition(model, (ids,), world_size=2, config=CFG)
+
+
+def test_forced_replicas_must_match_the_world_size():
+    model, args, kwargs = mlp_example()
+    with pytest.raises(ValueError, match="sum to 3, not the world size 2"):
+        rannc_fx.partition(model, args, kwargs, world_size=2,
+                           config=CFG.model_copy(update={"replicas": (2, 1)}))
+
+
+def test_cli_prints_the_summary_and_writes_the_plan(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANNC_FX_PROFILE_CACHE_DIR", "null")
+    out = tmp_path / "plan.json"
+    rc = cli(["plan", "rannc_fx.models:gpt_example", "--arg", "layers=4", "--meta",
+              "--device", "v100-32gb", "--world-size", "4", "--global-batch", "64",
+              "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "rannc_fx plan:" in text and "predicted step time" in text
+    plan = Plan.load(out)
+    assert plan.world_size == 4 and plan.global_batch == 64
+    assert json.loads(out.read_text())["format_version"] == 1
+    assert plan.device == DeviceSpec.preset("v100-32gb")
