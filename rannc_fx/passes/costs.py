@@ -1,0 +1,150 @@
+"""Turn per-node profiles into the per-block cost arrays the search reads (a CostTable)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..plan import ValueSpec
+from .capture import CapturedGraph
+from .group import BlockGraph
+from .profile import Profile
+from .search import CostTable
+
+__all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
+
+log = logging.getLogger("rannc_fx")
+
+_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes")
+
+
+def interpolation_weights(batch_sizes: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+    """``W`` (Q, P) with ``W @ v`` = a profiled series ``v`` read at each of ``sizes``.
+
+    Linear between neighbouring profiled sizes and along the end segments beyond them; with
+    one profiled size, proportional to the sample count.
+    """
+    bs = np.asarray(batch_sizes, dtype=float)
+    q = np.asarray(sizes, dtype=float)
+    w = np.zeros((len(q), len(bs)))
+    if len(bs) == 1:
+        w[:, 0] = q / bs[0]
+        return w
+    hi = np.clip(np.searchsorted(bs, q, side="left"), 1, len(bs) - 1)
+    lo = hi - 1
+    t = (q - bs[lo]) / (bs[hi] - bs[lo])
+    rows = np.arange(len(q))
+    w[rows, lo] = 1.0 - t
+    w[rows, hi] = t
+    return w
+
+
+def _node_series(profile: Profile, names: Sequence[str], field: str) -> np.ndarray:
+    """(N, P): one node's profiled ``field`` per row; nodes the profile lacks cost nothing."""
+    p = len(profile.batch_sizes)
+    zero = (0.0,) * p
+    return np.array(
+        [getattr(c, field) if (c := profile.nodes.get(n)) is not None else zero for n in names],
+        dtype=float,
+    ).reshape(len(names), p)
+
+
+def range_sums(num_blocks: int, items: Sequence[tuple[int, int, float]]) -> np.ndarray:
+    """``out[i, j] = sum of w over items (lo, hi, w) with i <= lo and hi < j``; (B, B + 1)."""
+    m = np.zeros((num_blocks + 1, num_blocks + 1))
+    if items:
+        lo, hi, w = (np.asarray(c) for c in zip(*items, strict=True))
+        np.add.at(m, (lo.astype(np.int64), hi.astype(np.int64) + 1), w)
+    # suffix sum over lo, prefix sum over hi + 1 <= j
+    acc = np.cumsum(m[::-1], axis=0)[::-1]
+    acc = np.cumsum(acc, axis=1)
+    return acc[:num_blocks, :]
+
+
+def _shared_once(uses: dict[int, list[int]], nbytes: dict[int, int]) -> list[tuple[int, int, float]]:
+    """Items for ``range_sums`` that count each tensor once in any range holding a user block.
+
+    Uses u1 < u2 < ... inside a range are consecutive, so (#uses in range) - (#consecutive
+    pairs in range) is 1 when any use is in the range and 0 otherwise.
+    """
+    items: list[tuple[int, int, float]] = []
+    for key, blocks in uses.items():
+        us = sorted(set(blocks))
+        w = float(nbytes[key])
+        items.extend((u, u, w) for u in us)
+        items.extend((a, b, -w) for a, b in zip(us, us[1:], strict=False))
+    return items
+
+
+def _tensor(gm: torch.nn.Module, name: str) -> torch.Tensor:
+    obj: object = gm
+    for atom in name.split("."):
+        obj = getattr(obj, atom)
+    assert isinstance(obj, torch.Tensor), f"{name} is not a tensor"
+    return obj
+
+
+def build_cost_table(
+    captured: CapturedGraph,
+    blocks: BlockGraph,
+    profile: Profile,
+    values: dict[str, ValueSpec],
+    *,
+    sizes: Sequence[int],
+) -> CostTable:
+    """Per-block forward/backward time, saved and workspace bytes and cut bytes at each size.
+
+    Parameter and gradient bytes are given for every block range, each tensor counted once
+    however many blocks (or names, for tied weights) read it; gradients only for parameters
+    that require them.
+    """
+    t0 = time.perf_counter()
+    nb = len(blocks.blocks)
+    names = [n for b in blocks.blocks for n in b]
+    owner = np.repeat(np.arange(nb), [len(b) for b in blocks.blocks])
+    w = interpolation_weights(profile.batch_sizes, sizes)  # (Q, P)
+    per_block = {}
+    for field in ("fwd_s", "bwd_s", "saved_bytes"):
+        series = np.zeros((nb, len(profile.batch_sizes)))
+        np.add.at(series, owner, _node_series(profile, names, field))
+        per_block[field] = np.maximum(w @ series.T, 0.0)  # (Q, B)
+    node_ws = np.maximum(_node_series(profile, names, "workspace_bytes") @ w.T, 0.0)  # (N, Q)
+    workspace = np.zeros((nb, len(sizes)))
+    np.maximum.at(workspace, owner, node_ws)
+
+    q = np.asarray(sizes, dtype=float)
+    cut = np.zeros((len(sizes), nb + 1))
+    for b, crossing in enumerate(blocks.boundary):
+        for v in crossing:
+            spec = values[v]
+            one, two = spec.nbytes_for(1), spec.nbytes_for(2)
+            cut[:, b] += (two - one) * q + (2 * one - two)
+
+    # keyed by tensor identity: a tied weight under two names is one tensor
+    uses: dict[int, list[int]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for b, ps in enumerate(blocks.params):
+        for p in ps:
+            t = _tensor(captured.gm, p)
+            tensors[id(t)] = t
+            uses.setdefault(id(t), []).append(b)
+    nbytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    grads = {k: nbytes[k] for k, t in tensors.items()
+             if isinstance(t, torch.nn.Parameter) and t.requires_grad}
+    table = CostTable(
+        sizes=np.asarray(sizes, dtype=np.int64),
+        fwd=per_block["fwd_s"],
+        bwd=per_block["bwd_s"],
+        act=per_block["saved_bytes"],
+        workspace=workspace.T.copy(),
+        cut=cut,
+        param_bytes=range_sums(nb, _shared_once(uses, nbytes)),
+        grad_bytes=range_sums(nb, _shared_once({p: uses[p] for p in grads}, grads)),
+    )
+    log.info("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
+             time.perf_counter() - t0)
+    return table

@@ -1,0 +1,419 @@
+"""group_pass: atomic groups never split, a valid chain, coarsening, boundaries, the log line."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from rannc_fx.models import cnn_example, gpt_example, mlp_example
+from rannc_fx.passes.capture import CapturedGraph, capture_pass
+from rannc_fx.passes.group import (
+    BlockGraph,
+    atomic_groups,
+    coarsen,
+    group_pass,
+    is_view,
+    recomputed_values,
+)
+from rannc_fx.passes.profile import NodeCost, Profile
+from rannc_fx.passes.shapes import infer_values_pass, inputs_for_samples
+from rannc_fx.plan import ValueSpec
+
+# -- inputs built here until the capture, shapes and profile passes land ---------------------
+
+
+def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+            *, tracer: str = "auto") -> tuple[CapturedGraph, list[torch.Tensor]]:
+    """The captured graph and its flat inputs (the real pass where it exists)."""
+    kwargs = dict(kwargs or {})
+    try:
+        cg = capture_pass(model, args, kwargs, tracer=tracer)  # type: ignore[arg-type]
+        return cg, cg.flatten_inputs(args, kwargs)
+    except NotImplementedError:
+        pass
+    if tracer == "export" or "transformers" in type(model).__module__:
+        return _export(model, args, kwargs)
+    return _symbolic_trace(model, args, kwargs)
+
+
+class _LeafTracer(fx.Tracer):
+    proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, nn.TransformerEncoderLayer) or super().is_leaf_module(m, qualname)
+
+
+def _flat_output(gm: fx.GraphModule) -> pytree.TreeSpec:
+    out = gm.graph.output_node()
+    leaves, spec = pytree.tree_flatten(out.args[0])
+    out.args = (tuple(leaves),)
+    gm.recompile()
+    return spec
+
+
+def _captured(gm: fx.GraphModule, tracer: str, flat: list[torch.Tensor],
+              spec: pytree.TreeSpec) -> tuple[CapturedGraph, list[torch.Tensor]]:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    outs = [a.name for a in gm.graph.output_node().args[0]]
+    cg = CapturedGraph(gm=gm, tracer=tracer, in_spec=spec, out_spec=spec,  # type: ignore[arg-type]
+                       input_names=names, tensor_leaf_index=list(range(len(names))),
+                       output_names=outs)
+    return cg, flat
+
+
+def _symbolic_trace(model: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[CapturedGraph, list[torch.Tensor]]:
+    params = list(inspect.signature(model.forward).parameters)
+    concrete = {p: None for p in params[len(args):] if p not in kwargs}
+    graph = _LeafTracer().trace(model, concrete_args=concrete or None)
+    for n in list(graph.nodes):
+        if n.op == "placeholder" and n.target in concrete:
+            graph.erase_node(n)
+    gm = fx.GraphModule(model, graph)
+    spec = _flat_output(gm)
+    flat = list(args) + [kwargs[p] for p in params[len(args):] if p in kwargs]
+    return _captured(gm, "fx", flat, spec)
+
+
+def _export(model: nn.Module, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> tuple[CapturedGraph, list[torch.Tensor]]:
+    batch = pytree.tree_leaves((args, kwargs))[0].shape[0]
+
+    def dyn(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch:
+            return {0: torch.export.Dim.AUTO}
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    dyn_shapes = {k: pytree.tree_map(dyn, v) for k, v in bound.arguments.items()}
+    gm = torch.export.export(model, args, kwargs, strict=False,
+                             dynamic_shapes=dyn_shapes).module()
+    gm.graph._codegen = fx.graph.CodeGen()
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn":
+            gm.graph.erase_node(n)
+    spec = _flat_output(gm)
+    flat = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    return _captured(gm, "export", flat, spec)
+
+
+def value_specs(cg: CapturedGraph, flat: list[torch.Tensor]) -> dict[str, ValueSpec]:
+    """ValueSpecs from the real pass, or from running the graph at two batch sizes."""
+    try:
+        return infer_values_pass(cg, flat)
+    except NotImplementedError:
+        pass
+    batch = flat[0].shape[0]
+    runs = []
+    for b in (batch, 2 * batch):
+        env: dict[str, Any] = {}
+
+        class _Rec(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                env[n.name] = out = super().run_node(n)
+                return out
+
+        with torch.no_grad():
+            _Rec(cg.gm).run(*inputs_for_samples(flat, batch, b))
+        runs.append(env)
+    return {
+        n.name: _spec(n.name, runs[0][n.name], runs[1][n.name], batch)
+        for n in cg.gm.graph.nodes if n.op in ("placeholder", "call_function", "call_method",
+                                               "call_module")
+    }
+
+
+def _spec(name: str, v1: Any, v2: Any, batch: int) -> ValueSpec:
+    if isinstance(v1, torch.Tensor):
+        shape = list(v1.shape)
+        bd = next((d for d in range(v1.dim()) if v1.shape[d] != v2.shape[d]), None)
+        if bd is not None:
+            shape[bd] //= batch
+        return ValueSpec(name=name, kind="tensor", dtype=str(v1.dtype).removeprefix("torch."),
+                         shape=tuple(shape), batch_dim=bd, requires_grad=v1.requires_grad)
+    if isinstance(v1, int) and not isinstance(v1, bool):
+        a = (v2 - v1) // batch
+        return ValueSpec(name=name, kind="int", int_coeffs=((a, v1 - a * batch),))
+    if isinstance(v1, (tuple, list)) and v1 and all(type(x) is int for x in v1):
+        co = tuple(((y - x) // batch, x - (y - x)) for x, y in zip(v1, v2, strict=True))
+        return ValueSpec(name=name, kind="ints", int_coeffs=co)
+    return ValueSpec(name=name, kind="constant")
+
+
+def synthetic_profile(cg: CapturedGraph, values: dict[str, ValueSpec],
+                      sizes: tuple[int, ...] = (1, 2, 4)) -> Profile:
+    """Costs that grow with each node's output size and the parameters it reads."""
+    gm = cg.gm
+    nodes = {}
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        spec = values[n.name]
+        pbytes = sum(
+            t.numel() * 4 for a in n.all_input_nodes if a.op == "get_attr"
+            for t in [gm.get_parameter(a.target) if a.target in dict(gm.named_parameters())
+                      else torch.empty(0)])
+        if n.op == "call_module":
+            pbytes += sum(p.numel() * 4 for p in gm.get_submodule(n.target).parameters())
+        out = [spec.nbytes_for(s) if spec.kind == "tensor" else 0 for s in sizes]
+        fwd = tuple(1e-9 * (o + pbytes * s) + 1e-7 for o, s in zip(out, sizes, strict=True))
+        nodes[n.name] = NodeCost(fwd_s=fwd, bwd_s=tuple(2 * f for f in fwd),
+                                 saved_bytes=tuple(out), workspace_bytes=tuple(2 * o for o in out))
+    return Profile(batch_sizes=sizes, cost_model="analytic", device="cpu", nodes=nodes)
+
+
+def prepared(example: Any, **kw: Any) -> tuple[CapturedGraph, list[torch.Tensor],
+                                                 dict[str, ValueSpec], Profile]:
+    model, args, kwargs = example(**kw)
+    cg, flat = capture(model, args, kwargs)
+    values = value_specs(cg, flat)
+    return cg, flat, values, synthetic_profile(cg, values)
+
+
+# -- checks every BlockGraph must pass -------------------------------------------------------
+
+
+def check_block_graph(cg: CapturedGraph, bg: BlockGraph, values: dict[str, ValueSpec]) -> None:
+    calls = [n for n in cg.gm.graph.nodes if n.op in ("call_function", "call_method",
+                                                      "call_module")]
+    block_of = bg.block_of()
+    assert sorted(block_of) == sorted(n.name for n in calls), "every call node in one block"
+    assert sum(len(b) for b in bg.blocks) == len(calls)
+    assert all(bg.blocks), "no empty block"
+    recomputed = recomputed_values(cg.gm, values)
+    B = len(bg.blocks)
+    assert len(bg.params) == B and len(bg.boundary) == B + 1
+    assert bg.boundary[0] == () and bg.boundary[B] == ()
+    want: list[list[str]] = [[] for _ in range(B + 1)]
+    for n in calls:
+        users = [block_of[u.name] for u in n.users if u.name in block_of]
+        if n.name in recomputed:
+            continue
+        for u in users:
+            assert u >= block_of[n.name], f"{n.name} is read by an earlier block"
+        assert values[n.name].kind == "tensor" or all(u == block_of[n.name] for u in users), (
+            f"constant {n.name} crosses a block boundary")
+        for k in range(block_of[n.name] + 1, max(users, default=0) + 1):
+            want[k].append(n.name)
+    assert [list(b) for b in bg.boundary] == want
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("example", [mlp_example, cnn_example, gpt_example])
+@pytest.mark.parametrize("max_blocks", [2, 5, 1000])
+def test_builtin_models_group_into_a_valid_chain(example, max_blocks):
+    cg, _, values, profile = prepared(example)
+    bg = group_pass(cg, profile, values, max_blocks=max_blocks)
+    check_block_graph(cg, bg, values)
+    assert len(bg.blocks) <= max_blocks
+    if max_blocks == 1000:
+        assert len(bg.blocks) == len(atomic_groups(cg.gm, values))
+
+
+def _trace(fn: Any, shape: tuple[int, ...]) -> tuple[CapturedGraph, dict[str, ValueSpec]]:
+    """A one-input graph of ``fn(module, x)`` over a module with a weight and a buffer."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return fn(self, x)
+
+    gm = fx.symbolic_trace(M())
+    spec = _flat_output(gm)
+    cg, flat = _captured(gm, "fx", [torch.randn(*shape)], spec)
+    return cg, value_specs(cg, flat)
+
+
+def _same_block(bg: BlockGraph, *names: str) -> bool:
+    b = bg.block_of()
+    return len({b[n] for n in names}) == 1
+
+
+def _atomic(cg: CapturedGraph, values: dict[str, ValueSpec]) -> BlockGraph:
+    prof = synthetic_profile(cg, values)
+    bg = group_pass(cg, prof, values, max_blocks=10_000)
+    check_block_graph(cg, bg, values)
+    return bg
+
+
+def test_views_and_inplace_ops_stay_with_their_producer():
+    def fn(m, x):
+        h = torch.relu(x @ m.w)
+        v = h.view(-1, 4, 2).transpose(1, 2)
+        v.mul_(2.0)
+        g = torch.sigmoid(v)
+        return (g.sum(),)
+
+    cg, values = _trace(fn, (4, 8))
+    names = [n.name for n in cg.gm.graph.nodes]
+    relu = next(n for n in names if n.startswith("relu"))
+    view = next(n for n in names if n.startswith("view"))
+    tr = next(n for n in names if n.startswith("transpose"))
+    mul_ = next(n for n in names if n.startswith("mul_"))
+    bg = _atomic(cg, values)
+    assert _same_block(bg, relu, view, tr, mul_)
+
+
+def test_inplace_write_keeps_earlier_readers_with_it():
+    def fn(m, x):
+        h = torch.tanh(x)
+        early = h * 3.0  # reads h before the write
+        h.add_(1.0)
+        return (early + h,)
+
+    cg, values = _trace(fn, (4, 8))
+    bg = _atomic(cg, values)
+    assert _same_block(bg, "tanh", "mul", "add_")
+
+
+def test_getitem_stays_with_its_multi_output_op_and_constants_never_cross():
+    def fn(m, x):
+        a, b = torch.chunk(x, 2, dim=1)
+        dt = x.dtype
+        y = torch.relu(a).to(dt)
+        z = torch.exp(b) * 2
+        w = (y + z).to(dt)  # the dtype is read far from where it is made
+        return (w,)
+
+    cg, values = _trace(fn, (4, 8))
+    assert values["getattr_1"].kind == "constant"
+    bg = _atomic(cg, values)
+    assert _same_block(bg, "chunk", "getitem", "getitem_1")
+    # the dtype's readers pull the whole path between them into one block (a cycle merged)
+    assert _same_block(bg, "getattr_1", "to", "to_1", "add")
+
+
+def test_parameter_only_chain_joins_its_first_consumer_and_ints_may_cross():
+    def fn(m, x):
+        wt = m.w.t() * 0.5
+        h = torch.relu(x @ wt)
+        n = h.shape[0]
+        h = torch.tanh(h)
+        h = torch.sigmoid(h)
+        return (h.reshape(n, 2, 4),)
+
+    cg, values = _trace(fn, (4, 8))
+    bg = _atomic(cg, values)
+    assert _same_block(bg, "t", "mul", "matmul")
+    assert values["getitem"].kind == "int"
+    b = bg.block_of()
+    assert b["getattr_1"] < b["reshape"], "the size is free to cross"
+    assert all("getitem" not in names for names in bg.boundary), "ints are not counted"
+
+
+def test_residual_value_crosses_every_boundary_it_spans():
+    def fn(m, x):
+        h = torch.relu(x)
+        a = torch.tanh(h)
+        a = torch.sigmoid(a)
+        a = torch.exp(a)
+        return (a + h,)
+
+    cg, values = _trace(fn, (4, 8))
+    bg = _atomic(cg, values)
+    assert [len(b) for b in bg.blocks] == [1, 1, 1, 1, 1]
+    assert bg.boundary == ((), ("relu",), ("relu", "tanh"), ("relu", "sigmoid"),
+                           ("relu", "exp"), ())
+
+
+def test_coarsening_merges_communication_heavy_cuts_first():
+    # six groups; cut 3 carries almost nothing, the others a lot
+    compute = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0]).numpy()
+    cut = torch.tensor([0, 100, 100, 1, 100, 100, 0]).numpy()
+    assert coarsen(compute, cut, 2) == [0, 3]
+    assert coarsen(compute, cut, 6) == list(range(6))
+    # a tiny group goes into a neighbour before big groups are merged
+    compute = torch.tensor([5.0, 5.0, 0.01, 5.0]).numpy()
+    cut = torch.tensor([0, 10, 10, 10, 0]).numpy()
+    starts = coarsen(compute, cut, 3)
+    assert len(starts) == 3 and 2 not in starts
+
+
+def test_cheap_cut_survives_coarsening_on_a_real_graph():
+    class Bottleneck(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.down = nn.Linear(64, 2)
+            self.up = nn.Linear(2, 64)
+            self.b = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.a(x))
+            h = F.relu(self.a(h))
+            z = self.down(h)
+            h = F.relu(self.up(z))
+            return self.b(F.relu(self.b(h)))
+
+    cg, flat = capture(Bottleneck(), (torch.randn(8, 64),))
+    values = value_specs(cg, flat)
+    bg = group_pass(cg, synthetic_profile(cg, values), values, max_blocks=2)
+    check_block_graph(cg, bg, values)
+    assert bg.boundary[1] == ("down",), bg.blocks
+
+
+def test_tied_parameters_are_named_once_and_modules_report_their_parameters():
+    cg, _, values, profile = prepared(gpt_example)
+    bg = group_pass(cg, profile, values, max_blocks=1000)
+    everything = [p for ps in bg.params for p in ps]
+    assert "embed.weight" in everything and "head.weight" not in everything
+    assert "pos" in everything and "causal" in everything
+    assert sum(everything.count(p) for p in ("embed.weight",)) == 2  # embedding and head
+
+
+def test_log_line(caplog):
+    cg, _, values, profile = prepared(mlp_example)
+    with caplog.at_level(logging.INFO, logger="rannc_fx"):
+        bg = group_pass(cg, profile, values, max_blocks=4)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "rannc_fx"]
+    n = sum(len(b) for b in bg.blocks)
+    assert any(m.startswith(f"grouped {n} nodes into {len(bg.blocks)} blocks in ") for m in msgs)
+
+
+def test_is_view_reads_aten_schemas():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    v = g.call_function(torch.ops.aten.view.default, (x, [4]))
+    a = g.call_function(torch.ops.aten.add.Tensor, (x, x))
+    s = g.call_function(torch.ops.aten.split.Tensor, (x, 2))
+    gi = g.call_function(operator.getitem, (s, 0))
+    assert is_view(v) and not is_view(a) and is_view(s) and is_view(gi)
+
+
+def test_export_graphs_group(hf=None):
+    hf_models = pytest.importorskip("tests.hf_models")
+    for example in (hf_models.bert_example, hf_models.gpt2_example, hf_models.resnet_example):
+        cg, _, values, profile = prepared(example)
+        for mb in (3, 1000):
+            bg = group_pass(cg, profile, values, max_blocks=mb)
+            check_block_graph(cg, bg, values)
+
+
+def test_large_graph_groups_fast():
+    import time
+
+    from rannc_fx.models import MLP
+
+    model = MLP(d_in=8, hidden=8, depth=400)
+    cg, flat = capture(model, (torch.randn(2, 8), torch.randint(0, 10, (2,))))
+    values = value_specs(cg, flat)
+    profile = synthetic_profile(cg, values)
+    t0 = time.perf_counter()
+    bg = group_pass(cg, profile, values, max_blocks=64)
+    assert time.perf_counter() - t0 < 2.0
+    assert len(bg.blocks) == 64
+    check_block_graph(cg, bg, values)
