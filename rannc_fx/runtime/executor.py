@@ -1,0 +1,643 @@
+"""Run this rank's stage of a plan: GPipe forwards on call, backwards on ``loss.backward()``.
+
+One step on a rank (every rank runs the same code; what it sends and receives comes from
+``routing``, computed from the plan alone):
+
+    forward(flat_local_inputs)
+      A  post the local batch's pieces to the replicas that need them, and receive ours
+      for each micro-batch i (schedule: sF0, sF1, ...):
+      B    wait for micro-batch i's inputs (graph inputs, cut values), run the stage,
+           send its cut values on to the consumer replicas
+      C  send batched model outputs to the ranks whose samples they hold; receive ours
+         finish updated buffers (BatchNorm, see ``buffers``) among the stage's replicas
+         all-reduce outputs without a batch dimension (the loss) over every rank
+      -> flat outputs; the loss is tied to the autograd bridge
+
+    loss.backward()  (on every rank)
+      for each micro-batch i, last first (schedule: sB(m-1) ... sB0):
+           receive the gradients of this stage's cut values from the consumer replicas,
+           add the loss seed (share of the global batch), backward through the stage,
+           send the gradients of the stage's cut-value inputs to the producer replicas
+      all-reduce (SUM) gradients: each shared parameter over every rank that holds it,
+      then the rest among the stage's replicas
+
+Loss arithmetic: replica k of the loss's stage sees n(i, k) samples of micro-batch i and
+computes their mean loss l(i, k); the step's loss is sum(n(i, k) / G * l(i, k)), which is the
+global-batch mean, and each backward is seeded with n(i, k) / G, so the summed gradients are
+the global-batch gradient. Outputs without a batch dimension are assumed mean-reduced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from ..plan import OutputRef, Plan, ValueSpec
+from . import routing
+from .buffers import BufferSync
+from .comm import Groups, Message, Pending, all_reduce_flat, build_groups, post
+from .routing import Transfer
+from .schedule import Action, gpipe_schedule
+
+__all__ = ["StageExecutor"]
+
+
+@dataclass
+class _Step:
+    """What one step keeps between forward and backward."""
+
+    index: int
+    inputs: list[list[Any]] = field(default_factory=list)  # per micro-batch, stage arguments
+    outputs: list[tuple[Any, ...]] = field(default_factory=list)  # per micro-batch
+    done: bool = False
+
+
+class StageExecutor:
+    """Runs ``module`` (the stage GraphModule of this rank) as part of ``plan``.
+
+    ``module`` takes ``plan.stages[s].inputs`` as positional arguments and returns a flat
+    tuple in the order of ``plan.stages[s].outputs``. Its parameters are the model's own, so
+    an optimizer over them trains the model. ``groups`` defaults to ``build_groups(plan)``
+    (a collective: every rank builds its executor at the same point).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        module: fx.GraphModule,
+        *,
+        rank: int | None = None,
+        groups: Groups | None = None,
+        device: torch.device | str | None = None,
+    ):
+        self.plan = plan
+        self.module = module
+        if plan.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(
+                f"the plan is for {plan.world_size} ranks but no process group is running; "
+                "launch with torchrun and call rannc_fx.runtime.init_distributed() first"
+            )
+        if dist.is_initialized() and dist.get_world_size() != plan.world_size:
+            raise ValueError(
+                f"the plan is for {plan.world_size} ranks but the process group has "
+                f"{dist.get_world_size()}; launch with --nproc-per-node {plan.world_size} or "
+                "make a plan for this world size"
+            )
+        self.rank = rank if rank is not None else dist.get_rank() if dist.is_initialized() else 0
+        self.stage = plan.stage_of_rank(self.rank)
+        self.replica = self.stage.ranks.index(self.rank)
+        self.device = torch.device(device) if device is not None else _device_of(module)
+        if plan.world_size > 1:
+            _check_same_plan(plan, self.device)
+        self.groups = groups if groups is not None else _groups_for(plan)
+        self.actions: list[Action] = gpipe_schedule(len(plan.stages), plan.micro_batches)[
+            self.stage.index
+        ]
+        self._local = routing.local_batch(plan)
+        self._spans = [
+            routing.replica_span(plan, self.stage.index, self.replica, i)
+            for i in range(plan.micro_batches)
+        ]
+        self._shares = [(b - a) / plan.global_batch for a, b in self._spans]
+        self._build_routes()
+        self._build_params()
+        # Unbatched floating outputs (the loss): averaged over the batch, tied to the bridge.
+        self._diff = [
+            r.index
+            for r in plan.outputs
+            if r.spec.kind == "tensor"
+            and r.spec.batch_dim is None
+            and (_dtype(r.spec).is_floating_point or _dtype(r.spec).is_complex)
+        ]
+        self.buffers = BufferSync(
+            module,
+            micro_batches=plan.micro_batches,
+            group=self.groups.stage[self.stage.index],
+            ranks=self.stage.ranks,
+        )
+        self._step = 0
+        self._saved: _Step | None = None
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    # -- static routes --------------------------------------------------------------------------
+    def _build_routes(self) -> None:
+        plan, st, me = self.plan, self.stage, self.rank
+        m = plan.micro_batches
+        self._graph_inputs = {spec.name: (i, spec) for i, spec in enumerate(plan.inputs)}
+        self._cuts = {cv.name: cv for cv in plan.cut_values}
+        n_placeholders = sum(1 for n in _graph(self.module).nodes if n.op == "placeholder")
+        if n_placeholders != len(st.inputs):
+            raise ValueError(
+                f"stage {st.index}'s module takes {n_placeholders} inputs but the plan lists "
+                f"{len(st.inputs)} ({list(st.inputs)}); the module and plan do not match"
+            )
+        self._in_specs: list[ValueSpec] = []
+        for name in st.inputs:
+            if name in self._graph_inputs:
+                self._in_specs.append(self._graph_inputs[name][1])
+            elif name in self._cuts and st.index in self._cuts[name].consumers:
+                self._in_specs.append(self._cuts[name].spec)
+            else:
+                raise ValueError(
+                    f"stage {st.index} input {name!r} is neither a graph input nor a cut value "
+                    "the plan sends to this stage"
+                )
+        self._out_pos = {name: p for p, name in enumerate(st.outputs)}
+        self._my_outputs: list[OutputRef] = [r for r in plan.outputs if r.stage == st.index]
+        for ref in self._my_outputs:
+            if ref.spec.name not in self._out_pos:
+                raise ValueError(
+                    f"model output {ref.index} ({ref.spec.name!r}) is assigned to stage "
+                    f"{st.index}, which does not return it"
+                )
+        for name in st.outputs:
+            if name in self._cuts and self._cuts[name].producer != st.index:
+                raise ValueError(f"stage {st.index} returns {name!r}, produced by another stage")
+
+        mine = [t for t in routing.input_transfers(plan) if me in (t.src, t.dst)]
+        self._in_tx = [[t for t in mine if t.microbatch == i] for i in range(m)]
+        self._cut_tx = []
+        self._grad_tx = []
+        for i in range(m):
+            self._cut_tx.append([t for t in routing.cut_transfers(plan, i) if me in (t.src, t.dst)])
+            self._grad_tx.append(
+                [t for t in routing.grad_transfers(plan, i) if me in (t.src, t.dst)]
+            )
+        self._out_tx = [t for t in routing.output_transfers(plan) if me in (t.src, t.dst)]
+        # Per micro-batch and stage argument: the pieces it is assembled from.
+        self._arg_tx: list[list[list[Transfer]]] = []
+        for i in range(m):
+            incoming = [t for t in self._in_tx[i] + self._cut_tx[i] if t.dst == me]
+            self._arg_tx.append([[t for t in incoming if t.value == n] for n in st.inputs])
+
+    def _build_params(self) -> None:
+        """Split local parameters into shared ones (one group each) and the stage's own."""
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        unique = {id(p): p for p in named.values() if p.requires_grad}
+        self._shared: list[tuple[int, list[nn.Parameter]]] = []
+        taken: set[int] = set()
+        for j, sp in enumerate(self.plan.shared_params):
+            if self.stage.index not in sp.stages:
+                continue
+            found = {id(named[n]): named[n] for n in (sp.name, *sp.aliases) if n in named}
+            if not found:
+                raise ValueError(
+                    f"stage {self.stage.index} uses shared parameter {sp.name!r} but its module "
+                    f"has no parameter under that name or its aliases {list(sp.aliases)}"
+                )
+            ps = [p for i, p in found.items() if i in unique and i not in taken]
+            taken.update(found)
+            self._shared.append((j, ps))
+        self._own = [p for i, p in unique.items() if i not in taken]
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
+        """Run every micro-batch's forward; returns the model's flat outputs for this rank.
+
+        ``flat_inputs`` is this rank's local batch, one entry per ``plan.inputs``. Batched
+        outputs come back for the local samples (detached); outputs without a batch
+        dimension are equal on every rank, and with grad enabled ``.backward()`` on one of
+        them (on every rank) runs the pipeline's backward.
+        """
+        local = self._check_inputs(flat_inputs)
+        self._step += 1
+        self._saved = None  # a new step frees the last one's activations
+        training = torch.is_grad_enabled()
+        m = self.plan.micro_batches
+        keep = set(range(len(self.stage.outputs))) if training else {
+            self._out_pos[r.spec.name] for r in self._my_outputs
+        }
+
+        # A: every micro-batch's graph inputs at once; owners never wait on anything first.
+        sends: list[Pending] = []
+        in_recv: list[dict[Transfer, torch.Tensor]] = []
+        in_pending: list[Pending] = []
+        for i in range(m):
+            msgs, recv = self._messages(self._in_tx[i], lambda t: local[t.slot], "input")
+            in_recv.append(recv)
+            in_pending.append(post([x for x in msgs if x.op == "recv"]))
+            sends.append(post([x for x in msgs if x.op == "send"]))
+
+        # B: per micro-batch, receive (one ahead), run, send cut values on.
+        step = _Step(self._step)
+        reduced: dict[int, torch.Tensor] = {}
+        cut_recv = {0: self._post_cut_recvs(0)}
+        self.buffers.begin()
+        for action in self.actions:
+            if action.kind != "F":
+                continue
+            i = action.microbatch
+            in_pending[i].wait()
+            pending, recv = cut_recv.pop(i)
+            pending.wait()
+            if i + 1 < m:
+                cut_recv[i + 1] = self._post_cut_recvs(i + 1)
+            args = self._stage_args(i, local, {**in_recv[i], **recv}, training)
+            in_recv[i] = {}
+            self.buffers.before_microbatch(i)
+            outs = self.module(*args)
+            outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+            self.buffers.after_microbatch(i, self._shares[i])
+            self._check_outputs(i, outs)
+            sends.append(self._send_cuts(i, outs))
+            self._reduce_outputs(i, outs, reduced)
+            step.inputs.append(args if training else [])
+            step.outputs.append(tuple(o if p in keep else None for p, o in enumerate(outs)))
+
+        # C: batched outputs home, buffers and the loss made equal everywhere.
+        results = self._gather_outputs(step.outputs)
+        for p in sends:
+            p.wait()
+        self.buffers.finish()
+        results.update(self._finish_reduced(reduced))
+        flat = [results[r.index] for r in self.plan.outputs]
+        return self._attach(step, flat) if training else flat
+
+    def _check_inputs(self, flat: Sequence[Any]) -> list[Any]:
+        specs = self.plan.inputs
+        if len(flat) != len(specs):
+            raise ValueError(
+                f"the model got {len(flat)} tensor inputs but the plan was made for "
+                f"{len(specs)} ({[s.name for s in specs]}); call it as when it was planned"
+            )
+        out = []
+        for j, (t, spec) in enumerate(zip(flat, specs, strict=True)):
+            if spec.kind == "tensor":
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"input {j} ({spec.name!r}) must be a tensor, got {type(t)}")
+                want = spec.shape_for(self._local)
+                if tuple(t.shape) != want:
+                    raise ValueError(
+                        f"input {j} ({spec.name!r}) has shape {tuple(t.shape)} but the plan "
+                        f"expects {want} on each rank (global batch {self.plan.global_batch} "
+                        f"over {self.plan.world_size} ranks: {self._local} samples per rank)"
+                    )
+                t = t.to(self.device)
+            out.append(t)
+        return out
+
+    def _check_outputs(self, i: int, outs: tuple[Any, ...]) -> None:
+        """A cut value whose shape, dtype or need for a gradient differs from the plan would
+        garble the p2p stream or lose gradients silently: stop with the value's name."""
+        st = self.stage
+        if len(outs) != len(st.outputs):
+            raise ValueError(
+                f"stage {st.index} returned {len(outs)} values; the plan lists "
+                f"{len(st.outputs)} ({list(st.outputs)})"
+            )
+        n = self._spans[i][1] - self._spans[i][0]
+        for name, o in zip(st.outputs, outs, strict=True):
+            cv = self._cuts.get(name)
+            if cv is None or cv.spec.kind != "tensor":
+                continue
+            want = (cv.spec.shape_for(n), _dtype(cv.spec))
+            if not isinstance(o, torch.Tensor) or (tuple(o.shape), o.dtype) != want:
+                got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o)
+                raise ValueError(
+                    f"stage {st.index} made cut value {name!r} as {got} for {n} samples but the "
+                    f"plan says {want}; the plan does not describe this model (make it again)"
+                )
+            if o.requires_grad and not routing.needs_grad(cv.spec) and torch.is_grad_enabled():
+                raise ValueError(
+                    f"cut value {name!r} needs a gradient but the plan says it does not "
+                    "(requires_grad=False), so its gradient would be lost; make the plan again"
+                )
+
+    def _messages(
+        self, transfers: list[Transfer], source: Any, what: str
+    ) -> tuple[list[Message], dict[Transfer, torch.Tensor]]:
+        """This rank's sends (pieces of ``source(t)``) and receives (fresh buffers), in order.
+
+        The order is the canonical one among the messages of one direction between two ranks,
+        which is all that p2p matching needs; sends and receives may be posted separately.
+        """
+        me = self.rank
+        msgs: list[Message] = []
+        recv: dict[Transfer, torch.Tensor] = {}
+        for t in transfers:
+            if t.local:
+                continue
+            spec = self._spec_of(t)
+            label = f"{what} {t.value!r} of micro-batch {t.microbatch}"
+            if t.src == me:
+                piece = _take(source(t), spec, t.src_rows(spec) if t.batched else None)
+                msgs.append(Message("send", piece.contiguous(), t.dst, label))
+            else:
+                buf = torch.empty(_piece_shape(spec, t), dtype=_dtype(spec), device=self.device)
+                recv[t] = buf
+                msgs.append(Message("recv", buf, t.src, label))
+        return msgs, recv
+
+    def _spec_of(self, t: Transfer) -> ValueSpec:
+        if t.kind == "input":
+            return self.plan.inputs[t.slot]
+        if t.kind == "output":
+            return self.plan.outputs[t.slot].spec
+        return self.plan.cut_values[t.slot].spec
+
+    def _post_cut_recvs(self, i: int) -> tuple[Pending, dict[Transfer, torch.Tensor]]:
+        mine = [t for t in self._cut_tx[i] if t.dst == self.rank]
+        msgs, recv = self._messages(mine, None, "cut value")
+        return post(msgs), recv
+
+    def _send_cuts(self, i: int, outs: tuple[Any, ...]) -> Pending:
+        mine = [t for t in self._cut_tx[i] if t.src == self.rank]
+        msgs, _ = self._messages(mine, lambda t: outs[self._out_pos[t.value]].detach(), "cut value")
+        return post(msgs)
+
+    def _stage_args(
+        self, i: int, local: list[Any], recv: dict[Transfer, torch.Tensor], training: bool
+    ) -> list[Any]:
+        n = self._spans[i][1] - self._spans[i][0]
+        args: list[Any] = []
+        for name, spec, pieces in zip(self.stage.inputs, self._in_specs, self._arg_tx[i], strict=True):
+            if spec.kind in ("int", "ints"):
+                ints = spec.ints_for(n)  # each stage recomputes sizes for its own samples
+                args.append(ints[0] if spec.kind == "int" else torch.Size(ints))
+                continue
+            if name in self._graph_inputs and spec.batch_dim is None:
+                args.append(local[self._graph_inputs[name][0]])
+                continue
+            parts = [
+                (t, recv[t] if not t.local else _take(local[t.slot], spec, t.src_rows(spec)))
+                for t in pieces
+            ]
+            x = _assemble(parts, spec, n, self.device)
+            if training and name in self._cuts and routing.needs_grad(spec):
+                x = x.detach().requires_grad_(True)  # a leaf: backward reads its .grad
+            args.append(x)
+        return args
+
+    def _reduce_outputs(self, i: int, outs: tuple[Any, ...], reduced: dict[int, torch.Tensor]) -> None:
+        """Outputs without a batch dimension: share-weighted sum (mean-reduced losses)."""
+        for ref in self._my_outputs:
+            spec = ref.spec
+            if spec.kind != "tensor" or spec.batch_dim is not None:
+                continue
+            v = outs[self._out_pos[spec.name]].detach()
+            if ref.index in self._diff:
+                w = self._shares[i]
+                reduced[ref.index] = reduced[ref.index] + w * v if ref.index in reduced else w * v
+            elif i == 0 and self.replica == 0:
+                reduced[ref.index] = v.clone()  # not averageable: micro-batch 0's value
+
+    def _finish_reduced(self, reduced: dict[int, torch.Tensor]) -> dict[int, Any]:
+        """All-reduce the unbatched outputs over every rank so each holds the same value."""
+        out: dict[int, Any] = {}
+        idx, vals = [], []
+        for ref in self.plan.outputs:
+            spec = ref.spec
+            if spec.kind in ("int", "ints"):
+                ints = spec.ints_for(self._local)
+                out[ref.index] = ints[0] if spec.kind == "int" else torch.Size(ints)
+            elif spec.kind != "tensor":
+                raise ValueError(f"model output {ref.index} is a {spec.kind}; return tensors")
+            elif spec.batch_dim is None:
+                idx.append(ref.index)
+                zero = torch.zeros(spec.shape, dtype=_dtype(spec), device=self.device)
+                vals.append(reduced.get(ref.index, zero))
+        if vals and self.plan.world_size > 1:
+            vals = all_reduce_flat(vals, None, what="the loss (outputs without a batch dimension)")
+        out.update(zip(idx, vals, strict=True))
+        return out
+
+    def _gather_outputs(self, outputs: list[tuple[Any, ...]]) -> dict[int, Any]:
+        """C: batched model outputs to the ranks whose local samples they are."""
+        me = self.rank
+
+        def source(t: Transfer) -> torch.Tensor:
+            return outputs[t.microbatch][self._out_pos[t.value]].detach()
+
+        msgs, recv = self._messages(self._out_tx, source, "model output")
+        pending = post(msgs)
+        pending.wait()
+        results: dict[int, Any] = {}
+        for ref in self.plan.outputs:
+            spec = ref.spec
+            if spec.kind != "tensor" or spec.batch_dim is None:
+                continue
+            parts = [
+                (t, recv[t] if not t.local else _take(source(t), spec, t.src_rows(spec)))
+                for t in self._out_tx
+                if t.dst == me and t.slot == ref.index
+            ]
+            results[ref.index] = _assemble(parts, spec, self._local, self.device)
+        return results
+
+    # -- backward --------------------------------------------------------------------------------
+    def _attach(self, step: _Step, flat: list[Any]) -> list[Any]:
+        """Route the unbatched floating outputs through the bridge whose backward is ours."""
+        if not self._diff:
+            return flat  # nothing to differentiate: keep no activations
+        self._saved = step
+        tied = _Bridge.apply(self, step.index, self._anchor, *(flat[j] for j in self._diff))
+        out = list(flat)
+        for j, v in zip(self._diff, tied, strict=True):
+            out[j] = v
+        return out
+
+    def backward(self, step_index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Every micro-batch's backward, then the gradient all-reduces (called by the bridge).
+
+        ``grads`` are the gradients of the unbatched floating outputs, in output order.
+        """
+        step = self._saved
+        if step is None or step.index != step_index or step.done:
+            raise RuntimeError(
+                f"backward for step {step_index} but the pipeline holds "
+                + ("no step" if step is None else f"step {step.index}")
+                + "; call loss.backward() once per forward, before the next forward"
+            )
+        step.done = True
+        seeds = self._seeds(grads)
+        reduce_params = self._reduced_params()
+        stash = {id(p): p.grad for p in reduce_params if p.grad is not None}
+        for p in reduce_params:
+            p.grad = None
+        sends: list[Pending] = []
+        last = self.plan.micro_batches - 1
+        grad_recv = {last: self._post_grad_recvs(last)}
+        for action in self.actions:
+            if action.kind != "B":
+                continue
+            i = action.microbatch
+            pending, recv = grad_recv.pop(i)
+            pending.wait()
+            if i > 0:
+                grad_recv[i - 1] = self._post_grad_recvs(i - 1)
+            self._backward_one(i, step, recv, seeds)
+            sends.append(self._send_grads(i, step.inputs[i]))
+            step.inputs[i], step.outputs[i] = [], ()
+        for sent in sends:
+            sent.wait()
+        self._all_reduce_grads(stash)
+        self._saved = None
+
+    def _seeds(self, grads: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        """Output position -> the user's gradient for it (to be scaled by each share)."""
+        seeds: dict[int, torch.Tensor] = {}
+        for j, g in zip(self._diff, grads, strict=True):
+            ref = self.plan.outputs[j]
+            if ref.stage != self.stage.index or g is None:
+                continue
+            pos = self._out_pos[ref.spec.name]
+            seeds[pos] = seeds[pos] + g if pos in seeds else g
+        return seeds
+
+    def _post_grad_recvs(self, i: int) -> tuple[Pending, dict[Transfer, torch.Tensor]]:
+        mine = [t for t in self._grad_tx[i] if t.dst == self.rank]
+        msgs, recv = self._messages(mine, None, "gradient of cut value")
+        return post(msgs), recv
+
+    def _backward_one(
+        self, i: int, step: _Step, recv: dict[Transfer, torch.Tensor], seeds: dict[int, torch.Tensor]
+    ) -> None:
+        outs = step.outputs[i]
+        grads: dict[int, torch.Tensor] = {}
+        for t, piece in recv.items():
+            pos = self._out_pos[t.value]
+            spec = self._spec_of(t)
+            g = grads.get(pos)
+            if g is None:
+                g = grads[pos] = torch.zeros_like(outs[pos])
+            _take(g, spec, t.dst_rows(spec) if t.batched else None).add_(piece)
+        for pos, s in seeds.items():
+            g = self._shares[i] * s
+            grads[pos] = grads[pos] + g if pos in grads else g
+        tensors, gs = [], []
+        for pos, g in grads.items():
+            o = outs[pos]
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                tensors.append(o)
+                gs.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, gs)
+
+    def _send_grads(self, i: int, args: list[Any]) -> Pending:
+        pos = {name: p for p, name in enumerate(self.stage.inputs)}
+
+        def source(t: Transfer) -> torch.Tensor:
+            x = args[pos[t.value]]
+            return x.grad if x.grad is not None else torch.zeros_like(x)
+
+        mine = [t for t in self._grad_tx[i] if t.src == self.rank]
+        msgs, _ = self._messages(mine, source, "gradient of cut value")
+        return post(msgs)
+
+    def _reduced_params(self) -> list[nn.Parameter]:
+        ps = [p for j, group in self._shared if self.groups.shared[j] is not None for p in group]
+        if self.groups.stage[self.stage.index] is not None:
+            ps.extend(self._own)
+        return ps
+
+    def _all_reduce_grads(self, stash: dict[int, torch.Tensor]) -> None:
+        """SUM of the share-weighted gradients: shared parameters first (plan order), then the
+        stage's own among its replicas; every rank walks the groups in that global order."""
+        todo: list[tuple[dist.ProcessGroup, list[nn.Parameter], str, tuple[int, ...]]] = []
+        for j, ps in self._shared:
+            g = self.groups.shared[j]
+            if g is not None and ps:
+                name = self.plan.shared_params[j].name
+                todo.append((g, ps, f"gradient of shared parameter {name!r}", self.groups.shared_ranks[j]))
+        g = self.groups.stage[self.stage.index]
+        if g is not None and self._own:
+            todo.append((g, self._own, f"gradients of stage {self.stage.index}", self.stage.ranks))
+        for group, ps, what, ranks in todo:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
+            for p, r in zip(ps, all_reduce_flat(grads, group, what=what, ranks=ranks), strict=True):
+                old = stash.get(id(p))
+                p.grad = r if old is None else old + r  # gradient accumulation across calls
+
+
+class _Bridge(torch.autograd.Function):
+    """Joins the user's autograd graph to the pipeline: its backward runs ``backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, executor: StageExecutor, step: int, anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.executor, ctx.step = executor, step
+        return tuple(v.clone() for v in values)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        ctx.executor.backward(ctx.step, grads)
+        return (None,) * (3 + len(grads))
+
+
+# -- tensor helpers ------------------------------------------------------------------------------
+
+
+def _dtype(spec: ValueSpec) -> torch.dtype:
+    dt = getattr(torch, spec.dtype or "float32")
+    assert isinstance(dt, torch.dtype), spec.dtype
+    return dt
+
+
+def _piece_shape(spec: ValueSpec, t: Transfer) -> tuple[int, ...]:
+    if not t.batched or spec.batch_dim is None:
+        return spec.shape
+    shape = list(spec.shape)
+    shape[spec.batch_dim] = t.dst_rows(spec)[1]
+    return tuple(shape)
+
+
+def _take(x: torch.Tensor, spec: ValueSpec, rows: tuple[int, int] | None) -> torch.Tensor:
+    """Rows [start, start + count) of ``x`` along the batch dimension (all of it for None)."""
+    if rows is None or spec.batch_dim is None:
+        return x
+    start, count = rows
+    if start == 0 and count == x.shape[spec.batch_dim]:
+        return x
+    return x.narrow(spec.batch_dim, start, count)
+
+
+def _assemble(
+    parts: list[tuple[Transfer, torch.Tensor]], spec: ValueSpec, samples: int, device: torch.device
+) -> torch.Tensor:
+    """One tensor for ``samples`` samples from disjoint pieces that cover it."""
+    if len(parts) == 1 and (not parts[0][0].batched or parts[0][0].samples == samples):
+        return parts[0][1]
+    if not parts:
+        raise ValueError(f"no piece of {spec.name!r} reaches this rank; the routes are wrong")
+    out = torch.empty(spec.shape_for(samples), dtype=_dtype(spec), device=device)
+    for t, piece in parts:
+        _take(out, spec, t.dst_rows(spec)).copy_(piece)
+    return out
+
+
+def _graph(module: nn.Module) -> fx.Graph:
+    g = getattr(module, "graph", None)
+    if not isinstance(g, fx.Graph):
+        raise TypeError(f"the stage module must be an fx.GraphModule, got {type(module).__name__}")
+    return g
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _check_same_plan(plan: Plan, device: torch.device) -> None:
+    """One collective at start-up: every rank holds the same plan (and, on NCCL, the world
+    communicator exists before p2p batches that leave ranks out)."""
+    digest = int(hashlib.sha256(plan.to_json().encode()).hexdigest()[:15], 16)
+    t = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    if int(t[0]) != digest or -int(t[1]) != digest:
+        raise ValueError(
+            f"rank {dist.get_rank()} holds a different plan than another rank; broadcast one "
+            "plan from rank 0 (or load the same plan file everywhere)"
+        )
+
+
+def _groups_for(plan: Plan) -> Groups:
+    if plan.world_size == 1:
+        return Groups([None] * len(plan.stages), [None] * len(plan.shared_params),
+                      [st.ranks for st in plan.stages], [() for _ in plan.shared_params])
+    return build_groups(plan)

@@ -1,0 +1,209 @@
+"""Helpers for runtime tests: run a function on N forked gloo ranks; build plans by hand."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401  torch.optim imports it lazily: once here, not once per fork
+import torch.distributed as dist
+
+from rannc_fx.device import DeviceSpec
+from rannc_fx.plan import (
+    Block,
+    CutValue,
+    MemoryEstimate,
+    OutputRef,
+    Plan,
+    SharedParam,
+    Stage,
+    ValueSpec,
+)
+
+__all__ = ["RankFailed", "make_plan", "run_ranks", "scalar", "tensor"]
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised; the message holds each one's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 10.0,
+    wall_s: float = 60.0,
+) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` forked processes; their results.
+
+    Each worker sets one thread first (forked workers hang in OpenMP otherwise) and joins a
+    gloo group with ``timeout_s``, so a mismatched message becomes an error, not a hang.
+    When one rank fails the others get a short grace period, then are killed, and
+    ``RankFailed`` carries every traceback.
+    """
+    ctx = mp.get_context("fork")
+    port = free_port()
+    results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, results, args))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + wall_s
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if any(not ok for ok, _ in got.values()):
+                left = min(left, timeout_s + 2.0)  # the rest will fail on their timeout
+            if left <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 0.5))
+                got[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                for r in dead:
+                    got[r] = (False, f"rank {r} exited with code {procs[r].exitcode} without a result")
+    finally:
+        for p in procs:
+            p.join(timeout=0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world_size) if r not in got]
+    errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
+    errors += [f"--- rank {r} --- gave no result within {wall_s} s" for r in missing]
+    if errors:
+        raise RankFailed("\n".join(errors))
+    return [got[r][1] for r in range(world_size)]
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    results: mp.Queue[tuple[int, bool, Any]],
+    args: tuple[Any, ...],
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.pop("RANK", None)  # the runtime must not mistake the test for torchrun
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# -- hand-made plans ------------------------------------------------------------------------------
+
+
+def tensor(
+    name: str,
+    shape: Sequence[int],
+    *,
+    dtype: str = "float32",
+    batch_dim: int | None = 0,
+    requires_grad: bool = False,
+) -> ValueSpec:
+    """A tensor value; ``shape`` is per sample (``shape[batch_dim]`` rows per sample)."""
+    return ValueSpec(
+        name=name, kind="tensor", dtype=dtype, shape=tuple(shape), batch_dim=batch_dim,
+        requires_grad=requires_grad,
+    )
+
+
+def scalar(name: str, *, requires_grad: bool = True) -> ValueSpec:
+    """A value without a batch dimension and no shape: a mean-reduced loss."""
+    return tensor(name, (), batch_dim=None, requires_grad=requires_grad)
+
+
+def make_plan(
+    *,
+    global_batch: int,
+    micro_batches: int,
+    replicas: Sequence[int],
+    values: dict[str, ValueSpec],
+    inputs: Sequence[str],
+    stage_io: Sequence[tuple[Sequence[str], Sequence[str]]],
+    outputs: Sequence[str],
+    shared: Sequence[tuple[str, Sequence[int]]] = (),
+) -> Plan:
+    """A plan with one block per stage; cut values follow from ``stage_io``.
+
+    ``stage_io[s]`` is (input names, output names) of stage s in placeholder / return order;
+    a name one stage returns and later ones take becomes a cut value. ``outputs`` are the
+    model's flat outputs by value name; ``shared`` is (parameter name, stages) pairs.
+    """
+    producer: dict[str, int] = {}
+    for s, (_, outs) in enumerate(stage_io):
+        for n in outs:
+            producer.setdefault(n, s)
+    cuts = []
+    for name, p in producer.items():
+        consumers = tuple(s for s, (ins, _) in enumerate(stage_io) if s > p and name in ins)
+        if consumers:
+            cuts.append(CutValue(producer=p, consumers=consumers, spec=values[name]))
+    zero = MemoryEstimate(
+        params=0, grads=0, optimizer_state=0, activations=0, comm_buffers=0, workspace=0
+    )
+    stages, rank = [], 0
+    for s, ((ins, outs), r) in enumerate(zip(stage_io, replicas, strict=True)):
+        stages.append(Stage(
+            index=s, first_block=s, end_block=s + 1, replicas=r,
+            ranks=tuple(range(rank, rank + r)),
+            samples=-(-global_batch // (micro_batches * r)), num_nodes=1, param_names=(),
+            inputs=tuple(ins), outputs=tuple(outs), fwd_ms=1.0, bwd_ms=2.0, comm_ms=0.0,
+            allreduce_ms=0.0, memory=zero,
+        ))
+        rank += r
+    return Plan(
+        model_fingerprint="test",
+        tracer="fx",
+        world_size=rank,
+        global_batch=global_batch,
+        micro_batches=micro_batches,
+        device=DeviceSpec.preset("cpu"),
+        cost_model="analytic",
+        memory_budget=1 << 30,
+        optimizer_state_factor=2.0,
+        blocks=tuple(
+            Block(index=s, nodes=(f"n{s}",), fwd_ms=1.0, bwd_ms=2.0, param_bytes=0,
+                  activation_bytes=0)
+            for s in range(len(stage_io))
+        ),
+        stages=tuple(stages),
+        inputs=tuple(values[n] for n in inputs),
+        outputs=tuple(
+            OutputRef(index=i, stage=producer[n], spec=values[n]) for i, n in enumerate(outputs)
+        ),
+        cut_values=tuple(cuts),
+        shared_params=tuple(SharedParam(name=n, stages=tuple(st)) for n, st in shared),
+        predicted_step_ms=1.0,
+    )
