@@ -1,17 +1,36 @@
-"""Infer every value's per-sample shape, batch dimension and integer formula (FakeTensorProp)."""
-
-# INTERFACE (to be implemented)
+"""Infer every value's per-sample shape, batch dimension and integer formula (fake tensors)."""
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils import _pytree as pytree
 
 from ..plan import ValueSpec
-from .capture import CapturedGraph
+from .capture import CapturedGraph, batch_size_of
 
-__all__ = ["dtype_itemsize", "infer_values_pass", "inputs_for_samples"]
+__all__ = ["SAMPLE_COUNTS", "dtype_itemsize", "infer_values_pass", "inputs_for_samples"]
+
+log = logging.getLogger("rannc_fx")
+
+# Shape propagation runs at these sample counts: two fit a line, the third checks it. No 1:
+# size-1 dimensions broadcast, so they hide which dimension is the batch.
+SAMPLE_COUNTS = (2, 3, 5)
+
+# Ops that reinterpret the row-major order of their input; they keep samples contiguous only
+# if the batch dimension stays outermost among the dimensions they merge or split.
+_RESHAPES = frozenset(
+    {"view", "reshape", "_unsafe_view", "view_copy", "_reshape_alias", "flatten", "unflatten",
+     "view_as", "reshape_as"}
+)
+_CONCATS = frozenset({"cat", "concat", "concatenate"})
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -56,4 +75,251 @@ def infer_values_pass(
     naming the node when a value's size is not proportional to the sample count (or an integer
     not affine in it), since micro-batching would then change its meaning.
     """
-    raise NotImplementedError
+    t0 = time.perf_counter()
+    gm = captured.gm
+    batch = batch_size_of(flat_inputs, batch_dim)
+    on_meta = any(t.device.type == "meta" for t in _state(gm))
+    mode = FakeTensorMode()
+    prop = _FakeProp(gm, mode)
+    runs: list[dict[str, Any]] = []
+    for s in SAMPLE_COUNTS:
+        resized = inputs_for_samples(flat_inputs, batch, s, batch_dim=batch_dim, fake=True)
+        fakes = [_fake_input(mode, r, orig, on_meta) for r, orig in zip(resized, flat_inputs, strict=True)]
+        runs.append(prop.values_at(s, fakes))
+    specs = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "call_function", "call_method", "call_module"):
+            specs[n.name] = _spec(n.name, [r[n.name] for r in runs], SAMPLE_COUNTS)
+    for n in gm.graph.nodes:
+        _check_layout(n, specs, gm)
+    batched = sum(1 for v in specs.values() if v.batch_dim is not None)
+    log.info(
+        "inferred %d values (%d batched tensors) at %s samples in %.2f s",
+        len(specs), batched, ", ".join(map(str, SAMPLE_COUNTS)), time.perf_counter() - t0,
+    )
+    return specs
+
+
+# -- propagation -------------------------------------------------------------------------------
+
+
+def _state(gm: nn.Module) -> list[torch.Tensor]:
+    return [*gm.parameters(), *gm.buffers()]
+
+
+def _fake_input(mode: FakeTensorMode, t: Any, orig: Any, on_meta: bool) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    device = torch.device("meta") if on_meta else orig.device
+    with mode:
+        fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+    return fake.requires_grad_(orig.requires_grad)
+
+
+class _FakeProp(fx.Interpreter):
+    """Runs the graph on fake tensors; parameters and buffers become fakes, never touched."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
+        super().__init__(gm, garbage_collect_values=True)
+        self.extra_traceback = False  # our errors name the node already
+        self.mode = mode
+        self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._values: dict[str, Any] = {}
+        self._samples = 0
+
+    def values_at(self, samples: int, fake_inputs: list[Any]) -> dict[str, Any]:
+        self._values, self._samples = {}, samples
+        with self.mode, torch.enable_grad():
+            self.run(*fake_inputs)
+        return self._values
+
+    def _fake(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in self._fakes:
+            self._fakes[id(t)] = (t, self.mode.from_tensor(t, static_shapes=True))
+        return self._fakes[id(t)][1]
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            out = super().run_node(n)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(
+                f"node {n.name} ({_op_name(n, self.module)}) does not run at {self._samples} "
+                f"samples: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                f"; the model's code probably fixes the batch size (write x.view(x.size(0), -1) "
+                "rather than x.view(8, -1)) or branches on tensor values"
+            ) from e
+        self._values[n.name] = out
+        return out
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._fake(super().get_attr(target, args, kwargs))
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        mod = self.fetch_attr(target)
+        named = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
+        try:
+            return torch.func.functional_call(mod, {k: self._fake(t) for k, t in named}, args, kwargs)
+        except Exception as e:
+            if any(t.device.type == "meta" for _, t in named):
+                raise
+            # A leaf module whose Python branches on tensor values (nn.TransformerEncoder checks
+            # its mask) cannot run on fake tensors: run it on zeros, on copies of its state.
+            log.debug("running %s on real zeros: %s", target, e)
+            return self._run_real(mod, named, args, kwargs)
+
+    def _run_real(self, mod: nn.Module, named: list[tuple[str, torch.Tensor]], args: Any,
+                  kwargs: Any) -> Any:
+        def real(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            return torch.zeros(x.shape, dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
+
+        with unset_fake_temporarily():
+            state = {k: t.detach().clone().requires_grad_(t.requires_grad) for k, t in named}
+            out = torch.func.functional_call(
+                mod, state, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
+            )
+        return pytree.tree_map(
+            lambda t: self.mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t,
+            out,
+        )
+
+
+# -- fitting -----------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _spec(name: str, vals: list[Any], samples: Sequence[int]) -> ValueSpec:
+    v0 = vals[0]
+    if isinstance(v0, torch.Tensor):
+        bd, shape = _fit_shape(name, [tuple(v.shape) for v in vals], samples)
+        return ValueSpec(
+            name=name, kind="tensor", dtype=str(v0.dtype).removeprefix("torch."), shape=shape,
+            batch_dim=bd, requires_grad=v0.requires_grad,
+        )
+    if _is_int(v0):
+        return ValueSpec(name=name, kind="int", int_coeffs=(_fit_int(name, [int(v) for v in vals], samples),))
+    if isinstance(v0, (tuple, list)) and v0 and all(
+        isinstance(v, (tuple, list)) and len(v) == len(v0) and all(_is_int(x) for x in v) for v in vals
+    ):
+        coeffs = tuple(
+            _fit_int(f"{name}[{i}]", [int(v[i]) for v in vals], samples) for i in range(len(v0))
+        )
+        return ValueSpec(name=name, kind="ints", int_coeffs=coeffs)
+    if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v0)):
+        if any(not _equal(v, v0) for v in vals[1:]):
+            raise ValueError(
+                f"node {name} is {vals[0]!r}, {vals[1]!r}, {vals[2]!r} at "
+                f"{', '.join(map(str, samples))} samples: a non-integer that depends on the sample "
+                "count changes meaning under micro-batching; compute it from tensors instead"
+            )
+    return ValueSpec(name=name, kind="constant")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _fit_shape(
+    name: str, shapes: list[tuple[int, ...]], samples: Sequence[int]
+) -> tuple[int | None, tuple[int, ...]]:
+    seen = ", ".join(f"{list(s)} at {n}" for s, n in zip(shapes, samples, strict=True))
+    if len({len(s) for s in shapes}) != 1:
+        raise ValueError(f"node {name} changes rank with the sample count ({seen})")
+    varying = [d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1]
+    if not varying:
+        return None, shapes[0]
+    if len(varying) > 1:
+        raise ValueError(
+            f"node {name} has several dimensions {varying} that grow with the sample count "
+            f"({seen}; e.g. a batch x batch similarity matrix): micro-batches cannot hold a "
+            "slice of it; compute it outside the model or per sample"
+        )
+    d = varying[0]
+    rows = shapes[0][d] // samples[0]
+    if rows < 1 or any(s[d] != rows * n for s, n in zip(shapes, samples, strict=True)):
+        raise ValueError(
+            f"node {name} has dimension {d} that grows with the sample count but not in "
+            f"proportion to it ({seen}): a micro-batch would not hold whole samples (e.g. a "
+            "fixed row concatenated to the batch); keep per-sample data along the batch dimension"
+        )
+    shape = list(shapes[0])
+    shape[d] = rows
+    return d, tuple(shape)
+
+
+def _fit_int(name: str, vals: list[int], samples: Sequence[int]) -> tuple[int, int]:
+    (v0, v1, v2), (s0, s1, s2) = vals, samples
+    if (v1 - v0) % (s1 - s0) == 0:
+        a = (v1 - v0) // (s1 - s0)
+        c = v0 - a * s0
+        if v2 == a * s2 + c:
+            return a, c
+    raise ValueError(
+        f"integer {name} is {v0}, {v1}, {v2} at {s0}, {s1}, {s2} samples: not a * samples + c, "
+        "so no micro-batch size can be planned for it; compute it from tensor sizes that are"
+    )
+
+
+# -- layout ------------------------------------------------------------------------------------
+
+
+def _op_name(n: fx.Node, gm: nn.Module) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(str(n.target))).__name__.lower()
+    if n.op == "call_method":
+        return str(n.target)
+    packet = getattr(n.target, "overloadpacket", None)
+    return getattr(packet or n.target, "__name__", str(n.target))
+
+
+def _check_layout(n: fx.Node, specs: dict[str, ValueSpec], gm: nn.Module) -> None:
+    """Reject ops that put rows of different samples next to each other along the batch dim."""
+    out = specs.get(n.name)
+    if out is None or out.kind != "tensor" or out.batch_dim is None:
+        return
+    op = _op_name(n, gm)
+    if op in _RESHAPES and n.args and isinstance(n.args[0], fx.Node):
+        src = specs.get(n.args[0].name)
+        if src is None or src.kind != "tensor" or src.batch_dim is None:
+            return
+        before_in = math.prod(src.shape[: src.batch_dim])
+        before_out = math.prod(out.shape[: out.batch_dim])
+        if before_in != before_out:
+            raise ValueError(
+                f"node {n.name} ({op}) reshapes {src.name} (per sample {list(src.shape)}, batch "
+                f"dim {src.batch_dim}) into per sample {list(out.shape)} with batch dim "
+                f"{out.batch_dim}: {max(before_in, before_out)} rows come before the batch "
+                "dimension on one side only, so one sample's rows end up interleaved with "
+                "others'; move the batch dimension first (x.transpose(0, 1)) before reshaping"
+            )
+    elif op in _CONCATS and n.args and isinstance(n.args[0], (list, tuple)):
+        parts = [specs.get(a.name) for a in n.args[0] if isinstance(a, fx.Node)]
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        if isinstance(dim, int) and dim % len(out.shape) == out.batch_dim and sum(
+            1 for p in parts if p is not None and p.kind == "tensor" and p.batch_dim is not None
+        ) > 1:
+            raise ValueError(
+                f"node {n.name} ({op}) joins several batched tensors along the batch dimension "
+                f"{out.batch_dim}, so rows of different samples interleave; stack them on a new "
+                "dimension (torch.stack(..., dim=1)) instead"
+            )
+    elif op == "repeat" and len(n.args) > 1:
+        reps = n.args[1:] if isinstance(n.args[1], int) else n.args[1]
+        if isinstance(reps, (list, tuple)) and len(reps) == len(out.shape):
+            factor = reps[out.batch_dim]
+            if isinstance(factor, int) and factor > 1:
+                raise ValueError(
+                    f"node {n.name} (repeat) tiles the batch dimension {factor} times, so rows "
+                    "of different samples interleave; use repeat_interleave or a new dimension"
+                )

@@ -1,0 +1,47 @@
+"""Shared fixtures: the model zoo, captured once per session."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from rannc_fx.passes.capture import CapturedGraph, capture_pass
+
+# name -> (module, factory); the transformers ones skip when transformers is missing.
+ZOO = {
+    "mlp": ("rannc_fx.models", "mlp_example"),
+    "cnn": ("rannc_fx.models", "cnn_example"),
+    "gpt": ("rannc_fx.models", "gpt_example"),
+    "bert": ("tests.hf_models", "bert_example"),
+    "gpt2": ("tests.hf_models", "gpt2_example"),
+    "resnet": ("tests.hf_models", "resnet_example"),
+}
+
+Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
+
+
+def zoo_example(name: str, **kw: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    module, factory = ZOO[name]
+    return getattr(importlib.import_module(module), factory)(**kw)
+
+
+@pytest.fixture(scope="session")
+def zoo() -> Callable[..., Captured]:
+    """``zoo(name, tracer)`` -> (model, args, kwargs, captured), built once per session.
+
+    Tests that run the graph share the model with later tests: compare against a
+    ``copy.deepcopy(model)`` taken in the test, not against a fresh model.
+    """
+    cache: dict[tuple[str, str], Captured] = {}
+
+    def get(name: str, tracer: str = "auto") -> Captured:
+        if (name, tracer) not in cache:
+            model, args, kwargs = zoo_example(name)
+            cg = capture_pass(model, args, kwargs, tracer=tracer)  # type: ignore[arg-type]
+            cache[name, tracer] = (model, args, kwargs, cg)
+        return cache[name, tracer]
+
+    return get

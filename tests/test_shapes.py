@@ -1,0 +1,147 @@
+"""infer_values_pass: per-sample shapes, batch dims and integer formulas from fake propagation."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from rannc_fx.models import gpt_example
+from rannc_fx.passes.capture import capture_pass
+from rannc_fx.passes.shapes import infer_values_pass
+from rannc_fx.plan import ValueSpec
+
+from .conftest import zoo_example
+
+
+def values(model: nn.Module, *args: torch.Tensor, tracer: str = "fx") -> dict[str, ValueSpec]:
+    cg = capture_pass(model, args, tracer=tracer)  # type: ignore[arg-type]
+    return infer_values_pass(cg, cg.flatten_inputs(args, {}))
+
+
+def by_target(model_values: dict[str, ValueSpec], prefix: str) -> list[ValueSpec]:
+    return [v for k, v in model_values.items() if k.startswith(prefix)]
+
+
+class _Reshapes(nn.Module):
+    """x: (B, 3, 4) -> flattened per sample, then two rows per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x.view(x.size(0), -1))  # (B, 6)
+        pairs = h.view(h.size(0), 2, 3)  # (B, 2, 3)
+        return pairs.flatten(0, 1).sum(-1)  # (2B,): two rows per sample
+
+
+def test_fx_graph_batch_dims_shapes_and_sizes():
+    v = values(_Reshapes(), torch.randn(8, 3, 4))
+    assert v["x"] == ValueSpec(name="x", kind="tensor", dtype="float32", shape=(1, 3, 4), batch_dim=0)
+    assert v["size"].kind == "int" and v["size"].int_coeffs == ((1, 0),)
+    assert v["view"].shape == (1, 12) and v["view"].batch_dim == 0
+    assert v["lin"].shape == (1, 6) and v["lin"].requires_grad and not v["x"].requires_grad
+    assert v["flatten"].shape == (2, 3) and v["flatten"].batch_dim == 0
+    assert v["sum_1"].shape == (2,) and v["sum_1"].shape_for(5) == (10,)
+    assert v["lin"].nbytes_for(5) == 5 * 6 * 4
+
+
+def test_export_graph_sym_sizes_are_ints_in_the_sample_count():
+    v = values(_Reshapes(), torch.randn(8, 3, 4), tracer="export")
+    sizes = by_target(v, "sym_size")
+    assert sizes and all(s.kind == "int" and s.int_coeffs == ((1, 0),) for s in sizes)
+    tensors = [s for s in v.values() if s.kind == "tensor"]
+    assert {s.shape for s in tensors if s.batch_dim is not None} >= {(1, 3, 4), (1, 12), (1, 6), (2, 3)}
+
+
+def test_shape_tuples_and_sizes_of_the_transformer_lm(zoo):
+    _, args, kwargs, cg = zoo("gpt")
+    v = infer_values_pass(cg, cg.flatten_inputs(args, kwargs))
+    shape = next(s for s in v.values() if s.kind == "ints")
+    assert shape.int_coeffs == ((1, 0), (0, 32)) and shape.ints_for(3) == (3, 32)
+    assert v["flatten"].shape == (32, 256) and v["flatten"].batch_dim == 0  # logits.flatten(0, 1)
+    assert v["encoder"].shape == (1, 32, 64)  # a leaf that only runs for real (mask check)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "bert", "gpt2", "resnet"])
+def test_every_zoo_value_has_a_spec(zoo, name):
+    model, args, kwargs, cg = zoo(name)
+    state = copy.deepcopy(model.state_dict())
+    v = infer_values_pass(cg, cg.flatten_inputs(args, kwargs))
+    runnable = [n.name for n in cg.gm.graph.nodes if n.op not in ("get_attr", "output")]
+    assert set(v) == set(runnable)
+    for name_ in cg.input_names:
+        assert v[name_].kind == "tensor" and v[name_].batch_dim == 0 and v[name_].shape[0] == 1
+        assert not v[name_].requires_grad
+    outs = [v[n] for n in cg.output_names]
+    loss = outs[0]
+    assert loss.shape == () and loss.batch_dim is None and loss.requires_grad
+    assert all(o.batch_dim == 0 for o in outs[1:])  # logits
+    # Fake propagation never touches the real state (BatchNorm statistics included).
+    assert all(torch.equal(t, state[k]) for k, t in model.state_dict().items())
+
+
+def test_meta_model_gives_the_same_values_as_a_real_one(zoo):
+    pytest.importorskip("transformers")
+    _, args, kwargs, real = zoo("gpt2")
+    with torch.device("meta"):
+        model, margs, mkwargs = zoo_example("gpt2")
+    meta = capture_pass(model, margs, mkwargs)
+    got = infer_values_pass(meta, meta.flatten_inputs(margs, mkwargs))
+    want = infer_values_pass(real, real.flatten_inputs(args, kwargs))
+    # transformers' attention adds .contiguous() calls off the CPU, so the meta graph has a
+    # few more nodes (and names shift); every value of the real graph is among the meta ones.
+    def bag(cg, specs):
+        return Counter((str(n.target), specs[n.name].model_copy(update={"name": ""}))
+                       for n in cg.gm.graph.nodes if n.name in specs)
+
+    extra = bag(meta, got) - bag(real, want)
+    assert not bag(real, want) - bag(meta, got)
+    assert {target for target, _ in extra} <= {"aten.contiguous.default"}
+    assert [got[k] for k in meta.output_names] == [want[k] for k in real.output_names]
+
+
+def test_meta_leaf_that_needs_real_values_is_named():
+    with torch.device("meta"):
+        model, args, kwargs = gpt_example()
+    cg = capture_pass(model, args, kwargs)
+    with pytest.raises(ValueError, match="node encoder .*does not run"):
+        infer_values_pass(cg, cg.flatten_inputs(args, kwargs))
+
+
+# -- values that micro-batching would break --------------------------------------------------
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+        self.row = nn.Parameter(torch.zeros(1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self, x)
+
+
+@pytest.mark.parametrize(("fn", "message"), [
+    (lambda m, x: x.view(8, -1), r"node view \(view\) does not run at 3 samples: .*x.view\(x.size\(0\), -1\)"),
+    (lambda m, x: x @ x.t(), r"several dimensions \[0, 1\]"),
+    (lambda m, x: torch.cat([m.row, x]), "not in proportion"),
+    (lambda m, x: torch.cat([x, 2 * x]), r"joins several batched tensors"),
+    (lambda m, x: x.repeat(2, 1), "tiles the batch dimension 2 times"),
+    (lambda m, x: x * (1.0 / x.size(0)), "non-integer that depends on the sample count"),
+    (lambda m, x: x.view(x.size(0), 2, 2).transpose(0, 1).reshape(-1, 2),
+     r"node reshape \(reshape\) reshapes transpose .* interleaved"),
+])
+def test_values_that_micro_batches_would_change_are_refused(fn, message):
+    with pytest.raises(ValueError, match=message):
+        values(_Lambda(fn), torch.randn(8, 4))
+
+
+def test_batch_major_reshapes_are_fine():
+    v = values(_Lambda(lambda m, x: x.view(x.size(0), 2, 2).transpose(1, 2).reshape(-1, 2)),
+               torch.randn(8, 4))
+    assert v["reshape"].shape == (2, 2) and v["reshape"].batch_dim == 0
