@@ -47,19 +47,21 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 10.0,
     wall_s: float = 60.0,
+    init: bool = True,
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` forked processes; their results.
 
     Each worker sets one thread first (forked workers hang in OpenMP otherwise) and joins a
     gloo group with ``timeout_s``, so a mismatched message becomes an error, not a hang.
     When one rank fails the others get a short grace period, then are killed, and
-    ``RankFailed`` carries every traceback.
+    ``RankFailed`` carries every traceback. With ``init=False`` the workers get torchrun's
+    variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) instead of a group.
     """
     ctx = mp.get_context("fork")
     port = free_port()
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, results, args))
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, init, results, args))
         for r in range(world_size)
     ]
     for p in procs:
@@ -79,7 +81,10 @@ def run_ranks(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
                 for r in dead:
-                    got[r] = (False, f"rank {r} exited with code {procs[r].exitcode} without a result")
+                    got[r] = (
+                        False,
+                        f"rank {r} exited with code {procs[r].exitcode} without a result",
+                    )
     finally:
         for p in procs:
             p.join(timeout=0.5)
@@ -100,19 +105,29 @@ def _worker(
     world_size: int,
     port: int,
     timeout_s: float,
+    init: bool,
     results: mp.Queue[tuple[int, bool, Any]],
     args: tuple[Any, ...],
 ) -> None:
     torch.set_num_threads(1)
-    os.environ.pop("RANK", None)  # the runtime must not mistake the test for torchrun
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        if init:
+            os.environ.pop("RANK", None)  # the runtime must not mistake the test for torchrun
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        else:
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -134,7 +149,11 @@ def tensor(
 ) -> ValueSpec:
     """A tensor value; ``shape`` is per sample (``shape[batch_dim]`` rows per sample)."""
     return ValueSpec(
-        name=name, kind="tensor", dtype=dtype, shape=tuple(shape), batch_dim=batch_dim,
+        name=name,
+        kind="tensor",
+        dtype=dtype,
+        shape=tuple(shape),
+        batch_dim=batch_dim,
         requires_grad=requires_grad,
     )
 
@@ -175,13 +194,25 @@ def make_plan(
     )
     stages, rank = [], 0
     for s, ((ins, outs), r) in enumerate(zip(stage_io, replicas, strict=True)):
-        stages.append(Stage(
-            index=s, first_block=s, end_block=s + 1, replicas=r,
-            ranks=tuple(range(rank, rank + r)),
-            samples=-(-global_batch // (micro_batches * r)), num_nodes=1, param_names=(),
-            inputs=tuple(ins), outputs=tuple(outs), fwd_ms=1.0, bwd_ms=2.0, comm_ms=0.0,
-            allreduce_ms=0.0, memory=zero,
-        ))
+        stages.append(
+            Stage(
+                index=s,
+                first_block=s,
+                end_block=s + 1,
+                replicas=r,
+                ranks=tuple(range(rank, rank + r)),
+                samples=-(-global_batch // (micro_batches * r)),
+                num_nodes=1,
+                param_names=(),
+                inputs=tuple(ins),
+                outputs=tuple(outs),
+                fwd_ms=1.0,
+                bwd_ms=2.0,
+                comm_ms=0.0,
+                allreduce_ms=0.0,
+                memory=zero,
+            )
+        )
         rank += r
     return Plan(
         model_fingerprint="test",
@@ -194,8 +225,9 @@ def make_plan(
         memory_budget=1 << 30,
         optimizer_state_factor=2.0,
         blocks=tuple(
-            Block(index=s, nodes=(f"n{s}",), fwd_ms=1.0, bwd_ms=2.0, param_bytes=0,
-                  activation_bytes=0)
+            Block(
+                index=s, nodes=(f"n{s}",), fwd_ms=1.0, bwd_ms=2.0, param_bytes=0, activation_bytes=0
+            )
             for s in range(len(stage_io))
         ),
         stages=tuple(stages),

@@ -9,6 +9,7 @@ every local parameter (rtol = atol = 1e-5).
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,8 +20,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.testing import assert_close
 
+from rannc_fx.config import Config
 from rannc_fx.plan import Plan, ValueSpec
-from rannc_fx.runtime import CommError, StageExecutor, routing
+from rannc_fx.runtime import CommError, StageExecutor, init_distributed, routing
+from rannc_fx.runtime.comm import all_reduce_flat
 
 from .dist_utils import make_plan, run_ranks, scalar, tensor
 
@@ -72,8 +75,12 @@ class Skip(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.c, self.head = (nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8),
-                                             nn.Linear(8, 4))
+        self.a, self.b, self.c, self.head = (
+            nn.Linear(6, 8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 4),
+        )
 
     def forward(self, x, y):
         skip = self.a(x)
@@ -186,7 +193,11 @@ class _Flat1(nn.Module):
 class BNNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv, self.bn, self.head = nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 3)
+        self.conv, self.bn, self.head = (
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.Linear(4, 3),
+        )
 
     def forward(self, x, y):
         h = F.relu(self.bn(self.conv(x)))
@@ -224,15 +235,24 @@ class Case:
 
     def plan(self, global_batch: int, micro_batches: int, replicas: tuple[int, ...]) -> Plan:
         return make_plan(
-            global_batch=global_batch, micro_batches=micro_batches, replicas=replicas,
-            values=self.values, inputs=self.inputs, stage_io=self.io, outputs=self.outputs,
+            global_batch=global_batch,
+            micro_batches=micro_batches,
+            replicas=replicas,
+            values=self.values,
+            inputs=self.inputs,
+            stage_io=self.io,
+            outputs=self.outputs,
             shared=self.shared,
         )
 
 
 def _xy(d_in, classes):
     def data(g: int, gen: torch.Generator) -> list[torch.Tensor]:
-        return [torch.randn(g, *d_in, generator=gen), torch.randint(0, classes, (g,), generator=gen)]
+        return [
+            torch.randn(g, *d_in, generator=gen),
+            torch.randint(0, classes, (g,), generator=gen),
+        ]
+
     return data
 
 
@@ -247,19 +267,31 @@ H8 = tensor("h", (1, 8), requires_grad=True)
 CASES = {
     "mlp1": Case(MLP, [_Whole], XY, ["x", "y"], [(["x", "y"], ["loss"])], ["loss"], _xy((6,), 4)),
     "mlp2": Case(
-        MLP, [_MlpBody, _MlpHead], {**XY, "h": H8}, ["x", "y"],
-        [(["x"], ["h"]), (["h", "y"], ["loss"])], ["loss"], _xy((6,), 4),
+        MLP,
+        [_MlpBody, _MlpHead],
+        {**XY, "h": H8},
+        ["x", "y"],
+        [(["x"], ["h"]), (["h", "y"], ["loss"])],
+        ["loss"],
+        _xy((6,), 4),
     ),
     "skip3": Case(
-        Skip, [_Skip0, _Skip1, _Skip2],
-        {**XY, "h0": H8.model_copy(update={"name": "h0"}), "h1": H8.model_copy(update={"name": "h1"}),
-         "skip": H8.model_copy(update={"name": "skip"})},
+        Skip,
+        [_Skip0, _Skip1, _Skip2],
+        {
+            **XY,
+            "h0": H8.model_copy(update={"name": "h0"}),
+            "h1": H8.model_copy(update={"name": "h1"}),
+            "skip": H8.model_copy(update={"name": "skip"}),
+        },
         ["x", "y"],
         [(["x"], ["h0", "skip"]), (["h0", "skip"], ["h1"]), (["h1", "skip", "y"], ["loss"])],
-        ["loss"], _xy((6,), 4),
+        ["loss"],
+        _xy((6,), 4),
     ),
     "lm2": Case(
-        TiedLM, [_Lm0, _Lm1],
+        TiedLM,
+        [_Lm0, _Lm1],
         {
             "ids": tensor("ids", (1, TiedLM.S), dtype="int64"),
             "labels": tensor("labels", (1, TiedLM.S), dtype="int64"),
@@ -270,10 +302,13 @@ CASES = {
         },
         ["ids", "labels"],
         [(["ids"], ["e", "p"]), (["e", "p", "labels"], ["loss", "logits"])],
-        ["loss", "logits"], _ids, shared=[("embed.weight", [0, 1])],
+        ["loss", "logits"],
+        _ids,
+        shared=[("embed.weight", [0, 1])],
     ),
     "flat2": Case(
-        Flat, [_Flat0, _Flat1],
+        Flat,
+        [_Flat0, _Flat1],
         {
             "x": tensor("x", (1, Flat.S, 3)),
             "y": tensor("y", (1,), dtype="int64"),
@@ -284,13 +319,22 @@ CASES = {
         },
         ["x", "y"],
         [(["x"], ["rows", "seq_first", "n"]), (["rows", "seq_first", "n", "y"], ["loss"])],
-        ["loss"], _xy((Flat.S, 3), 4),
+        ["loss"],
+        _xy((Flat.S, 3), 4),
     ),
     "bn2": Case(
-        BNNet, [_Bn0, _Bn1],
-        {"x": tensor("x", (1, 2, 4, 4)), "y": tensor("y", (1,), dtype="int64"),
-         "h": tensor("h", (1, 4, 4, 4), requires_grad=True), "loss": scalar("loss")},
-        ["x", "y"], [(["x"], ["h"]), (["h", "y"], ["loss"])], ["loss"], _xy((2, 4, 4), 3),
+        BNNet,
+        [_Bn0, _Bn1],
+        {
+            "x": tensor("x", (1, 2, 4, 4)),
+            "y": tensor("y", (1,), dtype="int64"),
+            "h": tensor("h", (1, 4, 4, 4), requires_grad=True),
+            "loss": scalar("loss"),
+        },
+        ["x", "y"],
+        [(["x"], ["h"]), (["h", "y"], ["loss"])],
+        ["loss"],
+        _xy((2, 4, 4), 3),
     ),
 }
 
@@ -298,7 +342,9 @@ CASES = {
 # -- the worker -----------------------------------------------------------------------------------
 
 
-def _setup(rank: int, case: Case, plan: Plan) -> tuple[nn.Module, nn.Module, fx.GraphModule, StageExecutor]:
+def _setup(
+    rank: int, case: Case, plan: Plan
+) -> tuple[nn.Module, nn.Module, fx.GraphModule, StageExecutor]:
     torch.manual_seed(0)
     net = case.net()
     ref = copy.deepcopy(net)
@@ -306,16 +352,23 @@ def _setup(rank: int, case: Case, plan: Plan) -> tuple[nn.Module, nn.Module, fx.
     gm = fx.symbolic_trace(case.stages[st.index](net))
     for name, p in gm.named_parameters():
         assert p is net.get_parameter(name)  # the stage trains the model's own parameters
-    return net, ref, gm, StageExecutor(plan, gm)
+    return net, ref, gm, StageExecutor(plan, gm, timeout_s=10.0)
 
 
 def _local(plan: Plan, rank: int, flat: list[torch.Tensor]) -> list[torch.Tensor]:
     lo, hi = routing.rank_span(plan, rank)
-    return [t[lo:hi] if s.batch_dim is not None else t for t, s in zip(flat, plan.inputs, strict=True)]
+    return [
+        t[lo:hi] if s.batch_dim is not None else t for t, s in zip(flat, plan.inputs, strict=True)
+    ]
 
 
 def _train(
-    rank: int, world: int, name: str, replicas: tuple[int, ...], mbs: int, steps: int = 3,
+    rank: int,
+    world: int,
+    name: str,
+    replicas: tuple[int, ...],
+    mbs: int,
+    steps: int = 3,
     accumulate: int = 1,
 ) -> list[float]:
     case = CASES[name]
@@ -334,18 +387,27 @@ def _train(
             assert len(out) == len(want)
             for j, (o, w) in enumerate(zip(out, want, strict=True)):
                 spec = plan.outputs[j].spec
-                assert_close(o, w[lo:hi].detach() if spec.batch_dim is not None else w.detach(), **TOL)
+                assert_close(
+                    o, w[lo:hi].detach() if spec.batch_dim is not None else w.detach(), **TOL
+                )
             out[0].backward()
             want[0].backward()
             losses.append(out[0].item())
         for pname, p in gm.named_parameters():
-            assert_close(p.grad, ref.get_parameter(pname).grad, **TOL, msg=lambda m, n=pname: f"grad {n}: {m}")
+            assert_close(
+                p.grad,
+                ref.get_parameter(pname).grad,
+                **TOL,
+                msg=lambda m, n=pname: f"grad {n}: {m}",
+            )
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         for pname, p in gm.named_parameters():
-            assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"param {n}: {m}")
+            assert_close(
+                p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"param {n}: {m}"
+            )
     return losses
 
 
@@ -362,7 +424,19 @@ def test_one_rank(mbs):
 
 
 @pytest.mark.parametrize(
-    "replicas,mbs", [((1, 1), 1), ((1, 1), 3), ((2, 1), 2), ((1, 2), 2), ((2, 1), 3), ((1, 2), 1)]
+    "replicas,mbs",
+    [
+        ((1, 1), 1),
+        ((1, 1), 3),
+        ((1, 1), 6),
+        ((2, 1), 2),
+        ((1, 2), 2),
+        ((2, 1), 3),
+        ((1, 2), 1),
+        ((2, 2), 2),
+        ((1, 3), 2),
+        ((3, 1), 4),
+    ],
 )
 def test_two_stages(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "mlp2", replicas, mbs))
@@ -373,17 +447,17 @@ def test_pure_data_parallel(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "mlp1", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((1, 1, 1), 2), ((1, 2, 1), 3)])
+@pytest.mark.parametrize("replicas,mbs", [((1, 1, 1), 2), ((1, 2, 1), 3), ((2, 1, 1), 2)])
 def test_skip_connection_to_two_later_stages(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "skip3", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 2), ((1, 2), 3)])
+@pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 2), ((1, 2), 3), ((2, 2), 3)])
 def test_tied_embedding_and_batched_output(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "lm2", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 3)])
+@pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 3), ((1, 2), 2)])
 def test_rows_per_sample_batch_dim_1_and_integer_cut(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "flat2", replicas, mbs))
 
@@ -503,3 +577,28 @@ def _other_plan(rank: int, world: int) -> None:
 
 def test_ranks_must_hold_the_same_plan():
     run_ranks(_other_plan, 2)
+
+
+def _from_torchrun_env(rank: int, world: int) -> list[float]:
+    init_distributed(Config(timeout_s=5.0))
+    assert torch.distributed.get_backend() == "gloo" and torch.distributed.get_rank() == rank
+    a = torch.full((2,), float(rank + 1))
+    b = torch.tensor([rank], dtype=torch.int64)
+    ra, rb = all_reduce_flat([a, b], None, what="a test")
+    assert rb.dtype == torch.int64 and int(rb) == sum(range(world))
+    return ra.tolist()
+
+
+def test_init_from_torchrun_environment_and_flat_all_reduce():
+    assert run_ranks(_from_torchrun_env, 2, init=False) == [[3.0, 3.0]] * 2
+
+
+def _alone(rank: int, world: int) -> int:
+    os.environ.pop("RANK", None)
+    os.environ.pop("WORLD_SIZE", None)
+    init_distributed()
+    return torch.distributed.get_world_size()
+
+
+def test_init_without_torchrun_is_one_process():
+    assert run_ranks(_alone, 1, init=False) == [1]

@@ -44,8 +44,13 @@ def _chain_plan(local: int, mbs: int, replicas: tuple[int, ...]) -> Plan:
             outs += ["skip", "pos"]
         io.append((ins + ["y"] if s == n - 1 else ins, outs))
     return make_plan(
-        global_batch=local * sum(replicas), micro_batches=mbs, replicas=replicas, values=values,
-        inputs=["x", "y"], stage_io=io, outputs=["loss", "logits"],
+        global_batch=local * sum(replicas),
+        micro_batches=mbs,
+        replicas=replicas,
+        values=values,
+        inputs=["x", "y"],
+        stage_io=io,
+        outputs=["loss", "logits"],
     )
 
 
@@ -160,6 +165,29 @@ def test_every_sample_moves_once(world, local, mbs, reps):
 
 
 @pytest.mark.parametrize("world,local,mbs,reps", VALID)
+def test_each_pair_posts_in_the_same_order(world, local, mbs, reps):
+    """What rank a sends to b, phase by phase, is what b receives from a, in that order."""
+    plan = _chain_plan(local, mbs, reps)
+    routes = [routing.rank_routes(plan, r) for r in range(world)]
+
+    def phases(rr: routing.RankRoutes) -> list[list[Transfer]]:
+        return [*rr.inputs, *rr.cuts, rr.outputs, *reversed(rr.grads)]
+
+    for a in range(world):
+        for b in range(world):
+            if a == b:
+                continue
+            sent = [[t for t in ph if t.src == a and t.dst == b] for ph in phases(routes[a])]
+            got = [[t for t in ph if t.src == a and t.dst == b] for ph in phases(routes[b])]
+            assert sent == got
+    for r, rr in enumerate(routes):
+        st = plan.stage_of_rank(r)
+        for i in range(mbs):
+            assert len(rr.args[i]) == len(st.inputs)
+            assert all(t.dst == r for pieces in rr.args[i] for t in pieces)
+
+
+@pytest.mark.parametrize("world,local,mbs,reps", VALID)
 def test_order_is_canonical(world, local, mbs, reps):
     """Both ends see one list, so their per-pair message order agrees."""
     plan = _chain_plan(local, mbs, reps)
@@ -194,8 +222,13 @@ def test_rows_move_with_their_samples(rows, batch_dim, reps, mbs):
     spec = tensor("h", shape, batch_dim=batch_dim, requires_grad=True)
     values = {"x": tensor("x", (1,)), "h": spec, "loss": scalar("loss")}
     plan = make_plan(
-        global_batch=6 * sum(reps), micro_batches=mbs, replicas=reps, values=values,
-        inputs=["x"], stage_io=[(["x"], ["h"]), (["h"], ["loss"])], outputs=["loss"],
+        global_batch=6 * sum(reps),
+        micro_batches=mbs,
+        replicas=reps,
+        values=values,
+        inputs=["x"],
+        stage_io=[(["x"], ["h"]), (["h"], ["loss"])],
+        outputs=["loss"],
     )
 
     def sample_ids(span: tuple[int, int]) -> torch.Tensor:
@@ -232,14 +265,28 @@ def test_integers_move_nowhere_and_constants_are_refused():
         "loss": scalar("loss"),
     }
     io = [(["x"], ["h", "n"]), (["h", "n"], ["loss"])]
-    plan = make_plan(global_batch=4, micro_batches=2, replicas=(1, 1), values=values,
-                     inputs=["x"], stage_io=io, outputs=["loss"])
+    plan = make_plan(
+        global_batch=4,
+        micro_batches=2,
+        replicas=(1, 1),
+        values=values,
+        inputs=["x"],
+        stage_io=io,
+        outputs=["loss"],
+    )
     assert [t.value for t in routing.cut_transfers(plan, 0)] == ["h"]
     assert routing.grad_transfers(plan, 0) == []  # h does not require grad here
 
     const = dict(values, n=ValueSpec(name="n", kind="constant"))
-    plan = make_plan(global_batch=4, micro_batches=2, replicas=(1, 1), values=const,
-                     inputs=["x"], stage_io=io, outputs=["loss"])
+    plan = make_plan(
+        global_batch=4,
+        micro_batches=2,
+        replicas=(1, 1),
+        values=const,
+        inputs=["x"],
+        stage_io=io,
+        outputs=["loss"],
+    )
     with pytest.raises(ValueError, match="constants inside each stage"):
         routing.cut_transfers(plan, 0)
 

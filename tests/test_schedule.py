@@ -41,7 +41,20 @@ def test_ticks_match_gpipe_length(stages, mbs):
 def test_format_schedule_is_the_docstring_table():
     text = format_schedule(gpipe_schedule(3, 4))
     assert text.splitlines()[1].split() == [
-        "st", "0", "0F0", "0F1", "0F2", "0F3", ".", ".", ".", ".", "0B3", "0B2", "0B1", "0B0"
+        "st",
+        "0",
+        "0F0",
+        "0F1",
+        "0F2",
+        "0F3",
+        ".",
+        ".",
+        ".",
+        ".",
+        "0B3",
+        "0B2",
+        "0B1",
+        "0B0",
     ]
     import rannc_fx.runtime.schedule as mod
 

@@ -7,6 +7,7 @@ look at, never a silent hang.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..config import Config
 from ..plan import Plan
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "all_reduce_flat",
     "backend_for",
     "build_groups",
+    "check_same_plan",
     "init_distributed",
     "post",
 ]
@@ -40,16 +43,17 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def init_distributed(*, device: torch.device | str = "cpu", timeout_s: float = 300.0) -> None:
+def init_distributed(config: Config | None = None, *, device: torch.device | str = "cpu") -> None:
     """Start the default process group from torchrun's environment, unless one is running.
 
+    The backend follows ``device`` (``backend_for``), the timeout is ``config.timeout_s``.
     Without torchrun's variables (plain ``python train.py``) it starts a one-process group,
     so the same script runs on one device.
     """
     if dist.is_initialized():
         return
     dev = torch.device(device)
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=(config or Config()).timeout_s)
     backend = backend_for(dev)
     if dev.type == "cuda":
         # NCCL needs the device chosen before the first collective (else every rank uses GPU 0).
@@ -81,14 +85,19 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
 
     ``new_group`` is collective over the whole world, so even ranks outside a group take part
     in making it: first the replica group of each stage with more than one replica (stage
-    order), then one group per shared parameter (plan order).
+    order), then one group per shared parameter (plan order). A one-rank plan needs none
+    (and no process group).
     """
     timeout = timedelta(seconds=timeout_s)
-    rank = dist.get_rank()
     stage_ranks = [st.ranks for st in plan.stages]
     shared_ranks = [
         tuple(r for s in sp.stages for r in plan.stages[s].ranks) for sp in plan.shared_params
     ]
+    if plan.world_size == 1:
+        return Groups(
+            [None] * len(stage_ranks), [None] * len(shared_ranks), stage_ranks, shared_ranks
+        )
+    rank = dist.get_rank()
 
     def make(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         if len(ranks) < 2:
@@ -99,6 +108,22 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
     stage = [make(r) for r in stage_ranks]
     shared = [make(r) for r in shared_ranks]
     return Groups(stage, shared, stage_ranks, shared_ranks)
+
+
+def check_same_plan(plan: Plan, device: torch.device | str = "cpu") -> None:
+    """One collective at start-up: every rank holds the same plan (it also creates the world
+    communicator on NCCL before any p2p batch that leaves ranks out)."""
+    digest = int(hashlib.sha256(plan.to_json().encode()).hexdigest()[:15], 16)
+    t = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    except RuntimeError as e:
+        raise CommError(f"rank {_rank()}: the start-up check of the plan failed: {e}") from e
+    if int(t[0]) != digest or -int(t[1]) != digest:
+        raise ValueError(
+            f"rank {_rank()} holds a different plan than another rank; broadcast one plan "
+            "from rank 0 (or load the same plan file everywhere)"
+        )
 
 
 class Message(NamedTuple):

@@ -29,7 +29,6 @@ the global-batch gradient. Outputs without a batch dimension are assumed mean-re
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from ..config import Config
 from ..plan import OutputRef, Plan, ValueSpec
 from . import routing
 from .buffers import BufferSync
-from .comm import Groups, Message, Pending, all_reduce_flat, build_groups, post
+from .comm import Groups, Message, Pending, all_reduce_flat, build_groups, check_same_plan, post
+from .grads import GradSync
+from .pieces import assemble, dtype_of, piece_shape, take
 from .routing import Transfer
 from .schedule import Action, gpipe_schedule
 
@@ -64,7 +66,9 @@ class StageExecutor:
     ``module`` takes ``plan.stages[s].inputs`` as positional arguments and returns a flat
     tuple in the order of ``plan.stages[s].outputs``. Its parameters are the model's own, so
     an optimizer over them trains the model. ``groups`` defaults to ``build_groups(plan)``
-    (a collective: every rank builds its executor at the same point).
+    with ``timeout_s`` (default ``Config().timeout_s``); that, and a check that every rank
+    holds the same plan, are collectives: every rank builds its executor at the same point.
+    A one-rank plan needs no process group.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class StageExecutor:
         rank: int | None = None,
         groups: Groups | None = None,
         device: torch.device | str | None = None,
+        timeout_s: float | None = None,
     ):
         self.plan = plan
         self.module = module
@@ -94,8 +99,9 @@ class StageExecutor:
         self.replica = self.stage.ranks.index(self.rank)
         self.device = torch.device(device) if device is not None else _device_of(module)
         if plan.world_size > 1:
-            _check_same_plan(plan, self.device)
-        self.groups = groups if groups is not None else _groups_for(plan)
+            check_same_plan(plan, self.device)
+        timeout = timeout_s if timeout_s is not None else Config().timeout_s
+        self.groups = groups if groups is not None else build_groups(plan, timeout_s=timeout)
         self.actions: list[Action] = gpipe_schedule(len(plan.stages), plan.micro_batches)[
             self.stage.index
         ]
@@ -106,14 +112,14 @@ class StageExecutor:
         ]
         self._shares = [(b - a) / plan.global_batch for a, b in self._spans]
         self._build_routes()
-        self._build_params()
+        self.grads = GradSync(plan, self.stage.index, module, self.groups)
         # Unbatched floating outputs (the loss): averaged over the batch, tied to the bridge.
         self._diff = [
             r.index
             for r in plan.outputs
             if r.spec.kind == "tensor"
             and r.spec.batch_dim is None
-            and (_dtype(r.spec).is_floating_point or _dtype(r.spec).is_complex)
+            and (dtype_of(r.spec).is_floating_point or dtype_of(r.spec).is_complex)
         ]
         self.buffers = BufferSync(
             module,
@@ -127,8 +133,7 @@ class StageExecutor:
 
     # -- static routes --------------------------------------------------------------------------
     def _build_routes(self) -> None:
-        plan, st, me = self.plan, self.stage, self.rank
-        m = plan.micro_batches
+        plan, st = self.plan, self.stage
         self._graph_inputs = {spec.name: (i, spec) for i, spec in enumerate(plan.inputs)}
         self._cuts = {cv.name: cv for cv in plan.cut_values}
         n_placeholders = sum(1 for n in _graph(self.module).nodes if n.op == "placeholder")
@@ -160,41 +165,7 @@ class StageExecutor:
             if name in self._cuts and self._cuts[name].producer != st.index:
                 raise ValueError(f"stage {st.index} returns {name!r}, produced by another stage")
 
-        mine = [t for t in routing.input_transfers(plan) if me in (t.src, t.dst)]
-        self._in_tx = [[t for t in mine if t.microbatch == i] for i in range(m)]
-        self._cut_tx = []
-        self._grad_tx = []
-        for i in range(m):
-            self._cut_tx.append([t for t in routing.cut_transfers(plan, i) if me in (t.src, t.dst)])
-            self._grad_tx.append(
-                [t for t in routing.grad_transfers(plan, i) if me in (t.src, t.dst)]
-            )
-        self._out_tx = [t for t in routing.output_transfers(plan) if me in (t.src, t.dst)]
-        # Per micro-batch and stage argument: the pieces it is assembled from.
-        self._arg_tx: list[list[list[Transfer]]] = []
-        for i in range(m):
-            incoming = [t for t in self._in_tx[i] + self._cut_tx[i] if t.dst == me]
-            self._arg_tx.append([[t for t in incoming if t.value == n] for n in st.inputs])
-
-    def _build_params(self) -> None:
-        """Split local parameters into shared ones (one group each) and the stage's own."""
-        named = dict(self.module.named_parameters(remove_duplicate=False))
-        unique = {id(p): p for p in named.values() if p.requires_grad}
-        self._shared: list[tuple[int, list[nn.Parameter]]] = []
-        taken: set[int] = set()
-        for j, sp in enumerate(self.plan.shared_params):
-            if self.stage.index not in sp.stages:
-                continue
-            found = {id(named[n]): named[n] for n in (sp.name, *sp.aliases) if n in named}
-            if not found:
-                raise ValueError(
-                    f"stage {self.stage.index} uses shared parameter {sp.name!r} but its module "
-                    f"has no parameter under that name or its aliases {list(sp.aliases)}"
-                )
-            ps = [p for i, p in found.items() if i in unique and i not in taken]
-            taken.update(found)
-            self._shared.append((j, ps))
-        self._own = [p for i, p in unique.items() if i not in taken]
+        self.routes = routing.rank_routes(plan, self.rank)
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
@@ -210,16 +181,18 @@ class StageExecutor:
         self._saved = None  # a new step frees the last one's activations
         training = torch.is_grad_enabled()
         m = self.plan.micro_batches
-        keep = set(range(len(self.stage.outputs))) if training else {
-            self._out_pos[r.spec.name] for r in self._my_outputs
-        }
+        keep = (
+            set(range(len(self.stage.outputs)))
+            if training
+            else {self._out_pos[r.spec.name] for r in self._my_outputs}
+        )
 
         # A: every micro-batch's graph inputs at once; owners never wait on anything first.
         sends: list[Pending] = []
         in_recv: list[dict[Transfer, torch.Tensor]] = []
         in_pending: list[Pending] = []
         for i in range(m):
-            msgs, recv = self._messages(self._in_tx[i], lambda t: local[t.slot], "input")
+            msgs, recv = self._messages(self.routes.inputs[i], lambda t: local[t.slot], "input")
             in_recv.append(recv)
             in_pending.append(post([x for x in msgs if x.op == "recv"]))
             sends.append(post([x for x in msgs if x.op == "send"]))
@@ -296,7 +269,7 @@ class StageExecutor:
             cv = self._cuts.get(name)
             if cv is None or cv.spec.kind != "tensor":
                 continue
-            want = (cv.spec.shape_for(n), _dtype(cv.spec))
+            want = (cv.spec.shape_for(n), dtype_of(cv.spec))
             if not isinstance(o, torch.Tensor) or (tuple(o.shape), o.dtype) != want:
                 got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o)
                 raise ValueError(
@@ -323,31 +296,24 @@ class StageExecutor:
         for t in transfers:
             if t.local:
                 continue
-            spec = self._spec_of(t)
+            spec = routing.spec_of(self.plan, t)
             label = f"{what} {t.value!r} of micro-batch {t.microbatch}"
             if t.src == me:
-                piece = _take(source(t), spec, t.src_rows(spec) if t.batched else None)
+                piece = take(source(t), spec, t.src_rows(spec) if t.batched else None)
                 msgs.append(Message("send", piece.contiguous(), t.dst, label))
             else:
-                buf = torch.empty(_piece_shape(spec, t), dtype=_dtype(spec), device=self.device)
+                buf = torch.empty(piece_shape(spec, t), dtype=dtype_of(spec), device=self.device)
                 recv[t] = buf
                 msgs.append(Message("recv", buf, t.src, label))
         return msgs, recv
 
-    def _spec_of(self, t: Transfer) -> ValueSpec:
-        if t.kind == "input":
-            return self.plan.inputs[t.slot]
-        if t.kind == "output":
-            return self.plan.outputs[t.slot].spec
-        return self.plan.cut_values[t.slot].spec
-
     def _post_cut_recvs(self, i: int) -> tuple[Pending, dict[Transfer, torch.Tensor]]:
-        mine = [t for t in self._cut_tx[i] if t.dst == self.rank]
+        mine = [t for t in self.routes.cuts[i] if t.dst == self.rank]
         msgs, recv = self._messages(mine, None, "cut value")
         return post(msgs), recv
 
     def _send_cuts(self, i: int, outs: tuple[Any, ...]) -> Pending:
-        mine = [t for t in self._cut_tx[i] if t.src == self.rank]
+        mine = [t for t in self.routes.cuts[i] if t.src == self.rank]
         msgs, _ = self._messages(mine, lambda t: outs[self._out_pos[t.value]].detach(), "cut value")
         return post(msgs)
 
@@ -356,7 +322,9 @@ class StageExecutor:
     ) -> list[Any]:
         n = self._spans[i][1] - self._spans[i][0]
         args: list[Any] = []
-        for name, spec, pieces in zip(self.stage.inputs, self._in_specs, self._arg_tx[i], strict=True):
+        for name, spec, pieces in zip(
+            self.stage.inputs, self._in_specs, self.routes.args[i], strict=True
+        ):
             if spec.kind in ("int", "ints"):
                 ints = spec.ints_for(n)  # each stage recomputes sizes for its own samples
                 args.append(ints[0] if spec.kind == "int" else torch.Size(ints))
@@ -365,16 +333,18 @@ class StageExecutor:
                 args.append(local[self._graph_inputs[name][0]])
                 continue
             parts = [
-                (t, recv[t] if not t.local else _take(local[t.slot], spec, t.src_rows(spec)))
+                (t, recv[t] if not t.local else take(local[t.slot], spec, t.src_rows(spec)))
                 for t in pieces
             ]
-            x = _assemble(parts, spec, n, self.device)
+            x = assemble(parts, spec, n, self.device)
             if training and name in self._cuts and routing.needs_grad(spec):
                 x = x.detach().requires_grad_(True)  # a leaf: backward reads its .grad
             args.append(x)
         return args
 
-    def _reduce_outputs(self, i: int, outs: tuple[Any, ...], reduced: dict[int, torch.Tensor]) -> None:
+    def _reduce_outputs(
+        self, i: int, outs: tuple[Any, ...], reduced: dict[int, torch.Tensor]
+    ) -> None:
         """Outputs without a batch dimension: share-weighted sum (mean-reduced losses)."""
         for ref in self._my_outputs:
             spec = ref.spec
@@ -400,7 +370,7 @@ class StageExecutor:
                 raise ValueError(f"model output {ref.index} is a {spec.kind}; return tensors")
             elif spec.batch_dim is None:
                 idx.append(ref.index)
-                zero = torch.zeros(spec.shape, dtype=_dtype(spec), device=self.device)
+                zero = torch.zeros(spec.shape, dtype=dtype_of(spec), device=self.device)
                 vals.append(reduced.get(ref.index, zero))
         if vals and self.plan.world_size > 1:
             vals = all_reduce_flat(vals, None, what="the loss (outputs without a batch dimension)")
@@ -414,7 +384,7 @@ class StageExecutor:
         def source(t: Transfer) -> torch.Tensor:
             return outputs[t.microbatch][self._out_pos[t.value]].detach()
 
-        msgs, recv = self._messages(self._out_tx, source, "model output")
+        msgs, recv = self._messages(self.routes.outputs, source, "model output")
         pending = post(msgs)
         pending.wait()
         results: dict[int, Any] = {}
@@ -423,11 +393,11 @@ class StageExecutor:
             if spec.kind != "tensor" or spec.batch_dim is None:
                 continue
             parts = [
-                (t, recv[t] if not t.local else _take(source(t), spec, t.src_rows(spec)))
-                for t in self._out_tx
+                (t, recv[t] if not t.local else take(source(t), spec, t.src_rows(spec)))
+                for t in self.routes.outputs
                 if t.dst == me and t.slot == ref.index
             ]
-            results[ref.index] = _assemble(parts, spec, self._local, self.device)
+            results[ref.index] = assemble(parts, spec, self._local, self.device)
         return results
 
     # -- backward --------------------------------------------------------------------------------
@@ -456,10 +426,7 @@ class StageExecutor:
             )
         step.done = True
         seeds = self._seeds(grads)
-        reduce_params = self._reduced_params()
-        stash = {id(p): p.grad for p in reduce_params if p.grad is not None}
-        for p in reduce_params:
-            p.grad = None
+        self.grads.begin()
         sends: list[Pending] = []
         last = self.plan.micro_batches - 1
         grad_recv = {last: self._post_grad_recvs(last)}
@@ -476,7 +443,7 @@ class StageExecutor:
             step.inputs[i], step.outputs[i] = [], ()
         for sent in sends:
             sent.wait()
-        self._all_reduce_grads(stash)
+        self.grads.finish()
         self._saved = None
 
     def _seeds(self, grads: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
@@ -491,22 +458,26 @@ class StageExecutor:
         return seeds
 
     def _post_grad_recvs(self, i: int) -> tuple[Pending, dict[Transfer, torch.Tensor]]:
-        mine = [t for t in self._grad_tx[i] if t.dst == self.rank]
+        mine = [t for t in self.routes.grads[i] if t.dst == self.rank]
         msgs, recv = self._messages(mine, None, "gradient of cut value")
         return post(msgs), recv
 
     def _backward_one(
-        self, i: int, step: _Step, recv: dict[Transfer, torch.Tensor], seeds: dict[int, torch.Tensor]
+        self,
+        i: int,
+        step: _Step,
+        recv: dict[Transfer, torch.Tensor],
+        seeds: dict[int, torch.Tensor],
     ) -> None:
         outs = step.outputs[i]
         grads: dict[int, torch.Tensor] = {}
         for t, piece in recv.items():
             pos = self._out_pos[t.value]
-            spec = self._spec_of(t)
+            spec = routing.spec_of(self.plan, t)
             g = grads.get(pos)
             if g is None:
                 g = grads[pos] = torch.zeros_like(outs[pos])
-            _take(g, spec, t.dst_rows(spec) if t.batched else None).add_(piece)
+            take(g, spec, t.dst_rows(spec) if t.batched else None).add_(piece)
         for pos, s in seeds.items():
             g = self._shares[i] * s
             grads[pos] = grads[pos] + g if pos in grads else g
@@ -526,40 +497,18 @@ class StageExecutor:
             x = args[pos[t.value]]
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        mine = [t for t in self._grad_tx[i] if t.src == self.rank]
+        mine = [t for t in self.routes.grads[i] if t.src == self.rank]
         msgs, _ = self._messages(mine, source, "gradient of cut value")
         return post(msgs)
-
-    def _reduced_params(self) -> list[nn.Parameter]:
-        ps = [p for j, group in self._shared if self.groups.shared[j] is not None for p in group]
-        if self.groups.stage[self.stage.index] is not None:
-            ps.extend(self._own)
-        return ps
-
-    def _all_reduce_grads(self, stash: dict[int, torch.Tensor]) -> None:
-        """SUM of the share-weighted gradients: shared parameters first (plan order), then the
-        stage's own among its replicas; every rank walks the groups in that global order."""
-        todo: list[tuple[dist.ProcessGroup, list[nn.Parameter], str, tuple[int, ...]]] = []
-        for j, ps in self._shared:
-            g = self.groups.shared[j]
-            if g is not None and ps:
-                name = self.plan.shared_params[j].name
-                todo.append((g, ps, f"gradient of shared parameter {name!r}", self.groups.shared_ranks[j]))
-        g = self.groups.stage[self.stage.index]
-        if g is not None and self._own:
-            todo.append((g, self._own, f"gradients of stage {self.stage.index}", self.stage.ranks))
-        for group, ps, what, ranks in todo:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-            for p, r in zip(ps, all_reduce_flat(grads, group, what=what, ranks=ranks), strict=True):
-                old = stash.get(id(p))
-                p.grad = r if old is None else old + r  # gradient accumulation across calls
 
 
 class _Bridge(torch.autograd.Function):
     """Joins the user's autograd graph to the pipeline: its backward runs ``backward``."""
 
     @staticmethod
-    def forward(ctx: Any, executor: StageExecutor, step: int, anchor: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, executor: StageExecutor, step: int, anchor: torch.Tensor, *values: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.executor, ctx.step = executor, step
         return tuple(v.clone() for v in values)
 
@@ -567,47 +516,6 @@ class _Bridge(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         ctx.executor.backward(ctx.step, grads)
         return (None,) * (3 + len(grads))
-
-
-# -- tensor helpers ------------------------------------------------------------------------------
-
-
-def _dtype(spec: ValueSpec) -> torch.dtype:
-    dt = getattr(torch, spec.dtype or "float32")
-    assert isinstance(dt, torch.dtype), spec.dtype
-    return dt
-
-
-def _piece_shape(spec: ValueSpec, t: Transfer) -> tuple[int, ...]:
-    if not t.batched or spec.batch_dim is None:
-        return spec.shape
-    shape = list(spec.shape)
-    shape[spec.batch_dim] = t.dst_rows(spec)[1]
-    return tuple(shape)
-
-
-def _take(x: torch.Tensor, spec: ValueSpec, rows: tuple[int, int] | None) -> torch.Tensor:
-    """Rows [start, start + count) of ``x`` along the batch dimension (all of it for None)."""
-    if rows is None or spec.batch_dim is None:
-        return x
-    start, count = rows
-    if start == 0 and count == x.shape[spec.batch_dim]:
-        return x
-    return x.narrow(spec.batch_dim, start, count)
-
-
-def _assemble(
-    parts: list[tuple[Transfer, torch.Tensor]], spec: ValueSpec, samples: int, device: torch.device
-) -> torch.Tensor:
-    """One tensor for ``samples`` samples from disjoint pieces that cover it."""
-    if len(parts) == 1 and (not parts[0][0].batched or parts[0][0].samples == samples):
-        return parts[0][1]
-    if not parts:
-        raise ValueError(f"no piece of {spec.name!r} reaches this rank; the routes are wrong")
-    out = torch.empty(spec.shape_for(samples), dtype=_dtype(spec), device=device)
-    for t, piece in parts:
-        _take(out, spec, t.dst_rows(spec)).copy_(piece)
-    return out
 
 
 def _graph(module: nn.Module) -> fx.Graph:
@@ -621,23 +529,3 @@ def _device_of(module: nn.Module) -> torch.device:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def _check_same_plan(plan: Plan, device: torch.device) -> None:
-    """One collective at start-up: every rank holds the same plan (and, on NCCL, the world
-    communicator exists before p2p batches that leave ranks out)."""
-    digest = int(hashlib.sha256(plan.to_json().encode()).hexdigest()[:15], 16)
-    t = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    if int(t[0]) != digest or -int(t[1]) != digest:
-        raise ValueError(
-            f"rank {dist.get_rank()} holds a different plan than another rank; broadcast one "
-            "plan from rank 0 (or load the same plan file everywhere)"
-        )
-
-
-def _groups_for(plan: Plan) -> Groups:
-    if plan.world_size == 1:
-        return Groups([None] * len(plan.stages), [None] * len(plan.shared_params),
-                      [st.ranks for st in plan.stages], [() for _ in plan.shared_params])
-    return build_groups(plan)

@@ -25,11 +25,13 @@ order, so p2p messages match without tags.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ..plan import Plan, ValueSpec
 
 __all__ = [
+    "RankRoutes",
     "Span",
     "Transfer",
     "cut_transfers",
@@ -40,10 +42,12 @@ __all__ = [
     "microbatch_spans",
     "needs_grad",
     "output_transfers",
+    "rank_routes",
     "rank_span",
     "replica_span",
     "rows_per_sample",
     "share",
+    "spec_of",
 ]
 
 Span = tuple[int, int]  # [start, stop) in global sample numbers
@@ -194,9 +198,11 @@ def input_transfers(plan: Plan) -> list[Transfer]:
                     for j, have in enumerate(owners):
                         ov = _overlap(have, need)
                         if ov:
-                            out.append(Transfer(
-                                "input", spec.name, slot, i, j, rank, *ov, have[0], need[0]
-                            ))
+                            out.append(
+                                Transfer(
+                                    "input", spec.name, slot, i, j, rank, *ov, have[0], need[0]
+                                )
+                            )
     return out
 
 
@@ -226,17 +232,38 @@ def cut_transfers(plan: Plan, microbatch: int) -> list[Transfer]:
                 need = replica_span(plan, c, k2, microbatch)
                 if spec.batch_dim is None:
                     k1 = k2 % prod.replicas
-                    out.append(Transfer(
-                        "cut", cv.name, slot, microbatch, prod.ranks[k1], dst,
-                        need[0], need[1], have[k1][0], need[0], batched=False,
-                    ))
+                    out.append(
+                        Transfer(
+                            "cut",
+                            cv.name,
+                            slot,
+                            microbatch,
+                            prod.ranks[k1],
+                            dst,
+                            need[0],
+                            need[1],
+                            have[k1][0],
+                            need[0],
+                            batched=False,
+                        )
+                    )
                     continue
                 for k1, src in enumerate(prod.ranks):
                     ov = _overlap(have[k1], need)
                     if ov:
-                        out.append(Transfer(
-                            "cut", cv.name, slot, microbatch, src, dst, *ov, have[k1][0], need[0]
-                        ))
+                        out.append(
+                            Transfer(
+                                "cut",
+                                cv.name,
+                                slot,
+                                microbatch,
+                                src,
+                                dst,
+                                *ov,
+                                have[k1][0],
+                                need[0],
+                            )
+                        )
     return out
 
 
@@ -265,7 +292,59 @@ def output_transfers(plan: Plan) -> list[Transfer]:
                 for j, need in enumerate(owners):
                     ov = _overlap(have, need)
                     if ov:
-                        out.append(Transfer(
-                            "output", spec.name, ref.index, i, src, j, *ov, have[0], need[0]
-                        ))
+                        out.append(
+                            Transfer(
+                                "output", spec.name, ref.index, i, src, j, *ov, have[0], need[0]
+                            )
+                        )
     return out
+
+
+def spec_of(plan: Plan, t: Transfer) -> ValueSpec:
+    """The ValueSpec of the value a transfer moves."""
+    if t.kind == "input":
+        return plan.inputs[t.slot]
+    if t.kind == "output":
+        return plan.outputs[t.slot].spec
+    return plan.cut_values[t.slot].spec
+
+
+@dataclass(frozen=True)
+class RankRoutes:
+    """Every transfer one rank takes part in, by phase and micro-batch, in canonical order.
+
+    ``args[i][p]`` lists the pieces stage argument ``p`` of micro-batch ``i`` is assembled
+    from (graph-input and cut-value transfers whose destination is this rank).
+    """
+
+    rank: int
+    inputs: list[list[Transfer]]  # per micro-batch
+    cuts: list[list[Transfer]]  # per micro-batch
+    grads: list[list[Transfer]]  # per micro-batch
+    outputs: list[Transfer]
+    args: list[list[list[Transfer]]]
+
+
+def rank_routes(plan: Plan, rank: int) -> RankRoutes:
+    """The transfers ``rank`` sends or receives, filtered from the canonical lists."""
+    m = plan.micro_batches
+    st = plan.stage_of_rank(rank)
+
+    def mine(ts: list[Transfer]) -> list[Transfer]:
+        return [t for t in ts if rank in (t.src, t.dst)]
+
+    inputs = mine(input_transfers(plan))
+    per_mb = [[t for t in inputs if t.microbatch == i] for i in range(m)]
+    cuts = [mine(cut_transfers(plan, i)) for i in range(m)]
+    args = []
+    for i in range(m):
+        incoming = [t for t in per_mb[i] + cuts[i] if t.dst == rank]
+        args.append([[t for t in incoming if t.value == name] for name in st.inputs])
+    return RankRoutes(
+        rank=rank,
+        inputs=per_mb,
+        cuts=cuts,
+        grads=[mine(grad_transfers(plan, i)) for i in range(m)],
+        outputs=mine(output_transfers(plan)),
+        args=args,
+    )

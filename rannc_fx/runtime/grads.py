@@ -1,0 +1,86 @@
+"""Gradient all-reduce after a step's backwards: shared parameters over all their holders,
+the rest among the stage's replicas.
+
+Each replica's gradient is the sum over its micro-batches of share-weighted slice gradients,
+so the SUM over replicas is the global-batch gradient. A parameter that several stages use
+(a tied embedding and LM head) gets a partial gradient on every rank of every such stage; one
+SUM over all of them gives every holder the same full gradient, hence the same value after
+the same optimizer step. Such a parameter is left out of its replica group's all-reduce, which
+would count it twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from ..plan import Plan
+from .comm import Groups, all_reduce_flat
+
+__all__ = ["GradSync"]
+
+
+class GradSync:
+    """Which local parameters go through which group, and the all-reduces themselves."""
+
+    def __init__(self, plan: Plan, stage: int, module: fx.GraphModule, groups: Groups):
+        self.plan, self.stage, self.groups = plan, stage, groups
+        named = dict(module.named_parameters(remove_duplicate=False))
+        unique = {id(p): p for p in named.values() if p.requires_grad}
+        self.shared: list[tuple[int, list[nn.Parameter]]] = []  # (plan index, its objects here)
+        taken: set[int] = set()
+        for j, sp in enumerate(plan.shared_params):
+            if stage not in sp.stages:
+                continue
+            found = {id(named[n]): named[n] for n in (sp.name, *sp.aliases) if n in named}
+            if not found:
+                raise ValueError(
+                    f"stage {stage} uses shared parameter {sp.name!r} but its module has no "
+                    f"parameter under that name or its aliases {list(sp.aliases)}"
+                )
+            self.shared.append((j, [p for i, p in found.items() if i in unique and i not in taken]))
+            taken.update(found)
+        self.own = [p for i, p in unique.items() if i not in taken]
+        self._stash: dict[int, torch.Tensor] = {}
+
+    def _reduced(self) -> list[nn.Parameter]:
+        ps = [p for j, group in self.shared if self.groups.shared[j] is not None for p in group]
+        if self.groups.stage[self.stage] is not None:
+            ps.extend(self.own)
+        return ps
+
+    def begin(self) -> None:
+        """Before the backwards: set aside gradients from earlier calls (accumulation), so
+        only this step's are summed over ranks."""
+        self._stash = {}
+        for p in self._reduced():
+            if p.grad is not None:
+                self._stash[id(p)] = p.grad
+                p.grad = None
+
+    def finish(self) -> None:
+        """After the backwards: the SUM all-reduces, shared parameters first (plan order),
+        then the stage's own; every rank walks the groups in that one global order."""
+        todo: list[tuple[dist.ProcessGroup, list[nn.Parameter], str, tuple[int, ...]]] = []
+        for j, ps in self.shared:
+            g = self.groups.shared[j]
+            if g is not None and ps:
+                what = f"gradient of shared parameter {self.plan.shared_params[j].name!r}"
+                todo.append((g, ps, what, self.groups.shared_ranks[j]))
+        g = self.groups.stage[self.stage]
+        if g is not None and self.own:
+            todo.append(
+                (
+                    g,
+                    self.own,
+                    f"gradients of stage {self.stage}",
+                    self.groups.stage_ranks[self.stage],
+                )
+            )
+        for group, ps, what, ranks in todo:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
+            for p, r in zip(ps, all_reduce_flat(grads, group, what=what, ranks=ranks), strict=True):
+                old = self._stash.get(id(p))
+                p.grad = r if old is None else old + r
+        self._stash = {}
