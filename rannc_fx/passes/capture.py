@@ -411,6 +411,8 @@ def _finish(gm: fx.GraphModule, model: nn.Module, tracer: Literal["fx", "export"
             in_spec: Any, out_spec: Any, leaves: list[Any], out_idx: list[int],
             consts: dict[int, Any], batch_dim: int) -> CapturedGraph:
     _share_state(gm, model)
+    aliases = _aliases(model)
+    _add_aliases(gm, model, aliases)
     gm.graph.lint()
     gm.recompile()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -424,7 +426,7 @@ def _finish(gm: fx.GraphModule, model: nn.Module, tracer: Literal["fx", "export"
         tensor_leaf_index=[i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)],
         constant_inputs={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
         output_names=[n.name for n in out_node.args[0]],
-        aliases=_aliases(model),
+        aliases=aliases,
         output_leaf_index=out_idx,
         constant_outputs=consts,
         batch_dim=batch_dim,
@@ -460,6 +462,29 @@ def _share_state(gm: fx.GraphModule, model: nn.Module) -> None:
             continue
         if attr in mine._non_persistent_buffers_set and id(theirs_mod) not in model_modules:
             theirs_mod._non_persistent_buffers_set.add(attr)
+
+
+def _add_aliases(gm: fx.GraphModule, model: nn.Module, aliases: dict[str, str]) -> None:
+    """Make a tied tensor reachable in ``gm`` under every name it has in the model."""
+    model_modules = {id(m) for m in model.modules()}
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    buffers = dict(gm.named_buffers(remove_duplicate=False))
+    for alias, canonical in aliases.items():
+        t = params.get(canonical, buffers.get(canonical))
+        if t is None or alias in params or alias in buffers:
+            continue
+        *path, attr = alias.split(".")
+        owner: nn.Module = gm
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        if id(owner) in model_modules:
+            continue  # the model's own module holds it already
+        if canonical in params:
+            owner.register_parameter(attr, params[canonical])
+        else:
+            owner.register_buffer(attr, t)
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:

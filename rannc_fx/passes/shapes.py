@@ -71,9 +71,12 @@ def infer_values_pass(
 ) -> dict[str, ValueSpec]:
     """ValueSpec of every placeholder and call node, from shape propagation at 2-3 batch sizes.
 
-    No real compute runs (FakeTensorMode), so a meta-device model works. Raises ValueError
-    naming the node when a value's size is not proportional to the sample count (or an integer
-    not affine in it), since micro-batching would then change its meaning.
+    No real compute runs (FakeTensorMode), so a meta-device model works; the one exception is
+    a leaf module whose Python branches on tensor values (``nn.TransformerEncoder`` checks its
+    mask), which runs on zeros with copies of its real parameters. Raises ValueError naming
+    the node when a value's size is not proportional to the sample count (or an integer not
+    affine in it), or when an op interleaves the rows of different samples along the batch
+    dimension, since micro-batching would then change its meaning.
     """
     t0 = time.perf_counter()
     gm = captured.gm
