@@ -154,6 +154,25 @@ class _Lm1(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
 
 
+class _LmMid(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.lin = net.lin
+
+    def forward(self, e, p):
+        return (torch.tanh(self.lin(e + p)),)
+
+
+class _LmHead(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.embed = net.embed
+
+    def forward(self, h, labels):
+        logits = F.linear(h, self.embed.weight)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
 class Flat(nn.Module):
     """Cut values with S rows per sample (``flatten(0, 1)``), the batch on dim 1 (seq-first),
     and an integer (the sample count) that the consumer recomputes."""
@@ -261,6 +280,16 @@ def _ids(g: int, gen: torch.Generator) -> list[torch.Tensor]:
     return [ids, torch.roll(ids, -1, dims=1)]
 
 
+LM_VALUES = {
+    "ids": tensor("ids", (1, TiedLM.S), dtype="int64"),
+    "labels": tensor("labels", (1, TiedLM.S), dtype="int64"),
+    "e": tensor("e", (1, TiedLM.S, TiedLM.D), requires_grad=True),
+    "p": tensor("p", (TiedLM.S, TiedLM.D), batch_dim=None, requires_grad=True),
+    "h": tensor("h", (1, TiedLM.S, TiedLM.D), requires_grad=True),
+    "loss": scalar("loss"),
+    "logits": tensor("logits", (1, TiedLM.S, TiedLM.V), requires_grad=True),
+}
+
 XY = {"x": tensor("x", (1, 6)), "y": tensor("y", (1,), dtype="int64"), "loss": scalar("loss")}
 H8 = tensor("h", (1, 8), requires_grad=True)
 
@@ -292,19 +321,22 @@ CASES = {
     "lm2": Case(
         TiedLM,
         [_Lm0, _Lm1],
-        {
-            "ids": tensor("ids", (1, TiedLM.S), dtype="int64"),
-            "labels": tensor("labels", (1, TiedLM.S), dtype="int64"),
-            "e": tensor("e", (1, TiedLM.S, TiedLM.D), requires_grad=True),
-            "p": tensor("p", (TiedLM.S, TiedLM.D), batch_dim=None, requires_grad=True),
-            "loss": scalar("loss"),
-            "logits": tensor("logits", (1, TiedLM.S, TiedLM.V), requires_grad=True),
-        },
+        LM_VALUES,
         ["ids", "labels"],
         [(["ids"], ["e", "p"]), (["e", "p", "labels"], ["loss", "logits"])],
         ["loss", "logits"],
         _ids,
         shared=[("embed.weight", [0, 1])],
+    ),
+    "lm3": Case(
+        TiedLM,
+        [_Lm0, _LmMid, _LmHead],
+        LM_VALUES,
+        ["ids", "labels"],
+        [(["ids"], ["e", "p"]), (["e", "p"], ["h"]), (["h", "labels"], ["loss", "logits"])],
+        ["loss", "logits"],
+        _ids,
+        shared=[("embed.weight", [0, 2])],
     ),
     "flat2": Case(
         Flat,
@@ -455,6 +487,11 @@ def test_skip_connection_to_two_later_stages(replicas, mbs):
 @pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 2), ((1, 2), 3), ((2, 2), 3)])
 def test_tied_embedding_and_batched_output(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "lm2", replicas, mbs))
+
+
+@pytest.mark.parametrize("replicas,mbs", [((1, 1, 1), 2), ((2, 1, 1), 3)])
+def test_tied_embedding_in_first_and_last_of_three_stages(replicas, mbs):
+    _same_everywhere(run_ranks(_train, sum(replicas), "lm3", replicas, mbs))
 
 
 @pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 3), ((1, 2), 2)])
