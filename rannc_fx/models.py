@@ -115,7 +115,8 @@ class TransformerLM(nn.Module):
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         s = input_ids.shape[1]
         h = self.embed(input_ids) + self.pos[:s]
-        h = self.encoder(h, mask=self.causal[:s, :s])
+        # is_causal spares the encoder a data-dependent check of the mask, so export traces it
+        h = self.encoder(h, mask=self.causal[:s, :s], is_causal=True)
         logits = self.head(self.norm(h))
         if labels is None:
             return logits
