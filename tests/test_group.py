@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import operator
 from typing import Any
@@ -24,128 +23,32 @@ from rannc_fx.passes.group import (
     recomputed_values,
 )
 from rannc_fx.passes.profile import NodeCost, Profile
-from rannc_fx.passes.shapes import infer_values_pass, inputs_for_samples
+from rannc_fx.passes.shapes import infer_values_pass
 from rannc_fx.plan import ValueSpec
 
-# -- inputs built here until the capture, shapes and profile passes land ---------------------
+# -- inputs: the real capture and shapes passes, a synthetic profile -------------------------
 
 
-def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-            *, tracer: str = "auto") -> tuple[CapturedGraph, list[torch.Tensor]]:
-    """The captured graph and its flat inputs (the real pass where it exists)."""
+def capture(model: nn.Module, args: tuple[Any, ...],
+            kwargs: dict[str, Any] | None = None) -> tuple[CapturedGraph, list[torch.Tensor]]:
+    """The captured graph and its flat inputs."""
     kwargs = dict(kwargs or {})
-    try:
-        cg = capture_pass(model, args, kwargs, tracer=tracer)  # type: ignore[arg-type]
-        return cg, cg.flatten_inputs(args, kwargs)
-    except NotImplementedError:
-        pass
-    if tracer == "export" or "transformers" in type(model).__module__:
-        return _export(model, args, kwargs)
-    return _symbolic_trace(model, args, kwargs)
-
-
-class _LeafTracer(fx.Tracer):
-    proxy_buffer_attributes = True
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, nn.TransformerEncoderLayer) or super().is_leaf_module(m, qualname)
-
-
-def _flat_output(gm: fx.GraphModule) -> pytree.TreeSpec:
-    out = gm.graph.output_node()
-    leaves, spec = pytree.tree_flatten(out.args[0])
-    out.args = (tuple(leaves),)
-    gm.recompile()
-    return spec
-
-
-def _captured(gm: fx.GraphModule, tracer: str, flat: list[torch.Tensor],
-              spec: pytree.TreeSpec) -> tuple[CapturedGraph, list[torch.Tensor]]:
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    outs = [a.name for a in gm.graph.output_node().args[0]]
-    cg = CapturedGraph(gm=gm, tracer=tracer, in_spec=spec, out_spec=spec,  # type: ignore[arg-type]
-                       input_names=names, tensor_leaf_index=list(range(len(names))),
-                       output_names=outs)
-    return cg, flat
-
-
-def _symbolic_trace(model: nn.Module, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> tuple[CapturedGraph, list[torch.Tensor]]:
-    params = list(inspect.signature(model.forward).parameters)
-    concrete = {p: None for p in params[len(args):] if p not in kwargs}
-    graph = _LeafTracer().trace(model, concrete_args=concrete or None)
-    for n in list(graph.nodes):
-        if n.op == "placeholder" and n.target in concrete:
-            graph.erase_node(n)
-    gm = fx.GraphModule(model, graph)
-    spec = _flat_output(gm)
-    flat = list(args) + [kwargs[p] for p in params[len(args):] if p in kwargs]
-    return _captured(gm, "fx", flat, spec)
-
-
-def _export(model: nn.Module, args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> tuple[CapturedGraph, list[torch.Tensor]]:
-    batch = pytree.tree_leaves((args, kwargs))[0].shape[0]
-
-    def dyn(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch:
-            return {0: torch.export.Dim.AUTO}
-        return None
-
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    dyn_shapes = {k: pytree.tree_map(dyn, v) for k, v in bound.arguments.items()}
-    gm = torch.export.export(model, args, kwargs, strict=False,
-                             dynamic_shapes=dyn_shapes).module()
-    gm.graph._codegen = fx.graph.CodeGen()
-    for n in list(gm.graph.nodes):
-        if n.op == "call_module" and n.target == "_guards_fn":
-            gm.graph.erase_node(n)
-    spec = _flat_output(gm)
-    flat = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    return _captured(gm, "export", flat, spec)
+    cg = capture_pass(model, args, kwargs)
+    return cg, cg.flatten_inputs(args, kwargs)
 
 
 def value_specs(cg: CapturedGraph, flat: list[torch.Tensor]) -> dict[str, ValueSpec]:
-    """ValueSpecs from the real pass, or from running the graph at two batch sizes."""
-    try:
-        return infer_values_pass(cg, flat)
-    except NotImplementedError:
-        pass
-    batch = flat[0].shape[0]
-    runs = []
-    for b in (batch, 2 * batch):
-        env: dict[str, Any] = {}
-
-        class _Rec(fx.Interpreter):
-            def run_node(self, n: fx.Node) -> Any:
-                env[n.name] = out = super().run_node(n)
-                return out
-
-        with torch.no_grad():
-            _Rec(cg.gm).run(*inputs_for_samples(flat, batch, b))
-        runs.append(env)
-    return {
-        n.name: _spec(n.name, runs[0][n.name], runs[1][n.name], batch)
-        for n in cg.gm.graph.nodes if n.op in ("placeholder", "call_function", "call_method",
-                                               "call_module")
-    }
+    return infer_values_pass(cg, flat)
 
 
-def _spec(name: str, v1: Any, v2: Any, batch: int) -> ValueSpec:
-    if isinstance(v1, torch.Tensor):
-        shape = list(v1.shape)
-        bd = next((d for d in range(v1.dim()) if v1.shape[d] != v2.shape[d]), None)
-        if bd is not None:
-            shape[bd] //= batch
-        return ValueSpec(name=name, kind="tensor", dtype=str(v1.dtype).removeprefix("torch."),
-                         shape=tuple(shape), batch_dim=bd, requires_grad=v1.requires_grad)
-    if isinstance(v1, int) and not isinstance(v1, bool):
-        a = (v2 - v1) // batch
-        return ValueSpec(name=name, kind="int", int_coeffs=((a, v1 - a * batch),))
-    if isinstance(v1, (tuple, list)) and v1 and all(type(x) is int for x in v1):
-        co = tuple(((y - x) // batch, x - (y - x)) for x, y in zip(v1, v2, strict=True))
-        return ValueSpec(name=name, kind="ints", int_coeffs=co)
-    return ValueSpec(name=name, kind="constant")
+def _captured(gm: fx.GraphModule, flat: list[torch.Tensor]) -> CapturedGraph:
+    """A CapturedGraph around a hand-made flat graph."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    outs = [a.name for a in gm.graph.output_node().args[0]]
+    _, spec = pytree.tree_flatten(tuple(range(len(outs))))
+    _, in_spec = pytree.tree_flatten((tuple(flat), {}))
+    return CapturedGraph(gm=gm, tracer="fx", in_spec=in_spec, out_spec=spec, input_names=names,
+                         tensor_leaf_index=list(range(len(names))), output_names=outs)
 
 
 def synthetic_profile(cg: CapturedGraph, values: dict[str, ValueSpec],
@@ -233,8 +136,11 @@ def _trace(fn: Any, shape: tuple[int, ...]) -> tuple[CapturedGraph, dict[str, Va
             return fn(self, x)
 
     gm = fx.symbolic_trace(M())
-    spec = _flat_output(gm)
-    cg, flat = _captured(gm, "fx", [torch.randn(*shape)], spec)
+    out = gm.graph.output_node()
+    out.args = (tuple(pytree.tree_leaves(out.args[0])),)
+    gm.recompile()
+    flat = [torch.randn(*shape)]
+    cg = _captured(gm, flat)
     return cg, value_specs(cg, flat)
 
 

@@ -1,17 +1,45 @@
-"""Build one fx.GraphModule per stage from the plan's node-to-stage assignment (split_module)."""
+"""Build one fx.GraphModule per stage from the plan's node-to-stage assignment (split_module).
 
-# INTERFACE (to be implemented)
+The search decides which stage each node runs in (``Plan.node_stage``);
+``torch.fx.passes.split_module`` builds the per-stage graphs. Around it:
+
+* before: the graph is copied in stage order, and every recomputed value a stage reads from
+  elsewhere (``group.recomputed_values``) is rebuilt inside that stage: a size as
+  ``a * samples + c`` from the stage's sample count, a data-free value (a mask) by running its
+  chain again. So only tensors ever cross stages.
+* after: each partition becomes ``stage_<s>``, a GraphModule with placeholders in the order
+  of ``plan.stages[s].inputs``, returning a flat tuple in the order of ``outputs``, holding
+  the captured graph's own parameter and buffer objects under their original names.
+  (``split_module`` passes parameters to partitions as inputs and renames modules
+  ``a.b`` -> ``a_b``; the stages own theirs instead.)
+
+Running stage 0, 1, ... in order, each on the values its ``inputs`` name, reproduces the
+captured graph bit for bit.
+"""
 
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import fx
+from torch.fx.passes.split_module import split_module
 
-from ..plan import Plan, ValueSpec
+from ..plan import Plan, Stage, ValueSpec
 from .capture import CapturedGraph
+from .group import CALL_OPS, recomputed_values
 
-__all__ = ["StageInterface", "split_pass", "stage_interfaces"]
+__all__ = ["StageInterface", "run_stages", "split_pass", "stage_interfaces"]
+
+# node.meta keys of the staged copy
+_STAGE = "rannc_stage"  # stage index of a call node
+_VALUE = "rannc_value"  # the captured node it copies (absent on recomputed copies)
+_TARGET = "rannc_target"  # original qualified name of a get_attr / call_module target
+_ORIGIN = "rannc_origin"  # op of the captured node
 
 
 @dataclass(frozen=True)
@@ -21,11 +49,339 @@ class StageInterface:
     cut_values: tuple[tuple[str, int, tuple[int, ...]], ...]  # (value, producer, consumers)
 
 
+def _stage_of(node_stage: dict[str, int], node: fx.Node, num_stages: int) -> int:
+    s = node_stage.get(node.name)
+    if s is None:
+        raise ValueError(
+            f"node {node.name!r} ({node.op} {node.target}) is in no stage: the plan's blocks "
+            "must hold every call node of the captured graph; make the plan again for this graph"
+        )
+    if not 0 <= s < num_stages:
+        raise ValueError(f"node {node.name!r} is assigned to stage {s} of {num_stages}")
+    return s
+
+
+def _local_reads(node: fx.Node, s: int, node_stage: dict[str, int],
+                 recomputed: frozenset[str], values: dict[str, ValueSpec]) -> list[fx.Node]:
+    """Recomputed values from outside stage ``s`` that running ``node`` there needs rebuilt.
+
+    A data-free value is rebuilt by running its chain again (so its inputs are rebuilt too);
+    a size from the sample count alone.
+    """
+    out: dict[fx.Node, None] = {}
+    stack = [a for a in node.all_input_nodes if a.op in CALL_OPS]
+    while stack:
+        a = stack.pop()
+        if a in out or node_stage.get(a.name) == s or a.name not in recomputed:
+            continue
+        out[a] = None
+        if values[a.name].kind not in ("int", "ints"):
+            stack.extend(b for b in a.all_input_nodes if b.op in CALL_OPS)
+    return list(out)
+
+
 def stage_interfaces(
     captured: CapturedGraph, node_stage: dict[str, int], values: dict[str, ValueSpec], num_stages: int
 ) -> list[StageInterface]:
-    raise NotImplementedError
+    """Each stage's inputs and outputs, and the cut values between stages.
+
+    Inputs: the graph inputs the stage reads (placeholder order), then the cut values it
+    receives (node order). Outputs: the cut values it sends (node order), then the model's
+    output leaves it produces (leaf order; a graph input returned as is comes from stage 0).
+    Recomputed values (sizes, data-free values) are never cut values; a stage that rebuilds a
+    size needs a batched tensor input to count its samples, or this raises ValueError.
+    """
+    gm = captured.gm
+    recomputed = recomputed_values(gm, values)
+    reads: list[dict[str, None]] = [{} for _ in range(num_stages)]
+    cuts: dict[str, tuple[int, dict[int, None]]] = {}
+    sizes: list[dict[str, None]] = [{} for _ in range(num_stages)]
+    for n in gm.graph.nodes:
+        if n.op not in CALL_OPS:
+            continue
+        s = _stage_of(node_stage, n, num_stages)
+        for a in n.all_input_nodes:
+            if a.op == "placeholder":
+                reads[s].setdefault(a.name)
+        for a in _local_reads(n, s, node_stage, recomputed, values):
+            if values[a.name].kind in ("int", "ints"):
+                sizes[s].setdefault(a.name)
+        for a in n.all_input_nodes:
+            if a.op not in CALL_OPS or a.name in recomputed:
+                continue
+            t = _stage_of(node_stage, a, num_stages)
+            if t == s:
+                continue
+            if t > s:
+                raise ValueError(
+                    f"node {n.name!r} in stage {s} reads {a.name!r} from the later stage {t}; "
+                    "stages must be contiguous ranges of the block chain, in order"
+                )
+            if values[a.name].kind != "tensor":
+                raise ValueError(
+                    f"value {a.name!r} (a {values[a.name].kind}, not a tensor) would cross from "
+                    f"stage {t} to stage {s}; only tensors can be sent: group_pass keeps such "
+                    "values in one block, so make the plan from its BlockGraph"
+                )
+            cuts.setdefault(a.name, (t, {}))[1].setdefault(s)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    produced: list[dict[str, None]] = [{} for _ in range(num_stages)]
+    for name in captured.output_names:
+        node = by_name[name]
+        s = _stage_of(node_stage, node, num_stages) if node.op in CALL_OPS else 0
+        if node.op == "placeholder":
+            reads[0].setdefault(name)
+        produced[s].setdefault(name)
+    order = [n.name for n in gm.graph.nodes]
+    placeholders = [n for n in order if by_name[n].op == "placeholder"]
+    cut_list = [n for n in order if n in cuts]
+    out = []
+    for s in range(num_stages):
+        ins = [p for p in placeholders if p in reads[s]]
+        ins += [c for c in cut_list if s in cuts[c][1]]
+        outs = [c for c in cut_list if cuts[c][0] == s]
+        outs += [o for o in produced[s] if o not in outs]
+        if sizes[s] and _sample_source(ins, values) is None:
+            name = next(iter(sizes[s]))
+            raise ValueError(
+                f"stage {s} recomputes the size {name!r} (coefficients "
+                f"{values[name].int_coeffs} of the sample count) but none of its inputs "
+                f"{ins} is a tensor with a batch dimension to count samples from; move the "
+                "stage boundary so the stage receives an activation"
+            )
+        out.append(StageInterface(tuple(ins), tuple(outs), ()))
+    cut_values = tuple(
+        (c, cuts[c][0], tuple(sorted(cuts[c][1]))) for c in cut_list
+    )
+    return [StageInterface(i.inputs, i.outputs, cut_values) for i in out]
 
 
-def split_pass(captured: CapturedGraph, plan: Plan) -> list[fx.GraphModule]:
-    raise NotImplementedError
+def _sample_source(inputs: list[str] | tuple[str, ...], values: dict[str, ValueSpec]) -> str | None:
+    """The first input that is a tensor with a batch dimension (it counts the samples)."""
+    for name in inputs:
+        spec = values[name]
+        if spec.kind == "tensor" and spec.batch_dim is not None:
+            return name
+    return None
+
+
+# -- the staged copy -------------------------------------------------------------------------
+
+
+class _StagedCopy:
+    """The captured graph copied in stage order, recomputed values rebuilt in each reader."""
+
+    def __init__(self, captured: CapturedGraph, node_stage: dict[str, int],
+                 values: dict[str, ValueSpec], ifaces: list[StageInterface]) -> None:
+        self.gm = captured.gm
+        self.node_stage = node_stage
+        self.values = values
+        self.ifaces = ifaces
+        self.recomputed = recomputed_values(self.gm, values)
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.local: dict[tuple[int, fx.Node], Any] = {}
+        self.samples: dict[int, fx.Node] = {}
+
+    def build(self) -> fx.Graph:
+        g = self.graph
+        nodes = list(self.gm.graph.nodes)
+        for n in nodes:
+            if n.op in ("placeholder", "get_attr"):
+                new = g.node_copy(n)
+                new.meta.update({_VALUE: n.name, _ORIGIN: n.op, _TARGET: n.target})
+                self.env[n] = new
+        index = {n: i for i, n in enumerate(nodes)}
+        calls = sorted((n for n in nodes if n.op in CALL_OPS),
+                       key=lambda n: (self.node_stage[n.name], index[n]))
+        for n in calls:
+            s = self.node_stage[n.name]
+            new = g.node_copy(n, functools.partial(self._read, s=s))
+            new.meta.update({_STAGE: s, _VALUE: n.name, _ORIGIN: n.op, _TARGET: n.target})
+            self.env[n] = new
+        out = self.gm.graph.output_node()
+        g.output(fx.map_arg(out.args[0], self.env.__getitem__))
+        return g
+
+    def _read(self, a: fx.Node, s: int) -> Any:
+        if a.op in CALL_OPS and a.name in self.recomputed and self.node_stage[a.name] != s:
+            return self._rebuild(a, s)
+        return self.env[a]
+
+    def _rebuild(self, a: fx.Node, s: int) -> Any:
+        key = (s, a)
+        if key not in self.local:
+            spec = self.values[a.name]
+            if spec.kind in ("int", "ints"):
+                self.local[key] = self._affine(spec, s)
+            else:
+                def read(b: fx.Node) -> Any:
+                    return self._read(b, s)
+
+                new = self.graph.node_copy(a, read)
+                new.meta.update({_STAGE: s, _ORIGIN: a.op, _TARGET: a.target})
+                self.local[key] = new
+        return self.local[key]
+
+    def _affine(self, spec: ValueSpec, s: int) -> Any:
+        """``a * samples + c`` (a torch.Size of them for ``ints``) in stage ``s``."""
+        g = self.graph
+        parts: list[Any] = []
+        for a, c in spec.int_coeffs:
+            if a == 0:
+                parts.append(c)
+                continue
+            v = self._sample_count(s)
+            if a != 1:
+                v = self._tag(g.call_function(operator.mul, (v, a)), s)
+            if c:
+                v = self._tag(g.call_function(operator.add, (v, c)), s)
+            parts.append(v)
+        if spec.kind == "int":
+            return parts[0]
+        return self._tag(g.call_function(torch.Size, (parts,)), s)
+
+    def _sample_count(self, s: int) -> fx.Node:
+        if s not in self.samples:
+            name = _sample_source(self.ifaces[s].inputs, self.values)
+            assert name is not None, "stage_interfaces checks that a sample source exists"
+            spec = self.values[name]
+            assert spec.batch_dim is not None
+            src = next(n for n in self.env if n.name == name)
+            x = self.env[src]
+            g = self.graph
+            v = self._tag(g.call_method("size", (x, spec.batch_dim)), s)
+            if spec.shape[spec.batch_dim] != 1:
+                v = self._tag(g.call_function(operator.floordiv, (v, spec.shape[spec.batch_dim])), s)
+            self.samples[s] = v
+        return self.samples[s]
+
+    @staticmethod
+    def _tag(node: fx.Node, s: int) -> fx.Node:
+        node.meta[_STAGE] = s
+        return node
+
+
+# -- per-stage modules -----------------------------------------------------------------------
+
+
+def _attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
+                  recomputed: frozenset[str]) -> fx.GraphModule:
+    """A partition as ``stage_<s>``: plan-ordered placeholders, own parameters, flat outputs."""
+    s = spec.index
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    root: dict[str, Any] = {}
+    by_value: dict[str, fx.Node] = {}
+    data_inputs = {}
+    attr_inputs = []
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            if n.meta.get(_ORIGIN) == "get_attr":
+                attr_inputs.append(n)
+            else:
+                data_inputs[n.meta[_VALUE]] = n
+    extra = sorted(set(data_inputs) - set(spec.inputs))
+    if extra:
+        raise ValueError(
+            f"stage {s} reads {extra}, which the plan does not list among its inputs "
+            f"{list(spec.inputs)}; the plan was made for another graph: make it again"
+        )
+    for name in spec.inputs:
+        ph = g.placeholder(name)
+        by_value[name] = ph
+        if name in data_inputs:
+            env[data_inputs[name]] = ph
+    for n in attr_inputs:
+        target = str(n.meta[_TARGET])
+        env[n] = g.get_attr(target)
+        root[target] = _attr(captured.gm, target)
+    for n in sub.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        new = g.node_copy(n, env.__getitem__)
+        if n.op in ("call_module", "get_attr"):
+            new.target = str(n.meta[_TARGET])
+            root[new.target] = _attr(captured.gm, new.target)
+        env[n] = new
+        if _VALUE in n.meta:
+            by_value[n.meta[_VALUE]] = new
+    missing = [o for o in spec.outputs if o not in by_value]
+    if missing:
+        raise ValueError(f"stage {s} must return {missing} but does not compute them")
+    g.output(tuple(by_value[o] for o in spec.outputs))
+    _drop_unused(g, lambda n: n.meta.get(_VALUE, "") in recomputed or _VALUE not in n.meta)
+    gm = fx.GraphModule(root, g, class_name=f"stage_{s}")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _drop_unused(g: fx.Graph, removable: Callable[[fx.Node], bool]) -> None:
+    """Erase unread call nodes that ``removable`` allows (pure recomputed values), repeatedly."""
+    for n in reversed(list(g.nodes)):
+        if n.op in CALL_OPS and not n.users and removable(n):
+            g.erase_node(n)
+
+
+def _values_from_plan(captured: CapturedGraph, plan: Plan) -> dict[str, ValueSpec]:
+    """ValueSpecs by shape propagation on meta inputs shaped as the plan's inputs say."""
+    from .shapes import infer_values_pass
+
+    samples = max(2, max(st.samples for st in plan.stages))
+    flat = [
+        torch.empty(v.shape_for(samples), dtype=getattr(torch, v.dtype or "float32"), device="meta")
+        for v in plan.inputs
+    ]
+    bd = next((v.batch_dim for v in plan.inputs if v.batch_dim is not None), 0)
+    return infer_values_pass(captured, flat, batch_dim=bd)
+
+
+def split_pass(
+    captured: CapturedGraph, plan: Plan, *, values: dict[str, ValueSpec] | None = None
+) -> list[fx.GraphModule]:
+    """One GraphModule per stage of ``plan``: ``stage_0``, ``stage_1``, ...
+
+    ``values`` are the captured graph's ValueSpecs (``infer_values_pass``); without them they
+    are inferred again from the plan's input specs.
+    """
+    if values is None:
+        values = _values_from_plan(captured, plan)
+    num = len(plan.stages)
+    node_stage = plan.node_stage()
+    ifaces = stage_interfaces(captured, node_stage, values, num)
+    for st, iface in zip(plan.stages, ifaces, strict=True):
+        if (st.inputs, st.outputs) != (iface.inputs, iface.outputs):
+            raise ValueError(
+                f"stage {st.index} of the plan takes {list(st.inputs)} and returns "
+                f"{list(st.outputs)}, but on this graph it takes {list(iface.inputs)} and returns "
+                f"{list(iface.outputs)}: the plan was made for another graph; make it again"
+            )
+    staged = _StagedCopy(captured, node_stage, values, ifaces)
+    graph = staged.build()
+    parts = split_module(
+        fx.GraphModule(captured.gm, graph), captured.gm, lambda n: int(n.meta[_STAGE])
+    )
+    stages = []
+    for st in plan.stages:
+        sub = parts.get_submodule(f"submod_{st.index}")
+        assert isinstance(sub, fx.GraphModule)
+        stages.append(_stage_module(sub, captured, st, staged.recomputed))
+    return stages
+
+
+def run_stages(stages: list[fx.GraphModule], plan: Plan, flat_inputs: list[Any],
+               input_names: list[str], output_names: list[str]) -> list[Any]:
+    """Run the stages one after another in this process, routing values by name."""
+    env: dict[str, Any] = dict(zip(input_names, flat_inputs, strict=True))
+    for spec, gm in zip(plan.stages, stages, strict=True):
+        outs = gm(*(env[name] for name in spec.inputs))
+        env.update(zip(spec.outputs, outs, strict=True))
+    return [env[name] for name in output_names]
