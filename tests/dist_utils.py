@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  torch.optim imports it lazily: once here, not once per fork
 import torch.distributed as dist
 
 from rannc_fx.device import DeviceSpec
@@ -57,6 +56,8 @@ def run_ranks(
     ``RankFailed`` carries every traceback. With ``init=False`` the workers get torchrun's
     variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) instead of a group.
     """
+    import torch._dynamo  # noqa: F401  torch.optim imports it lazily: once here, not per fork
+
     ctx = mp.get_context("fork")
     port = free_port()
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
