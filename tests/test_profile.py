@@ -118,6 +118,8 @@ def test_no_grad_path_has_no_backward(one_thread: None) -> None:
     prof = _profile(cap, flat, (8,))
     assert all(c.bwd_s == (0.0,) for c in prof.nodes.values())
     assert all(c.saved_bytes == (0,) for c in prof.nodes.values())
+    with pytest.raises(ValueError, match="at least one size"):
+        _profile(cap, flat, ())
 
 
 def _autograd_saved_bytes(model: nn.Module, *args: Any) -> int:

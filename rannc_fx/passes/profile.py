@@ -122,8 +122,10 @@ def profile_pass(
     t0 = time.perf_counter()
     gm = captured.gm
     sizes = tuple(sorted(set(batch_sizes)))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch_sizes={list(batch_sizes)}: give at least one size, all >= 1")
     batch, bdim = _input_batch(gm, flat_inputs, values, batch_dim)
-    runner = NodeRunner(gm, cost_model, measure_device(gm, device, cost_model), repeats)
+    runner = NodeRunner(gm, cost_model, measure_device(gm, device, cost_model), max(1, repeats))
     cache = CostCache(cache_dir, device=runner.device_name, cost_model=cost_model)
     stats = _Stats()
     per_size = []
