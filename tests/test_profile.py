@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import logging
 import math
 from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.export import Dim
-from torch.utils import _pytree as pytree
 
 from rannc_fx.device import DeviceSpec
 from rannc_fx.models import MLP, TransformerLM, cnn_example, gpt_example
@@ -34,33 +30,6 @@ A100 = DeviceSpec.preset("a100-80gb")
 def captured(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[CapturedGraph, list[torch.Tensor]]:
     cap = capture_pass(model, args, kwargs)
     return cap, cap.flatten_inputs(args, kwargs)
-
-
-def export_graph(model: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[CapturedGraph, list[torch.Tensor]]:
-    """TransformerLM as an ATen graph with one node per op of every layer.
-
-    capture_pass keeps its nn.TransformerEncoder as one fx node, since torch.export cannot run
-    the encoder's Python comparison of the mask with a causal one; this test-only capture reads
-    that comparison as False (the general masked path) so that the layers are separate nodes.
-    """
-    b = Dim("batch", min=1, max=4096)
-    names = list(inspect.signature(model.forward).parameters)[: len(args)]
-    dyn = {n: {0: b} for n in names} | {k: {0: b} for k in kwargs}
-    no_causal = mock.patch("torch.nn.modules.transformer._detect_is_causal_mask",
-                           lambda mask, is_causal=None, size=None: False)
-    with no_causal:
-        gm = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dyn).module()
-    for n in list(gm.graph.nodes):  # input-shape guards for the example batch only
-        if n.op == "call_module" and n.target == "_guards_fn":
-            gm.graph.erase_node(n)
-    gm.recompile()
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    cap = CapturedGraph(gm=gm, tracer="export", in_spec=spec, out_spec=spec,
-                        input_names=names, tensor_leaf_index=idx)
-    return cap, [leaves[i] for i in idx]
 
 
 @pytest.fixture
@@ -198,7 +167,9 @@ def test_batchnorm_state_and_rng_untouched(one_thread: None) -> None:
 
 def _gpt(layers: int) -> tuple[CapturedGraph, list[torch.Tensor]]:
     model, args, kwargs = gpt_example(batch=4, layers=layers, seq=16)
-    return export_graph(model, args, kwargs)
+    cap, flat = captured(model, *args, **kwargs)
+    assert cap.tracer == "export"  # one node per op of every layer
+    return cap, flat
 
 
 def test_layers_share_measurements(one_thread: None, caplog: pytest.LogCaptureFixture) -> None:
@@ -267,38 +238,49 @@ def test_analytic_memory_bound_op() -> None:
     assert gelu.fwd_s[0] == pytest.approx(moved / A100.memory_bandwidth)
 
 
-def test_meta_transformer_lm_analytic(caplog: pytest.LogCaptureFixture) -> None:
+def test_meta_transformer_lm_analytic() -> None:
     with torch.device("meta"):
         model = TransformerLM(layers=2, seq=16)
     ids = torch.zeros(4, 16, dtype=torch.long, device="meta")
-    cap, flat = captured(model, ids, labels=ids)  # its encoder is one fx node
-    with caplog.at_level(logging.WARNING, logger="rannc_fx"):
-        prof = _profile(cap, flat, (2, 4, 8), cost_model="analytic", device_spec=A100)
+    cap, flat = captured(model, ids, labels=ids)
+    prof = _profile(cap, flat, (2, 4, 8), cost_model="analytic", device_spec=A100)
     assert prof.cost_model == "analytic" and prof.device == "a100-80gb"
-    # The encoder compares its mask with a causal one in Python: counted as "not causal".
-    assert any("branches on tensor values" in r.getMessage() for r in caplog.records)
-    enc = prof.nodes["encoder"]
-    assert 0 < enc.fwd_s[0] < enc.fwd_s[1] < enc.fwd_s[2]
-    assert 0 < enc.bwd_s[0] < enc.bwd_s[1] < enc.bwd_s[2]
-    assert 0 < enc.saved_bytes[0] < enc.saved_bytes[1] < enc.saved_bytes[2]
+    assert prof.from_cache > 0  # the second layer reuses the first's entries
     totals = [sum(c.fwd_s[i] + c.bwd_s[i] for c in prof.nodes.values()) for i in range(3)]
+    saved = [sum(c.saved_bytes[i] for c in prof.nodes.values()) for i in range(3)]
     assert 0 < totals[0] < totals[1] < totals[2]
+    assert 0 < saved[0] < saved[1] < saved[2]
+    mm = [n for n in prof.nodes if n.startswith("linear")]
+    assert mm and all(prof.nodes[n].fwd_s[0] > 0 and prof.nodes[n].bwd_s[0] > 0 for n in mm)
     assert all(p.device.type == "meta" for p in model.parameters())
     with pytest.raises(ValueError, match="meta device"):
         _profile(cap, flat, (2,), cost_model="measured")
 
 
-def test_meta_transformer_lm_layers_analytic() -> None:
+class Gate(nn.Module):
+    """Branches on a tensor's value, which fake tensors do not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) if bool(x.sum() > 0) else self.lin(self.lin(x))
+
+
+def test_value_branches_count_as_zero(caplog: pytest.LogCaptureFixture) -> None:
     with torch.device("meta"):
-        model = TransformerLM(layers=2, seq=16)
-    ids = torch.zeros(4, 16, dtype=torch.long, device="meta")
-    cap, flat = export_graph(model, (ids,), {"labels": ids})
-    prof = _profile(cap, flat, (2, 4, 8), cost_model="analytic", device_spec=A100)
-    assert prof.from_cache > 0  # the second layer reuses the first's entries
-    saved = [sum(c.saved_bytes[i] for c in prof.nodes.values()) for i in range(3)]
-    assert 0 < saved[0] < saved[1] < saved[2]
-    mm = [n for n in prof.nodes if n.startswith("linear")]
-    assert all(prof.nodes[n].fwd_s[0] > 0 and prof.nodes[n].bwd_s[0] > 0 for n in mm)
+        model = nn.Sequential(Gate(), nn.ReLU())
+    x = torch.zeros(4, 16, device="meta")
+    cap = capture_pass(model, (x,), tracer="fx", leaf_modules=("Gate",))
+    flat = cap.flatten_inputs((x,), {})
+    spec = DeviceSpec(name="compute-bound", memory_bytes=2**30, peak_flops={"float32": 1e12},
+                      memory_bandwidth=1e30, interconnect_bandwidth=1e9, efficiency=1.0)
+    with caplog.at_level(logging.WARNING, logger="rannc_fx"):
+        prof = _profile(cap, flat, (4,), cost_model="analytic", device_spec=spec)
+    assert any("branches on tensor values" in r.getMessage() for r in caplog.records)
+    # x.sum() > 0 read as False: the two-Linear branch.
+    assert prof.nodes["_0"].fwd_s[0] * 1e12 == pytest.approx(2 * 2 * 4 * 16 * 16)
 
 
 def test_meta_bert_analytic_reuses_layers() -> None:
