@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from rannc_fx.models import cnn_example, gpt_example, mlp_example
 from rannc_fx.passes.capture import CapturedGraph, capture_pass
+from rannc_fx.passes.costs import build_cost_table, interpolation_weights, range_sums
 from rannc_fx.passes.group import (
     BlockGraph,
     atomic_groups,
@@ -323,3 +324,93 @@ def test_large_graph_groups_fast():
     assert time.perf_counter() - t0 < 2.0
     assert len(bg.blocks) == 64
     check_block_graph(cg, bg, values)
+
+
+# -- the cost table --------------------------------------------------------------------------
+
+
+def _interp(profile: Profile, node: str, field: str, samples: int) -> float:
+    """Profile.at as documented: linear between profiled sizes, end segments beyond, >= 0."""
+    try:
+        return profile.at(node, field, samples)
+    except NotImplementedError:
+        pass
+    xs, ys = profile.batch_sizes, getattr(profile.nodes[node], field)
+    i = 0
+    while i < len(xs) - 2 and samples > xs[i + 1]:
+        i += 1
+    return max(0.0, ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (samples - xs[i]))
+
+
+def test_cost_table_matches_a_direct_sum():
+    hf_models = pytest.importorskip("tests.hf_models")
+    cg, _, values, profile = prepared(hf_models.gpt2_example)  # tied embedding and LM head
+    bg = group_pass(cg, profile, values, max_blocks=6)
+    sizes = (1, 3, 4, 8)
+    table = build_cost_table(cg, bg, profile, values, sizes=sizes)
+    B = len(bg.blocks)
+    assert table.fwd.shape == (4, B) and table.cut.shape == (4, B + 1)
+    assert table.param_bytes.shape == (B, B + 1)
+    for k, s in enumerate(sizes):
+        for b, nodes in enumerate(bg.blocks):
+            for field, arr in (("fwd_s", table.fwd), ("bwd_s", table.bwd),
+                               ("saved_bytes", table.act)):
+                want = sum(_interp(profile, n, field, s) for n in nodes)
+                assert arr[k, b] == pytest.approx(want, rel=1e-9, abs=1e-15)
+            want_ws = max(_interp(profile, n, "workspace_bytes", s) for n in nodes)
+            assert table.workspace[k, b] == pytest.approx(want_ws)
+        for b, crossing in enumerate(bg.boundary):
+            assert table.cut[k, b] == sum(values[v].nbytes_for(s) for v in crossing)
+    assert (table.cut[:, 0] == 0).all() and (table.cut[:, B] == 0).all()
+
+    def tensors(i: int, j: int) -> dict[int, torch.Tensor]:
+        out = {}
+        for ps in bg.params[i:j]:
+            for p in ps:
+                t = cg.gm.get_parameter(p) if p in dict(cg.gm.named_parameters()) else \
+                    cg.gm.get_buffer(p)
+                out[id(t)] = t
+        return out
+
+    for i in range(B):
+        for j in range(i + 1, B + 1):
+            ts = tensors(i, j)
+            assert table.param_bytes[i, j] == sum(t.numel() * 4 for t in ts.values())
+            assert table.grad_bytes[i, j] == sum(t.numel() * 4 for t in ts.values()
+                                                 if isinstance(t, nn.Parameter))
+    # every parameter once: the tied embedding / head weight is not counted twice
+    total = sum(p.numel() * 4 for p in cg.gm.parameters())
+    assert table.grad_bytes[0, B] == total
+
+
+def test_range_sums_count_shared_tensors_once():
+    # a tensor used by blocks 0 and 3 of 5, another by block 2 only
+    items = [(0, 0, 10.0), (3, 3, 10.0), (0, 3, -10.0), (2, 2, 1.0)]
+    m = range_sums(5, items)
+    assert m[0, 5] == 11 and m[0, 1] == 10 and m[1, 3] == 1 and m[1, 4] == 11
+    assert m[3, 4] == 10 and m[4, 5] == 0 and m[0, 3] == 11
+
+
+def test_interpolation_weights_follow_the_profile():
+    w = interpolation_weights((2, 4, 8), (1, 2, 3, 8, 16))
+    v = torch.tensor([2.0, 4.0, 10.0]).numpy()
+    assert (w @ v).tolist() == [1.0, 2.0, 3.0, 10.0, 22.0]
+    assert interpolation_weights((4,), (2, 8)).tolist() == [[0.5], [2.0]]
+
+
+@pytest.mark.parametrize("example", [mlp_example, cnn_example])
+def test_real_analytic_profile_feeds_grouping_and_the_cost_table(example):
+    from rannc_fx.device import DeviceSpec
+    from rannc_fx.passes.profile import profile_pass
+
+    model, args, kwargs = example()
+    cg, flat = capture(model, args, kwargs)
+    values = value_specs(cg, flat)
+    profile = profile_pass(cg, flat, values, batch_sizes=(1, 2, 4),
+                           device_spec=DeviceSpec.preset("cpu"), cost_model="analytic",
+                           cache_dir=None)
+    bg = group_pass(cg, profile, values, max_blocks=5)
+    check_block_graph(cg, bg, values)
+    table = build_cost_table(cg, bg, profile, values, sizes=(1, 3, 8))
+    assert (table.fwd > 0).any() and (table.cut[:, 1:-1] > 0).all()
+    assert table.cut[2, 1] == pytest.approx(8 * table.cut[0, 1])  # cuts scale with samples

@@ -26,7 +26,7 @@ def interpolation_weights(batch_sizes: Sequence[int], sizes: Sequence[int]) -> n
     """``W`` (Q, P) with ``W @ v`` = a profiled series ``v`` read at each of ``sizes``.
 
     Linear between neighbouring profiled sizes and along the end segments beyond them; with
-    one profiled size, proportional to the sample count.
+    one profiled size, proportional to the sample count (``Profile.at``, before its clamp).
     """
     bs = np.asarray(batch_sizes, dtype=float)
     q = np.asarray(sizes, dtype=float)
@@ -108,13 +108,12 @@ def build_cost_table(
     owner = np.repeat(np.arange(nb), [len(b) for b in blocks.blocks])
     w = interpolation_weights(profile.batch_sizes, sizes)  # (Q, P)
     per_block = {}
-    for field in ("fwd_s", "bwd_s", "saved_bytes"):
-        series = np.zeros((nb, len(profile.batch_sizes)))
-        np.add.at(series, owner, _node_series(profile, names, field))
-        per_block[field] = np.maximum(w @ series.T, 0.0)  # (Q, B)
-    node_ws = np.maximum(_node_series(profile, names, "workspace_bytes") @ w.T, 0.0)  # (N, Q)
-    workspace = np.zeros((nb, len(sizes)))
-    np.maximum.at(workspace, owner, node_ws)
+    for field in _FIELDS:
+        # clamped per node, as Profile.at does, before summing (or taking the max) per block
+        node_vals = np.maximum(_node_series(profile, names, field) @ w.T, 0.0)  # (N, Q)
+        acc = np.zeros((nb, len(sizes)))
+        (np.maximum if field == "workspace_bytes" else np.add).at(acc, owner, node_vals)
+        per_block[field] = acc.T.copy()  # (Q, B)
 
     q = np.asarray(sizes, dtype=float)
     cut = np.zeros((len(sizes), nb + 1))
@@ -140,7 +139,7 @@ def build_cost_table(
         fwd=per_block["fwd_s"],
         bwd=per_block["bwd_s"],
         act=per_block["saved_bytes"],
-        workspace=workspace.T.copy(),
+        workspace=per_block["workspace_bytes"],
         cut=cut,
         param_bytes=range_sums(nb, _shared_once(uses, nbytes)),
         grad_bytes=range_sums(nb, _shared_once({p: uses[p] for p in grads}, grads)),
