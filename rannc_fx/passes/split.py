@@ -332,12 +332,14 @@ def _drop_unused(g: fx.Graph, removable: Callable[[fx.Node], bool]) -> None:
 
 
 def _values_from_plan(captured: CapturedGraph, plan: Plan) -> dict[str, ValueSpec]:
-    """ValueSpecs by shape propagation on meta inputs shaped as the plan's inputs say."""
+    """ValueSpecs by shape propagation on inputs shaped as the plan's input specs say."""
     from .shapes import infer_values_pass
 
+    state = [*captured.gm.parameters(), *captured.gm.buffers()]
+    device = state[0].device if state else torch.device("cpu")
     samples = max(2, max(st.samples for st in plan.stages))
     flat = [
-        torch.empty(v.shape_for(samples), dtype=getattr(torch, v.dtype or "float32"), device="meta")
+        torch.zeros(v.shape_for(samples), dtype=getattr(torch, v.dtype or "float32"), device=device)
         for v in plan.inputs
     ]
     bd = next((v.batch_dim for v in plan.inputs if v.batch_dim is not None), 0)
