@@ -20,7 +20,9 @@ captured graph bit for bit.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,8 @@ from .capture import CapturedGraph
 from .group import CALL_OPS, recomputed_values
 
 __all__ = ["StageInterface", "run_stages", "split_pass", "stage_interfaces"]
+
+log = logging.getLogger("rannc_fx")
 
 # node.meta keys of the staged copy
 _STAGE = "rannc_stage"  # stage index of a call node
@@ -278,7 +282,6 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
     s = spec.index
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    root: dict[str, Any] = {}
     by_value: dict[str, fx.Node] = {}
     data_inputs = {}
     attr_inputs = []
@@ -302,14 +305,12 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
     for n in attr_inputs:
         target = str(n.meta[_TARGET])
         env[n] = g.get_attr(target)
-        root[target] = _attr(captured.gm, target)
     for n in sub.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         new = g.node_copy(n, env.__getitem__)
         if n.op in ("call_module", "get_attr"):
             new.target = str(n.meta[_TARGET])
-            root[new.target] = _attr(captured.gm, new.target)
         env[n] = new
         if _VALUE in n.meta:
             by_value[n.meta[_VALUE]] = new
@@ -318,6 +319,10 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
         raise ValueError(f"stage {s} must return {missing} but does not compute them")
     g.output(tuple(by_value[o] for o in spec.outputs))
     _drop_unused(g, lambda n: n.meta.get(_VALUE, "") in recomputed or _VALUE not in n.meta)
+    root = {
+        str(n.target): _attr(captured.gm, str(n.target))
+        for n in g.nodes if n.op in ("get_attr", "call_module")
+    }
     gm = fx.GraphModule(root, g, class_name=f"stage_{s}")
     gm.graph.lint()
     gm.recompile()
@@ -325,9 +330,16 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
 
 
 def _drop_unused(g: fx.Graph, removable: Callable[[fx.Node], bool]) -> None:
-    """Erase unread call nodes that ``removable`` allows (pure recomputed values), repeatedly."""
+    """Erase unread nodes: recomputed values ``removable`` allows, then unread attributes.
+
+    A rebuilt size or mask whose readers all run elsewhere is dead here; side effects stay.
+    """
     for n in reversed(list(g.nodes)):
-        if n.op in CALL_OPS and not n.users and removable(n):
+        if n.users:
+            continue
+        if n.op == "get_attr" or (
+            n.op in CALL_OPS and removable(n) and not (n.op == "call_function" and n.is_impure())
+        ):
             g.erase_node(n)
 
 
@@ -354,6 +366,7 @@ def split_pass(
     ``values`` are the captured graph's ValueSpecs (``infer_values_pass``); without them they
     are inferred again from the plan's input specs.
     """
+    t0 = time.perf_counter()
     if values is None:
         values = _values_from_plan(captured, plan)
     num = len(plan.stages)
@@ -369,13 +382,16 @@ def split_pass(
     staged = _StagedCopy(captured, node_stage, values, ifaces)
     graph = staged.build()
     parts = split_module(
-        fx.GraphModule(captured.gm, graph), captured.gm, lambda n: int(n.meta[_STAGE])
+        fx.GraphModule(captured.gm, graph), captured.gm, lambda n: int(n.meta[_STAGE]),
+        keep_original_node_name=True,
     )
     stages = []
     for st in plan.stages:
         sub = parts.get_submodule(f"submod_{st.index}")
         assert isinstance(sub, fx.GraphModule)
         stages.append(_stage_module(sub, captured, st, staged.recomputed))
+    log.info("split %d nodes into %d stages (%d cut values) in %.2f s", len(node_stage), num,
+             len(ifaces[0].cut_values) if ifaces else 0, time.perf_counter() - t0)
     return stages
 
 
