@@ -42,6 +42,7 @@ from .capture import CapturedGraph
 from .profile import Profile
 
 __all__ = [
+    "CALL_OPS",
     "BlockGraph",
     "atomic_groups",
     "block_params",
