@@ -37,9 +37,9 @@ Cost. With E <= W * B * (B + 1) / 2 stages that fit and Z states (W + 1 when not
 one DP is O(E * Z) vectorised operations in chunks that stay in cache. Each m costs two such DPs,
 three more if it is not pruned, and then the scan's DPs over the surviving stages; measured
 counts are in benchmarks/results/search_time_cpu_202611.md (tens of DPs where a plain scan of
-every candidate U would run millions). Reproducible: the same inputs give the same plan; among
-equal steps, fewer stages win, then fewer micro-batches, then the lexicographically smaller
-stages.
+every candidate U would run millions). Reproducible: the same inputs give the same plan; of the
+plans the search compares, equal steps go to fewer stages, then fewer micro-batches, then the
+lexicographically smaller stages (and within a DP to the earliest candidate stage).
 """
 
 from __future__ import annotations
