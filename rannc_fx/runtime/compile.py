@@ -1,0 +1,261 @@
+"""``compile(model, optimizer)``: plan on the first call, then run this rank's stage each step.
+
+    model = rannc_fx.compile(model, optimizer)      # every rank, same script (torchrun)
+    loss = model(x, y)                              # this rank's local batch
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+The first call captures the model on every rank; rank 0 alone profiles and searches (the
+others wait) and broadcasts the plan as JSON. Each rank then splits the graph, keeps its own
+stage, frees every other parameter and buffer of the model, and prunes the optimizer to the
+parameters it still holds. Later calls go straight to the ``StageExecutor``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from ..config import Config
+from ..partition import analyze, build_plan
+from ..passes.capture import CapturedGraph, batch_size_of, capture_pass
+from ..passes.search import search_pass
+from ..passes.shapes import infer_values_pass
+from ..passes.split import split_pass
+from ..plan import Plan, ValueSpec
+from .comm import CommError, init_distributed
+from .executor import StageExecutor
+
+__all__ = ["CompiledModel", "compile"]
+
+
+def compile(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Config | None = None,
+    plan: Plan | str | Path | None = None,
+) -> CompiledModel:
+    """Wrap ``model`` for pipeline-parallel training on the default process group.
+
+    Starts the process group from torchrun's environment if the script has not (a
+    one-process group without torchrun). ``plan`` (a Plan or a saved plan file) skips
+    profiling and search; it must have been made for this model and world size.
+    """
+    return CompiledModel(model, optimizer, config=config, plan=plan)
+
+
+class CompiledModel(nn.Module):
+    """The model as this rank runs it: ``plan``, ``stages`` and ``print(model)`` show where."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        config: Config | None = None,
+        plan: Plan | str | Path | None = None,
+    ):
+        super().__init__()
+        self.config = Config.from_env(config)
+        self.device = _device_of(model)
+        init_distributed(self.config, device=self.device)
+        self.model: nn.Module | None = model  # until the first call; then only `stage` is kept
+        self.stage: fx.GraphModule | None = None
+        self._optimizer = optimizer
+        self._given = plan
+        self._captured: CapturedGraph | None = None
+        self._executor: StageExecutor | None = None
+
+    # -- what runs where ----------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        return self._ready().plan
+
+    @property
+    def stages(self) -> list[fx.GraphModule]:
+        """This rank's stage GraphModules (one: each rank runs one stage)."""
+        self._ready()
+        assert self.stage is not None
+        return [self.stage]
+
+    def __repr__(self) -> str:
+        if self._executor is None:
+            return (
+                f"CompiledModel(not planned yet: the first call plans {type(self.model).__name__})"
+            )
+        ex = self._executor
+        where = (
+            f"rank {ex.rank} runs stage {ex.stage.index} "
+            f"(replica {ex.replica + 1} of {ex.stage.replicas}, ranks {list(ex.stage.ranks)})"
+        )
+        return f"CompiledModel(\n{ex.plan.summary()}\n{where}\n)"
+
+    # -- a step ---------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._executor is None:
+            self._setup(args, kwargs)
+        assert self._captured is not None and self._executor is not None
+        flat = self._captured.flatten_inputs(args, kwargs)
+        return self._captured.unflatten_outputs(self._executor.forward(flat))
+
+    def _ready(self) -> StageExecutor:
+        if self._executor is None:
+            raise RuntimeError("the model is planned on its first call; call it once first")
+        return self._executor
+
+    # -- the first call --------------------------------------------------------------------------
+    def _setup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        model, cfg = self.model, self.config
+        assert model is not None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        planned = self._given is None and rank == 0
+        with _untouched(model):
+            if planned:
+                try:
+                    plan, captured, values = self._plan_here(args, kwargs, world)
+                except Exception as e:
+                    _broadcast_plan(e, rank, world)  # the others must hear of it, not time out
+                    raise
+            else:
+                captured = capture_pass(
+                    model, args, kwargs, tracer=cfg.tracer, leaf_modules=cfg.leaf_modules,
+                    batch_dim=cfg.batch_dim,
+                )  # fmt: skip
+                values = infer_values_pass(
+                    captured, captured.flatten_inputs(args, kwargs), batch_dim=cfg.batch_dim
+                )
+        if self._given is None:
+            plan = _broadcast_plan(plan if planned else None, rank, world)
+        else:
+            plan = self._load_given(captured, world)
+        stages = split_pass(captured, plan, values=values)
+        stage = stages[plan.stage_of_rank(rank).index]
+        _free_all_but(model, stage)
+        if self._optimizer is not None:
+            _prune_optimizer(self._optimizer, stage)
+        self._captured, self.stage = captured, stage
+        self.model = None  # drops the full model; `stage` holds the parameters that remain
+        self._executor = StageExecutor(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
+
+    def _plan_here(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int
+    ) -> tuple[Plan, CapturedGraph, dict[str, ValueSpec]]:
+        """Rank 0: capture, profile and search for the global batch of all ranks."""
+        assert self.model is not None
+        cfg = self.config
+        local = batch_size_of(list(_leaves(args, kwargs)), cfg.batch_dim)
+        a = analyze(
+            self.model, args, kwargs, world_size=world, config=cfg, global_batch=local * world
+        )
+        t0 = time.perf_counter()
+        result = search_pass(a.table, a.space)
+        plan = build_plan(a, result, search_seconds=time.perf_counter() - t0)
+        return plan, a.captured, a.values
+
+    def _load_given(self, captured: CapturedGraph, world: int) -> Plan:
+        given = self._given
+        plan = given if isinstance(given, Plan) else Plan.load(given)  # type: ignore[arg-type]
+        if plan.world_size != world:
+            raise ValueError(
+                f"the plan is for {plan.world_size} ranks but {world} are running; launch with "
+                f"--nproc-per-node {plan.world_size} or make a plan for {world}"
+            )
+        fp = captured.fingerprint()
+        if plan.model_fingerprint != fp:
+            raise ValueError(
+                f"the plan was made for another model (fingerprint "
+                f"{plan.model_fingerprint[:12]}..., this model's is {fp[:12]}...): its graph, "
+                "parameter names, shapes or dtypes differ; make the plan again for this model"
+            )
+        return plan
+
+
+def _broadcast_plan(plan: Plan | Exception | None, rank: int, world: int) -> Plan:
+    """Rank 0's plan (or its error) to every rank, as JSON."""
+    if world == 1:
+        if isinstance(plan, Exception):
+            raise plan
+        assert plan is not None
+        return plan
+    payload: list[str | None] = [None, None]
+    if rank == 0:
+        if isinstance(plan, Plan):
+            payload = ["plan", plan.to_json()]
+        else:
+            payload = ["error", f"{type(plan).__name__}: {plan}"]
+    try:
+        dist.broadcast_object_list(payload, src=0)
+    except RuntimeError as e:
+        why = (
+            "another rank died (see its log)"
+            if rank == 0
+            else "planning on rank 0 took longer than Config.timeout_s, or rank 0 died (see its log)"
+        )
+        raise CommError(f"rank {rank}: broadcasting the plan from rank 0 failed: {e}; {why}") from e
+    kind, text = payload
+    if kind == "error":
+        if isinstance(plan, Exception):
+            raise plan
+        raise RuntimeError(f"rank 0 could not plan the model: {text}")
+    return Plan.from_json(str(text))
+
+
+def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+    yield from torch.utils._pytree.tree_leaves((args, kwargs))
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """Planning runs the model (profiling): give back the buffers, gradients and random state
+    it found, so training starts from exactly the user's initial state on every rank."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    grads = {id(p): p.grad for p in model.parameters()}
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+        for p in model.parameters():
+            p.grad = grads.get(id(p))
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _free_all_but(model: nn.Module, stage: fx.GraphModule) -> None:
+    """Release the storage of every parameter and buffer the stage does not hold.
+
+    The objects stay (an optimizer or user code may still refer to them) but hold nothing, so
+    a model larger than one device trains once each rank keeps only its stage.
+    """
+    keep = {id(t) for t in (*stage.parameters(), *stage.buffers())}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in keep:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            t.grad = None
+
+
+def _prune_optimizer(optimizer: torch.optim.Optimizer, stage: fx.GraphModule) -> None:
+    """Keep only the stage's parameters in the optimizer's groups (and state)."""
+    keep = {id(p) for p in stage.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in keep]
+    for p in list(optimizer.state):
+        if id(p) not in keep:
+            del optimizer.state[p]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")

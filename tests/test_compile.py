@@ -1,0 +1,181 @@
+"""``rannc_fx.runtime.compile`` end to end on forked gloo ranks: plan on rank 0, broadcast,
+split, free, prune, train; every rank checks loss, outputs and parameters after Adam steps
+against a deep-copied single-process reference trained on the global batch."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+from torch.utils import _pytree as pytree
+
+from rannc_fx.config import Config
+from rannc_fx.runtime.compile import compile as rannc_compile
+
+from .dist_utils import run_ranks
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+LOCAL = 2  # samples per rank
+
+ZOO = {
+    "mlp": ("rannc_fx.models", "mlp_example"),
+    "cnn": ("rannc_fx.models", "cnn_example"),
+    "gpt": ("rannc_fx.models", "gpt_example"),
+    "gpt2": ("tests.hf_models", "gpt2_example"),
+    "bert": ("tests.hf_models", "bert_example"),
+    "resnet": ("tests.hf_models", "resnet_example"),
+}
+
+
+def _warm(name: str) -> None:
+    """Import what the workers need once, in the parent: forked ranks inherit it."""
+    importlib.import_module(ZOO[name][0])
+    import torch.export  # noqa: F401
+
+
+def _example(name: str, batch: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    module, factory = ZOO[name]
+    torch.manual_seed(0)
+    return getattr(importlib.import_module(module), factory)(batch=batch)
+
+
+def _local(tree: Any, rank: int, global_batch: int) -> Any:
+    """This rank's samples of every tensor whose first dimension is the global batch."""
+    lo, hi = rank * LOCAL, (rank + 1) * LOCAL
+
+    def cut(t: Any) -> Any:
+        ok = isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == global_batch
+        return t[lo:hi] if ok else t
+
+    return pytree.tree_map(cut, tree)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5) -> float:
+    g = LOCAL * world
+    model, args, kwargs = _example(name, g)
+    ref = copy.deepcopy(model)
+    # eps=1e-4: attention key biases have exactly zero gradient in exact arithmetic (softmax
+    # ignores a constant per query), so their float gradients are summation-order noise
+    # (~1e-9) that Adam's default eps=1e-8 would blow up into steps of +-lr.
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
+    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, **cfg)
+    cm = rannc_compile(model, opt, config)
+    largs, lkwargs = _local((args, kwargs), rank, g)
+    for _ in range(steps):
+        out = cm(*largs, **lkwargs)
+        want = ref(*args, **kwargs)
+        assert_close(_loss(out), _loss(want), **TOL)
+        got, exp = pytree.tree_leaves(out), pytree.tree_leaves(_local(want, rank, g))
+        assert len(got) == len(exp)
+        for a, b in zip(got, exp, strict=True):  # logits etc.: this rank's samples
+            assert_close(a, b.detach(), **TOL)
+        _loss(out).backward()
+        _loss(want).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    stage = cm.stages[0]
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in stage.parameters())
+    for pname, p in stage.named_parameters():
+        assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    assert cm.plan.world_size == world and f"rank {rank} runs stage" in repr(cm)
+    return _loss(out).item()
+
+
+_MHA = pytest.mark.xfail(
+    reason="compiler: the shapes pass rejects nn.MultiheadAttention's permute+reshape "
+    "(TransformerLM); runs once that is fixed",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize(
+    "name,world,cfg",
+    [
+        ("mlp", 1, dict(micro_batches=2)),
+        ("mlp", 2, dict(replicas=(1, 1), micro_batches=2)),
+        ("mlp", 3, dict(replicas=(2, 1), micro_batches=3)),
+        ("cnn", 2, dict(replicas=(1, 1), micro_batches=1)),
+        pytest.param("gpt", 2, dict(replicas=(1, 1), micro_batches=2), marks=_MHA),
+        pytest.param("gpt", 3, dict(replicas=(2, 1), micro_batches=2), marks=_MHA),
+    ],
+)
+def test_trains_like_one_process(name, world, cfg):
+    _warm(name)
+    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
+    assert len(set(losses)) == 1
+
+
+def _saved_plan(rank: int, world: int, path: str) -> None:
+    model, args, kwargs = _example("mlp", LOCAL * world)
+    local_args = _local(args, rank, LOCAL * world)
+    cfg = Config(replicas=(1,) * world, micro_batches=2, profile_cache_dir=None)
+    first = rannc_compile(copy.deepcopy(model), None, cfg)
+    loss = first(*local_args)
+    if rank == 0:
+        first.plan.save(path)
+    torch.distributed.barrier()
+    again = rannc_compile(copy.deepcopy(model), None, plan=path)  # no profiling, no search
+    assert_close(again(*local_args), loss, rtol=0, atol=0)
+    assert again.plan == first.plan
+    from rannc_fx.models import MLP
+
+    with pytest.raises(ValueError, match="made for another model"):
+        rannc_compile(MLP(hidden=48), None, plan=path)(*local_args)
+
+
+def _wrong_world(rank: int, world: int, path: str) -> None:
+    model, args, _ = _example("mlp", LOCAL)
+    with pytest.raises(ValueError, match="the plan is for 2 ranks but 1 are running"):
+        rannc_compile(model, None, plan=path)(*args)
+
+
+def test_saved_plan_skips_planning_and_is_checked(tmp_path):
+    path = str(tmp_path / "mlp.plan.json")
+    run_ranks(_saved_plan, 2, path, timeout_s=60.0)
+    run_ranks(_wrong_world, 1, path)
+
+
+class DropoutMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 4)
+        )
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+def _dropout(rank: int, world: int) -> list[float]:
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    x, y = torch.randn(LOCAL * world, 16), torch.randint(0, 4, (LOCAL * world,))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = Config(replicas=(1, 1), micro_batches=2, profile_cache_dir=None)
+    cm = rannc_compile(model, opt, cfg)
+    losses = []
+    for _ in range(30):
+        loss = cm(*_local((x, y), rank, LOCAL * world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_dropout_trains_and_the_loss_falls():
+    losses = run_ranks(_dropout, 2, timeout_s=60.0)
+    assert losses[0] == losses[1]  # one loss, the same on every rank
+    first, last = sum(losses[0][:5]) / 5, sum(losses[0][-5:]) / 5
+    assert last < 0.7 * first, losses[0]

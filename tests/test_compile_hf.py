@@ -1,0 +1,26 @@
+"""``rannc_fx.runtime.compile`` on transformers models (export-captured ATen graphs): 5 Adam
+steps on forked gloo ranks against the single-process reference, like ``test_compile``."""
+
+from __future__ import annotations
+
+import pytest
+
+from .dist_utils import run_ranks
+from .test_compile import _train, _warm
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,world,cfg",
+    [
+        ("gpt2", 2, dict(replicas=(1, 1), micro_batches=2)),
+        ("bert", 3, dict(replicas=(2, 1), micro_batches=2)),
+        ("resnet", 2, dict(replicas=(1, 1), micro_batches=1)),
+    ],
+)
+def test_hf_trains_like_one_process(name, world, cfg):
+    _warm(name)
+    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
+    assert len(set(losses)) == 1
