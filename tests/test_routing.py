@@ -312,3 +312,17 @@ def test_transfer_rows_and_reverse():
     r = t.reversed()
     assert (r.src, r.dst, r.src_base, r.dst_base, r.kind) == (2, 0, 5, 3, "grad")
     assert r.src_rows(spec) == (0, 8) and r.dst_rows(spec) == (8, 8)
+
+
+def test_the_module_docstring_example():
+    plan = _chain_plan(4, 2, (2, 1))  # G = 12 on 3 ranks; stage 0 on ranks 0-1, stage 1 on 2
+
+    def moves(ts: list[Transfer], value: str) -> list[tuple[int, int, int, int]]:
+        return [
+            (t.src, t.dst, t.start, t.stop) for t in ts if t.value == value and t.microbatch == 0
+        ]
+
+    x = [m for m in moves(routing.input_transfers(plan), "x") if m[1] in (0, 1)]
+    assert x == [(0, 0, 0, 3), (0, 1, 3, 4), (1, 1, 4, 6)]
+    assert moves(routing.cut_transfers(plan, 0), "h0") == [(0, 2, 0, 3), (1, 2, 3, 6)]
+    assert moves(routing.output_transfers(plan), "logits") == [(2, 0, 0, 4), (2, 1, 4, 6)]

@@ -6,21 +6,27 @@ no rank ever asks another for shapes or offsets.
 Samples are numbered 0..G-1 over the global batch, the concatenation of the ranks' local
 batches (rank j holds [j*L, (j+1)*L), L = G / world_size). Micro-batch i is the i-th of
 ``micro_batches`` contiguous, as-even-as-possible spans; replica k of a stage with r replicas
-takes the k-th of r as-even spans of it. G=10, 2 ranks, 2 micro-batches, stage 0 x2 -> stage 1 x1:
+takes the k-th of r as-even spans of it. G = 12 on 3 ranks, 2 micro-batches, stage 0 on
+ranks 0 and 1, stage 1 on rank 2:
 
-    sample       0 1 2 3 4 | 5 6 7 8 9
-    local batch  rank 0    | rank 1
-    micro-batch  0         | 1
-    stage 0      r0  | r1  | r0  | r1      (replicas: ranks 0 and 1; 3+2 and 3+2 samples)
-    stage 1      r2        | r2            (one replica: rank 2)
+    local batches  rank 0: [0, 4)   rank 1: [4, 8)   rank 2: [8, 12)
+    micro-batches  0: [0, 6)                         1: [6, 12)
+    stage 0        rank 0: [0, 3)   rank 1: [3, 6)   rank 0: [6, 9)   rank 1: [9, 12)
+    stage 1        rank 2: [0, 6)                    rank 2: [6, 12)
+
+    micro-batch 0  graph input x   rank 0 keeps [0, 3), sends [3, 4) to rank 1;
+                                   rank 1 keeps [4, 6)
+                   cut value h     rank 2 gets [0, 3) from rank 0 and [3, 6) from rank 1
+                   batched output  rank 2 sends [0, 4) to rank 0 and [4, 6) to rank 1
 
 A value moves by span overlap (RaNNC's scatter/gather): each piece is the overlap of the span
 the source holds and the span the destination needs, so every sample moves once. A tensor
 whose ``batch_dim`` has k rows per sample (``view(B * seq, h)``) moves rows [a*k, b*k).
 
 Transfers come in a canonical order (``input_transfers``, then per micro-batch
-``cut_transfers``, then ``output_transfers``); sender and receiver both post them in that
-order, so p2p messages match without tags.
+``cut_transfers``, then ``output_transfers``; in backward, ``grad_transfers`` per micro-batch,
+last first); sender and receiver both post them in that order, so p2p messages match without
+tags.
 """
 
 from __future__ import annotations
