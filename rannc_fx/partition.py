@@ -73,7 +73,7 @@ def partition(
     result = search_pass(a.table, a.space)
     search_s = time.perf_counter() - t_search
     plan = build_plan(a, result, search_seconds=search_s)
-    stages = split_pass(a.captured, plan)
+    stages = split_pass(a.captured, plan, values=a.values)
     log.info("partitioned in %.2f s total\n%s", time.perf_counter() - a.started, plan.summary())
     return Partitioned(plan=plan, stages=stages, captured=a.captured)
 

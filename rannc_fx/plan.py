@@ -64,6 +64,10 @@ class ValueSpec(BaseModel):
     ``view(B * seq, h)``). A tensor with ``batch_dim=None`` is the same for every micro-batch.
     An integer (a size the graph computes) is ``int_coeffs = (a, c)``: ``a * samples + c``;
     a tuple of them (a ``torch.Size``) is one pair per element.
+
+    ``interleaved`` marks a batched tensor whose rows of different samples alternate along
+    the batch dimension (a ``(seq, batch, h)`` tensor viewed as ``(seq * batch, h)``): fine
+    inside a stage, but it cannot be sliced by sample, so it never crosses a stage boundary.
     """
 
     model_config = _FROZEN
@@ -75,6 +79,7 @@ class ValueSpec(BaseModel):
     batch_dim: int | None = None
     int_coeffs: tuple[tuple[int, int], ...] = ()
     requires_grad: bool = False
+    interleaved: bool = False
 
     def shape_for(self, samples: int) -> tuple[int, ...]:
         """The tensor's shape when it holds ``samples`` samples."""

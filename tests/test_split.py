@@ -173,15 +173,16 @@ def test_transformers_models_compose(name):
 def test_tied_weight_is_one_parameter_held_by_both_stages():
     cg, flat, values, profile = prepared(gpt_example)
     bg = group_pass(cg, profile, values, max_blocks=64)
-    block_of = bg.block_of()
-    embed = next(n.name for n in cg.gm.graph.nodes if n.op == "call_module" and n.target == "embed")
-    head = next(n.name for n in cg.gm.graph.nodes if n.op == "call_module" and n.target == "head")
-    starts = [0, block_of[embed] + 1, block_of[head]]
+    users = [b for b, names in enumerate(bg.params) if "embed.weight" in names]
+    assert len(users) == 2, users  # the embedding lookup and the LM head
+    starts = [0, users[0] + 1, users[1]]
     plan = make_plan(cg, bg, values, starts)
     stages = check_split(cg, flat, values, plan)
-    first = dict(stages[0].named_parameters())
-    last = dict(stages[-1].named_parameters())
-    assert first["embed.weight"] is last["head.weight"] is cg.gm.get_parameter("embed.weight")
+    tied = cg.gm.get_parameter("embed.weight")
+    # the graph may read the tied tensor under either name; it is one object in both stages
+    assert any(p is tied for p in stages[0].parameters())
+    assert any(p is tied for p in stages[-1].parameters())
+    assert not any(p is tied for p in stages[1].parameters())
 
 
 # -- sizes and data-free values --------------------------------------------------------------

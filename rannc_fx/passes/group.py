@@ -194,6 +194,11 @@ def _kind(values: dict[str, ValueSpec], node: fx.Node) -> str:
     return spec.kind if spec is not None else "constant"
 
 
+def _interleaved(values: dict[str, ValueSpec], node: fx.Node) -> bool:
+    spec = values.get(node.name)
+    return spec is not None and spec.interleaved
+
+
 def _is_random(node: fx.Node) -> bool:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
@@ -334,7 +339,7 @@ def _union_atomic(gm: fx.GraphModule, nodes: list[fx.Node], index: dict[fx.Node,
             if target is not None:
                 uf.union(i, index[target])
             continue
-        if _kind(values, n) == "constant":
+        if _kind(values, n) == "constant" or _interleaved(values, n):
             for u in users:
                 uf.union(i, index[u])
         if param_only[i] and first_user is not None:

@@ -75,8 +75,8 @@ def infer_values_pass(
     a leaf module whose Python branches on tensor values (``nn.TransformerEncoder`` checks its
     mask), which runs on zeros with copies of its real parameters. Raises ValueError naming
     the node when a value's size is not proportional to the sample count (or an integer not
-    affine in it), or when an op interleaves the rows of different samples along the batch
-    dimension, since micro-batching would then change its meaning.
+    affine in it), since micro-batching would then change its meaning. A tensor whose samples'
+    rows alternate along the batch dimension is marked ``interleaved`` (see ValueSpec).
     """
     t0 = time.perf_counter()
     gm = captured.gm
@@ -94,7 +94,8 @@ def infer_values_pass(
         if n.op in ("placeholder", "call_function", "call_method", "call_module"):
             specs[n.name] = _spec(n.name, [r[n.name] for r in runs], SAMPLE_COUNTS)
     for n in gm.graph.nodes:
-        _check_layout(n, specs, gm)
+        if _interleaves(n, specs, gm):
+            specs[n.name] = specs[n.name].model_copy(update={"interleaved": True})
     batched = sum(1 for v in specs.values() if v.batch_dim is not None)
     log.info(
         "inferred %d values (%d batched tensors) at %s samples in %.2f s",
@@ -286,43 +287,41 @@ def _op_name(n: fx.Node, gm: nn.Module) -> str:
     return getattr(packet or n.target, "__name__", str(n.target))
 
 
-def _check_layout(n: fx.Node, specs: dict[str, ValueSpec], gm: nn.Module) -> None:
-    """Reject ops that put rows of different samples next to each other along the batch dim."""
+def _interleaves(n: fx.Node, specs: dict[str, ValueSpec], gm: nn.Module) -> bool:
+    """Whether ``n``'s output has rows of different samples alternating along the batch dim.
+
+    A reshape that moves rows in front of the batch dimension on one side only interleaves
+    (``(seq, batch, h) -> (seq * batch, h)``), or undoes an interleaving of its input (the
+    view back to ``(seq, batch, h)``); concatenating batched tensors along the batch
+    dimension and tiling it with ``repeat`` interleave; any other op inherits it from its
+    batched inputs.
+    """
     out = specs.get(n.name)
     if out is None or out.kind != "tensor" or out.batch_dim is None:
-        return
+        return False
     op = _op_name(n, gm)
+    batched_in = [
+        specs[a.name] for a in n.all_input_nodes
+        if a.name in specs and specs[a.name].kind == "tensor" and specs[a.name].batch_dim is not None
+    ]
+    inherited = any(v.interleaved for v in batched_in)
     if op in _RESHAPES and n.args and isinstance(n.args[0], fx.Node):
         src = specs.get(n.args[0].name)
         if src is None or src.kind != "tensor" or src.batch_dim is None:
-            return
+            return inherited
         before_in = math.prod(src.shape[: src.batch_dim])
         before_out = math.prod(out.shape[: out.batch_dim])
-        if before_in != before_out:
-            raise ValueError(
-                f"node {n.name} ({op}) reshapes {src.name} (per sample {list(src.shape)}, batch "
-                f"dim {src.batch_dim}) into per sample {list(out.shape)} with batch dim "
-                f"{out.batch_dim}: {max(before_in, before_out)} rows come before the batch "
-                "dimension on one side only, so one sample's rows end up interleaved with "
-                "others'; move the batch dimension first (x.transpose(0, 1)) before reshaping"
-            )
-    elif op in _CONCATS and n.args and isinstance(n.args[0], (list, tuple)):
-        parts = [specs.get(a.name) for a in n.args[0] if isinstance(a, fx.Node)]
+        return src.interleaved if before_in == before_out else not src.interleaved
+    if op in _CONCATS and n.args and isinstance(n.args[0], (list, tuple)):
         dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
-        if isinstance(dim, int) and dim % len(out.shape) == out.batch_dim and sum(
-            1 for p in parts if p is not None and p.kind == "tensor" and p.batch_dim is not None
-        ) > 1:
-            raise ValueError(
-                f"node {n.name} ({op}) joins several batched tensors along the batch dimension "
-                f"{out.batch_dim}, so rows of different samples interleave; stack them on a new "
-                "dimension (torch.stack(..., dim=1)) instead"
-            )
+        parts = [specs.get(a.name) for a in n.args[0] if isinstance(a, fx.Node)]
+        joined = sum(1 for p in parts if p is not None and p.kind == "tensor" and p.batch_dim is not None)
+        if isinstance(dim, int) and dim % len(out.shape) == out.batch_dim and joined > 1:
+            return True
     elif op == "repeat" and len(n.args) > 1:
         reps = n.args[1:] if isinstance(n.args[1], int) else n.args[1]
         if isinstance(reps, (list, tuple)) and len(reps) == len(out.shape):
             factor = reps[out.batch_dim]
             if isinstance(factor, int) and factor > 1:
-                raise ValueError(
-                    f"node {n.name} (repeat) tiles the batch dimension {factor} times, so rows "
-                    "of different samples interleave; use repeat_interleave or a new dimension"
-                )
+                return True
+    return inherited
