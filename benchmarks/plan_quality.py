@@ -29,9 +29,7 @@ import torch
 from rannc_fx import Config, DeviceSpec
 from rannc_fx.partition import Analysis, analyze
 from rannc_fx.passes.search import (
-    CostTable,
     Evaluation,
-    SearchSpace,
     StageChoice,
     evaluate,
     samples_per_replica,

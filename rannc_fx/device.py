@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,7 +13,7 @@ GiB = 1024**3
 
 # Dense peak rates as the vendors list them (no sparsity); the interconnect figure is the
 # per-GPU bandwidth of the usual fabric for that part (NVLink within a node).
-_PRESETS: dict[str, dict[str, float | str]] = {
+_PRESETS: dict[str, dict[str, Any]] = {
     "v100-32gb": dict(
         memory_bytes=32 * GiB,
         peak_flops={"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12},
@@ -80,7 +82,7 @@ class DeviceSpec(BaseModel):
                 "Describe another device with DeviceSpec(name=..., memory_bytes=..., "
                 "peak_flops={'float32': ...}, memory_bandwidth=..., interconnect_bandwidth=...)."
             )
-        return cls(name=key, **_PRESETS[key])  # type: ignore[arg-type]
+        return cls(name=key, **_PRESETS[key])
 
     @classmethod
     def presets(cls) -> list[str]:

@@ -106,6 +106,7 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
         nn.init.normal_(self.pos, std=0.02)
+        self.causal: torch.Tensor
         self.register_buffer(
             "causal", torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1), persistent=False
         )
@@ -126,7 +127,8 @@ class TransformerLM(nn.Module):
 
 def mlp_example(batch: int = 16, **kw: Any) -> Example:
     model = MLP(**kw)
-    d_in = model.layers[0].in_features
+    first: nn.Linear = model.layers[0]  # type: ignore[assignment]
+    d_in = first.in_features
     classes = model.head.out_features
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, d_in, generator=g)
@@ -145,7 +147,7 @@ def cnn_example(batch: int = 8, image: int = 16, **kw: Any) -> Example:
 def gpt_example(batch: int = 8, **kw: Any) -> Example:
     """The default model of the main job: a tied-embedding Transformer LM."""
     model = TransformerLM(**kw)
-    seq = model.pos.shape[0]
+    seq = int(model.pos.shape[0])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.embed.num_embeddings, (batch, seq), generator=g)
     return model, (ids,), {"labels": torch.roll(ids, -1, dims=1)}

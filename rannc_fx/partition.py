@@ -260,11 +260,11 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         ))
 
     stage_params: list[set[str]] = [set() for _ in result.stages]
-    for b, names in enumerate(blocks.params):
-        stage_params[block_stage[b]].update(names)
+    for b, read in enumerate(blocks.params):
+        stage_params[block_stage[b]].update(read)
     params_set = {n for n, _ in captured.gm.named_parameters(remove_duplicate=False)}
 
-    stages = []
+    stages: list[Stage] = []
     rank = 0
     for s, (choice, cost) in enumerate(zip(result.stages, result.evaluation.stages, strict=True)):
         names = sorted(stage_params[s])

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from rannc_fx.models import gpt_example
 from rannc_fx.passes.capture import capture_pass
 from rannc_fx.passes.shapes import infer_values_pass
 from rannc_fx.plan import ValueSpec
