@@ -1,6 +1,7 @@
 """rannc_fx: automatic hybrid data+pipeline parallel training for unmodified PyTorch models.
 
-    parted = rannc_fx.partition(model, args, world_size=4)   # plan + stage GraphModules
+    model = rannc_fx.compile(model, optimizer)               # under torchrun: trains pipelined
+    parted = rannc_fx.partition(model, args, world_size=4)   # offline: plan + stage GraphModules
     print(parted.plan.summary())
 """
 
@@ -8,6 +9,7 @@ from .config import Config
 from .device import DeviceSpec
 from .partition import Partitioned, partition
 from .plan import Plan
+from .runtime import CompiledModel, compile
 
-__all__ = ["Config", "DeviceSpec", "Partitioned", "Plan", "partition"]
+__all__ = ["CompiledModel", "Config", "DeviceSpec", "Partitioned", "Plan", "compile", "partition"]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from .config import Config
 from .device import DeviceSpec
@@ -110,6 +111,11 @@ def analyze(
     cfg = Config.from_env(config)
     kwargs = dict(example_kwargs or {})
     t0 = time.perf_counter()
+    if any(p.device.type == "meta" for p in model.parameters()):
+        # a meta model computes on meta: bring real example inputs along (shapes are all we use)
+        example_args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to("meta"), (tuple(example_args), kwargs)
+        )
 
     captured = capture_pass(
         model, tuple(example_args), kwargs,

@@ -92,13 +92,6 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     return _loss(out).item()
 
 
-_MHA = pytest.mark.xfail(
-    reason="compiler: the shapes pass rejects nn.MultiheadAttention's permute+reshape "
-    "(TransformerLM); runs once that is fixed",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize(
     "name,world,cfg",
     [
@@ -106,8 +99,8 @@ _MHA = pytest.mark.xfail(
         ("mlp", 2, dict(replicas=(1, 1), micro_batches=2)),
         ("mlp", 3, dict(replicas=(2, 1), micro_batches=3)),
         ("cnn", 2, dict(replicas=(1, 1), micro_batches=1)),
-        pytest.param("gpt", 2, dict(replicas=(1, 1), micro_batches=2), marks=_MHA),
-        pytest.param("gpt", 3, dict(replicas=(2, 1), micro_batches=2), marks=_MHA),
+        ("gpt", 2, dict(replicas=(1, 1), micro_batches=2)),
+        ("gpt", 3, dict(replicas=(2, 1), micro_batches=2)),
     ],
 )
 def test_trains_like_one_process(name, world, cfg):
