@@ -86,6 +86,24 @@ def test_meta_device_model_is_planned_analytically_without_weights():
     assert parted.plan.predicted_step_ms > 0
 
 
+@pytest.mark.parametrize(
+    "name, device", [("gpt2", None), ("gpt2", "a100-40gb"), ("bert", "a100-40gb"),
+                     ("resnet", "a100-40gb")],
+)
+def test_real_model_is_planned_analytically_for_a_device_it_does_not_have(name, device):
+    """A real CPU model with the analytic cost model, for its own CPU or for an A100."""
+    model, args, kwargs = ZOO[name]()
+    model.eval()
+    cfg = CFG.model_copy(update={"cost_model": "analytic"})
+    parted = rannc_fx.partition(model, args, kwargs, world_size=2, device=device, config=cfg)
+    plan = parted.plan
+    assert plan.cost_model == "analytic" and plan.predicted_step_ms > 0
+    assert plan.device.name == (device or "cpu")
+    assert all(p.device.type == "cpu" for gm in parted.stages for p in gm.parameters())
+    for g, w in zip(_leaves(parted(*args, **kwargs)), _leaves(model(*args, **kwargs)), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_too_big_for_the_devices_says_by_how_much_and_what_fits():
     with torch.device("meta"):
         model = TransformerLM(vocab=32000, d_model=1024, layers=8, seq=64)

@@ -17,6 +17,7 @@ from torch import nn
 from rannc_fx.device import DeviceSpec
 from rannc_fx.models import MLP, TransformerLM, cnn_example, gpt_example
 from rannc_fx.passes.capture import CapturedGraph, capture_pass
+from rannc_fx.passes.noderun import home_device
 from rannc_fx.passes.profile import NodeCost, Profile, profile_pass
 from rannc_fx.passes.shapes import infer_values_pass
 
@@ -305,6 +306,44 @@ def test_meta_bert_analytic_reuses_layers() -> None:
     flops = tokens * (4 * (2 * 4 * h * h + 2 * 2 * h * 1024) + 2 * h * 1024)
     assert fwd[0] >= flops / (A100.flops_for("float32") * A100.efficiency)
     assert fwd[1] == pytest.approx(4 * fwd[0], rel=0.25)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "resnet"])
+def test_analytic_profile_of_a_real_cpu_model(name: str) -> None:
+    """Fakes take the model's device: export bakes ``device=cpu`` into ops that make tensors
+    (GPT-2's position ids, BERT's mask, ResNet's loss), so meta fakes met cpu ones there."""
+    hf_models = pytest.importorskip("tests.hf_models")
+    model, args, kwargs = getattr(hf_models, f"{name}_example")()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cap, flat = captured(model, *args, **kwargs)
+    values = infer_values_pass(cap, flat)
+    assert home_device(cap.gm, flat) == torch.device("cpu")
+    prof = profile_pass(cap, flat, values, batch_sizes=(1, 3), device_spec=A100,
+                        cost_model="analytic")
+    assert prof.cost_model == "analytic" and prof.device == "a100-80gb"
+    assert sum(c.fwd_s[1] for c in prof.nodes.values()) > sum(c.fwd_s[0] for c in prof.nodes.values()) > 0
+    # Fake CPU tensors run the CPU kernels' meta functions, so what autograd keeps and the
+    # transient bytes are exactly what the measured profile sees on real tensors.
+    measured = profile_pass(cap, flat, values, batch_sizes=(1, 3), device_spec=CPU,
+                            cost_model="measured", repeats=1)
+    for n, c in prof.nodes.items():
+        assert c.saved_bytes == measured.nodes[n].saved_bytes, n
+        assert c.workspace_bytes == measured.nodes[n].workspace_bytes, n
+    after = model.state_dict()
+    assert all(v.device.type == "cpu" and torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_home_device_is_the_models_or_meta() -> None:
+    lin = nn.Linear(4, 4)
+    gm = torch.fx.symbolic_trace(lin)
+    assert home_device(gm, [torch.zeros(2, 4)]) == torch.device("cpu")
+    assert home_device(gm, [torch.zeros(2, 4, device="meta")]) == torch.device("meta")
+    with torch.device("meta"):
+        meta_gm = torch.fx.symbolic_trace(nn.Linear(4, 4))
+    assert home_device(meta_gm, [torch.zeros(2, 4)]) == torch.device("meta")
+    no_state = torch.fx.symbolic_trace(nn.ReLU())
+    assert home_device(no_state, [torch.zeros(2, device="meta")]) == torch.device("meta")
+    assert home_device(no_state, [3]) == torch.device("cpu")
 
 
 # -- Profile.at --------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ the next nodes' inputs as leaves (detached, ``requires_grad`` kept), so each nod
 covers that node alone. The runner's ``session`` keeps the model as it was: analytic runs see
 fake twins of the parameters and buffers; measured runs restore buffers (BatchNorm running
 statistics) and the RNG state afterwards.
+
+Fake tensors all carry one device, the graph's *home* device (:func:`home_device`): the
+model's, or ``meta`` for a meta model. The captured graph bakes that device into ops that make
+tensors (``arange(..., device=cpu)``, ``to(cpu)``), so a fake on any other device would meet a
+fake on the home device in some op and fail with a device mismatch.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from .opcost import (
 )
 from .shapes import inputs_for_samples
 
-__all__ = ["NodeRunner", "as_leaf", "measure_device"]
+__all__ = ["NodeRunner", "as_leaf", "home_device", "measure_device"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -68,6 +73,20 @@ def measure_device(
     return dev
 
 
+def home_device(gm: fx.GraphModule, flat_inputs: list[Any]) -> torch.device:
+    """The one device every fake tensor of an analytic profile carries.
+
+    ``meta`` when any parameter or buffer is on meta (the model was captured on meta: its
+    example inputs went there too), else the device of the model's state, else that of its
+    first input tensor, else the CPU.
+    """
+    devs = [t.device for t in [*gm.parameters(), *gm.buffers()]]
+    devs += [t.device for t in flat_inputs if isinstance(t, torch.Tensor)]
+    if any(d.type == "meta" for d in devs):
+        return torch.device("meta")
+    return devs[0] if devs else torch.device("cpu")
+
+
 # -- running nodes ---------------------------------------------------------------------------
 
 
@@ -75,10 +94,13 @@ class NodeRunner:
     """How nodes run: real tensors timed on a device, or fake tensors counted."""
 
     def __init__(
-        self, gm: fx.GraphModule, cost_model: str, device: torch.device | None, repeats: int
+        self, gm: fx.GraphModule, cost_model: str, device: torch.device | None, repeats: int,
+        *, home: torch.device | None = None,
     ) -> None:
         self.gm, self.device, self.repeats = gm, device, repeats
         self.analytic = cost_model == "analytic"
+        # the device fakes carry (see home_device); measured runs put real tensors on `device`
+        self.home = home if home is not None else home_device(gm, [])
         self.device_name = device_name(device)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.analytic else None
         self._fakes: dict[int, torch.Tensor] = {}
@@ -128,7 +150,9 @@ class NodeRunner:
         assert self.fake_mode is not None
         with unset_fake_temporarily():
             meta = t.detach().to("meta")
-        f = self.fake_mode.from_tensor(meta)
+        f = self.fake_mode.fake_tensor_converter.from_meta_and_device(
+            self.fake_mode, meta, self.home
+        )
         if t.requires_grad and differentiable(f):
             f.requires_grad_(True)
         return f

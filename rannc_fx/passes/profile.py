@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from ..device import DeviceSpec
 from ..plan import ValueSpec
 from .capture import CapturedGraph
-from .noderun import NodeRunner, as_leaf, measure_device
+from .noderun import NodeRunner, as_leaf, home_device, measure_device
 from .opcache import CostCache, op_key
 from .opcost import OpCost, storage_id, tensors
 
@@ -125,7 +125,10 @@ def profile_pass(
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch_sizes={list(batch_sizes)}: give at least one size, all >= 1")
     batch, bdim = _input_batch(gm, flat_inputs, values, batch_dim)
-    runner = NodeRunner(gm, cost_model, measure_device(gm, device, cost_model), max(1, repeats))
+    runner = NodeRunner(
+        gm, cost_model, measure_device(gm, device, cost_model), max(1, repeats),
+        home=home_device(gm, flat_inputs),
+    )
     cache = CostCache(cache_dir, device=runner.device_name, cost_model=cost_model)
     stats = _Stats()
     per_size = []
