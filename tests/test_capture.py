@@ -28,7 +28,7 @@ CASES = [
     ("mlp", "export", "export"),
     ("cnn", "auto", "fx"),
     ("cnn", "export", "export"),
-    ("gpt", "auto", "fx"),  # export fails on nn.TransformerEncoder's mask check; see below
+    ("gpt", "auto", "export"),  # fx would keep nn.TransformerEncoder whole; see below
     ("bert", "auto", "export"),  # torch.fx cannot trace transformers 5 models
     ("gpt2", "auto", "export"),
     ("resnet", "auto", "export"),
@@ -93,28 +93,19 @@ def test_graph_runs_at_other_batch_sizes(zoo, name, tracer, expect, samples):
     assert_same(run(cg, sub_args, sub_kwargs), ref(*sub_args, **sub_kwargs))
 
 
-@pytest.mark.parametrize("tracer", ["fx", "export"])
-def test_gpt_forced_tracers(zoo, tracer):
-    """TransformerLM: fx keeps nn.TransformerEncoder whole; export trips on its mask check."""
-    if tracer == "fx":
-        model, args, kwargs, cg = zoo("gpt", "fx")
-        assert [n.target for n in cg.gm.graph.nodes if n.op == "call_module"] == [
-            "embed", "encoder", "norm", "head"]
-        assert_same(run(cg, args, kwargs), copy.deepcopy(model)(*args, **kwargs))
-        return
-    model, args, kwargs = gpt_example()
-    try:
-        cg = capture_pass(model, args, kwargs, tracer="export")
-    except CaptureError as e:
-        # nn.TransformerEncoder compares the mask with a causal one (a data-dependent branch)
-        # unless the caller passes is_causal; the message must lead there.
-        msg = str(e)
-        assert "models.py:" in msg and "self.encoder(" in msg
-        assert "inside module encoder (TransformerEncoder)" in msg
-        assert "torch.cond" in msg and "Config(tracer='fx')" in msg
-        assert e.__cause__ is not None
-    else:
-        assert_same(run(cg, args, kwargs), copy.deepcopy(model)(*args, **kwargs))
+def test_gpt_forced_tracers(zoo):
+    """TransformerLM: fx keeps nn.TransformerEncoder whole; export traces it layer by layer."""
+    model, args, kwargs, cg = zoo("gpt", "fx")
+    assert [n.target for n in cg.gm.graph.nodes if n.op == "call_module"] == [
+        "embed", "encoder", "norm", "head"]
+    assert_same(run(cg, args, kwargs), copy.deepcopy(model)(*args, **kwargs))
+    model, args, kwargs, cg = zoo("gpt", "export")
+    layers = {p for n in cg.gm.graph.nodes
+              for p, _ in (n.meta.get("nn_module_stack") or {}).values()
+              if p.startswith("encoder.layers.")}
+    assert {"encoder.layers.0", "encoder.layers.1"} <= layers
+    assert not any(n.op == "call_module" for n in cg.gm.graph.nodes)
+    assert_same(run(cg, args, kwargs), copy.deepcopy(model)(*args, **kwargs))
 
 
 class _Encoder(nn.Module):
@@ -137,15 +128,31 @@ def test_auto_prefers_export_to_an_opaque_torch_nn_container():
     assert [n.target for n in kept.gm.graph.nodes if n.op == "call_module"] == ["layer"]
 
 
+class _MaskedEncoder(nn.Module):
+    """nn.TransformerEncoder with a mask but no is_causal: it compares the mask with a causal
+    one, a data-dependent branch that torch.export refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.register_buffer("mask", torch.triu(torch.full((5, 5), float("-inf")), diagonal=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, mask=self.mask).relu()
+
+
 def test_auto_says_when_it_keeps_a_container_whole(caplog):
-    model, args, kwargs = gpt_example()
+    model, x = _MaskedEncoder(), torch.randn(4, 5, 16)
     with caplog.at_level(logging.INFO, logger="rannc_fx"):
-        capture_pass(model, args, kwargs)
-        capture_pass(model, args, kwargs, leaf_modules=("TransformerEncoder",))
+        cg = capture_pass(model, (x,))
+        capture_pass(model, (x,), leaf_modules=("TransformerEncoder",))
     first, second = [r for r in caplog.records if r.name == "rannc_fx"]
+    assert cg.tracer == "fx"
     assert first.levelno == logging.WARNING
     assert "kept encoder (TransformerEncoder) as one node" in first.getMessage()
     assert second.levelno == logging.INFO and "with torch.fx" in second.getMessage()
+    torch.testing.assert_close(run(cg, (x,), {}), model(x), rtol=0, atol=0)
 
 
 # -- parameters and buffers ------------------------------------------------------------------
