@@ -68,6 +68,11 @@ class ValueSpec(BaseModel):
     ``interleaved`` marks a batched tensor whose rows of different samples alternate along
     the batch dimension (a ``(seq, batch, h)`` tensor viewed as ``(seq * batch, h)``): fine
     inside a stage, but it cannot be sliced by sample, so it never crosses a stage boundary.
+    ``interleave`` is its layout where known: the batch dimension holds ``interleave`` blocks
+    one after another, each with every sample's ``shape[batch_dim] // interleave`` rows in
+    sample order (``seq`` blocks of one row for the view above; 2 for ``cat([x, y])``)::
+
+        rows for samples a, b, c with interleave = 2:   a0 b0 c0 | a1 b1 c1
     """
 
     model_config = _FROZEN
@@ -80,6 +85,18 @@ class ValueSpec(BaseModel):
     int_coeffs: tuple[tuple[int, int], ...] = ()
     requires_grad: bool = False
     interleaved: bool = False
+    interleave: int | None = None
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> ValueSpec:
+        if self.interleave is not None:
+            rows = self.shape[self.batch_dim] if self.batch_dim is not None else 0
+            if not self.interleaved or self.interleave < 2 or rows % self.interleave:
+                raise ValueError(
+                    f"value {self.name!r}: interleave={self.interleave} needs an interleaved "
+                    f"batched tensor whose {rows} rows per sample it divides (at least 2 blocks)"
+                )
+        return self
 
     def shape_for(self, samples: int) -> tuple[int, ...]:
         """The tensor's shape when it holds ``samples`` samples."""

@@ -172,3 +172,74 @@ def test_dropout_trains_and_the_loss_falls():
     assert losses[0] == losses[1]  # one loss, the same on every rank
     first, last = sum(losses[0][:5]) / 5, sum(losses[0][-5:]) / 5
     assert last < 0.7 * first, losses[0]
+
+
+class SeqFirst(torch.nn.Module):
+    """Returns logits as (seq * batch, classes), the layout of PyTorch's word-LM example:
+    rows of different samples interleave (``seq`` blocks of one row per sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.b(torch.relu(self.a(x))).transpose(0, 1)  # (seq, batch, 5)
+        logits = h.reshape(-1, h.size(-1))
+        loss = torch.nn.functional.cross_entropy(logits, y.transpose(0, 1).reshape(-1))
+        return loss, logits
+
+
+def _interleaved_output(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model, g = SeqFirst(), LOCAL * world
+    x, y = torch.randn(g, 3, 6), torch.randint(0, 5, (g, 3))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    cm = rannc_compile(model, opt, Config(profile_cache_dir=None, profile_repeats=1, **cfg))
+    lx, ly = _local((x, y), rank, g)
+    for _ in range(3):
+        loss, logits = cm(lx, ly)
+        assert cm.plan.outputs[1].spec.interleave == 3
+        with torch.no_grad():
+            assert_close(logits, ref(lx, ly)[1], **TOL)  # laid out as for the local batch
+        want = ref(x, y)[0]
+        assert_close(loss, want, **TOL)
+        loss.backward()
+        want.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for pname, p in cm.stages[0].named_parameters():
+        assert_close(p, ref.get_parameter(pname), **TOL)
+
+
+@pytest.mark.parametrize(
+    "world,cfg", [(2, dict(replicas=(1, 1), micro_batches=1)), (3, dict(replicas=(2, 1)))]
+)
+def test_an_interleaved_output_comes_back_in_the_local_layout(world, cfg):
+    run_ranks(_interleaved_output, world, cfg, timeout_s=60.0)
+
+
+class HalfRows(torch.nn.Module):
+    """Returns (2, batch * 2): half the samples in each row, a layout nothing can route."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h.pow(2).mean(), h.reshape(2, -1)
+
+
+def _unroutable(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    cm = rannc_compile(HalfRows(), None, Config(profile_cache_dir=None, micro_batches=1))
+    with pytest.raises(ValueError, match=r"model output 1 \('reshape'.*interleaved.*"
+                       r"view\(seq, batch, -1\)"):
+        cm(torch.randn(LOCAL, 4))
+
+
+def test_an_output_whose_rows_cannot_be_routed_is_refused_on_every_rank():
+    run_ranks(_unroutable, 2, timeout_s=30.0)

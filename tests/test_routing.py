@@ -9,6 +9,7 @@ import torch
 
 from rannc_fx.plan import Plan, ValueSpec
 from rannc_fx.runtime import routing
+from rannc_fx.runtime.executor import check_outputs_routable
 from rannc_fx.runtime.routing import Transfer
 
 from .dist_utils import make_plan, scalar, tensor
@@ -289,6 +290,23 @@ def test_integers_move_nowhere_and_constants_are_refused():
     )
     with pytest.raises(ValueError, match="constants inside each stage"):
         routing.cut_transfers(plan, 0)
+
+
+def test_an_output_interleaved_in_an_unknown_layout_is_refused_when_the_batch_is_split():
+    inter = tensor("out", (2, 4)).model_copy(update={"interleaved": True})
+    values = {"x": tensor("x", (1, 4)), "out": inter, "loss": scalar("loss")}
+
+    def plan(world: int, mbs: int, spec: ValueSpec) -> Plan:
+        return make_plan(global_batch=4, micro_batches=mbs, replicas=(world,),
+                         values=dict(values, out=spec), inputs=["x"],
+                         stage_io=[(["x"], ["loss", "out"])], outputs=["loss", "out"])
+
+    for world, mbs in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=r"model output 1 \('out'.*interleaved.*"
+                           r"out\.view\(seq, batch, -1\).*loss inside the model"):
+            check_outputs_routable(plan(world, mbs, inter))
+    check_outputs_routable(plan(1, 1, inter))  # one rank, one micro-batch: nothing is cut
+    check_outputs_routable(plan(2, 2, inter.model_copy(update={"interleave": 2})))
 
 
 def test_uneven_local_batch_is_refused():

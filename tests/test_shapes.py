@@ -12,6 +12,7 @@ from torch import nn
 from rannc_fx.passes.capture import capture_pass
 from rannc_fx.passes.shapes import infer_values_pass
 from rannc_fx.plan import ValueSpec
+from rannc_fx.runtime.pieces import interleave, sample_major
 
 from .conftest import zoo_example
 
@@ -178,6 +179,39 @@ def test_values_whose_samples_interleave_are_marked(fn, node):
     assert not v["x"].interleaved
 
 
+@pytest.mark.parametrize(("fn", "node", "blocks"), [
+    (lambda m, x: torch.cat([x, 2 * x, 3 * x]) + 1, "add", 3),
+    (lambda m, x: x.repeat(2, 1).relu(), "relu", 2),
+    (lambda m, x: x.view(x.size(0), 2, 2).transpose(0, 1).reshape(-1, 2).relu(), "relu", 2),
+    (lambda m, x: x.view(x.size(0), 2, 2).transpose(0, 1).reshape(-1).view(-1, 1), "view_1", 2),
+    (lambda m, x: x.reshape(2, -1), "reshape", None),  # half the samples in each row
+])
+def test_interleaved_layouts_are_recorded_where_known(fn, node, blocks):
+    """The recorded layout is the real one: regrouped by it, each sample's rows are the
+    rows the function gives for that sample alone."""
+    x = torch.randn(6, 4)
+    model = _Lambda(fn)
+    spec = values(model, x)[node]
+    assert spec.interleaved and spec.interleave == blocks
+    if blocks is None:
+        return
+    gm = torch.fx.symbolic_trace(model)
+    taps: dict[str, torch.Tensor] = {}
+    interp = torch.fx.Interpreter(gm)
+    run_node = interp.run_node
+    interp.run_node = lambda n: taps.setdefault(n.name, run_node(n))  # type: ignore[method-assign]
+
+    def at(batch: torch.Tensor) -> torch.Tensor:
+        taps.clear()
+        interp.run(batch)
+        return taps[node]
+
+    whole = sample_major(at(x), spec, 6)
+    one_by_one = torch.cat([at(x[b : b + 1]) for b in range(6)], spec.batch_dim)
+    torch.testing.assert_close(whole, one_by_one)
+    torch.testing.assert_close(interleave(whole, spec, 6), at(x))
+
+
 def test_a_view_back_undoes_the_interleaving():
     # multi-head attention's (seq, batch, h) -> (seq * batch, h) -> (seq, batch, h)
     def fn(m, x):
@@ -186,7 +220,7 @@ def test_a_view_back_undoes_the_interleaving():
         return flat.view(x.size(1), x.size(0), x.size(2)).transpose(0, 1)
 
     v = values(_Lambda(fn), torch.randn(8, 3, 4))
-    assert v["mul"].interleaved and v["mul"].shape == (3, 4)
+    assert v["mul"].interleaved and v["mul"].shape == (3, 4) and v["mul"].interleave == 3
     assert not v["view"].interleaved and v["view"].batch_dim == 1
 
 

@@ -43,11 +43,11 @@ from . import routing
 from .buffers import BufferSync
 from .comm import Groups, Message, Pending, all_reduce_flat, build_groups, check_same_plan, post
 from .grads import GradSync
-from .pieces import assemble, dtype_of, piece_shape, take
+from .pieces import assemble, dtype_of, interleave, piece_shape, sample_major, take
 from .routing import Transfer
 from .schedule import Action, gpipe_schedule
 
-__all__ = ["StageExecutor"]
+__all__ = ["StageExecutor", "check_outputs_routable"]
 
 
 @dataclass
@@ -94,6 +94,7 @@ class StageExecutor:
                 f"{dist.get_world_size()}; launch with --nproc-per-node {plan.world_size} or "
                 "make a plan for this world size"
             )
+        check_outputs_routable(plan)  # before any collective: every rank refuses alike
         self.rank = rank if rank is not None else dist.get_rank() if dist.is_initialized() else 0
         self.stage = plan.stage_of_rank(self.rank)
         self.replica = self.stage.ranks.index(self.rank)
@@ -378,11 +379,24 @@ class StageExecutor:
         return out
 
     def _gather_outputs(self, outputs: list[tuple[Any, ...]]) -> dict[int, Any]:
-        """C: batched model outputs to the ranks whose local samples they are."""
+        """C: batched model outputs to the ranks whose local samples they are.
+
+        An interleaved output moves in sample-major order and is interleaved again for the
+        local samples, as the model would have laid it out for the local batch alone.
+        """
         me = self.rank
+        mine = {r.spec.name: r.spec for r in self._my_outputs if r.spec.interleave is not None}
+        regrouped: dict[tuple[int, str], torch.Tensor] = {}
 
         def source(t: Transfer) -> torch.Tensor:
-            return outputs[t.microbatch][self._out_pos[t.value]].detach()
+            x = outputs[t.microbatch][self._out_pos[t.value]].detach()
+            if t.value not in mine:
+                return x
+            key = (t.microbatch, t.value)
+            if key not in regrouped:
+                a, b = self._spans[t.microbatch]
+                regrouped[key] = sample_major(x, mine[t.value], b - a)
+            return regrouped[key]
 
         msgs, recv = self._messages(self.routes.outputs, source, "model output")
         pending = post(msgs)
@@ -397,7 +411,8 @@ class StageExecutor:
                 for t in self.routes.outputs
                 if t.dst == me and t.slot == ref.index
             ]
-            results[ref.index] = assemble(parts, spec, self._local, self.device)
+            y = assemble(parts, spec, self._local, self.device)
+            results[ref.index] = y if spec.interleave is None else interleave(y, spec, self._local)
         return results
 
     # -- backward --------------------------------------------------------------------------------
@@ -500,6 +515,25 @@ class StageExecutor:
         mine = [t for t in self.routes.grads[i] if t.src == self.rank]
         msgs, _ = self._messages(mine, source, "gradient of cut value")
         return post(msgs)
+
+
+def check_outputs_routable(plan: Plan) -> None:
+    """Refuse a plan with a model output whose interleaved layout is unknown, when the plan
+    splits the batch: its rows could not be handed back to the ranks by sample."""
+    if plan.world_size == 1 and plan.micro_batches == 1:
+        return  # the one rank computes the whole batch at once: nothing is cut
+    for ref in plan.outputs:
+        spec = ref.spec
+        if spec.interleaved and spec.interleave is None:
+            raise ValueError(
+                f"model output {ref.index} ({spec.name!r}, {spec.shape} per sample) has rows "
+                f"of different samples interleaved along dimension {spec.batch_dim} in a way "
+                f"rannc_fx cannot undo, and this plan splits the batch ({plan.micro_batches} "
+                f"micro-batch(es) on {plan.world_size} rank(s)), so each rank would get other "
+                "samples' rows; return it with the batch as a dimension of its own (e.g. "
+                "out.view(seq, batch, -1) rather than out.view(-1, n)), or compute the loss "
+                "inside the model and return that"
+            )
 
 
 class _Bridge(torch.autograd.Function):

@@ -7,7 +7,7 @@ import torch
 from ..plan import ValueSpec
 from .routing import Transfer
 
-__all__ = ["assemble", "dtype_of", "piece_shape", "take"]
+__all__ = ["assemble", "dtype_of", "interleave", "piece_shape", "sample_major", "take"]
 
 
 def dtype_of(spec: ValueSpec) -> torch.dtype:
@@ -52,3 +52,33 @@ def assemble(
     for t, piece in parts:
         take(out, spec, t.dst_rows(spec)).copy_(piece)
     return out
+
+
+# An interleaved value (ValueSpec.interleave = k blocks) cannot be cut by sample as it is;
+# it moves in sample-major order and is interleaved again where it lands. k = 2, 3 samples:
+#
+#     interleaved   a0 b0 c0 | a1 b1 c1       sample major   a0 a1 | b0 b1 | c0 c1
+
+
+def sample_major(x: torch.Tensor, spec: ValueSpec, samples: int) -> torch.Tensor:
+    """``x`` (``samples`` samples, interleaved) with each sample's rows together."""
+    return _swap(x, spec, (_blocks(spec), samples))
+
+
+def interleave(x: torch.Tensor, spec: ValueSpec, samples: int) -> torch.Tensor:
+    """The inverse of ``sample_major``: ``x`` back in the value's interleaved layout."""
+    return _swap(x, spec, (samples, _blocks(spec)))
+
+
+def _blocks(spec: ValueSpec) -> int:
+    if spec.interleave is None or spec.batch_dim is None:
+        raise ValueError(f"value {spec.name!r} has no known interleaved layout")
+    return spec.interleave
+
+
+def _swap(x: torch.Tensor, spec: ValueSpec, outer: tuple[int, int]) -> torch.Tensor:
+    d = spec.batch_dim
+    assert d is not None
+    inner = spec.shape[d] // _blocks(spec)
+    y = x.unflatten(d, (*outer, inner)).transpose(d, d + 1)
+    return y.flatten(d, d + 2)
