@@ -16,10 +16,12 @@ setup: $(STAMP)
 plan: $(STAMP)
 	$(PYTHON) -m rannc_fx plan rannc_fx.models:gpt_example --world-size 2 --out plan.json
 
-train: plan
+# the main job: torchrun --nproc-per-node 2 examples/train.py, with this Makefile's Python
+train: $(STAMP)
+	$(PYTHON) -m torch.distributed.run --nproc-per-node 2 examples/train.py
 
 lint: $(STAMP)
-	$(PYTHON) -m ruff check rannc_fx tests benchmarks
+	$(PYTHON) -m ruff check rannc_fx tests benchmarks examples
 	$(PYTHON) -m mypy
 
 test: lint
