@@ -101,6 +101,11 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
         ("cnn", 2, dict(replicas=(1, 1), micro_batches=1)),
         ("gpt", 2, dict(replicas=(1, 1), micro_batches=2)),
         ("gpt", 3, dict(replicas=(2, 1), micro_batches=2)),
+        ("gpt", 4, dict(replicas=(2, 1, 1), micro_batches=2)),
+        ("gpt", 2, dict()),  # whatever the search picks
+        ("mlp", 4, dict(replicas=(1, 1, 1, 1), micro_batches=8)),
+        ("mlp", 4, dict(replicas=(1, 3), micro_batches=2)),
+        ("cnn", 3, dict(replicas=(1, 1, 1), micro_batches=1)),  # BatchNorm: exact with m=1, r=1
     ],
 )
 def test_trains_like_one_process(name, world, cfg):
