@@ -18,6 +18,7 @@ from rannc_fx.device import DeviceSpec
 from rannc_fx.models import MLP, TransformerLM, cnn_example, gpt_example
 from rannc_fx.passes.capture import CapturedGraph, capture_pass
 from rannc_fx.passes.noderun import home_device
+from rannc_fx.passes.opcache import arg_sig, qualname
 from rannc_fx.passes.profile import NodeCost, Profile, profile_pass
 from rannc_fx.passes.shapes import infer_values_pass
 
@@ -344,6 +345,21 @@ def test_home_device_is_the_models_or_meta() -> None:
     no_state = torch.fx.symbolic_trace(nn.ReLU())
     assert home_device(no_state, [torch.zeros(2, device="meta")]) == torch.device("meta")
     assert home_device(no_state, [3]) == torch.device("cpu")
+
+
+def test_op_keys_take_any_argument() -> None:
+    class Opaque:
+        def __repr__(self) -> str:
+            return "Opaque()"
+
+    class Outer:
+        @staticmethod
+        def inner(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert arg_sig(Opaque()).endswith("Opaque:Opaque()")
+    assert qualname(Outer.inner).endswith("Outer.inner")
+    assert qualname(F.relu) == "torch.nn.functional.relu"
 
 
 # -- Profile.at --------------------------------------------------------------------------------

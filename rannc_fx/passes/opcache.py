@@ -36,7 +36,7 @@ def qualname(obj: Any) -> str:
     if isinstance(obj, torch._ops.OperatorBase | torch._ops.OpOverloadPacket):
         return str(obj)
     mod = getattr(obj, "__module__", None) or ""
-    name = getattr(obj, "_qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     return f"{mod}.{name}" if mod else str(name)
 
 
@@ -61,7 +61,7 @@ def arg_sig(x: Any, modules: dict[int, str] | None = None) -> str:
         return repr(x)
     if callable(x):
         return qualname(x)
-    return f"{type(x)._qualname__}:{x!r}"
+    return f"{type(x).__qualname__}:{x!r}"
 
 
 def module_sig(m: nn.Module, memo: dict[int, str] | None = None) -> str:
