@@ -3,6 +3,10 @@
     python examples/train.py                         # one process
     torchrun --nproc-per-node 2 examples/train.py    # rannc_fx splits it over 2 ranks
 
+By default each device is taken to hold only 36 MiB (``--device-memory-mib``), about what
+this model needs on one rank with Adam, so that on 2 ranks the plan must pipeline it rather
+than replicate it; pass ``--device-memory-mib 0`` for the device's real size.
+
 The line marked below is the only change a single-device script needs: ``rannc_fx.compile``
 plans the model on its first call (stages, replicas, micro-batches), then each rank runs its
 stage. Every rank feeds its own local batch, as with a DistributedSampler, and gets the loss
@@ -37,10 +41,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="samples per rank per step (local batch)")
-    p.add_argument("--layers", type=int, default=2, help="transformer layers")
-    p.add_argument("--d-model", type=int, default=64, help="hidden size")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sample")
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    p.add_argument("--layers", type=int, default=4, help="transformer layers")
+    p.add_argument("--d-model", type=int, default=128, help="hidden size")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sample")
+    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
+    p.add_argument("--device-memory-mib", type=int, default=36,
+                   help="memory per device the plan must fit (0: the device's real size)")
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     p.add_argument("--stages", type=int, default=None, help="force the stage count (default: searched)")
     p.add_argument("--micro-batches", type=int, default=None,
@@ -52,7 +58,9 @@ def parse_args() -> argparse.Namespace:
 
 def config(args: argparse.Namespace) -> rannc_fx.Config:
     """The options this script exposes; everything else keeps its default (README: Options)."""
-    return rannc_fx.Config(stages=args.stages, micro_batches=args.micro_batches)
+    memory = args.device_memory_mib * 2**20 or None
+    return rannc_fx.Config(stages=args.stages, micro_batches=args.micro_batches,
+                           device_memory=memory)
 
 
 def main() -> None:

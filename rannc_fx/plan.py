@@ -348,7 +348,6 @@ class Plan(BaseModel):
     # -- for people ------------------------------------------------------------------------
     def summary(self) -> str:
         """A table: one row per stage, with predicted time and memory against the budget."""
-        gib = 1024**3
         head = (
             f"rannc_fx plan: {len(self.stages)} stage(s) on {self.world_size} rank(s), "
             f"{self.micro_batches} micro-batch(es) of {self.global_batch // self.micro_batches}"
@@ -356,7 +355,7 @@ class Plan(BaseModel):
             f"device {self.device.name} ({self.cost_model} costs)"
         )
         cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
-                "comm ms", "allred ms", "memory GiB", "of budget")
+                "comm ms", "allred ms", "memory", "of budget")
         rows = []
         for st in self.stages:
             nparam = st.memory.params
@@ -371,7 +370,7 @@ class Plan(BaseModel):
                 f"{st.bwd_ms:.2f}",
                 f"{st.comm_ms:.2f}",
                 f"{st.allreduce_ms:.2f}",
-                f"{st.memory.total / gib:.2f}",
+                _human_bytes(st.memory.total),
                 f"{100 * st.memory.total / self.memory_budget:.0f}%",
             ))
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
@@ -379,7 +378,7 @@ class Plan(BaseModel):
         body = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
         tail = [
             f"predicted step time {self.predicted_step_ms:.2f} ms; memory budget "
-            f"{self.memory_budget / gib:.2f} GiB per device; {len(self.cut_values)} cut value(s)",
+            f"{_human_bytes(self.memory_budget)} per device; {len(self.cut_values)} cut value(s)",
         ]
         for sp in self.shared_params:
             tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")

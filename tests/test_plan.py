@@ -68,7 +68,7 @@ def test_summary_names_every_stage_and_the_budget():
     assert "2 stage(s) on 3 rank(s)" in text
     lines = text.splitlines()
     assert any(line.split()[0] == "1" for line in lines[3:5])
-    assert "memory budget 1.00 GiB" in text
+    assert "memory budget 1.0 GiB" in text
 
 
 @pytest.mark.parametrize(

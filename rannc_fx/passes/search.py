@@ -653,8 +653,8 @@ def _no_plan(table: CostTable, space: SearchSpace) -> NoFeasiblePlan:
             f"{ms}{forced}: every stage needs at least one block and 1 to "
             "global_batch / micro_batches replicas")
     budget = space.memory_budget
-    msg = (f"no plan fits {W} devices of {budget / _GIB:.2f} GiB: the best plan's largest stage "
-           f"needs {need / _GIB:.2f} GiB ({(need - budget) / _GIB:.2f} GiB over).")
+    msg = (f"no plan fits {W} devices of {_size(budget)}: the best plan's largest stage "
+           f"needs {_size(need)} ({_size(need - budget)} over).")
     if space.replicas is not None:
         msg += " The replica counts are forced; change them, or the budget."
         return NoFeasiblePlan(msg, largest_stage_bytes=need)
@@ -671,6 +671,11 @@ def _no_plan(table: CostTable, space: SearchSpace) -> NoFeasiblePlan:
     else:
         msg += f"; global batch {G} allows no more micro-batches."
     return NoFeasiblePlan(msg, largest_stage_bytes=need, world_size=grow, micro_batches=more)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one GiB, so small budgets do not read as 0.01 GiB."""
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _more_micro_batches(space: SearchSpace) -> list[int]:
