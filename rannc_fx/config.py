@@ -63,7 +63,10 @@ class Config(BaseModel):
 
     # -- runtime ---------------------------------------------------------------------------
     timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout")
-    debug: bool = Field(default=False, description="dump graphs before and after each pass")
+    debug: bool = Field(
+        default=False,
+        description="log the captured graph, the blocks and every stage's code (logger rannc_fx)",
+    )
 
     @model_validator(mode="after")
     def _check_forced(self) -> Config:

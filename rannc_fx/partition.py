@@ -75,6 +75,10 @@ def partition(
     search_s = time.perf_counter() - t_search
     plan = build_plan(a, result, search_seconds=search_s)
     stages = split_pass(a.captured, plan, values=a.values)
+    if a.config.debug:
+        for st, gm in zip(plan.stages, stages, strict=True):
+            log.info("stage %d (blocks %d-%d):\n%s", st.index, st.first_block,
+                     st.end_block - 1, gm.print_readable(print_output=False))
     log.info("partitioned in %.2f s total\n%s", time.perf_counter() - a.started, plan.summary())
     return Partitioned(plan=plan, stages=stages, captured=a.captured)
 
@@ -140,6 +144,10 @@ def analyze(
         repeats=cfg.profile_repeats,
     )
     blocks = group_pass(captured, profile, values, max_blocks=cfg.max_blocks)
+    if cfg.debug:
+        log.info("captured graph:\n%s", captured.gm.print_readable(print_output=False))
+        for b, nodes in enumerate(blocks.blocks):
+            log.info("block %d: %s", b, " ".join(nodes))
     table = build_cost_table(captured, blocks, profile, values, sizes=sizes)
     return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0)
 

@@ -142,3 +142,15 @@ def test_cli_prints_the_summary_and_writes_the_plan(tmp_path, capsys, monkeypatc
     assert plan.world_size == 4 and plan.global_batch == 64
     assert json.loads(out.read_text())["format_version"] == 1
     assert plan.device == DeviceSpec.preset("v100-32gb")
+
+
+def test_debug_logs_the_graph_the_blocks_and_every_stage(caplog):
+    model, args, kwargs = mlp_example()
+    cfg = CFG.model_copy(update={"debug": True, "replicas": (1, 1)})
+    with caplog.at_level("INFO", logger="rannc_fx"):
+        parted = rannc_fx.partition(model, args, kwargs, world_size=2, config=cfg)
+    text = caplog.text
+    assert "captured graph:" in text and "block 0:" in text
+    for st in parted.plan.stages:
+        assert f"stage {st.index} (blocks {st.first_block}-{st.end_block - 1})" in text
+    assert "class stage_1" in text
