@@ -51,3 +51,30 @@ def resnet_example(batch: int = 4, image: int = 32) -> Example:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, image, image, generator=g)
     return model, (), {"pixel_values": x, "labels": torch.randint(0, 10, (batch,), generator=g)}
+
+
+def llama_example(batch: int = 4, seq: int = 16, layers: int = 2, use_cache: bool = False) -> Example:
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=use_cache,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    return model, (ids,), {"labels": ids.clone()}
+
+
+def t5_example(batch: int = 4, seq: int = 16, layers: int = 2) -> Example:
+    """An encoder-decoder: two token inputs of different lengths."""
+    cfg = transformers.T5Config(
+        vocab_size=300, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_heads=4,
+        decoder_start_token_id=0, use_cache=False, dropout_rate=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (batch, seq // 2), generator=g)
+    return model, (), {"input_ids": ids, "labels": labels}

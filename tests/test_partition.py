@@ -9,6 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import rannc_fx
+import rannc_fx.passes.capture
 from rannc_fx import Config, DeviceSpec, Plan
 from rannc_fx.__main__ import main as cli
 from rannc_fx.models import TransformerLM, cnn_example, gpt_example, mlp_example
@@ -24,6 +25,8 @@ ZOO = {
     "bert": hf_models.bert_example,
     "gpt2": hf_models.gpt2_example,
     "resnet": hf_models.resnet_example,
+    "llama": hf_models.llama_example,
+    "t5": hf_models.t5_example,
 }
 
 
@@ -154,3 +157,9 @@ def test_debug_logs_the_graph_the_blocks_and_every_stage(caplog):
     for st in parted.plan.stages:
         assert f"stage {st.index} (blocks {st.first_block}-{st.end_block - 1})" in text
     assert "class stage_1" in text
+
+
+def test_a_model_returning_a_cache_is_told_to_turn_it_off():
+    model, args, kwargs = hf_models.llama_example(use_cache=True)
+    with pytest.raises(rannc_fx.passes.capture.CaptureError, match="use_cache=False"):
+        rannc_fx.partition(model, args, kwargs, world_size=2, config=CFG)

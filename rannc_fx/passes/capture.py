@@ -8,6 +8,7 @@ import inspect
 import io
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -589,6 +590,15 @@ def _failure_message(model: nn.Module, errors: dict[str, BaseException], tracer:
             lines.append(f"      inside module {culprit}")
             culprits.add(culprit.rpartition(" (")[2].rstrip(")"))
     lines.append("ways out:")
+    for e in errors.values():
+        found = re.search(r"Found <class '([\w.]+)'> in output", str(e))
+        if found:
+            kind = found.group(1).rpartition(".")[2]
+            lines.append(
+                f"  - the model returns a {kind}, which is not made of tensors: for training, "
+                "turn it off (transformers: use_cache=False in the config or the call), or "
+                "register it with torch.utils._pytree.register_pytree_node"
+            )
     lines.append(
         "  - a Python `if`/`for` on tensor values cannot become a graph: use torch.where(...) "
         "or torch.cond(pred, true_fn, false_fn, (x,)) so the graph holds both branches"
