@@ -6,6 +6,7 @@ import logging
 import operator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -248,6 +249,13 @@ def test_coarsening_merges_communication_heavy_cuts_first():
     cut = torch.tensor([0, 10, 10, 10, 0]).numpy()
     starts = coarsen(compute, cut, 3)
     assert len(starts) == 3 and 2 not in starts
+
+
+def test_coarsening_identical_layers_stays_balanced():
+    # equal scores everywhere: merging must not snowball into the first block
+    assert coarsen(np.ones(8), np.array([0] + [10] * 7 + [0]), 4) == [0, 2, 4, 6]
+    starts = coarsen(np.array([5.0] + [1.0] * 8), np.array([0] + [10] * 8 + [0]), 3)
+    assert max(np.diff([*starts, 9])[1:]) <= 4, starts
 
 
 def test_cheap_cut_survives_coarsening_on_a_real_graph():

@@ -579,7 +579,9 @@ def coarsen(compute: np.ndarray, cut: np.ndarray, max_blocks: int) -> list[int]:
 
     ``compute[g]`` is group g's time and ``cut[k]`` the bytes crossing the cut before group
     k. The boundary with the highest ``cut / compute of its smaller side`` goes first; a
-    boundary's bytes never change as others go, only the compute beside it.
+    boundary's bytes never change as others go, only the compute beside it. Of boundaries
+    that score the same (identical layers), the one whose merged block is smallest goes first:
+    otherwise the first block absorbs one identical layer after another.
     """
     n = len(compute)
     if n <= max_blocks:
@@ -590,15 +592,16 @@ def coarsen(compute: np.ndarray, cut: np.ndarray, max_blocks: int) -> list[int]:
     alive = [True] * n  # a start position still begins a block
     eps = max(float(compute.sum()) * 1e-9, 1e-15)
 
-    def score(k: int) -> float:
-        return (float(cut[k]) + 1.0) / (min(comp[prv[k]], comp[k]) + eps)
+    def key(k: int) -> tuple[float, float]:
+        score = (float(cut[k]) + 1.0) / (min(comp[prv[k]], comp[k]) + eps)
+        return -score, comp[prv[k]] + comp[k]
 
-    heap = [(-score(k), k, 0) for k in range(1, n)]
+    heap = [(*key(k), k, 0) for k in range(1, n)]
     heapq.heapify(heap)
     version = [0] * (n + 1)
     blocks = n
     while blocks > max_blocks:
-        _, k, ver = heapq.heappop(heap)
+        _, _, k, ver = heapq.heappop(heap)
         if not alive[k] or ver != version[k]:
             continue
         left = prv[k]
@@ -611,7 +614,7 @@ def coarsen(compute: np.ndarray, cut: np.ndarray, max_blocks: int) -> list[int]:
         for b in (left, nxt[left]):
             if 0 < b < n and alive[b]:
                 version[b] += 1
-                heapq.heappush(heap, (-score(b), b, version[b]))
+                heapq.heappush(heap, (*key(b), b, version[b]))
     return [k for k in range(n) if alive[k]]
 
 
