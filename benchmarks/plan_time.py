@@ -1,0 +1,166 @@
+"""Wall time of ``rannc_fx.partition`` end to end on a meta-device BERT, pass by pass.
+
+The model is HF ``BertForPreTraining`` built under ``torch.device("meta")`` (no weights are
+allocated) and planned with the analytic cost model against a ``DeviceSpec`` preset. The
+default is the model of RaNNC's BERT example (hidden 2048, 96 layers, 32 heads, intermediate
+8192, vocabulary 30522: 4.9 B parameters) for 32 V100-32GB, the case RaNNC's README says
+"may take hours" to partition (its example log shows the first iteration after 4 h 16 min).
+
+Each pass logs one line ending in "in N s"; this script reads those lines, so the phases are
+the passes' own timings, and "other" is what ``partition`` spends between them.
+
+    python benchmarks/plan_time.py --layers 96 --hidden 2048 --world-size 32 --seq 128 \
+        --global-batch 256 --device v100-32gb
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import rannc_fx
+from rannc_fx import Config, DeviceSpec
+from rannc_fx.passes.search import NoFeasiblePlan
+
+GiB = 1024**3
+PHASES = ("capture", "shapes", "profile", "group", "costs", "search", "split")
+_FIRST_WORD = {"captured": "capture", "inferred": "shapes", "profiled": "profile",
+               "grouped": "group", "cost": "costs", "searched": "search", "split": "split"}
+_SECONDS = re.compile(r" in ([0-9.]+) s\b")
+
+
+class PhaseTimes(logging.Handler):
+    """Collects the "<pass> ... in N s" lines of the rannc_fx logger, by pass."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seconds: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        phase = _FIRST_WORD.get(text.split(" ", 1)[0])
+        found = _SECONDS.search(text)
+        if phase and found:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + float(found.group(1))
+
+    def __enter__(self) -> PhaseTimes:
+        log = logging.getLogger("rannc_fx")
+        self._old = log.level
+        log.addHandler(self)
+        log.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        log = logging.getLogger("rannc_fx")
+        log.removeHandler(self)
+        log.setLevel(self._old)
+
+
+def bert(layers: int, hidden: int, *, heads: int, seq: int, dtype: str = "float32",
+         vocab: int = 30522) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], float]:
+    """A meta-device BertForPreTraining with a 2-sequence example batch; and its build time."""
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=heads, intermediate_size=4 * hidden,
+                                  max_position_embeddings=max(512, seq))
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = transformers.BertForPreTraining(cfg).to(getattr(torch, dtype))
+    built = time.perf_counter() - t0
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    kwargs = {"labels": ids, "next_sentence_label": torch.zeros(2, dtype=torch.long)}
+    return model, (ids,), kwargs, built
+
+
+def environment(device: str) -> str:
+    import numpy
+    import transformers
+
+    spec = DeviceSpec.preset(device)
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, numpy "
+            f"{numpy.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+            f"{torch.get_num_threads()} torch threads; cost model: analytic against `{device}` "
+            f"({spec.memory_bytes / GiB:.0f} GiB, links {spec.interconnect_bandwidth / 1e9:g} GB/s)")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=96, help="BERT encoder layers")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size (intermediate = 4x)")
+    p.add_argument("--heads", type=int, default=32, help="attention heads")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, default=256, help="sequences per step")
+    p.add_argument("--world-size", type=int, default=32, help="devices to plan for")
+    p.add_argument("--device", default="v100-32gb", choices=DeviceSpec.presets(),
+                   help="DeviceSpec preset of the analytic cost model")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="parameter dtype (float16 with --optimizer-state-factor 6 models "
+                        "mixed-precision Adam: 16 bytes per parameter)")
+    p.add_argument("--optimizer-state-factor", type=float, default=2.0,
+                   help="optimizer state bytes per parameter byte (Adam on fp32: 2)")
+    p.add_argument("--max-blocks", type=int, nargs="+", default=[Config().max_blocks],
+                   help="block counts to plan with (one partition call each)")
+    p.add_argument("--out", default=None, help="append a markdown section to this file")
+    a = p.parse_args(argv)
+
+    rows, summaries = [], []
+    for max_blocks in a.max_blocks:
+        model, args, kwargs, built = bert(a.layers, a.hidden, heads=a.heads, seq=a.seq,
+                                          dtype=a.dtype)
+        params = sum(t.numel() for t in model.parameters())
+        cfg = Config(profile_cache_dir=None, max_blocks=max_blocks,
+                     optimizer_state_factor=a.optimizer_state_factor)
+        with PhaseTimes() as phases:
+            t0 = time.perf_counter()
+            try:
+                parted = rannc_fx.partition(model, args, kwargs, world_size=a.world_size,
+                                            device=a.device, config=cfg,
+                                            global_batch=a.global_batch)
+                outcome = (f"{len(parted.plan.stages)} stages, m={parted.plan.micro_batches}, "
+                           f"predicted {parted.plan.predicted_step_ms:.0f} ms")
+                summaries.append(parted.plan.summary())
+                search_s: float | None = parted.plan.search_seconds  # the log line has 0.1 s
+            except NoFeasiblePlan as e:
+                outcome = f"no plan fits: {e}"
+                search_s = None
+            total = time.perf_counter() - t0
+        s = phases.seconds
+        # a failed search logs nothing: it is what partition() spent after the costs
+        s["search"] = search_s if search_s is not None else total - sum(s.values())
+        other = total - sum(s.values())
+        cells = " | ".join(f"{s.get(ph, 0.0):.2f}" for ph in PHASES)
+        rows.append(f"| {a.layers} | {a.hidden} | {params / 1e9:.2f} | {a.world_size} "
+                    f"| {max_blocks} | {built:.1f} | {cells} | {other:.2f} | **{total:.1f}** "
+                    f"| {100 * s.get('search', 0.0) / total:.1f} % | {outcome} |")
+        print(rows[-1], flush=True)
+        if summaries:
+            print(summaries[-1], flush=True)
+        del model, args, kwargs
+    head = ("| layers | hidden | params (B) | W | max blocks | build s | "
+            + " | ".join(f"{ph} s" for ph in PHASES)
+            + " | other s | partition() s | search share | plan |\n|"
+            + "---:|" * (len(PHASES) + 9) + "---|")
+    table = "\n".join([head, *rows])
+    print(table)
+    if a.out:
+        cmd = "python benchmarks/plan_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        with open(a.out, "a") as f:
+            f.write(f"Command:\n\n    {cmd}\n\n{environment(a.device)}; seq {a.seq}, global "
+                    f"batch {a.global_batch}, {a.dtype}, optimizer_state_factor "
+                    f"{a.optimizer_state_factor}.\n\n{table}\n\n")
+            for text in summaries:
+                f.write("```\n" + text + "\n```\n\n")
+
+
+if __name__ == "__main__":
+    main()
