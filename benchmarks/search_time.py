@@ -1,12 +1,18 @@
 """Time the search pass on cost tables over a grid of block counts and world sizes.
 
-The tables come from a callable ``(num_blocks, space) -> CostTable``: by default a synthetic
-GPT-like transformer (uniform layers, a large-vocabulary embedding tied to the LM head), or
-any ``--table module:function`` of that signature (a real model's profile, say). Each row
-also scores the best even split (equal blocks and replicas per stage) with the same cost
-model, so the search's gain is measured in the same run.
+Two sources of cost tables:
+
+* ``--model synthetic`` (default): a callable ``(num_blocks, space) -> CostTable``, by default
+  a synthetic GPT-like transformer (uniform layers, a large-vocabulary embedding tied to the LM
+  head), or any ``--table module:function`` of that signature. Each row also scores the best
+  even split (equal blocks and replicas per stage) with the same cost model.
+* ``--model bert``: HF ``BertForPreTraining`` built on the meta device for each layer count
+  and world size, run through ``rannc_fx.partition.analyze`` (capture, shapes, profile, group,
+  costs: each pass's own time is reported) and then ``search_pass`` on ``a.table``/``a.space``.
 
     python benchmarks/search_time.py --blocks 12 96 192 --sweep-world-sizes 2 64 --out t.md
+    python benchmarks/search_time.py --model bert --hidden 1024 --layers 12 96 256 \
+        --world-sizes 32 --max-blocks 96 384
 """
 
 from __future__ import annotations
@@ -206,6 +212,57 @@ def run_grid(make_table: TableFactory, grid: Sequence[tuple[int, int]], *,
     return rows
 
 
+def run_bert(a: argparse.Namespace) -> list[str]:
+    """One row per (hidden, layers, world size, max blocks): analyze's passes, then the search."""
+    from plan_time import PhaseTimes, bert
+
+    from rannc_fx import Config
+    from rannc_fx.partition import analyze
+
+    grid = [(h, L, W) for h in a.hidden for W in a.world_sizes for L in a.layers]
+    grid += [(h, L, W) for h in a.hidden for L in a.sweep_layers for W in a.sweep_world_sizes
+             if (h, L, W) not in grid]
+    rows = []
+    for hidden, layers, W in grid:
+        for max_blocks in a.max_blocks:
+            model, args, kwargs, _ = bert(layers, hidden, heads=hidden // 64, seq=a.seq)
+            params = sum(t.numel() for t in model.parameters())
+            cfg = Config(profile_cache_dir=None, max_blocks=max_blocks)
+            with PhaseTimes() as phases:
+                an = analyze(model, args, kwargs, world_size=W, device=a.device, config=cfg,
+                             global_batch=a.samples_per_rank * W)
+            t = time_search(an.table, an.space, a.repeat)
+            ph = phases.seconds
+            nodes = sum(len(b) for b in an.blocks.blocks)
+            head = (f"| {hidden} | {layers} | {params / 1e9:.2f} | {W} | {an.space.global_batch} "
+                    f"| {nodes} | {an.table.num_blocks} | "
+                    + " | ".join(f"{ph.get(k, 0.0):.2f}" for k in
+                                 ("capture", "shapes", "profile", "group", "costs"))
+                    + f" | **{t.wall_s:.2f}** | {t.cpu_s:.2f} | {t.dps} ")
+            if isinstance(t.result, NoFeasiblePlan):
+                need = t.result.world_size
+                rows.append(head + f"| no plan fits{f' (needs W={need})' if need else ''} "
+                                   "| - | - |")
+            else:
+                res = t.result
+                reps = "/".join(str(st.replicas) for st in res.stages)
+                mem = max(c.memory for c in res.evaluation.stages) / an.space.memory_budget
+                rows.append(head + f"| {len(res.stages)} stages, m={res.micro_batches}, "
+                                   f"replicas {reps} | {1e3 * res.evaluation.step_s:.0f} "
+                                   f"| {100 * mem:.0f} % |")
+            print(rows[-1], file=sys.stderr, flush=True)
+            del model, args, kwargs, an
+    return rows
+
+
+BERT_HEAD = [
+    "| hidden | layers | params (B) | ranks | global batch | nodes | blocks | capture s "
+    "| shapes s | profile s | group s | costs s | search wall s | search cpu s | DPs | plan "
+    "| predicted ms | peak memory / budget |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+]
+
+
 def _load(spec: str) -> TableFactory:
     module, _, name = spec.partition(":")
     factory: TableFactory = getattr(importlib.import_module(module), name)
@@ -213,27 +270,50 @@ def _load(spec: str) -> TableFactory:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("synthetic", "bert"), default="synthetic",
+                   help="where cost tables come from (see above)")
     p.add_argument("--blocks", type=int, nargs="+", default=[12, 24, 48, 96, 128, 192, 256],
-                   help="block counts the table is coarsened to (timed at --world-sizes)")
+                   help="block counts the table is coarsened to (timed at --world-sizes; synthetic)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[32], help="ranks")
     p.add_argument("--sweep-world-sizes", type=int, nargs="*", default=[],
-                   help="also time these world sizes at each of --sweep-blocks")
+                   help="also time these world sizes at each of --sweep-blocks (bert: --sweep-layers)")
     p.add_argument("--sweep-blocks", type=int, nargs="+", default=[96],
-                   help="block counts for --sweep-world-sizes")
+                   help="block counts for --sweep-world-sizes (synthetic)")
     p.add_argument("--samples-per-rank", type=int, default=4,
                    help="global batch = this x world size")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
-                   help="micro-batch counts the search tries")
-    p.add_argument("--memory-gib", type=float, default=72.0, help="memory budget per device")
-    p.add_argument("--bandwidth", type=float, default=25e9, help="link bytes/s per device")
+                   help="micro-batch counts the search tries (synthetic)")
+    p.add_argument("--memory-gib", type=float, default=72.0, help="memory budget per device (synthetic)")
+    p.add_argument("--bandwidth", type=float, default=25e9, help="link bytes/s per device (synthetic)")
     p.add_argument("--repeat", type=int, default=1, help="searches per row; the fastest is kept")
     p.add_argument("--table", default=None,
                    help="module:function (num_blocks, space) -> CostTable; default synthetic")
     p.add_argument("--jitter", type=float, default=0.02,
-                   help="relative noise on the synthetic table's times")
+                   help="relative noise on the synthetic table's times (synthetic)")
     p.add_argument("--out", default=None, help="write the markdown table here too")
+    bert = p.add_argument_group("--model bert")
+    bert.add_argument("--hidden", type=int, nargs="+", default=[1024],
+                      help="hidden sizes (heads = hidden / 64, intermediate = 4 x hidden)")
+    bert.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48, 96, 128, 192, 256],
+                      help="encoder layer counts (timed at --world-sizes)")
+    bert.add_argument("--sweep-layers", type=int, nargs="+", default=[96],
+                      help="layer counts for --sweep-world-sizes")
+    bert.add_argument("--max-blocks", type=int, nargs="+", default=[96],
+                      help="Config.max_blocks values (blocks the search cuts between)")
+    bert.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    bert.add_argument("--device", default="v100-32gb",
+                      help="DeviceSpec preset of the analytic cost model")
     a = p.parse_args(argv)
+    if a.model == "bert":
+        rows = run_bert(a)
+        text = "\n".join(BERT_HEAD + rows)
+        print(text)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(text + "\n")
+        return
 
     def synthetic(b: int, s: SearchSpace) -> CostTable:
         return transformer_table(b, s, Transformer(jitter=a.jitter))
