@@ -9,7 +9,7 @@ default is the model of RaNNC's BERT example (hidden 2048, 96 layers, 32 heads, 
 Each pass logs one line ending in "in N s"; this script reads those lines, so the phases are
 the passes' own timings, and "other" is what ``partition`` spends between them.
 
-    python benchmarks/plan_time.py --layers 96 --hidden 2048 --world-size 32 --seq 128 \
+    python benchmarks/plan_time.py --layers 96 --hidden 2048 --world-size 32 --seq 128 \\
         --global-batch 256 --device v100-32gb
 """
 

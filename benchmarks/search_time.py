@@ -11,7 +11,7 @@ Two sources of cost tables:
   costs: each pass's own time is reported) and then ``search_pass`` on ``a.table``/``a.space``.
 
     python benchmarks/search_time.py --blocks 12 96 192 --sweep-world-sizes 2 64 --out t.md
-    python benchmarks/search_time.py --model bert --hidden 1024 --layers 12 96 256 \
+    python benchmarks/search_time.py --model bert --hidden 1024 --layers 12 96 256 \\
         --world-sizes 32 --max-blocks 96 384
 """
 
