@@ -59,7 +59,9 @@ class Config(BaseModel):
     )
 
     # -- grouping and search ---------------------------------------------------------------
-    max_blocks: int = Field(default=96, ge=2, description="blocks the search cuts between")
+    # 192: on a 96-layer BERT a 96-block chain gave a 6.6 % slower plan (benchmarks/results/
+    # plan_time_cpu_202611.md); the search then takes 0.4-2 s at 32 ranks
+    max_blocks: int = Field(default=192, ge=2, description="blocks the search cuts between")
 
     # -- runtime ---------------------------------------------------------------------------
     timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout")
