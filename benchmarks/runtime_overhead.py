@@ -5,9 +5,11 @@
 Both contenders train a deep copy of the same GPT (``runtime_common.GPT``) with Adam on the
 same batch: ``eager`` runs ``loss = model(ids, labels); loss.backward(); opt.step();
 opt.zero_grad()``; ``rannc_fx`` runs the same four lines on ``rannc_fx.compile(model, opt)``
-(world size 1, a one-process group, the plan rannc_fx picks). Steps are interleaved
-(eager, rannc_fx, eager, ...) after ``--warmup`` rounds; the overhead is the median of the
-per-round ratios minus one. Each ``--sizes`` entry is one model; small models show the fixed
+(world size 1, a one-process group, the plan rannc_fx picks). When that plan is one stage and
+one micro-batch, a third contender, ``stage alone``, calls the compiled stage GraphModule
+directly (same parameters, same optimizer): it separates what the generated code costs from
+what the executor around it costs. Steps are interleaved (eager, rannc_fx, stage alone, eager,
+...) after ``--warmup`` rounds; an overhead is the median of the per-round ratios minus one. Each ``--sizes`` entry is one model; small models show the fixed
 cost per step, large ones the cost that grows with the model.
 """
 
@@ -97,16 +99,37 @@ def run(name: str, args: argparse.Namespace) -> str:
     rannc_step()  # plans, then runs the first step
     setup = time.perf_counter() - t0
     plan = compiled.plan
-    times, _ = interleave(
-        {"eager": eager_step, "rannc_fx": rannc_step}, warmup=args.warmup, steps=args.steps
-    )
+    contenders = {"eager": eager_step, "rannc_fx": rannc_step}
+    if len(plan.stages) == 1 and plan.micro_batches == 1:
+        # the stage GraphModule called directly (same parameters and optimizer as rannc_fx):
+        # what the generated code costs without the executor around it
+        stage = compiled.stages[0]
+        flat = compiled._captured.flatten_inputs((ids, labels), {})  # private: the flat inputs
+
+        def stage_step() -> None:
+            loss = stage(*flat)[0]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        contenders["stage alone"] = stage_step
+    times, _ = interleave(contenders, warmup=args.warmup, steps=args.steps)
     e, r = summarize(times["eager"]), summarize(times["rannc_fx"])
     ratio = median_ratio(times["rannc_fx"], times["eager"])
+    if "stage alone" in times:
+        st = summarize(times["stage alone"])
+        alone = (
+            f"{1e3 * st['median']:.2f} | "
+            f"{100 * (median_ratio(times['stage alone'], times['eager']) - 1):+.1f}% | "
+            f"{100 * (median_ratio(times['rannc_fx'], times['stage alone']) - 1):+.1f}%"
+        )
+    else:
+        alone = "n/a | n/a | n/a"
     params = sum(p.numel() for p in base.parameters())
     return (
         f"| {name} | {params / 1e6:.2f} M | {plan.micro_batches} | {1e3 * e['median']:.2f} | "
         f"{1e3 * r['median']:.2f} | {1e3 * (r['median'] - e['median']):+.2f} | "
-        f"{100 * (ratio - 1):+.1f}% | {plan.predicted_step_ms:.2f} | {setup:.1f} |"
+        f"**{100 * (ratio - 1):+.1f}%** | {alone} | {plan.predicted_step_ms:.2f} | {setup:.1f} |"
     )
 
 
@@ -117,10 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{k} is set: run this without torchrun (it measures world size 1)")
     rows = [run(name, args) for name in args.sizes]
     print(
-        "| model | params | m | eager ms | rannc_fx ms | difference ms | overhead (median of "
-        "round ratios) | predicted ms | setup s |"
+        "| model | params | m | eager ms | rannc_fx ms | difference ms | rannc_fx overhead "
+        "(median of round ratios) | stage alone ms | stage alone vs eager | rannc_fx vs stage "
+        "alone | predicted ms | setup s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
     print("\n".join(environment()))
 
