@@ -14,6 +14,7 @@ and the manual stages compute the loss in ``loss_fn``).
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -179,3 +180,18 @@ def environment() -> list[str]:
         f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})",
         f"- load average (1, 5, 15 min): {_START_LOAD} at the start, {load_average()} at the end",
     ]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The GPT's shape and the global batch: flags shared by the runtime benchmarks."""
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default: 1024)")
+    p.add_argument("--d-model", type=int, default=256, help="model width (default: 256)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
+    p.add_argument("--layers", type=int, default=8, help="transformer layers (default: 8)")
+    p.add_argument("--seq", type=int, default=32, help="sequence length (default: 32)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="global batch in samples, split evenly over the ranks (default: 16)",
+    )

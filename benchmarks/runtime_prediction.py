@@ -40,7 +40,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_common import GPT, environment, make_batch, summarize  # noqa: E402
+from runtime_common import (  # noqa: E402
+    GPT,
+    add_model_args,
+    environment,
+    make_batch,
+    summarize,
+)
 
 import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
@@ -58,17 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(the plan of runtime_vs_pipelining's same-split mode); auto: the plan "
         "rannc_fx picks (default: same-split)",
     )
-    p.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default: 1024)")
-    p.add_argument("--d-model", type=int, default=256, help="model width (default: 256)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
-    p.add_argument("--layers", type=int, default=8, help="transformer layers (default: 8)")
-    p.add_argument("--seq", type=int, default=32, help="sequence length (default: 32)")
-    p.add_argument(
-        "--batch",
-        type=int,
-        default=16,
-        help="global batch in samples, split evenly over the ranks (default: 16)",
-    )
+    add_model_args(p)
     p.add_argument(
         "--micro-batches",
         type=int,
