@@ -42,6 +42,19 @@ class Config(BaseModel):
         default=2.0, ge=0, description="optimizer state bytes per parameter byte (Adam: 2)"
     )
 
+    # -- links -----------------------------------------------------------------------------
+    link_bandwidth: float | None = Field(
+        default=None,
+        gt=0,
+        description="bytes/s between two ranks; None = measured by compile() over the process "
+        "group (more than one rank), else the device spec's",
+    )
+    link_latency: float | None = Field(
+        default=None,
+        ge=0,
+        description="seconds per message between two ranks; None = measured or the spec's",
+    )
+
     # -- capture and profile ---------------------------------------------------------------
     tracer: Literal["auto", "fx", "export"] = "auto"
     leaf_modules: tuple[str, ...] = Field(

@@ -19,37 +19,45 @@ _PRESETS: dict[str, dict[str, Any]] = {
         peak_flops={"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12},
         memory_bandwidth=900e9,
         interconnect_bandwidth=150e9,
+        interconnect_latency=10e-6,
     ),
     "a100-40gb": dict(
         memory_bytes=40 * GiB,
         peak_flops={"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
         memory_bandwidth=1555e9,
         interconnect_bandwidth=300e9,
+        interconnect_latency=10e-6,
     ),
     "a100-80gb": dict(
         memory_bytes=80 * GiB,
         peak_flops={"float32": 19.5e12, "float16": 312e12, "bfloat16": 312e12},
         memory_bandwidth=2039e9,
         interconnect_bandwidth=300e9,
+        interconnect_latency=10e-6,
     ),
     "h100-80gb": dict(
         memory_bytes=80 * GiB,
         peak_flops={"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
         memory_bandwidth=3350e9,
         interconnect_bandwidth=450e9,
+        interconnect_latency=10e-6,
     ),
     "h200-141gb": dict(
         memory_bytes=141 * GiB,
         peak_flops={"float32": 67e12, "float16": 989e12, "bfloat16": 989e12},
         memory_bandwidth=4800e9,
         interconnect_bandwidth=450e9,
+        interconnect_latency=10e-6,
     ),
-    # A commodity CPU host running gloo over loopback: a few cores, tens of GB.
+    # A commodity CPU host running gloo over loopback: a few cores, tens of GB. gloo moves
+    # about 0.6 GB/s between two processes here, with ~50-100 us per message; compile()
+    # measures the real link when it has more than one rank.
     "cpu": dict(
         memory_bytes=16 * GiB,
         peak_flops={"float32": 100e9, "float16": 10e9, "bfloat16": 50e9},
         memory_bandwidth=20e9,
-        interconnect_bandwidth=5e9,
+        interconnect_bandwidth=1e9,
+        interconnect_latency=80e-6,
     ),
 }
 
@@ -59,7 +67,8 @@ class DeviceSpec(BaseModel):
 
     ``peak_flops`` maps a dtype name (``"float32"``) to dense FLOP/s; ``memory_bandwidth``
     is device-memory bytes/s; ``interconnect_bandwidth`` is the bytes/s one device can send
-    to a peer (point-to-point and ring all-reduce use it).
+    to a peer (point-to-point and ring all-reduce use it) and ``interconnect_latency`` the
+    seconds one message costs regardless of its size.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -69,6 +78,7 @@ class DeviceSpec(BaseModel):
     peak_flops: dict[str, float]
     memory_bandwidth: float = Field(gt=0)
     interconnect_bandwidth: float = Field(gt=0)
+    interconnect_latency: float = Field(default=0.0, ge=0)
     # Fraction of peak that real kernels reach; the analytic cost model divides by it.
     efficiency: float = Field(default=0.5, gt=0, le=1)
 

@@ -17,6 +17,7 @@ from .device import DeviceSpec
 from .passes.capture import CapturedGraph, capture_pass
 from .passes.costs import build_cost_table
 from .passes.group import BlockGraph, group_pass
+from .passes.optcost import OptimizerRate, optimizer_rate
 from .passes.profile import Profile, profile_pass
 from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
 from .passes.shapes import infer_values_pass
@@ -57,6 +58,7 @@ def partition(
     device: DeviceSpec | str | torch.device | None = None,
     config: Config | None = None,
     global_batch: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Partitioned:
     """Capture, profile, group, search and split ``model`` for ``world_size`` devices.
 
@@ -64,11 +66,13 @@ def partition(
     ``global_batch`` says how many samples a step really has (costs are computed for that).
     ``device`` is where costs come from: a ``DeviceSpec`` or preset name plans with the
     analytic cost model (needed for a meta-device model); a ``torch.device`` (default: where
-    the model's parameters live) is measured.
+    the model's parameters live) is measured. ``optimizer`` (the one training will use) is
+    timed on that device for the optimizer-step cost; without it the step is estimated from
+    the device's memory bandwidth and ``Config.optimizer_state_factor``.
     """
     a = analyze(
-        model, example_args, example_kwargs,
-        world_size=world_size, device=device, config=config, global_batch=global_batch,
+        model, example_args, example_kwargs, world_size=world_size, device=device,
+        config=config, global_batch=global_batch, optimizer=optimizer,
     )
     t_search = time.perf_counter()
     result = search_pass(a.table, a.space)
@@ -108,6 +112,7 @@ def analyze(
     device: DeviceSpec | str | torch.device | None = None,
     config: Config | None = None,
     global_batch: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Analysis:
     """Run capture, shapes, profile, group and costs: the inputs of the search."""
     if world_size < 1:
@@ -131,7 +136,13 @@ def analyze(
 
     spec, run_device, cost_model = _resolve_device(model, device, cfg)
     budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
-    space = _search_space(cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec)
+    rate = optimizer_rate(
+        optimizer, run_device if cost_model == "measured" else None, spec,
+        cfg.optimizer_state_factor,
+    )
+    space = _search_space(
+        cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec, rate=rate
+    )
     sizes = needed_sizes(space)
 
     profile = profile_pass(
@@ -189,6 +200,8 @@ def _resolve_device(
                 "to plan it with the analytic cost model"
             )
         spec = DeviceSpec.of(run)
+    links = {"interconnect_bandwidth": cfg.link_bandwidth, "interconnect_latency": cfg.link_latency}
+    spec = spec.model_copy(update={k: v for k, v in links.items() if v is not None})
     cost_model: Literal["measured", "analytic"]
     if cfg.cost_model == "auto":
         cost_model = "analytic" if (on_meta or run is None) else "measured"
@@ -204,7 +217,13 @@ def _resolve_device(
 
 
 def _search_space(
-    cfg: Config, *, world_size: int, global_batch: int, budget: int, spec: DeviceSpec
+    cfg: Config,
+    *,
+    world_size: int,
+    global_batch: int,
+    budget: int,
+    spec: DeviceSpec,
+    rate: OptimizerRate,
 ) -> SearchSpace:
     if cfg.replicas is not None and sum(cfg.replicas) != world_size:
         raise ValueError(
@@ -228,7 +247,10 @@ def _search_space(
         global_batch=global_batch,
         memory_budget=budget,
         link_bandwidth=spec.interconnect_bandwidth,
+        link_latency=spec.interconnect_latency,
         optimizer_state_factor=cfg.optimizer_state_factor,
+        optimizer_s_per_byte=rate.s_per_byte,
+        optimizer_s_per_tensor=rate.s_per_tensor,
         micro_batches=candidates,
         stages=cfg.forced_stages,
         replicas=cfg.replicas,
@@ -298,6 +320,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             bwd_ms=ms * cost.bwd_s,
             comm_ms=ms * cost.comm_s,
             allreduce_ms=ms * cost.allreduce_s,
+            optimizer_ms=ms * cost.optimizer_s,
             memory=MemoryEstimate(
                 params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
                 activations=cost.activations, comm_buffers=cost.comm_buffers,

@@ -185,6 +185,7 @@ class Stage(BaseModel):
     bwd_ms: float
     comm_ms: float
     allreduce_ms: float
+    optimizer_ms: float = 0.0
     memory: MemoryEstimate
 
     @property
@@ -355,7 +356,7 @@ class Plan(BaseModel):
             f"device {self.device.name} ({self.cost_model} costs)"
         )
         cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
-                "comm ms", "allred ms", "memory", "of budget")
+                "comm ms", "allred ms", "optim ms", "memory", "of budget")
         rows = []
         for st in self.stages:
             nparam = st.memory.params
@@ -370,6 +371,7 @@ class Plan(BaseModel):
                 f"{st.bwd_ms:.2f}",
                 f"{st.comm_ms:.2f}",
                 f"{st.allreduce_ms:.2f}",
+                f"{st.optimizer_ms:.2f}",
                 _human_bytes(st.memory.total),
                 f"{100 * st.memory.total / self.memory_budget:.0f}%",
             ))

@@ -386,6 +386,9 @@ def test_cost_table_matches_a_direct_sum():
             assert table.param_bytes[i, j] == sum(t.numel() * 4 for t in ts.values())
             assert table.grad_bytes[i, j] == sum(t.numel() * 4 for t in ts.values()
                                                  if isinstance(t, nn.Parameter))
+            assert table.grad_tensors is not None
+            assert table.grad_tensors[i, j] == sum(isinstance(t, nn.Parameter)
+                                                   for t in ts.values())
     # every parameter once: the tied embedding / head weight is not counted twice
     total = sum(p.numel() * 4 for p in cg.gm.parameters())
     assert table.grad_bytes[0, B] == total

@@ -65,7 +65,7 @@ def random_table(rng: np.random.Generator, num_blocks: int, sizes: tuple[int, ..
     return CostTable(
         sizes=np.array(sizes or (1,)), fwd=draw(Q, B), bwd=draw(Q, B), act=draw(Q, B),
         workspace=draw(Q, B), cut=cut, param_bytes=_ranges(psize, uses),
-        grad_bytes=_ranges(psize * frozen, uses),
+        grad_bytes=_ranges(psize * frozen, uses), grad_tensors=_ranges(frozen, uses),
     )
 
 
@@ -89,7 +89,16 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int,
                         micro_batches=mbs, stages=stages, replicas=replicas)
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     scale = table.param_bytes[0, B] * 3 + table.act.sum() / 2 + 2
-    return table, dataclasses.replace(space, memory_budget=float(rng.uniform(0.7, 2.5) * scale))
+    return table, dataclasses.replace(
+        space, memory_budget=float(rng.uniform(0.7, 2.5) * scale), **random_links(rng))
+
+
+def random_links(rng: np.random.Generator) -> dict[str, float]:
+    """Message latency and optimizer-step rates, each present in about half the cases."""
+    on = rng.uniform(size=3) < 0.5
+    return dict(link_latency=float(on[0] * rng.uniform(0, 0.5)),
+                optimizer_s_per_byte=float(on[1] * rng.uniform(0, 2)),
+                optimizer_s_per_tensor=float(on[2] * rng.uniform(0, 1)))
 
 
 def outcome(fn, table: CostTable, space: SearchSpace) -> SearchResult | None:
@@ -150,6 +159,7 @@ def pareto_oracle(table: CostTable, space: SearchSpace) -> SearchResult:
     module. Free stage counts and replicas only.
     """
     B, W, G, bw = table.num_blocks, space.world_size, space.global_batch, space.link_bandwidth
+    lat = space.link_latency
     kidx = {int(q): k for k, q in enumerate(table.sizes)}
     best: tuple[float, int, tuple[StageChoice, ...]] | None = None
     for m in space.micro_batches:
@@ -164,13 +174,18 @@ def pareto_oracle(table: CostTable, space: SearchSpace) -> SearchResult:
                             continue
                         k = kidx[-(-G // (m * r))]
                         c = table.cut[k, i] + table.cut[k, j]
-                        t = table.fwd[k, i:j].sum() + table.bwd[k, i:j].sum() + 2 * c / bw
+                        edges = (i > 0) + (j < B)
+                        t = (table.fwd[k, i:j].sum() + table.bwd[k, i:j].sum() + 2 * c / bw
+                             + 2 * lat * edges)
                         grad = table.grad_bytes[i, j]
                         mem = (table.param_bytes[i, j] + grad * (1 + space.optimizer_state_factor)
                                + m * (table.act[k, i:j].sum() + c) + table.workspace[k, i:j].max())
                         if mem > space.memory_budget:
                             continue
-                        u = (m - 1) * t + 2 * (r - 1) / r * grad / bw
+                        opt = space.optimizer_s_per_byte * grad
+                        if table.grad_tensors is not None:
+                            opt += space.optimizer_s_per_tensor * table.grad_tensors[i, j]
+                        u = (m - 1) * t + 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * lat + opt
                         for s, mx, plan in labels[(i, n - r)]:
                             new.append((s + t, max(mx, u), (*plan, StageChoice(i, j, r))))
                 new.sort(key=lambda x: (x[0], x[1]))
@@ -197,7 +212,8 @@ def test_matches_pareto_oracle_larger() -> None:
         table = random_table(rng, B, needed_sizes(space), monotone=True)
         for frac in (0.25, 0.6):
             budget = frac * (table.param_bytes[0, B] * 3 + table.act.max(axis=0).sum() * 4)
-            compare(table, dataclasses.replace(space, memory_budget=budget), pareto_oracle)
+            compare(table, dataclasses.replace(space, memory_budget=budget, **random_links(rng)),
+                    pareto_oracle)
 
 
 def transformer_like(num_blocks: int, space: SearchSpace, jitter: float = 0.0) -> CostTable:
@@ -268,6 +284,18 @@ def test_evaluate_by_hand() -> None:
     # t = 22 and 11; step = 33 + max(1 * 22 + 0, 1 * 11 + 100)
     assert ev.step_s == 33 + 111
     assert ev.fits and s0.memory == 737
+
+    # 0.5 s per message, the optimizer at 0.01 s per gradient byte and 1 s per tensor
+    counts = np.array([[0, 1, 2, 3], [0, 0, 1, 2], [0, 0, 0, 1]], float)
+    table = dataclasses.replace(table, grad_tensors=counts)
+    space = dataclasses.replace(space, link_latency=0.5, optimizer_s_per_byte=0.01,
+                                optimizer_s_per_tensor=1.0)
+    s0, s1 = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).stages
+    # one boundary each: 2 messages per micro-batch; stage 1's ring of 2 adds 2 messages
+    assert (s0.comm_s, s0.allreduce_s, s0.optimizer_s) == (4 + 1, 0, 1.5 + 2)
+    assert (s1.comm_s, s1.allreduce_s, s1.optimizer_s) == (2 + 1, 100 + 1, 2 + 1)
+    # t = 23 and 12; step = 35 + max(23 + 3.5, 12 + 101 + 3)
+    assert evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).step_s == 151
     assert not evaluate(table, dataclasses.replace(space, memory_budget=914),
                         (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).fits
     with pytest.raises(ValueError, match="replicas sum"):

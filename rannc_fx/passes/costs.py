@@ -143,6 +143,7 @@ def build_cost_table(
         cut=cut,
         param_bytes=range_sums(nb, _shared_once(uses, nbytes)),
         grad_bytes=range_sums(nb, _shared_once({p: uses[p] for p in grads}, grads)),
+        grad_tensors=range_sums(nb, _shared_once({p: uses[p] for p in grads}, dict.fromkeys(grads, 1))),
     )
     log.info("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
              time.perf_counter() - t0)

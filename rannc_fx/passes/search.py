@@ -6,17 +6,21 @@ Cost model (all times in seconds, sizes in bytes). A stage covers blocks [i, j) 
 replicas; with m micro-batches each replica handles q = ceil(global_batch / (m * r)) samples
 per micro-batch, and ``k`` is the index of q in ``table.sizes``.
 
-    t_s      = sum(fwd[k, i:j]) + sum(bwd[k, i:j]) + 2 * (cut[k, i] + cut[k, j]) / link_bw
-    ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / link_bw        (ring all-reduce)
-    step     = sum_s t_s  +  max_s ((m - 1) * t_s + ar_s)
+    t_s      = sum(fwd[k, i:j]) + sum(bwd[k, i:j])
+               + 2 * (cut[k, i] + cut[k, j]) / link_bw + 2 * link_lat * ([i > 0] + [j < B])
+    ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / link_bw + 2 * (r - 1) * link_lat
+                                                                   (ring all-reduce)
+    opt_s    = opt_per_byte * grad_bytes[i, j] + opt_per_tensor * grad_tensors[i, j]
+    step     = sum_s t_s  +  max_s ((m - 1) * t_s + ar_s + opt_s)
     memory_s = param_bytes[i, j] + grad_bytes[i, j] * (1 + optimizer_state_factor)
                + m * sum(act[k, i:j]) + m * (cut[k, i] + cut[k, j]) + max(workspace[k, i:j])
 
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
-bottleneck stage plus its gradient all-reduce. A plan is feasible when every stage's memory is
+bottleneck stage plus its gradient all-reduce and its optimizer step (every replica steps the
+stage's parameters; stages step in parallel). A plan is feasible when every stage's memory is
 within ``memory_budget``, replica counts sum to ``world_size`` and m * r <= global_batch.
 
-Algorithm (exact). Write u_s = (m - 1) * t_s + ar_s, so step = sum_s t_s + max_s u_s. For one
+Algorithm (exact). Write u_s = (m - 1) * t_s + ar_s + opt_s, so step = sum_s t_s + max_s u_s. For one
 m, a DP over the states (block j, ranks used so far) -- (block, stages, ranks) when the stage
 count is forced, (block, stages) when the replicas are -- gives S(U), the least sum_s t_s over
 plans whose stages all have u_s <= U. The optimum is the least S(U) + U over the u values of
@@ -81,7 +85,8 @@ class CostTable:
 
     Shapes: sizes (Q,); fwd, bwd, act, workspace (Q, B); cut (Q, B + 1) with cut[:, 0] and
     cut[:, B] zero; param_bytes and grad_bytes (B, B + 1), entry [i, j] for the block range
-    [i, j) with shared parameters counted once (only i < j is read).
+    [i, j) with shared parameters counted once (only i < j is read); grad_tensors (B, B + 1)
+    likewise counts the tensors that get a gradient (None: no per-tensor optimizer cost).
     """
 
     sizes: np.ndarray
@@ -92,6 +97,7 @@ class CostTable:
     cut: np.ndarray
     param_bytes: np.ndarray
     grad_bytes: np.ndarray
+    grad_tensors: np.ndarray | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -105,6 +111,9 @@ class SearchSpace:
     memory_budget: float
     link_bandwidth: float
     optimizer_state_factor: float = 2.0
+    link_latency: float = 0.0  # seconds per message
+    optimizer_s_per_byte: float = 0.0  # optimizer step time per gradient byte
+    optimizer_s_per_tensor: float = 0.0  # and per parameter tensor
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)  # candidates; forced = one candidate
     stages: int | None = None  # forced stage count
     replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
@@ -126,6 +135,7 @@ class StageCost:
     bwd_s: float
     comm_s: float
     allreduce_s: float
+    optimizer_s: float
     params: int
     grads: int
     optimizer_state: int
@@ -200,8 +210,28 @@ def _interval_costs(table: CostTable, space: SearchSpace, k: int, m: int, i: np.
     fb = np.concatenate(([0.0], np.cumsum(table.fwd[k] + table.bwd[k])))
     act = np.concatenate(([0.0], np.cumsum(table.act[k])))
     both = cut[i] + cut[j]
-    t = fb[j] - fb[i] + 2 * both / space.link_bandwidth
+    t = fb[j] - fb[i] + 2 * both / space.link_bandwidth + _latency_s(space, table.num_blocks, i, j)
     return t, fixed + m * (act[j] - act[i] + both) + ws
+
+
+def _latency_s(space: SearchSpace, num_blocks: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Per micro-batch, one message each way across each cut boundary of the stage."""
+    return 2 * space.link_latency * ((i > 0).astype(float) + (j < num_blocks).astype(float))
+
+
+def _allreduce_s(table: CostTable, space: SearchSpace, i: np.ndarray, j: np.ndarray,
+                 reps: np.ndarray) -> np.ndarray:
+    """ar_s of the stages [i, j) at each replica count: (len(i), len(reps))."""
+    grad = np.asarray(table.grad_bytes, float)[i, j][:, None]
+    r = np.asarray(reps, float)[None, :]
+    return 2 * (r - 1) / r * grad / space.link_bandwidth + 2 * (r - 1) * space.link_latency
+
+
+def _optimizer_s(table: CostTable, space: SearchSpace, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    opt = space.optimizer_s_per_byte * np.asarray(table.grad_bytes, float)[i, j]
+    if table.grad_tensors is not None and space.optimizer_s_per_tensor:
+        opt = opt + space.optimizer_s_per_tensor * np.asarray(table.grad_tensors, float)[i, j]
+    return opt
 
 
 def _stage_cost(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
@@ -216,13 +246,15 @@ def _stage_cost(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: 
     param, grad = float(table.param_bytes[i, j]), float(table.grad_bytes[i, j])
     cut = float(table.cut[k, i]) + float(table.cut[k, j])
     ws = float(table.workspace[k, i:j].max())
-    _, mem = _interval_costs(table, space, k, m, np.array([i]), np.array([j]), np.array([ws]))
+    ii, jj = np.array([i]), np.array([j])
+    _, mem = _interval_costs(table, space, k, m, ii, jj, np.array([ws]))
     cost = StageCost(
         samples=q,
         fwd_s=float(table.fwd[k, i:j].sum()),
         bwd_s=float(table.bwd[k, i:j].sum()),
-        comm_s=2 * cut / bw,
-        allreduce_s=2 * (r - 1) / r * grad / bw,
+        comm_s=2 * cut / bw + float(_latency_s(space, table.num_blocks, ii, jj)[0]),
+        allreduce_s=float(_allreduce_s(table, space, ii, jj, np.array([r]))[0, 0]),
+        optimizer_s=float(_optimizer_s(table, space, ii, jj)[0]),
         params=round(param), grads=round(grad),
         optimizer_state=round(grad * space.optimizer_state_factor),
         activations=round(m * float(table.act[k, i:j].sum())), comm_buffers=round(m * cut),
@@ -233,7 +265,8 @@ def _stage_cost(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: 
 
 def _step(costs: Sequence[StageCost], m: int) -> float:
     ts = [c.fwd_s + c.bwd_s + c.comm_s for c in costs]
-    return sum(ts) + max((m - 1) * t + c.allreduce_s for t, c in zip(ts, costs, strict=True))
+    return sum(ts) + max((m - 1) * t + (c.allreduce_s + c.optimizer_s)
+                         for t, c in zip(ts, costs, strict=True))
 
 
 def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...],
@@ -422,8 +455,8 @@ def _edges(table: CostTable, space: SearchSpace, states: _States, kidx: dict[int
             T[:, c], M[:, c] = _interval_costs(table, space, k, m, iu, ju, ws)
         else:
             T[:, c], M[:, c] = T[:, done[k]], M[:, done[k]]
-    grad = np.asarray(table.grad_bytes, float)[iu, ju]
-    U = (m - 1) * T + (2 * (reps - 1) / reps)[None, :] * grad[:, None] / space.link_bandwidth
+    U = (m - 1) * T + (_allreduce_s(table, space, iu, ju, reps)
+                       + _optimizer_s(table, space, iu, ju)[:, None])
     if fits_only:
         keep = np.flatnonzero(M.ravel() <= space.memory_budget)
     else:

@@ -4,8 +4,10 @@
     loss = model(x, y)                              # this rank's local batch
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-The first call captures the model on every rank; rank 0 alone profiles and searches (the
-others wait) and broadcasts the plan as JSON. Each rank then splits the graph, keeps its own
+The first call measures the link between ranks (unless ``Config.link_bandwidth`` and
+``link_latency`` are given) and captures the model on every rank; rank 0 alone profiles
+(timing the user's optimizer too) and searches (the others wait) and broadcasts the plan as
+JSON. Each rank then splits the graph, keeps its own
 stage, frees every other parameter and buffer of the model, and prunes the optimizer to the
 parameters it still holds. Later calls go straight to the ``StageExecutor``.
 """
@@ -31,6 +33,7 @@ from ..passes.split import split_pass
 from ..plan import Plan, ValueSpec
 from .comm import CommError, init_distributed
 from .executor import StageExecutor
+from .probe import measure_link
 
 __all__ = ["CompiledModel", "compile"]
 
@@ -115,6 +118,12 @@ class CompiledModel(nn.Module):
         assert model is not None
         rank, world = dist.get_rank(), dist.get_world_size()
         planned = self._given is None and rank == 0
+        if self._given is None and (cfg.link_bandwidth is None or cfg.link_latency is None):
+            link = measure_link(self.device)  # every rank takes part
+            if link is not None:
+                measured = {"link_bandwidth": link.bandwidth, "link_latency": link.latency}
+                given = {k: v for k, v in cfg.model_dump().items() if k in measured and v is not None}
+                cfg = self.config = cfg.model_copy(update={**measured, **given})
         with _untouched(model):
             if planned:
                 try:
@@ -151,7 +160,8 @@ class CompiledModel(nn.Module):
         cfg = self.config
         local = batch_size_of(list(_leaves(args, kwargs)), cfg.batch_dim)
         a = analyze(
-            self.model, args, kwargs, world_size=world, config=cfg, global_batch=local * world
+            self.model, args, kwargs, world_size=world, config=cfg, global_batch=local * world,
+            optimizer=self._optimizer,
         )
         t0 = time.perf_counter()
         result = search_pass(a.table, a.space)

@@ -1,0 +1,110 @@
+"""The costs outside the model's graph: the optimizer step and the link between ranks."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from rannc_fx import Config, DeviceSpec
+from rannc_fx.models import mlp_example
+from rannc_fx.partition import analyze, build_plan
+from rannc_fx.passes.optcost import analytic, measure, optimizer_rate
+from rannc_fx.passes.search import search_pass
+from rannc_fx.passes.split import split_pass
+from rannc_fx.runtime.compile import compile as rannc_compile
+from rannc_fx.runtime.probe import measure_link
+
+from .dist_utils import run_ranks
+
+CPU = torch.device("cpu")
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(4))]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),  # records a key its constructor refuses
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    ],
+)
+def test_an_optimizer_is_timed_with_its_own_class_and_settings(make):
+    opt = make(_params())
+    state_before = copy.deepcopy(opt.state_dict())
+    rate = measure(opt, CPU, repeats=1)
+    assert rate is not None and type(opt).__name__ in rate.source
+    assert math.isfinite(rate.s_per_byte) and rate.s_per_byte >= 0
+    assert math.isfinite(rate.s_per_tensor) and rate.s_per_tensor > 0
+    assert opt.state_dict() == state_before  # the user's optimizer is not stepped
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_falls_back_to_the_estimate():
+    opt = torch.optim.LBFGS(_params())  # its step needs a closure
+    spec = DeviceSpec.preset("cpu")
+    assert measure(opt, CPU) is None
+    rate = optimizer_rate(opt, CPU, spec, 2.0)
+    assert rate == analytic(spec, 2.0)
+    # Adam streams param, grad, two states in and param, two states out: 7 bytes per byte
+    assert rate.s_per_byte == pytest.approx(7 / (spec.memory_bandwidth * spec.efficiency))
+    assert optimizer_rate(None, CPU, spec, 0.0).s_per_byte == pytest.approx(
+        3 / (spec.memory_bandwidth * spec.efficiency)
+    )
+
+
+def test_the_plan_charges_each_stage_its_optimizer_step_and_the_given_link():
+    model, args, _ = mlp_example(batch=8)
+    cfg = Config(
+        replicas=(1, 1), micro_batches=2, profile_cache_dir=None, profile_repeats=1,
+        link_bandwidth=123e6, link_latency=0.25e-3,
+    )  # fmt: skip
+    a = analyze(model, args, world_size=2, config=cfg, optimizer=torch.optim.Adam(model.parameters()))
+    assert a.space.optimizer_s_per_byte > 0 and a.space.optimizer_s_per_tensor > 0
+    plan = build_plan(a, search_pass(a.table, a.space))
+    dev = plan.device
+    assert (dev.interconnect_bandwidth, dev.interconnect_latency) == (123e6, 0.25e-3)
+    for st, gm in zip(plan.stages, split_pass(a.captured, plan, values=a.values), strict=True):
+        ps = list(gm.parameters())
+        nbytes = sum(q.numel() * q.element_size() for q in ps)
+        assert st.memory.grads == nbytes
+        want = a.space.optimizer_s_per_byte * nbytes + a.space.optimizer_s_per_tensor * len(ps)
+        assert st.optimizer_ms == pytest.approx(1e3 * want)
+    # the cut crosses once each way per micro-batch: bytes over 123 MB/s plus 2 x 0.25 ms
+    cut = plan.cut_values[0].spec.nbytes_for(plan.stages[0].samples)
+    assert plan.stages[0].comm_ms == pytest.approx(1e3 * (2 * cut / 123e6 + 2 * 0.25e-3))
+    assert "optim ms" in plan.summary()
+
+
+def _probe(rank: int, world: int) -> tuple[float, float]:
+    link = measure_link(CPU, rounds=3, large_rounds=2)
+    assert link is not None
+    return link.bandwidth, link.latency
+
+
+def test_the_link_is_measured_between_ranks():
+    for bw, lat in run_ranks(_probe, 3):
+        assert math.isfinite(bw) and bw > 0
+        assert math.isfinite(lat) and lat > 0
+
+
+def _compiled_link(rank: int, world: int) -> tuple[float, float]:
+    model, args, _ = mlp_example(batch=2 * world)
+    local = tuple(a[2 * rank : 2 * rank + 2] for a in args)
+    cfg = Config(replicas=(1, 1), micro_batches=1, profile_cache_dir=None, profile_repeats=1)
+    cm = rannc_compile(model, None, cfg)
+    cm(*local)
+    return cm.plan.device.interconnect_bandwidth, cm.plan.device.interconnect_latency
+
+
+def test_compile_plans_with_the_measured_link():
+    preset = DeviceSpec.preset("cpu")
+    results = run_ranks(_compiled_link, 2, timeout_s=60.0)
+    assert len(set(results)) == 1  # one plan, from rank 0
+    bw, lat = results[0]
+    assert (bw, lat) != (preset.interconnect_bandwidth, preset.interconnect_latency)
+    assert bw > 0 and lat > 0
