@@ -54,6 +54,12 @@ class Config(BaseModel):
         ge=0,
         description="seconds per message between two ranks; None = measured or the spec's",
     )
+    allreduce_bandwidth: float | None = Field(
+        default=None,
+        gt=0,
+        description="bytes/s of a ring all-reduce's traffic (reduction included); None = "
+        "measured or the spec's",
+    )
 
     # -- capture and profile ---------------------------------------------------------------
     tracer: Literal["auto", "fx", "export"] = "auto"

@@ -67,8 +67,8 @@ class DeviceSpec(BaseModel):
 
     ``peak_flops`` maps a dtype name (``"float32"``) to dense FLOP/s; ``memory_bandwidth``
     is device-memory bytes/s; ``interconnect_bandwidth`` is the bytes/s one device can send
-    to a peer (point-to-point and ring all-reduce use it) and ``interconnect_latency`` the
-    seconds one message costs regardless of its size.
+    to a peer (point-to-point, and ring all-reduce unless ``allreduce_bandwidth`` says
+    otherwise) and ``interconnect_latency`` the seconds one message costs whatever its size.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -79,6 +79,8 @@ class DeviceSpec(BaseModel):
     memory_bandwidth: float = Field(gt=0)
     interconnect_bandwidth: float = Field(gt=0)
     interconnect_latency: float = Field(default=0.0, ge=0)
+    # bytes/s of a ring all-reduce's traffic, the reduction included; None: the link's
+    allreduce_bandwidth: float | None = Field(default=None, gt=0)
     # Fraction of peak that real kernels reach; the analytic cost model divides by it.
     efficiency: float = Field(default=0.5, gt=0, le=1)
 

@@ -200,7 +200,11 @@ def _resolve_device(
                 "to plan it with the analytic cost model"
             )
         spec = DeviceSpec.of(run)
-    links = {"interconnect_bandwidth": cfg.link_bandwidth, "interconnect_latency": cfg.link_latency}
+    links = {
+        "interconnect_bandwidth": cfg.link_bandwidth,
+        "interconnect_latency": cfg.link_latency,
+        "allreduce_bandwidth": cfg.allreduce_bandwidth,
+    }
     spec = spec.model_copy(update={k: v for k, v in links.items() if v is not None})
     cost_model: Literal["measured", "analytic"]
     if cfg.cost_model == "auto":
@@ -248,6 +252,7 @@ def _search_space(
         memory_budget=budget,
         link_bandwidth=spec.interconnect_bandwidth,
         link_latency=spec.interconnect_latency,
+        allreduce_bandwidth=spec.allreduce_bandwidth,
         optimizer_state_factor=cfg.optimizer_state_factor,
         optimizer_s_per_byte=rate.s_per_byte,
         optimizer_s_per_tensor=rate.s_per_tensor,

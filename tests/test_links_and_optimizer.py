@@ -80,31 +80,32 @@ def test_the_plan_charges_each_stage_its_optimizer_step_and_the_given_link():
     assert "optim ms" in plan.summary()
 
 
-def _probe(rank: int, world: int) -> tuple[float, float]:
+def _probe(rank: int, world: int) -> tuple[float, float, float] | None:
     link = measure_link(CPU, rounds=3, large_rounds=2)
-    assert link is not None
-    return link.bandwidth, link.latency
+    return None if link is None else (link.bandwidth, link.latency, link.allreduce_bandwidth)
 
 
 def test_the_link_is_measured_between_ranks():
-    for bw, lat in run_ranks(_probe, 3):
-        assert math.isfinite(bw) and bw > 0
-        assert math.isfinite(lat) and lat > 0
+    # 3 ranks: rank 0 probes ranks 1 and 2, so all three get figures
+    for got in run_ranks(_probe, 3):
+        assert got is not None
+        assert all(math.isfinite(x) and x > 0 for x in got)
 
 
-def _compiled_link(rank: int, world: int) -> tuple[float, float]:
+def _compiled_link(rank: int, world: int) -> tuple[float, float, float | None]:
     model, args, _ = mlp_example(batch=2 * world)
     local = tuple(a[2 * rank : 2 * rank + 2] for a in args)
     cfg = Config(replicas=(1, 1), micro_batches=1, profile_cache_dir=None, profile_repeats=1)
     cm = rannc_compile(model, None, cfg)
     cm(*local)
-    return cm.plan.device.interconnect_bandwidth, cm.plan.device.interconnect_latency
+    dev = cm.plan.device
+    return dev.interconnect_bandwidth, dev.interconnect_latency, dev.allreduce_bandwidth
 
 
 def test_compile_plans_with_the_measured_link():
     preset = DeviceSpec.preset("cpu")
     results = run_ranks(_compiled_link, 2, timeout_s=60.0)
     assert len(set(results)) == 1  # one plan, from rank 0
-    bw, lat = results[0]
+    bw, lat, ar = results[0]
     assert (bw, lat) != (preset.interconnect_bandwidth, preset.interconnect_latency)
-    assert bw > 0 and lat > 0
+    assert bw > 0 and lat > 0 and ar is not None and ar > 0

@@ -95,8 +95,9 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int,
 
 def random_links(rng: np.random.Generator) -> dict[str, float]:
     """Message latency and optimizer-step rates, each present in about half the cases."""
-    on = rng.uniform(size=3) < 0.5
+    on = rng.uniform(size=4) < 0.5
     return dict(link_latency=float(on[0] * rng.uniform(0, 0.5)),
+                allreduce_bandwidth=float(rng.uniform(0.2, 5)) if on[3] else None,
                 optimizer_s_per_byte=float(on[1] * rng.uniform(0, 2)),
                 optimizer_s_per_tensor=float(on[2] * rng.uniform(0, 1)))
 
@@ -185,7 +186,8 @@ def pareto_oracle(table: CostTable, space: SearchSpace) -> SearchResult:
                         opt = space.optimizer_s_per_byte * grad
                         if table.grad_tensors is not None:
                             opt += space.optimizer_s_per_tensor * table.grad_tensors[i, j]
-                        u = (m - 1) * t + 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * lat + opt
+                        ar_bw = space.allreduce_bandwidth or bw
+                        u = (m - 1) * t + 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * lat + opt
                         for s, mx, plan in labels[(i, n - r)]:
                             new.append((s + t, max(mx, u), (*plan, StageChoice(i, j, r))))
                 new.sort(key=lambda x: (x[0], x[1]))
@@ -285,17 +287,18 @@ def test_evaluate_by_hand() -> None:
     assert ev.step_s == 33 + 111
     assert ev.fits and s0.memory == 737
 
-    # 0.5 s per message, the optimizer at 0.01 s per gradient byte and 1 s per tensor
+    # 0.5 s per message, all-reduces at half the link's speed, the optimizer at 0.01 s per
+    # gradient byte and 1 s per tensor
     counts = np.array([[0, 1, 2, 3], [0, 0, 1, 2], [0, 0, 0, 1]], float)
     table = dataclasses.replace(table, grad_tensors=counts)
     space = dataclasses.replace(space, link_latency=0.5, optimizer_s_per_byte=0.01,
-                                optimizer_s_per_tensor=1.0)
+                                optimizer_s_per_tensor=1.0, allreduce_bandwidth=1.0)
     s0, s1 = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).stages
     # one boundary each: 2 messages per micro-batch; stage 1's ring of 2 adds 2 messages
     assert (s0.comm_s, s0.allreduce_s, s0.optimizer_s) == (4 + 1, 0, 1.5 + 2)
-    assert (s1.comm_s, s1.allreduce_s, s1.optimizer_s) == (2 + 1, 100 + 1, 2 + 1)
-    # t = 23 and 12; step = 35 + max(23 + 3.5, 12 + 101 + 3)
-    assert evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).step_s == 151
+    assert (s1.comm_s, s1.allreduce_s, s1.optimizer_s) == (2 + 1, 200 + 1, 2 + 1)
+    # t = 23 and 12; step = 35 + max(23 + 3.5, 12 + 201 + 3)
+    assert evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).step_s == 251
     assert not evaluate(table, dataclasses.replace(space, memory_budget=914),
                         (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).fits
     with pytest.raises(ValueError, match="replicas sum"):

@@ -8,8 +8,8 @@ per micro-batch, and ``k`` is the index of q in ``table.sizes``.
 
     t_s      = sum(fwd[k, i:j]) + sum(bwd[k, i:j])
                + 2 * (cut[k, i] + cut[k, j]) / link_bw + 2 * link_lat * ([i > 0] + [j < B])
-    ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / link_bw + 2 * (r - 1) * link_lat
-                                                                   (ring all-reduce)
+    ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
+                         (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
     opt_s    = opt_per_byte * grad_bytes[i, j] + opt_per_tensor * grad_tensors[i, j]
     step     = sum_s t_s  +  max_s ((m - 1) * t_s + ar_s + opt_s)
     memory_s = param_bytes[i, j] + grad_bytes[i, j] * (1 + optimizer_state_factor)
@@ -112,6 +112,7 @@ class SearchSpace:
     link_bandwidth: float
     optimizer_state_factor: float = 2.0
     link_latency: float = 0.0  # seconds per message
+    allreduce_bandwidth: float | None = None  # None: link_bandwidth
     optimizer_s_per_byte: float = 0.0  # optimizer step time per gradient byte
     optimizer_s_per_tensor: float = 0.0  # and per parameter tensor
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)  # candidates; forced = one candidate
@@ -224,7 +225,8 @@ def _allreduce_s(table: CostTable, space: SearchSpace, i: np.ndarray, j: np.ndar
     """ar_s of the stages [i, j) at each replica count: (len(i), len(reps))."""
     grad = np.asarray(table.grad_bytes, float)[i, j][:, None]
     r = np.asarray(reps, float)[None, :]
-    return 2 * (r - 1) / r * grad / space.link_bandwidth + 2 * (r - 1) * space.link_latency
+    bw = space.allreduce_bandwidth or space.link_bandwidth
+    return 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
 
 
 def _optimizer_s(table: CostTable, space: SearchSpace, i: np.ndarray, j: np.ndarray) -> np.ndarray:

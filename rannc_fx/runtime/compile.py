@@ -118,10 +118,15 @@ class CompiledModel(nn.Module):
         assert model is not None
         rank, world = dist.get_rank(), dist.get_world_size()
         planned = self._given is None and rank == 0
-        if self._given is None and (cfg.link_bandwidth is None or cfg.link_latency is None):
+        links = (cfg.link_bandwidth, cfg.link_latency, cfg.allreduce_bandwidth)
+        if self._given is None and world > 1 and None in links:
             link = measure_link(self.device)  # every rank takes part
             if link is not None:
-                measured = {"link_bandwidth": link.bandwidth, "link_latency": link.latency}
+                measured = {
+                    "link_bandwidth": link.bandwidth,
+                    "link_latency": link.latency,
+                    "allreduce_bandwidth": link.allreduce_bandwidth,
+                }
                 given = {k: v for k, v in cfg.model_dump().items() if k in measured and v is not None}
                 cfg = self.config = cfg.model_copy(update={**measured, **given})
         with _untouched(model):

@@ -1,10 +1,11 @@
-"""Measure the link between ranks before planning: latency and bandwidth of point-to-point.
+"""Measure the link between ranks before planning: p2p latency and bandwidth, all-reduce speed.
 
 The cost model charges every cut value and every gradient all-reduce against the link, so a
-preset's figure that is off by 10x (gloo over loopback moves ~0.6 GB/s where a CPU preset
-might assume 5) turns the search towards the wrong plan. ``measure_link`` ping-pongs between
-rank 0 and rank 1, and between rank 0 and the last rank (on another node under a multi-node
-launch), and keeps the slower of the two: every rank calls it, at the same point.
+preset's figure that is off by 10x (gloo over loopback moves ~1.5 GB/s point to point and
+all-reduces at ~0.5 GB/s where a CPU preset might assume 5) turns the search towards the wrong
+plan. ``measure_link`` ping-pongs between rank 0 and rank 1, and between rank 0 and the last
+rank (on another node under a multi-node launch), keeps the slower of the two, then times an
+all-reduce over every rank: every rank calls it, at the same point.
 """
 
 from __future__ import annotations
@@ -24,20 +25,24 @@ __all__ = ["Link", "measure_link"]
 log = logging.getLogger("rannc_fx")
 
 _SMALL = 8  # bytes of the latency message
-_LARGE = 1 << 22  # bytes of the bandwidth message (4 MiB)
+_LARGE = 1 << 22  # bytes of the bandwidth message and of the all-reduce (4 MiB)
 
 
 @dataclass(frozen=True)
 class Link:
     bandwidth: float  # bytes/s one way
     latency: float  # seconds per message
+    allreduce_bandwidth: float  # bytes/s of a ring all-reduce's traffic, reduction included
 
 
 def measure_link(
-    device: torch.device, *, rounds: int = 10, large_rounds: int = 4
+    device: torch.device, *, rounds: int = 20, large_rounds: int = 4
 ) -> Link | None:
     """Latency (median one-way time of an 8-byte message) and bandwidth (4 MiB messages, the
-    latency taken off) of the slowest probed pair; None on one rank. Collective: all ranks."""
+    latency taken off) of the slowest probed pair, and the all-reduce bandwidth over every
+    rank as ``search`` prices it (``2 (W - 1) / W`` bytes per byte reduced, ``2 (W - 1)``
+    latencies); None on one rank. Collective: every rank calls it, and gets rank 0's figures
+    only where it probed a pair (rank 0 always does)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
         return None
@@ -50,18 +55,38 @@ def measure_link(
             continue
         peer, first = (b, True) if rank == a else (a, False)
         try:
-            _ping(small, peer, first, 2)  # connect
+            _ping(small, peer, first, 3)  # connect and warm up both sizes
+            _ping(large, peer, first, 1)
             lat = _ping(small, peer, first, rounds) / 2
             one_way = _ping(large, peer, first, large_rounds) / 2
         except RuntimeError as e:
             raise CommError(f"rank {rank}: measuring the link to rank {peer} failed: {e}") from e
-        found.append(Link(bandwidth=_LARGE / max(one_way - lat, 1e-9), latency=lat))
+        found.append(Link(_LARGE / max(one_way - lat, 1e-9), lat, 0.0))
+    reduced = _all_reduce_s(torch.zeros(_LARGE // 4, dtype=torch.float32, device=device), rounds=4)
     if not found:
         return None
-    link = Link(min(x.bandwidth for x in found), max(x.latency for x in found))
-    log.info("link: %.3g GB/s, %.0f us per message (rank %d, pairs %s)",
-             link.bandwidth / 1e9, link.latency * 1e6, rank, pairs)
+    lat = max(x.latency for x in found)
+    ring = 2 * (world - 1)
+    ar_bw = ring / world * _LARGE / max(reduced - ring * lat, 1e-9)
+    link = Link(min(x.bandwidth for x in found), lat, ar_bw)
+    log.info("link: %.3g GB/s, %.0f us per message, all-reduce %.3g GB/s (rank %d, pairs %s)",
+             link.bandwidth / 1e9, link.latency * 1e6, ar_bw / 1e9, rank, pairs)
     return link
+
+
+def _all_reduce_s(buf: torch.Tensor, rounds: int) -> float:
+    """Median seconds of a SUM all-reduce of ``buf`` over every rank (one warm-up)."""
+    times = []
+    try:
+        for _ in range(rounds + 1):
+            _sync(buf.device)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            _sync(buf.device)
+            times.append(time.perf_counter() - t0)
+    except RuntimeError as e:
+        raise CommError(f"rank {dist.get_rank()}: timing an all-reduce failed: {e}") from e
+    return statistics.median(times[1:])
 
 
 def _ping(buf: torch.Tensor, peer: int, first: bool, rounds: int) -> float:
