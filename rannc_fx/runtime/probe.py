@@ -25,7 +25,8 @@ __all__ = ["Link", "measure_link"]
 log = logging.getLogger("rannc_fx")
 
 _SMALL = 8  # bytes of the latency message
-_LARGE = 1 << 22  # bytes of the bandwidth message and of the all-reduce (4 MiB)
+_LARGE = 1 << 22  # bytes of the bandwidth message (4 MiB)
+_REDUCED = 1 << 24  # bytes of the all-reduce (16 MiB: large buffers reduce slower per byte)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def measure_link(
     device: torch.device, *, rounds: int = 20, large_rounds: int = 4
 ) -> Link | None:
     """Latency (median one-way time of an 8-byte message) and bandwidth (4 MiB messages, the
-    latency taken off) of the slowest probed pair, and the all-reduce bandwidth over every
+    latency taken off) of the slowest probed pair, and the all-reduce bandwidth (16 MiB) over every
     rank as ``search`` prices it (``2 (W - 1) / W`` bytes per byte reduced, ``2 (W - 1)``
     latencies); None on one rank. Collective: every rank calls it, and gets rank 0's figures
     only where it probed a pair (rank 0 always does)."""
@@ -62,12 +63,13 @@ def measure_link(
         except RuntimeError as e:
             raise CommError(f"rank {rank}: measuring the link to rank {peer} failed: {e}") from e
         found.append(Link(_LARGE / max(one_way - lat, 1e-9), lat, 0.0))
-    reduced = _all_reduce_s(torch.zeros(_LARGE // 4, dtype=torch.float32, device=device), rounds=4)
+    buf = torch.zeros(_REDUCED // 4, dtype=torch.float32, device=device)
+    reduced = _all_reduce_s(buf, rounds=3)
     if not found:
         return None
     lat = max(x.latency for x in found)
     ring = 2 * (world - 1)
-    ar_bw = ring / world * _LARGE / max(reduced - ring * lat, 1e-9)
+    ar_bw = ring / world * _REDUCED / max(reduced - ring * lat, 1e-9)
     link = Link(min(x.bandwidth for x in found), lat, ar_bw)
     log.info("link: %.3g GB/s, %.0f us per message, all-reduce %.3g GB/s (rank %d, pairs %s)",
              link.bandwidth / 1e9, link.latency * 1e6, ar_bw / 1e9, rank, pairs)
