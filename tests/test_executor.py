@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from torch.testing import assert_close
 from rannc_fx.config import Config
 from rannc_fx.plan import Plan, ValueSpec
 from rannc_fx.runtime import CommError, StageExecutor, init_distributed, routing
+from rannc_fx.runtime import executor as executor_module
 from rannc_fx.runtime.comm import all_reduce_flat
+from rannc_fx.runtime.executor import unbatched_peers
 
 from .dist_utils import make_plan, run_ranks, scalar, tensor
 
@@ -241,6 +244,39 @@ class _Bn1(nn.Module):
         return (F.cross_entropy(self.head(h.mean((2, 3))), y),)
 
 
+class Aux(nn.Module):
+    """Unbatched outputs on two stages: an auxiliary loss and an integer count (not averageable)
+    from stage 0, the loss from stage 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        h = F.relu(self.a(x))
+        loss = F.cross_entropy(self.head(F.relu(self.b(h))), y)
+        return [loss, h.pow(2).mean(), (self.a.weight > 0).sum()]
+
+
+class _Aux0(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.a = net.a
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        return h, h.pow(2).mean(), (self.a.weight > 0).sum()
+
+
+class _Aux1(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.b, self.head = net.b, net.head
+
+    def forward(self, h, y):
+        return (F.cross_entropy(self.head(F.relu(self.b(h))), y),)
+
+
 @dataclass
 class Case:
     net: Callable[[], nn.Module]
@@ -251,6 +287,8 @@ class Case:
     outputs: list[str]
     data: Callable[[int, torch.Generator], list[torch.Tensor]]
     shared: list[tuple[str, list[int]]] = field(default_factory=list)
+    # what the training loop calls backward on, from the model's outputs
+    objective: Callable[[list[torch.Tensor]], torch.Tensor] = lambda out: out[0]
 
     def plan(self, global_batch: int, micro_batches: int, replicas: tuple[int, ...]) -> Plan:
         return make_plan(
@@ -354,6 +392,21 @@ CASES = {
         ["loss"],
         _xy((Flat.S, 3), 4),
     ),
+    "aux2": Case(
+        Aux,
+        [_Aux0, _Aux1],
+        {
+            **XY,
+            "h": H8,
+            "aux": scalar("aux"),
+            "n": tensor("n", (), dtype="int64", batch_dim=None),
+        },
+        ["x", "y"],
+        [(["x"], ["h", "aux", "n"]), (["h", "y"], ["loss"])],
+        ["loss", "aux", "n"],
+        _xy((6,), 4),
+        objective=lambda out: out[0] + 0.5 * out[1],
+    ),
     "bn2": Case(
         BNNet,
         [_Bn0, _Bn1],
@@ -402,7 +455,7 @@ def _train(
     mbs: int,
     steps: int = 3,
     accumulate: int = 1,
-) -> list[float]:
+) -> list[list[Any]]:
     case = CASES[name]
     plan = case.plan(LOCAL * world, mbs, replicas)
     _, ref, gm, ex = _setup(rank, case, plan)
@@ -422,9 +475,10 @@ def _train(
                 assert_close(
                     o, w[lo:hi].detach() if spec.batch_dim is not None else w.detach(), **TOL
                 )
-            out[0].backward()
-            want[0].backward()
-            losses.append(out[0].item())
+            case.objective(out).backward()
+            case.objective(want).backward()
+            unbatched = [o for j, o in enumerate(out) if plan.outputs[j].spec.batch_dim is None]
+            losses.append([o.tolist() for o in unbatched])
         for pname, p in gm.named_parameters():
             assert_close(
                 p.grad,
@@ -443,7 +497,8 @@ def _train(
     return losses
 
 
-def _same_everywhere(losses: list[list[float]]) -> None:
+def _same_everywhere(losses: list[list[list[Any]]]) -> None:
+    """Every unbatched output (the loss) of every step is bitwise the same on every rank."""
     assert all(x == losses[0] for x in losses), losses
 
 
@@ -479,7 +534,9 @@ def test_pure_data_parallel(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "mlp1", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((1, 1, 1), 2), ((1, 2, 1), 3), ((2, 1, 1), 2)])
+@pytest.mark.parametrize(
+    "replicas,mbs", [((1, 1, 1), 2), ((1, 2, 1), 3), ((2, 1, 1), 2), ((1, 1, 2), 2)]
+)
 def test_skip_connection_to_two_later_stages(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "skip3", replicas, mbs))
 
@@ -497,6 +554,67 @@ def test_tied_embedding_in_first_and_last_of_three_stages(replicas, mbs):
 @pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 3), ((1, 2), 2)])
 def test_rows_per_sample_batch_dim_1_and_integer_cut(replicas, mbs):
     _same_everywhere(run_ranks(_train, sum(replicas), "flat2", replicas, mbs))
+
+
+@pytest.mark.parametrize("replicas,mbs", [((2, 1), 2), ((1, 2), 3), ((2, 2), 3)])
+def test_unbatched_outputs_of_two_stages(replicas, mbs):
+    """Stage 0 returns an auxiliary loss and an integer count, stage 1 the loss: each stage's
+    go to the other's ranks, so two ranks exchange them in both directions."""
+    _same_everywhere(run_ranks(_train, sum(replicas), "aux2", replicas, mbs))
+
+
+@pytest.mark.parametrize(
+    "replicas,want",
+    [
+        ((1, 1), {0: ([], {1: 1}), 1: ([0], {})}),
+        ((1, 2), {0: ([], {1: 1}), 1: ([0], {}), 2: ([], {})}),
+        ((2, 2), {0: ([], {1: 2}), 1: ([], {1: 3}), 2: ([0], {}), 3: ([1], {})}),
+        ((1, 3), {0: ([], {1: 1}), 1: ([0], {}), 2: ([], {}), 3: ([], {})}),
+        ((3, 1), {0: ([], {1: 3}), 1: ([], {1: 3}), 2: ([], {1: 3}), 3: ([0, 1, 2], {})}),
+        ((2,), {0: ([], {}), 1: ([], {})}),
+    ],
+)
+def test_loss_goes_from_its_stage_to_every_other_rank_round_robin(replicas, want):
+    plan = CASES["mlp2" if len(replicas) == 2 else "mlp1"].plan(12, 1, replicas)
+    assert {r: unbatched_peers(plan, r) for r in range(plan.world_size)} == want
+
+
+def test_unbatched_outputs_of_two_stages_go_both_ways():
+    plan = CASES["aux2"].plan(12, 1, (2, 1))  # stage 0 (ranks 0, 1) owns aux and n
+    got = {r: unbatched_peers(plan, r) for r in range(3)}
+    assert got == {0: ([2], {1: 2}), 1: ([], {1: 2}), 2: ([0, 1], {0: 0})}
+
+
+def _loss_collectives(rank: int, world: int, name: str, replicas: tuple[int, ...]) -> None:
+    """No collective over every rank for the loss: only a stage with replicas all-reduces it,
+    among them; its sends outlive the forward and are finished by the backward."""
+    case = CASES[name]
+    plan = case.plan(LOCAL * world, 2, replicas)
+    _, ref, _, ex = _setup(rank, case, plan)
+    calls: list[tuple[int, ...]] = []
+
+    def spy(tensors, group, *, what, ranks=()):
+        calls.append(tuple(ranks))
+        return all_reduce_flat(tensors, group, what=what, ranks=ranks)
+
+    executor_module.all_reduce_flat = spy  # this forked worker's copy of the module
+    flat = case.data(plan.global_batch, torch.Generator().manual_seed(2))
+    loss = ex.forward(_local(plan, rank, flat))[0]
+    assert_close(loss, ref(*flat)[0], **TOL)
+    st = plan.stage_of_rank(rank)
+    owner = st.index == plan.outputs[0].stage
+    assert calls == ([st.ranks] if owner and st.replicas > 1 else []), calls
+    sends_loss = bool(unbatched_peers(plan, rank)[0])
+    assert (ex._loss_sent is not None) == sends_loss
+    loss.backward()
+    assert ex._loss_sent is None
+
+
+@pytest.mark.parametrize(
+    "name,replicas", [("mlp2", (1, 1)), ("mlp2", (1, 2)), ("lm3", (1, 1, 2)), ("mlp1", (2,))]
+)
+def test_loss_needs_no_collective_over_every_rank(name, replicas):
+    run_ranks(_loss_collectives, sum(replicas), name, replicas)
 
 
 def test_gradient_accumulation_over_two_calls():

@@ -9,9 +9,18 @@ One step on a rank (every rank runs the same code; what it sends and receives co
       B    wait for micro-batch i's inputs (graph inputs, cut values), run the stage,
            send its cut values on to the consumer replicas
       C  send batched model outputs to the ranks whose samples they hold; receive ours
+         outputs without a batch dimension (the loss): the stage that computes them sums
+         its replicas' parts (an all-reduce among them, if several) and sends the sum to
+         every rank outside the stage, spread round robin over its replicas
+         (``unbatched_peers``); every other rank receives it
          finish updated buffers (BatchNorm, see ``buffers``) among the stage's replicas
-         all-reduce outputs without a batch dimension (the loss) over every rank
       -> flat outputs; the loss is tied to the autograd bridge
+
+Between any two ranks the loss messages come after the batched outputs on both sides,
+before the backward's gradients, so they match in posting order like every other message
+(``comm.post``). A sender returns without waiting for its loss sends (the last stage's
+forward is the critical path); it finishes them at its next forward or end of backward. A
+one-stage plan all-reduces the loss among its replicas, which are then every rank.
 
     loss.backward()  (on every rank)
       for each micro-batch i, last first (schedule: sB(m-1) ... sB0):
@@ -20,6 +29,11 @@ One step on a rank (every rank runs the same code; what it sends and receives co
            send the gradients of the stage's cut-value inputs to the producer replicas
       all-reduce (SUM) gradients: each shared parameter over every rank that holds it,
       then the rest among the stage's replicas
+
+One rank and one micro-batch (``world_size == 1``, ``micro_batches == 1``): the stage is the
+whole model on the whole batch, so forward calls it directly and ``loss.backward()`` is plain
+autograd through it; nothing moves, nothing is reduced, no bridge. Its outputs are those of the
+general path (batched ones detached), and so are gradients and buffers.
 
 Loss arithmetic: replica k of the loss's stage sees n(i, k) samples of micro-batch i and
 computes their mean loss l(i, k); the step's loss is sum(n(i, k) / G * l(i, k)), which is the
@@ -47,7 +61,7 @@ from .pieces import assemble, dtype_of, interleave, piece_shape, sample_major, t
 from .routing import Transfer
 from .schedule import Action, gpipe_schedule
 
-__all__ = ["StageExecutor", "check_outputs_routable"]
+__all__ = ["StageExecutor", "check_outputs_routable", "unbatched_peers"]
 
 
 @dataclass
@@ -131,6 +145,17 @@ class StageExecutor:
         self._step = 0
         self._saved: _Step | None = None
         self._anchor = torch.zeros((), requires_grad=True)
+        self._in_shapes = [
+            spec.shape_for(self._local) if spec.kind == "tensor" else None for spec in plan.inputs
+        ]
+        # Unbatched outputs: whom this rank sends its stage's to, whom it gets each other's from.
+        self._unbatched = [
+            r for r in plan.outputs if r.spec.kind == "tensor" and r.spec.batch_dim is None
+        ]
+        self._loss_dsts, self._loss_srcs = unbatched_peers(plan, self.rank)
+        self._loss_sent: Pending | None = None  # sends of the last forward's loss, unfinished
+        # one rank, one micro-batch: call the stage, plain autograd (tests set it False)
+        self._alone = plan.world_size == 1 and plan.micro_batches == 1 and self._build_alone()
 
     # -- static routes --------------------------------------------------------------------------
     def _build_routes(self) -> None:
@@ -168,6 +193,33 @@ class StageExecutor:
 
         self.routes = routing.rank_routes(plan, self.rank)
 
+    def _build_alone(self) -> bool:
+        """The one-rank, one-micro-batch fast path: where each stage argument and each model
+        output comes from. False where it cannot apply (an output the general path refuses)."""
+        kinds = {r.spec.kind for r in self.plan.outputs}
+        if not kinds <= {"tensor", "int", "ints"}:
+            return False
+        self._alone_args: list[tuple[int, Any]] = []  # (graph input slot, or -1 and the value)
+        for name, spec in zip(self.stage.inputs, self._in_specs, strict=True):
+            if spec.kind in ("int", "ints"):
+                self._alone_args.append((-1, _ints_value(spec, self._local)))
+            else:
+                self._alone_args.append((self._graph_inputs[name][0], None))
+        # (stage output position, how it comes back, or -1 and the value): as the general path
+        # returns it, detached where that one detaches
+        self._alone_outs: list[tuple[int, str, Any]] = []
+        for ref in self.plan.outputs:
+            spec = ref.spec
+            if spec.kind != "tensor":
+                self._alone_outs.append((-1, "value", _ints_value(spec, self._local)))
+            elif spec.batch_dim is not None:
+                self._alone_outs.append((self._out_pos[spec.name], "detach", None))
+            elif ref.index in self._diff:
+                self._alone_outs.append((self._out_pos[spec.name], "as is", None))
+            else:
+                self._alone_outs.append((self._out_pos[spec.name], "copy", None))
+        return True
+
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
         """Run every micro-batch's forward; returns the model's flat outputs for this rank.
@@ -177,6 +229,9 @@ class StageExecutor:
         dimension are equal on every rank, and with grad enabled ``.backward()`` on one of
         them (on every rank) runs the pipeline's backward.
         """
+        if self._alone:
+            return self._forward_alone(flat_inputs)
+        self._finish_loss_sends()
         local = self._check_inputs(flat_inputs)
         self._step += 1
         self._saved = None  # a new step frees the last one's activations
@@ -224,14 +279,37 @@ class StageExecutor:
             step.inputs.append(args if training else [])
             step.outputs.append(tuple(o if p in keep else None for p, o in enumerate(outs)))
 
-        # C: batched outputs home, buffers and the loss made equal everywhere.
+        # C: batched outputs home, the loss to every rank, buffers made equal.
         results = self._gather_outputs(step.outputs)
+        received = self._share_unbatched(reduced, results)
         for p in sends:
             p.wait()
         self.buffers.finish()
-        results.update(self._finish_reduced(reduced))
+        received.wait()
         flat = [results[r.index] for r in self.plan.outputs]
         return self._attach(step, flat) if training else flat
+
+    def _forward_alone(self, flat_inputs: Sequence[Any]) -> list[Any]:
+        """One rank, one micro-batch: the stage on the whole batch, its autograd graph kept."""
+        local = self._check_inputs(flat_inputs)
+        self._step += 1
+        self._saved = None
+        outs = self.module(*[local[j] if j >= 0 else v for j, v in self._alone_args])
+        if not isinstance(outs, (tuple, list)):
+            outs = (outs,)
+        if len(outs) != len(self.stage.outputs):
+            self._check_outputs(0, tuple(outs))  # raises, naming the outputs
+        flat: list[Any] = []
+        for pos, how, v in self._alone_outs:
+            if how == "as is":
+                flat.append(outs[pos])
+            elif how == "detach":
+                flat.append(outs[pos].detach())
+            elif how == "copy":
+                flat.append(outs[pos].detach().clone())
+            else:
+                flat.append(v)
+        return flat
 
     def _check_inputs(self, flat: Sequence[Any]) -> list[Any]:
         specs = self.plan.inputs
@@ -241,18 +319,18 @@ class StageExecutor:
                 f"{len(specs)} ({[s.name for s in specs]}); call it as when it was planned"
             )
         out = []
-        for j, (t, spec) in enumerate(zip(flat, specs, strict=True)):
-            if spec.kind == "tensor":
+        for j, (t, spec, want) in enumerate(zip(flat, specs, self._in_shapes, strict=True)):
+            if want is not None:
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"input {j} ({spec.name!r}) must be a tensor, got {type(t)}")
-                want = spec.shape_for(self._local)
-                if tuple(t.shape) != want:
+                if t.shape != want:
                     raise ValueError(
                         f"input {j} ({spec.name!r}) has shape {tuple(t.shape)} but the plan "
                         f"expects {want} on each rank (global batch {self.plan.global_batch} "
                         f"over {self.plan.world_size} ranks: {self._local} samples per rank)"
                     )
-                t = t.to(self.device)
+                if t.device != self.device:
+                    t = t.to(self.device)
             out.append(t)
         return out
 
@@ -358,25 +436,64 @@ class StageExecutor:
             elif i == 0 and self.replica == 0:
                 reduced[ref.index] = v.clone()  # not averageable: micro-batch 0's value
 
-    def _finish_reduced(self, reduced: dict[int, torch.Tensor]) -> dict[int, Any]:
-        """All-reduce the unbatched outputs over every rank so each holds the same value."""
-        out: dict[int, Any] = {}
-        idx, vals = [], []
+    def _share_unbatched(
+        self, reduced: dict[int, torch.Tensor], results: dict[int, Any]
+    ) -> Pending:
+        """Every unbatched output to every rank; integer outputs computed here.
+
+        This stage's own are summed over its replicas (an all-reduce among them) and sent to
+        the ranks this rank serves (``unbatched_peers``); the sends are left running. The
+        other stages' are received into ``results``: valid once the returned Pending is waited
+        on. Posted after ``_gather_outputs`` on every rank, so between any two ranks they
+        follow the batched outputs on both sides.
+        """
         for ref in self.plan.outputs:
             spec = ref.spec
             if spec.kind in ("int", "ints"):
-                ints = spec.ints_for(self._local)
-                out[ref.index] = ints[0] if spec.kind == "int" else torch.Size(ints)
+                results[ref.index] = _ints_value(spec, self._local)
             elif spec.kind != "tensor":
                 raise ValueError(f"model output {ref.index} is a {spec.kind}; return tensors")
-            elif spec.batch_dim is None:
-                idx.append(ref.index)
-                zero = torch.zeros(spec.shape, dtype=dtype_of(spec), device=self.device)
-                vals.append(reduced.get(ref.index, zero))
-        if vals and self.plan.world_size > 1:
-            vals = all_reduce_flat(vals, None, what="the loss (outputs without a batch dimension)")
-        out.update(zip(idx, vals, strict=True))
-        return out
+        st = self.stage.index
+        mine = [r for r in self._unbatched if r.stage == st]
+        vals = [
+            reduced[r.index]
+            if r.index in reduced
+            else torch.zeros(r.spec.shape, dtype=dtype_of(r.spec), device=self.device)
+            for r in mine
+        ]
+        group = self.groups.stage[st]
+        if vals and group is not None:
+            vals = all_reduce_flat(
+                vals,
+                group,
+                what=f"the outputs without a batch dimension (the loss) of stage {st}",
+                ranks=self.stage.ranks,
+            )
+        results.update((r.index, v) for r, v in zip(mine, vals, strict=True))
+        sends: list[Message] = []
+        if self._loss_dsts and vals:
+            payload = [v.clone() for v in vals]  # the caller may change the returned ones
+            for dst in self._loss_dsts:
+                for r, v in zip(mine, payload, strict=True):
+                    sends.append(Message("send", v, dst, _unbatched_label(r)))
+        recvs: list[Message] = []
+        for s, src in self._loss_srcs.items():
+            for r in self._unbatched:
+                if r.stage == s:
+                    buf = torch.empty(r.spec.shape, dtype=dtype_of(r.spec), device=self.device)
+                    results[r.index] = buf
+                    recvs.append(Message("recv", buf, src, _unbatched_label(r)))
+        if sends and recvs:
+            # one batch, waited on before returning: NCCL could deadlock on two batches
+            # that two ranks post in opposite order
+            return post(sends + recvs)
+        self._loss_sent = post(sends) if sends else None
+        return post(recvs)
+
+    def _finish_loss_sends(self) -> None:
+        if self._loss_sent is not None:
+            sent, self._loss_sent = self._loss_sent, None
+            sent.wait()
 
     def _gather_outputs(self, outputs: list[tuple[Any, ...]]) -> dict[int, Any]:
         """C: batched model outputs to the ranks whose local samples they are.
@@ -458,6 +575,7 @@ class StageExecutor:
             step.inputs[i], step.outputs[i] = [], ()
         for sent in sends:
             sent.wait()
+        self._finish_loss_sends()
         self.grads.finish()
         self._saved = None
 
@@ -517,6 +635,32 @@ class StageExecutor:
         return post(msgs)
 
 
+def unbatched_peers(plan: Plan, rank: int) -> tuple[list[int], dict[int, int]]:
+    """Where the outputs without a batch dimension go: (the ranks ``rank`` sends its stage's
+    to, {stage: the rank ``rank`` receives that stage's from}).
+
+    A stage with such outputs sends them to every rank outside it, the j-th of those (in rank
+    order) from its replica j mod r, so each replica sends about (world - r) / r messages:
+
+        stage 1 on ranks 2, 3 owns the loss    rank 0 <- rank 2, rank 1 <- rank 3
+    """
+    owners = sorted(
+        {r.stage for r in plan.outputs if r.spec.kind == "tensor" and r.spec.batch_dim is None}
+    )
+    dsts: list[int] = []
+    srcs: dict[int, int] = {}
+    for s in owners:
+        ranks = plan.stages[s].ranks
+        outside = [j for j in range(plan.world_size) if j not in ranks]
+        for k, dst in enumerate(outside):
+            src = ranks[k % len(ranks)]
+            if src == rank:
+                dsts.append(dst)
+            elif dst == rank:
+                srcs[s] = src
+    return dsts, srcs
+
+
 def check_outputs_routable(plan: Plan) -> None:
     """Refuse a plan with a model output whose interleaved layout is unknown, when the plan
     splits the batch: its rows could not be handed back to the ranks by sample."""
@@ -550,6 +694,15 @@ class _Bridge(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         ctx.executor.backward(ctx.step, grads)
         return (None,) * (3 + len(grads))
+
+
+def _ints_value(spec: ValueSpec, samples: int) -> int | torch.Size:
+    ints = spec.ints_for(samples)
+    return ints[0] if spec.kind == "int" else torch.Size(ints)
+
+
+def _unbatched_label(ref: OutputRef) -> str:
+    return f"model output {ref.index} ({ref.spec.name!r}, without a batch dimension)"
 
 
 def _graph(module: nn.Module) -> fx.Graph:
