@@ -1,16 +1,11 @@
 """Where the CPU of a 2-rank pipeline step goes, per thread: the compute thread against gloo's.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/runtime_comm_threads.py
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/runtime_comm_threads.py \
-        --no-loss-allreduce
 
-Default: rannc_fx and torch.distributed.pipelining's manual frontend run the same forced 2-stage
-plan as ``runtime_vs_pipelining.py --mode same-split`` in alternating blocks of ``--steps``
-steps; per block, every thread's CPU ms per step (``/proc/self/task/*/schedstat``, ns
-resolution) and the wall ms per step. ``--no-loss-allreduce`` adds a third contender: rannc_fx with
-the executor's all-reduce of the unbatched outputs (the loss) replaced, in this process and for
-its blocks only, by a no-op (the loss is then wrong on every rank but the last stage's; the
-gradients are unchanged): a diagnostic of what that one collective costs.
+rannc_fx and torch.distributed.pipelining's manual frontend run the same forced 2-stage plan as
+``runtime_vs_pipelining.py --mode same-split`` in alternating blocks of ``--steps`` steps; per
+block, every thread's CPU ms per step (``/proc/self/task/*/schedstat``, ns resolution) and the
+wall ms per step.
 """
 
 from __future__ import annotations
@@ -44,14 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--blocks", type=int, default=3, help="alternating blocks per contender (default: 3)"
     )
-    p.add_argument(
-        "--no-loss-allreduce",
-        action="store_true",
-        help="diagnostic: make the executor's loss all-reduce a no-op in this process",
-    )
-    p.add_argument(
-        "--late-recv", action="store_true", help="run the gloo late-receive microbenchmark instead"
-    )
     return p.parse_args(argv)  # fmt: skip
 
 
@@ -75,13 +62,6 @@ def _kind(thread: str) -> str:
 
 
 def pipeline_blocks(args: argparse.Namespace) -> list[tuple[str, float, dict[str, float]]]:
-    import rannc_fx.runtime.executor as executor
-
-    real = executor.all_reduce_flat
-
-    def no_op(vals: Any, group: Any, **kw: Any) -> list[torch.Tensor]:
-        return list(vals)
-
     torch.manual_seed(0)
     base = GPT(1024, args.d_model, 4, args.layers, 32)
     ids, labels = make_batch(1024, 16, 32)
@@ -90,14 +70,10 @@ def pipeline_blocks(args: argparse.Namespace) -> list[tuple[str, float, dict[str
     rannc = RanncStep(copy.deepcopy(base), cfg, ids, labels)
     rannc()
     peer = PeerStep(copy.deepcopy(base), [args.layers // 2], args.micro_batches, False, ids, labels)
-    contenders: list[tuple[str, Any, Any]] = [("rannc_fx", rannc, real)]
-    if args.no_loss_allreduce:
-        contenders.append(("rannc_fx, loss all-reduce off", rannc, no_op))
-    contenders.append(("pipelining-manual", peer, real))
+    contenders: list[tuple[str, Any]] = [("rannc_fx", rannc), ("pipelining-manual", peer)]
     rows = []
     for _ in range(args.blocks):
-        for name, step, reduce in contenders:
-            executor.all_reduce_flat = reduce  # type: ignore[assignment]
+        for name, step in contenders:
             for _ in range(5):
                 step()
             dist.barrier()
@@ -111,7 +87,6 @@ def pipeline_blocks(args: argparse.Namespace) -> list[tuple[str, float, dict[str
                 k = _kind(th)
                 per[k] = per.get(k, 0.0) + 1e3 * (sec - a.get(th, 0.0)) / args.steps
             rows.append((name, 1e3 * wall / args.steps, per))
-    executor.all_reduce_flat = real  # type: ignore[assignment]
     return rows
 
 
@@ -133,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---:|" + "---:|" * (world * len(kinds)))
         for i, (name, wall, _) in enumerate(everyone[0]):
             cells = [f"{everyone[r][i][2].get(k, 0.0):.2f}" for r in range(world) for k in kinds]
-            block = i // (3 if args.no_loss_allreduce else 2) + 1
+            block = i // 2 + 1
             print(f"| {block} | {name} | {wall:.1f} | " + " | ".join(cells) + " |")
         print("\n".join(environment()))
     dist.destroy_process_group()

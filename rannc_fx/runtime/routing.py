@@ -283,7 +283,8 @@ def output_transfers(plan: Plan) -> list[Transfer]:
     """Batched model outputs, from the producer replicas to the ranks whose samples they hold.
 
     Order: micro-batch, output, producer replica, owner rank. Outputs without a batch
-    dimension (a mean loss) are combined by an all-reduce instead.
+    dimension (a mean loss) are summed within their stage and sent on by the executor
+    (``executor.unbatched_peers``).
     """
     out: list[Transfer] = []
     owners = [rank_span(plan, j) for j in range(plan.world_size)]
