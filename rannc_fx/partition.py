@@ -17,7 +17,7 @@ from .device import DeviceSpec
 from .passes.capture import CapturedGraph, capture_pass
 from .passes.costs import build_cost_table
 from .passes.group import BlockGraph, group_pass
-from .passes.optcost import OptimizerRate, optimizer_rate
+from .passes.optcost import OptimizerRate, accumulate_rate, optimizer_rate
 from .passes.profile import Profile, profile_pass
 from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
 from .passes.shapes import infer_values_pass
@@ -136,12 +136,11 @@ def analyze(
 
     spec, run_device, cost_model = _resolve_device(model, device, cfg)
     budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
-    rate = optimizer_rate(
-        optimizer, run_device if cost_model == "measured" else None, spec,
-        cfg.optimizer_state_factor,
-    )
+    measure_on = run_device if cost_model == "measured" else None
+    rate = optimizer_rate(optimizer, measure_on, spec, cfg.optimizer_state_factor)
     space = _search_space(
-        cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec, rate=rate
+        cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec, rate=rate,
+        accumulate=accumulate_rate(measure_on, spec),
     )
     sizes = needed_sizes(space)
 
@@ -228,6 +227,7 @@ def _search_space(
     budget: int,
     spec: DeviceSpec,
     rate: OptimizerRate,
+    accumulate: float,
 ) -> SearchSpace:
     if cfg.replicas is not None and sum(cfg.replicas) != world_size:
         raise ValueError(
@@ -256,6 +256,7 @@ def _search_space(
         optimizer_state_factor=cfg.optimizer_state_factor,
         optimizer_s_per_byte=rate.s_per_byte,
         optimizer_s_per_tensor=rate.s_per_tensor,
+        accumulate_s_per_byte=accumulate,
         micro_batches=candidates,
         stages=cfg.forced_stages,
         replicas=cfg.replicas,
@@ -326,6 +327,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             comm_ms=ms * cost.comm_s,
             allreduce_ms=ms * cost.allreduce_s,
             optimizer_ms=ms * cost.optimizer_s,
+            accumulate_ms=ms * cost.accumulate_s,
             memory=MemoryEstimate(
                 params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
                 activations=cost.activations, comm_buffers=cost.comm_buffers,

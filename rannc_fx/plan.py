@@ -186,6 +186,7 @@ class Stage(BaseModel):
     comm_ms: float
     allreduce_ms: float
     optimizer_ms: float = 0.0
+    accumulate_ms: float = 0.0  # adding one micro-batch's gradients into .grad
     memory: MemoryEstimate
 
     @property
@@ -356,7 +357,7 @@ class Plan(BaseModel):
             f"device {self.device.name} ({self.cost_model} costs)"
         )
         cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
-                "comm ms", "allred ms", "optim ms", "memory", "of budget")
+                "comm ms", "accum ms", "allred ms", "optim ms", "memory", "of budget")
         rows = []
         for st in self.stages:
             nparam = st.memory.params
@@ -370,6 +371,7 @@ class Plan(BaseModel):
                 f"{st.fwd_ms:.2f}",
                 f"{st.bwd_ms:.2f}",
                 f"{st.comm_ms:.2f}",
+                f"{st.accumulate_ms:.2f}",
                 f"{st.allreduce_ms:.2f}",
                 f"{st.optimizer_ms:.2f}",
                 _human_bytes(st.memory.total),

@@ -11,7 +11,7 @@ import torch
 from rannc_fx import Config, DeviceSpec
 from rannc_fx.models import mlp_example
 from rannc_fx.partition import analyze, build_plan
-from rannc_fx.passes.optcost import analytic, measure, optimizer_rate
+from rannc_fx.passes.optcost import accumulate_rate, analytic, measure, optimizer_rate
 from rannc_fx.passes.search import search_pass
 from rannc_fx.passes.split import split_pass
 from rannc_fx.runtime.compile import compile as rannc_compile
@@ -57,6 +57,14 @@ def test_an_optimizer_that_cannot_be_rebuilt_falls_back_to_the_estimate():
     )
 
 
+def test_gradient_accumulation_is_timed_on_the_device_or_estimated():
+    spec = DeviceSpec.preset("cpu")
+    # read .grad and the new gradient, write .grad: 3 bytes per gradient byte
+    assert accumulate_rate(None, spec) == pytest.approx(3 / (spec.memory_bandwidth * spec.efficiency))
+    measured = accumulate_rate(CPU, spec, repeats=1)
+    assert math.isfinite(measured) and measured > 0
+
+
 def test_the_plan_charges_each_stage_its_optimizer_step_and_the_given_link():
     model, args, _ = mlp_example(batch=8)
     cfg = Config(
@@ -65,6 +73,7 @@ def test_the_plan_charges_each_stage_its_optimizer_step_and_the_given_link():
     )  # fmt: skip
     a = analyze(model, args, world_size=2, config=cfg, optimizer=torch.optim.Adam(model.parameters()))
     assert a.space.optimizer_s_per_byte > 0 and a.space.optimizer_s_per_tensor > 0
+    assert a.space.accumulate_s_per_byte > 0
     plan = build_plan(a, search_pass(a.table, a.space))
     dev = plan.device
     assert (dev.interconnect_bandwidth, dev.interconnect_latency) == (123e6, 0.25e-3)
@@ -74,6 +83,7 @@ def test_the_plan_charges_each_stage_its_optimizer_step_and_the_given_link():
         assert st.memory.grads == nbytes
         want = a.space.optimizer_s_per_byte * nbytes + a.space.optimizer_s_per_tensor * len(ps)
         assert st.optimizer_ms == pytest.approx(1e3 * want)
+        assert st.accumulate_ms == pytest.approx(1e3 * a.space.accumulate_s_per_byte * nbytes)
     # the cut crosses once each way per micro-batch: bytes over 123 MB/s plus 2 x 0.25 ms
     cut = plan.cut_values[0].spec.nbytes_for(plan.stages[0].samples)
     assert plan.stages[0].comm_ms == pytest.approx(1e3 * (2 * cut / 123e6 + 2 * 0.25e-3))

@@ -1,5 +1,13 @@
-"""How long the optimizer step takes: a time per gradient byte and one per parameter tensor.
+"""Parameter costs the per-node profile does not see: gradient accumulation and the optimizer.
 
+The profile times each node's backward with ``torch.autograd.grad``, which returns fresh
+gradients. In a step, every micro-batch after the first adds its gradients into ``.grad``
+(``AccumulateGrad``: read two tensors, write one), ``m - 1`` times per step per stage:
+``accumulate_rate`` prices that per gradient byte (measured with ``add_`` on the device, else
+from memory bandwidth). For a large-vocabulary head or embedding it is tens of ms per
+micro-batch on a CPU, which is what makes more micro-batches cost more there.
+
+How long the optimizer step takes: a time per gradient byte and one per parameter tensor.
 Every replica of a stage steps all of the stage's parameters after the gradient all-reduce,
 so the step is part of a stage's per-step time (``search`` adds it next to the all-reduce).
 An optimizer step is memory-bound: its time grows with the bytes it streams, plus a fixed
@@ -24,12 +32,13 @@ import torch
 
 from ..device import DeviceSpec
 
-__all__ = ["OptimizerRate", "analytic", "measure", "optimizer_rate"]
+__all__ = ["OptimizerRate", "accumulate_rate", "analytic", "measure", "optimizer_rate"]
 
 log = logging.getLogger("rannc_fx")
 
 _BIG = 1 << 20  # elements of the tensor that gives the per-byte rate (4 MiB in fp32)
 _SMALL, _SMALL_NUMEL = 32, 64  # tensors (and their size) that give the per-tensor rate
+_ACCUMULATED = 1 << 22  # elements of the tensors ``accumulate_rate`` adds (16 MiB in fp32)
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,27 @@ def optimizer_rate(
     log.info("optimizer step: %.3g ns per byte, %.3g us per tensor (%s)",
              rate.s_per_byte * 1e9, rate.s_per_tensor * 1e6, rate.source)
     return rate
+
+
+def accumulate_rate(
+    device: torch.device | None, spec: DeviceSpec, dtype: torch.dtype = torch.float32,
+    *, repeats: int = 3,
+) -> float:
+    """Seconds per gradient byte to add one micro-batch's gradient into ``.grad``."""
+    if device is None:
+        return 3 / (spec.memory_bandwidth * spec.efficiency)
+    grad = torch.zeros(_ACCUMULATED, dtype=dtype, device=device)
+    new = torch.ones_like(grad)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        grad.add_(new)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    per_byte = statistics.median(times[1:]) / (grad.numel() * grad.element_size())
+    log.info("gradient accumulation: %.3g ns per byte (measured on %s)", per_byte * 1e9, device)
+    return per_byte
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -10,17 +10,18 @@ per micro-batch, and ``k`` is the index of q in ``table.sizes``.
                + 2 * (cut[k, i] + cut[k, j]) / link_bw + 2 * link_lat * ([i > 0] + [j < B])
     ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
                          (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
+    acc_s    = acc_per_byte * grad_bytes[i, j]          (micro-batch 2.. adds into .grad)
     opt_s    = opt_per_byte * grad_bytes[i, j] + opt_per_tensor * grad_tensors[i, j]
-    step     = sum_s t_s  +  max_s ((m - 1) * t_s + ar_s + opt_s)
+    step     = sum_s t_s  +  max_s ((m - 1) * (t_s + acc_s) + ar_s + opt_s)
     memory_s = param_bytes[i, j] + grad_bytes[i, j] * (1 + optimizer_state_factor)
                + m * sum(act[k, i:j]) + m * (cut[k, i] + cut[k, j]) + max(workspace[k, i:j])
 
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
-bottleneck stage plus its gradient all-reduce and its optimizer step (every replica steps the
+bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer step (every replica steps the
 stage's parameters; stages step in parallel). A plan is feasible when every stage's memory is
 within ``memory_budget``, replica counts sum to ``world_size`` and m * r <= global_batch.
 
-Algorithm (exact). Write u_s = (m - 1) * t_s + ar_s + opt_s, so step = sum_s t_s + max_s u_s. For one
+Algorithm (exact). Write u_s = (m - 1) * (t_s + acc_s) + ar_s + opt_s, so step = sum_s t_s + max_s u_s. For one
 m, a DP over the states (block j, ranks used so far) -- (block, stages, ranks) when the stage
 count is forced, (block, stages) when the replicas are -- gives S(U), the least sum_s t_s over
 plans whose stages all have u_s <= U. The optimum is the least S(U) + U over the u values of
@@ -115,6 +116,7 @@ class SearchSpace:
     allreduce_bandwidth: float | None = None  # None: link_bandwidth
     optimizer_s_per_byte: float = 0.0  # optimizer step time per gradient byte
     optimizer_s_per_tensor: float = 0.0  # and per parameter tensor
+    accumulate_s_per_byte: float = 0.0  # adding a micro-batch's gradient into .grad
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)  # candidates; forced = one candidate
     stages: int | None = None  # forced stage count
     replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
@@ -137,6 +139,7 @@ class StageCost:
     comm_s: float
     allreduce_s: float
     optimizer_s: float
+    accumulate_s: float  # per micro-batch after the first
     params: int
     grads: int
     optimizer_state: int
@@ -257,6 +260,7 @@ def _stage_cost(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: 
         comm_s=2 * cut / bw + float(_latency_s(space, table.num_blocks, ii, jj)[0]),
         allreduce_s=float(_allreduce_s(table, space, ii, jj, np.array([r]))[0, 0]),
         optimizer_s=float(_optimizer_s(table, space, ii, jj)[0]),
+        accumulate_s=space.accumulate_s_per_byte * grad,
         params=round(param), grads=round(grad),
         optimizer_state=round(grad * space.optimizer_state_factor),
         activations=round(m * float(table.act[k, i:j].sum())), comm_buffers=round(m * cut),
@@ -267,7 +271,7 @@ def _stage_cost(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: 
 
 def _step(costs: Sequence[StageCost], m: int) -> float:
     ts = [c.fwd_s + c.bwd_s + c.comm_s for c in costs]
-    return sum(ts) + max((m - 1) * t + (c.allreduce_s + c.optimizer_s)
+    return sum(ts) + max((m - 1) * (t + c.accumulate_s) + (c.allreduce_s + c.optimizer_s)
                          for t, c in zip(ts, costs, strict=True))
 
 
@@ -457,8 +461,9 @@ def _edges(table: CostTable, space: SearchSpace, states: _States, kidx: dict[int
             T[:, c], M[:, c] = _interval_costs(table, space, k, m, iu, ju, ws)
         else:
             T[:, c], M[:, c] = T[:, done[k]], M[:, done[k]]
-    U = (m - 1) * T + (_allreduce_s(table, space, iu, ju, reps)
-                       + _optimizer_s(table, space, iu, ju)[:, None])
+    acc = space.accumulate_s_per_byte * np.asarray(table.grad_bytes, float)[iu, ju]
+    U = (m - 1) * (T + acc[:, None]) + (_allreduce_s(table, space, iu, ju, reps)
+                                        + _optimizer_s(table, space, iu, ju)[:, None])
     if fits_only:
         keep = np.flatnonzero(M.ravel() <= space.memory_budget)
     else:
