@@ -26,7 +26,7 @@ log = logging.getLogger("rannc_fx")
 
 _SMALL = 8  # bytes of the latency message
 _LARGE = 1 << 22  # bytes of the bandwidth message (4 MiB)
-_REDUCED = 1 << 24  # bytes of the all-reduce (16 MiB: large buffers reduce slower per byte)
+_REDUCED = 1 << 25  # bytes of the all-reduce (32 MiB: large buffers reduce slower per byte)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def measure_link(
     device: torch.device, *, rounds: int = 20, large_rounds: int = 4
 ) -> Link | None:
     """Latency (median one-way time of an 8-byte message) and bandwidth (4 MiB messages, the
-    latency taken off) of the slowest probed pair, and the all-reduce bandwidth (16 MiB) over every
+    latency taken off) of the slowest probed pair, and the all-reduce bandwidth (32 MiB) over every
     rank as ``search`` prices it (``2 (W - 1) / W`` bytes per byte reduced, ``2 (W - 1)``
     latencies); None on one rank. Collective: every rank calls it, and gets rank 0's figures
     only where it probed a pair (rank 0 always does)."""
