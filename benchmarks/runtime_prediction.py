@@ -153,6 +153,8 @@ def measure_stage_times(
         "bwd_cpu": [],
         "opt_cpu": [],
         "allreduce": [],
+        "step_bwd": [],
+        "step_bwd_cpu": [],
     }
     t: list[float] = [0.0, 0.0]
 
@@ -185,7 +187,10 @@ def measure_stage_times(
     try:
         for _ in range(steps):
             loss = model(*step_args)
+            t0, c0 = time.perf_counter(), time.thread_time()
             loss.backward()
+            got["step_bwd"].append(time.perf_counter() - t0)
+            got["step_bwd_cpu"].append(time.thread_time() - c0)
             c0 = time.thread_time()
             opt.step()
             got["opt_cpu"].append(time.thread_time() - c0)
@@ -195,7 +200,9 @@ def measure_stage_times(
         h2.remove()
         del ex._backward_one
         del ex.grads.finish
-    return {k: 1e3 * statistics.median(v) for k, v in got.items()}
+    if not got["bwd"]:  # one rank, one micro-batch: plain autograd, no per-micro-batch hook
+        got["bwd"], got["bwd_cpu"] = got["step_bwd"], got["step_bwd_cpu"]
+    return {k: 1e3 * statistics.median(v) if v else 0.0 for k, v in got.items()}
 
 
 def _err(pred: float, meas: float) -> str:
