@@ -17,7 +17,7 @@ from .device import DeviceSpec
 from .passes.capture import CapturedGraph, capture_pass
 from .passes.costs import build_cost_table
 from .passes.group import BlockGraph, group_pass
-from .passes.optcost import OptimizerRate, accumulate_rate, optimizer_rate
+from .passes.optcost import accumulate_curve, optimizer_curve
 from .passes.profile import Profile, profile_pass
 from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
 from .passes.shapes import infer_values_pass
@@ -136,12 +136,7 @@ def analyze(
 
     spec, run_device, cost_model = _resolve_device(model, device, cfg)
     budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
-    measure_on = run_device if cost_model == "measured" else None
-    rate = optimizer_rate(optimizer, measure_on, spec, cfg.optimizer_state_factor)
-    space = _search_space(
-        cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec, rate=rate,
-        accumulate=accumulate_rate(measure_on, spec),
-    )
+    space = _search_space(cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec)
     sizes = needed_sizes(space)
 
     profile = profile_pass(
@@ -158,7 +153,12 @@ def analyze(
         log.info("captured graph:\n%s", captured.gm.print_readable(print_output=False))
         for b, nodes in enumerate(blocks.blocks):
             log.info("block %d: %s", b, " ".join(nodes))
-    table = build_cost_table(captured, blocks, profile, values, sizes=sizes)
+    measure_on = run_device if cost_model == "measured" else None
+    table = build_cost_table(
+        captured, blocks, profile, values, sizes=sizes,
+        optimizer=optimizer_curve(optimizer, measure_on, spec, cfg.optimizer_state_factor),
+        accumulate=accumulate_curve(measure_on, spec),
+    )
     return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0)
 
 
@@ -226,8 +226,6 @@ def _search_space(
     global_batch: int,
     budget: int,
     spec: DeviceSpec,
-    rate: OptimizerRate,
-    accumulate: float,
 ) -> SearchSpace:
     if cfg.replicas is not None and sum(cfg.replicas) != world_size:
         raise ValueError(
@@ -254,9 +252,6 @@ def _search_space(
         link_latency=spec.interconnect_latency,
         allreduce_bandwidth=spec.allreduce_bandwidth,
         optimizer_state_factor=cfg.optimizer_state_factor,
-        optimizer_s_per_byte=rate.s_per_byte,
-        optimizer_s_per_tensor=rate.s_per_tensor,
-        accumulate_s_per_byte=accumulate,
         micro_batches=candidates,
         stages=cfg.forced_stages,
         replicas=cfg.replicas,

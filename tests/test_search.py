@@ -65,7 +65,10 @@ def random_table(rng: np.random.Generator, num_blocks: int, sizes: tuple[int, ..
     return CostTable(
         sizes=np.array(sizes or (1,)), fwd=draw(Q, B), bwd=draw(Q, B), act=draw(Q, B),
         workspace=draw(Q, B), cut=cut, param_bytes=_ranges(psize, uses),
-        grad_bytes=_ranges(psize * frozen, uses), grad_tensors=_ranges(frozen, uses),
+        grad_bytes=_ranges(psize * frozen, uses),
+        # the optimizer step and the gradient accumulation, each present about half the time
+        optimizer_s=_ranges(draw(nparams) * frozen, uses) if rng.uniform() < 0.5 else None,
+        accumulate_s=_ranges(draw(nparams) * frozen, uses) if rng.uniform() < 0.5 else None,
     )
 
 
@@ -94,13 +97,10 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int,
 
 
 def random_links(rng: np.random.Generator) -> dict[str, float]:
-    """Message latency and optimizer-step rates, each present in about half the cases."""
-    on = rng.uniform(size=5) < 0.5
+    """Message latency and a separate all-reduce speed, each in about half the cases."""
+    on = rng.uniform(size=2) < 0.5
     return dict(link_latency=float(on[0] * rng.uniform(0, 0.5)),
-                accumulate_s_per_byte=float(on[4] * rng.uniform(0, 1)),
-                allreduce_bandwidth=float(rng.uniform(0.2, 5)) if on[3] else None,
-                optimizer_s_per_byte=float(on[1] * rng.uniform(0, 2)),
-                optimizer_s_per_tensor=float(on[2] * rng.uniform(0, 1)))
+                allreduce_bandwidth=float(rng.uniform(0.2, 5)) if on[1] else None)
 
 
 def outcome(fn, table: CostTable, space: SearchSpace) -> SearchResult | None:
@@ -185,11 +185,9 @@ def pareto_oracle(table: CostTable, space: SearchSpace) -> SearchResult:
                                + m * (table.act[k, i:j].sum() + c) + table.workspace[k, i:j].max())
                         if mem > space.memory_budget:
                             continue
-                        opt = space.optimizer_s_per_byte * grad
-                        if table.grad_tensors is not None:
-                            opt += space.optimizer_s_per_tensor * table.grad_tensors[i, j]
+                        opt = 0 if table.optimizer_s is None else table.optimizer_s[i, j]
+                        acc = 0 if table.accumulate_s is None else table.accumulate_s[i, j]
                         ar_bw = space.allreduce_bandwidth or bw
-                        acc = space.accumulate_s_per_byte * grad
                         u = ((m - 1) * (t + acc) + 2 * (r - 1) / r * grad / ar_bw
                              + 2 * (r - 1) * lat + opt)
                         for s, mx, plan in labels[(i, n - r)]:
@@ -291,20 +289,19 @@ def test_evaluate_by_hand() -> None:
     assert ev.step_s == 33 + 111
     assert ev.fits and s0.memory == 737
 
-    # 0.5 s per message, all-reduces at half the link's speed, the optimizer at 0.01 s per
-    # gradient byte and 1 s per tensor
-    counts = np.array([[0, 1, 2, 3], [0, 0, 1, 2], [0, 0, 0, 1]], float)
-    table = dataclasses.replace(table, grad_tensors=counts)
-    space = dataclasses.replace(space, link_latency=0.5, optimizer_s_per_byte=0.01,
-                                optimizer_s_per_tensor=1.0, allreduce_bandwidth=1.0)
+    # 0.5 s per message, all-reduces at half the link's speed, optimizer steps of the ranges
+    opt = np.array([[0, 2, 3.5, 5.5], [0, 0, 1.5, 3.5], [0, 0, 0, 3]], float)
+    table = dataclasses.replace(table, optimizer_s=opt)
+    space = dataclasses.replace(space, link_latency=0.5, allreduce_bandwidth=1.0)
     s0, s1 = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).stages
     # one boundary each: 2 messages per micro-batch; stage 1's ring of 2 adds 2 messages
     assert (s0.comm_s, s0.allreduce_s, s0.optimizer_s) == (4 + 1, 0, 1.5 + 2)
     assert (s1.comm_s, s1.allreduce_s, s1.optimizer_s) == (2 + 1, 200 + 1, 2 + 1)
     # t = 23 and 12; step = 35 + max(23 + 3.5, 12 + 201 + 3)
     assert evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).step_s == 251
-    # micro-batch 2 adds its gradients into .grad at 0.1 s per byte: 15 s and 20 s
-    space = dataclasses.replace(space, accumulate_s_per_byte=0.1)
+    # micro-batch 2 adds its gradients into .grad: 15 s and 20 s
+    acc = np.array([[0, 10, 15, 30], [0, 0, 5, 20], [0, 0, 0, 20]], float)
+    table = dataclasses.replace(table, accumulate_s=acc)
     ev = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2)
     assert [c.accumulate_s for c in ev.stages] == [15, 20]
     assert ev.step_s == 35 + max(23 + 15 + 3.5, 12 + 20 + 201 + 3)

@@ -12,6 +12,7 @@ import torch
 from ..plan import ValueSpec
 from .capture import CapturedGraph
 from .group import BlockGraph
+from .optcost import SizeCurve
 from .profile import Profile
 from .search import CostTable
 
@@ -65,7 +66,8 @@ def range_sums(num_blocks: int, items: Sequence[tuple[int, int, float]]) -> np.n
     return acc[:num_blocks, :]
 
 
-def _shared_once(uses: dict[int, list[int]], nbytes: dict[int, int]) -> list[tuple[int, int, float]]:
+def _shared_once(uses: dict[int, list[int]], nbytes: dict[int, int] | dict[int, float]
+                 ) -> list[tuple[int, int, float]]:
     """Items for ``range_sums`` that count each tensor once in any range holding a user block.
 
     Uses u1 < u2 < ... inside a range are consecutive, so (#uses in range) - (#consecutive
@@ -78,6 +80,17 @@ def _shared_once(uses: dict[int, list[int]], nbytes: dict[int, int]) -> list[tup
         items.extend((u, u, w) for u in us)
         items.extend((a, b, -w) for a, b in zip(us, us[1:], strict=False))
     return items
+
+
+def _per_tensor(num_blocks: int, uses: dict[int, list[int]], grads: dict[int, int],
+                curve: SizeCurve | None) -> np.ndarray | None:
+    """Range sums of ``curve`` read at each gradient's size, each tensor once."""
+    if curve is None:
+        return None
+    keys = list(grads)
+    seconds = curve(np.array([grads[k] for k in keys], float)) if keys else np.zeros(0)
+    weights = {k: float(s) for k, s in zip(keys, seconds, strict=True)}
+    return range_sums(num_blocks, _shared_once({k: uses[k] for k in keys}, weights))
 
 
 def _tensor(gm: torch.nn.Module, name: str) -> torch.Tensor:
@@ -95,12 +108,15 @@ def build_cost_table(
     values: dict[str, ValueSpec],
     *,
     sizes: Sequence[int],
+    optimizer: SizeCurve | None = None,
+    accumulate: SizeCurve | None = None,
 ) -> CostTable:
     """Per-block forward/backward time, saved and workspace bytes and cut bytes at each size.
 
     Parameter and gradient bytes are given for every block range, each tensor counted once
     however many blocks (or names, for tied weights) read it; gradients only for parameters
-    that require them.
+    that require them. ``optimizer`` and ``accumulate`` price each such parameter tensor by
+    its size for the ranges' optimizer step and gradient accumulation.
     """
     t0 = time.perf_counter()
     nb = len(blocks.blocks)
@@ -143,7 +159,8 @@ def build_cost_table(
         cut=cut,
         param_bytes=range_sums(nb, _shared_once(uses, nbytes)),
         grad_bytes=range_sums(nb, _shared_once({p: uses[p] for p in grads}, grads)),
-        grad_tensors=range_sums(nb, _shared_once({p: uses[p] for p in grads}, dict.fromkeys(grads, 1))),
+        optimizer_s=_per_tensor(nb, uses, grads, optimizer),
+        accumulate_s=_per_tensor(nb, uses, grads, accumulate),
     )
     log.info("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
              time.perf_counter() - t0)

@@ -1,22 +1,20 @@
 """Parameter costs the per-node profile does not see: gradient accumulation and the optimizer.
 
-The profile times each node's backward with ``torch.autograd.grad``, which returns fresh
-gradients. In a step, every micro-batch after the first adds its gradients into ``.grad``
-(``AccumulateGrad``: read two tensors, write one), ``m - 1`` times per step per stage:
-``accumulate_rate`` prices that per gradient byte (measured with ``add_`` on the device, else
-from memory bandwidth). For a large-vocabulary head or embedding it is tens of ms per
-micro-batch on a CPU, which is what makes more micro-batches cost more there.
+Both are per parameter tensor and depend on its size the way memory-bound loops do: a fixed
+cost per tensor (a kernel launch, a Python loop iteration on CPU), then a cost per byte that
+grows once the tensors no longer fit the caches (Adam on this project's CPU: 1.5 ns per byte
+at 4 MiB, 2.0 at 16 MiB). So each is a ``SizeCurve``, seconds for one tensor of n bytes,
+measured at a few sizes and read per tensor by ``costs`` into per-block-range sums.
 
-How long the optimizer step takes: a time per gradient byte and one per parameter tensor.
-Every replica of a stage steps all of the stage's parameters after the gradient all-reduce,
-so the step is part of a stage's per-step time (``search`` adds it next to the all-reduce).
-An optimizer step is memory-bound: its time grows with the bytes it streams, plus a fixed
-cost per tensor (a kernel launch, or a Python loop iteration on CPU).
-
-With the user's optimizer and a real device, ``measure`` times that optimizer's class with its
-own hyper-parameters on scratch tensors: one large tensor for the per-byte rate, many small
-ones for the per-tensor rate. Otherwise ``analytic`` estimates the per-byte rate from the
-device's memory bandwidth and ``optimizer_state_factor``.
+* Accumulation. The profile times each node's backward with ``torch.autograd.grad``, which
+  returns fresh gradients; in a step every micro-batch after the first adds into ``.grad``
+  (``AccumulateGrad``: an in-place add), ``m - 1`` times per step. For a large-vocabulary
+  head or embedding that is tens of ms per micro-batch on a CPU.
+* The optimizer step. Every replica of a stage steps the stage's parameters after the
+  gradient all-reduce. With the user's optimizer and a real device, ``optimizer_curve`` times
+  that optimizer's class with its own settings on scratch tensors; otherwise it estimates
+  ``3 + 2 f`` bytes moved per parameter byte (f = ``optimizer_state_factor``) at the device's
+  memory bandwidth.
 """
 
 from __future__ import annotations
@@ -25,108 +23,133 @@ import inspect
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..device import DeviceSpec
 
-__all__ = ["OptimizerRate", "accumulate_rate", "analytic", "measure", "optimizer_rate"]
+__all__ = ["SizeCurve", "accumulate_curve", "analytic_curve", "measure", "optimizer_curve"]
 
 log = logging.getLogger("rannc_fx")
 
-_BIG = 1 << 22  # elements of the tensor that gives the per-byte rate (16 MiB in fp32: beyond
-# the caches, where large parameters stream from memory; at 4 MiB Adam ran 25 % faster on CPU)
-_SMALL, _SMALL_NUMEL = 32, 64  # tensors (and their size) that give the per-tensor rate
-_ACCUMULATED = 1 << 22  # elements of the tensors ``accumulate_rate`` adds (16 MiB in fp32)
+# Sizes (elements) timed: many small tensors give the fixed cost per tensor; 1 MiB and 16 MiB
+# in fp32 give the per-byte cost inside and beyond the caches.
+_SMALL, _SMALL_NUMEL = 32, 64
+_SIZES = (1 << 18, 1 << 22)
 
 
 @dataclass(frozen=True)
-class OptimizerRate:
-    s_per_byte: float  # per byte of the parameters stepped (gradient bytes)
-    s_per_tensor: float
-    source: str  # for the log: how the rates were found
+class SizeCurve:
+    """Seconds to process one tensor of ``n`` bytes: linear between the measured sizes,
+    the smallest one's time below them, the last segment's slope beyond them."""
+
+    nbytes: tuple[float, ...]
+    seconds: tuple[float, ...]
+    source: str  # for the log: how the figures were found
+
+    def __call__(self, n: float | np.ndarray) -> np.ndarray:
+        x, y = np.asarray(self.nbytes, float), np.asarray(self.seconds, float)
+        n = np.asarray(n, float)
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else y[-1] / x[-1]
+        return np.where(n > x[-1], y[-1] + (n - x[-1]) * slope, np.interp(n, x, y))
+
+    def describe(self) -> str:
+        pairs = zip(self.nbytes, self.seconds, strict=True)
+        cells = ", ".join(f"{_size(b)} {1e6 * s:.3g} us" for b, s in pairs)
+        return f"{cells} ({self.source})"
 
 
-def analytic(spec: DeviceSpec, optimizer_state_factor: float) -> OptimizerRate:
-    """Read parameter, gradient and state, write parameter and state: ``3 + 2 f`` bytes moved
-    per parameter byte, at the device's effective memory bandwidth."""
-    per_byte = (3 + 2 * optimizer_state_factor) / (spec.memory_bandwidth * spec.efficiency)
-    return OptimizerRate(per_byte, 0.0, f"analytic ({spec.name} memory bandwidth)")
+def analytic_curve(bytes_per_byte: float, spec: DeviceSpec, what: str) -> SizeCurve:
+    """Streaming ``bytes_per_byte`` bytes per tensor byte at the effective memory bandwidth."""
+    per_byte = bytes_per_byte / (spec.memory_bandwidth * spec.efficiency)
+    return SizeCurve((0.0, float(1 << 30)), (0.0, per_byte * (1 << 30)),
+                     f"{what}: analytic, {spec.name} memory bandwidth")
+
+
+def _curve(
+    run: Callable[[list[int]], float], elem: int, what: str
+) -> SizeCurve:
+    """Time ``run(shapes)`` (seconds for those tensors) at each size; one curve."""
+    xs, ys = [float(_SMALL_NUMEL * elem)], [run([_SMALL_NUMEL] * _SMALL) / _SMALL]
+    for n in _SIZES:
+        xs.append(float(n * elem))
+        ys.append(max(run([n]), ys[-1]))  # never cheaper than a smaller tensor
+    return SizeCurve(tuple(xs), tuple(ys), what)
 
 
 def measure(
     optimizer: torch.optim.Optimizer, device: torch.device, *, repeats: int = 3
-) -> OptimizerRate | None:
-    """Time ``type(optimizer)`` with ``optimizer.defaults`` on scratch tensors on ``device``;
+) -> SizeCurve | None:
+    """Time ``type(optimizer)`` with the user's settings on scratch tensors on ``device``;
     None when it cannot be rebuilt that way (a wrapper, a closure-only optimizer)."""
-    dtype = next(
-        (p.dtype for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()),
-        torch.float32,
-    )
+    dtype = _dtype_of(optimizer)
 
-    def timed(shapes: list[int]) -> float:
+    def run(shapes: list[int]) -> float:
         ps = [torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype)) for n in shapes]
         for p in ps:
             p.grad = torch.randn_like(p)
         opt = type(optimizer)(ps, **_constructor_kwargs(optimizer))
         opt.step()  # the first step allocates the state
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            opt.step()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return _median_s(opt.step, device, repeats)
 
+    name = type(optimizer).__name__
     try:
         with torch.no_grad():
-            many = timed([_SMALL_NUMEL] * _SMALL)
-            one = timed([_BIG])
+            return _curve(run, _elem(dtype), f"measured {name} on {device}")
     except Exception as e:  # any optimizer that cannot be rebuilt from its defaults
-        log.info("optimizer %s not measured (%s); its step is estimated", type(optimizer).__name__, e)
+        log.info("optimizer %s not measured (%s); its step is estimated", name, e)
         return None
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_tensor = many / _SMALL
-    per_byte = max(one - per_tensor, 0.0) / (_BIG * elem)
-    return OptimizerRate(per_byte, per_tensor, f"measured {type(optimizer).__name__} on {device}")
 
 
-def optimizer_rate(
+def optimizer_curve(
     optimizer: torch.optim.Optimizer | None,
     device: torch.device | None,
     spec: DeviceSpec,
     optimizer_state_factor: float,
-) -> OptimizerRate:
+) -> SizeCurve:
     """Measured when there is an optimizer and a device to measure on, else analytic."""
-    rate = measure(optimizer, device) if optimizer is not None and device is not None else None
-    rate = rate or analytic(spec, optimizer_state_factor)
-    log.info("optimizer step: %.3g ns per byte, %.3g us per tensor (%s)",
-             rate.s_per_byte * 1e9, rate.s_per_tensor * 1e6, rate.source)
-    return rate
+    curve = measure(optimizer, device) if optimizer is not None and device is not None else None
+    curve = curve or analytic_curve(3 + 2 * optimizer_state_factor, spec, "optimizer step")
+    log.info("optimizer step per tensor: %s", curve.describe())
+    return curve
 
 
-def accumulate_rate(
+def accumulate_curve(
     device: torch.device | None, spec: DeviceSpec, dtype: torch.dtype = torch.float32,
     *, repeats: int = 3,
-) -> float:
-    """Seconds per gradient byte to add one micro-batch's gradient into ``.grad``."""
+) -> SizeCurve:
+    """Adding one micro-batch's gradient into ``.grad`` (read two tensors, write one)."""
     if device is None:
-        return 3 / (spec.memory_bandwidth * spec.efficiency)
-    grad = torch.zeros(_ACCUMULATED, dtype=dtype, device=device)
-    new = torch.ones_like(grad)
+        return analytic_curve(3, spec, "gradient accumulation")
+
+    def run(shapes: list[int]) -> float:
+        grads = [torch.zeros(n, dtype=dtype, device=device) for n in shapes]
+        new = [torch.ones_like(g) for g in grads]
+
+        def add() -> None:
+            for g, x in zip(grads, new, strict=True):
+                g.add_(x)
+
+        return _median_s(add, device, repeats)
+
+    curve = _curve(run, _elem(dtype), f"measured add_ on {device}")
+    log.info("gradient accumulation per tensor: %s", curve.describe())
+    return curve
+
+
+def _median_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 1):  # one warm-up
         _sync(device)
         t0 = time.perf_counter()
-        grad.add_(new)
+        fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    per_byte = statistics.median(times[1:]) / (grad.numel() * grad.element_size())
-    log.info("gradient accumulation: %.3g ns per byte (measured on %s)", per_byte * 1e9, device)
-    return per_byte
+    return statistics.median(times[1:])
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -136,6 +159,24 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(optimizer.defaults)
     return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
+def _dtype_of(optimizer: torch.optim.Optimizer) -> torch.dtype:
+    return next(
+        (p.dtype for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()),
+        torch.float32,
+    )
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _size(nbytes: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.0f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _sync(device: torch.device) -> None:

@@ -10,8 +10,8 @@ per micro-batch, and ``k`` is the index of q in ``table.sizes``.
                + 2 * (cut[k, i] + cut[k, j]) / link_bw + 2 * link_lat * ([i > 0] + [j < B])
     ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
                          (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
-    acc_s    = acc_per_byte * grad_bytes[i, j]          (micro-batch 2.. adds into .grad)
-    opt_s    = opt_per_byte * grad_bytes[i, j] + opt_per_tensor * grad_tensors[i, j]
+    acc_s    = accumulate_s[i, j]             (micro-batch 2.. adds its gradients into .grad)
+    opt_s    = optimizer_s[i, j]              (the optimizer step of the range's parameters)
     step     = sum_s t_s  +  max_s ((m - 1) * (t_s + acc_s) + ar_s + opt_s)
     memory_s = param_bytes[i, j] + grad_bytes[i, j] * (1 + optimizer_state_factor)
                + m * sum(act[k, i:j]) + m * (cut[k, i] + cut[k, j]) + max(workspace[k, i:j])
@@ -86,8 +86,9 @@ class CostTable:
 
     Shapes: sizes (Q,); fwd, bwd, act, workspace (Q, B); cut (Q, B + 1) with cut[:, 0] and
     cut[:, B] zero; param_bytes and grad_bytes (B, B + 1), entry [i, j] for the block range
-    [i, j) with shared parameters counted once (only i < j is read); grad_tensors (B, B + 1)
-    likewise counts the tensors that get a gradient (None: no per-tensor optimizer cost).
+    [i, j) with shared parameters counted once (only i < j is read); optimizer_s and
+    accumulate_s (B, B + 1) likewise give the seconds of the range's optimizer step and of
+    adding one micro-batch's gradients into ``.grad`` (None: free).
     """
 
     sizes: np.ndarray
@@ -98,7 +99,8 @@ class CostTable:
     cut: np.ndarray
     param_bytes: np.ndarray
     grad_bytes: np.ndarray
-    grad_tensors: np.ndarray | None = None
+    optimizer_s: np.ndarray | None = None
+    accumulate_s: np.ndarray | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -114,9 +116,6 @@ class SearchSpace:
     optimizer_state_factor: float = 2.0
     link_latency: float = 0.0  # seconds per message
     allreduce_bandwidth: float | None = None  # None: link_bandwidth
-    optimizer_s_per_byte: float = 0.0  # optimizer step time per gradient byte
-    optimizer_s_per_tensor: float = 0.0  # and per parameter tensor
-    accumulate_s_per_byte: float = 0.0  # adding a micro-batch's gradient into .grad
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)  # candidates; forced = one candidate
     stages: int | None = None  # forced stage count
     replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
@@ -232,11 +231,9 @@ def _allreduce_s(table: CostTable, space: SearchSpace, i: np.ndarray, j: np.ndar
     return 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
 
 
-def _optimizer_s(table: CostTable, space: SearchSpace, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-    opt = space.optimizer_s_per_byte * np.asarray(table.grad_bytes, float)[i, j]
-    if table.grad_tensors is not None and space.optimizer_s_per_tensor:
-        opt = opt + space.optimizer_s_per_tensor * np.asarray(table.grad_tensors, float)[i, j]
-    return opt
+def _range(arr: np.ndarray | None, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """``arr[i, j]`` for an optional per-range array (None: zeros)."""
+    return np.zeros(len(i)) if arr is None else np.asarray(arr, float)[i, j]
 
 
 def _stage_cost(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
@@ -259,8 +256,8 @@ def _stage_cost(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: 
         bwd_s=float(table.bwd[k, i:j].sum()),
         comm_s=2 * cut / bw + float(_latency_s(space, table.num_blocks, ii, jj)[0]),
         allreduce_s=float(_allreduce_s(table, space, ii, jj, np.array([r]))[0, 0]),
-        optimizer_s=float(_optimizer_s(table, space, ii, jj)[0]),
-        accumulate_s=space.accumulate_s_per_byte * grad,
+        optimizer_s=float(_range(table.optimizer_s, ii, jj)[0]),
+        accumulate_s=float(_range(table.accumulate_s, ii, jj)[0]),
         params=round(param), grads=round(grad),
         optimizer_state=round(grad * space.optimizer_state_factor),
         activations=round(m * float(table.act[k, i:j].sum())), comm_buffers=round(m * cut),
@@ -461,9 +458,9 @@ def _edges(table: CostTable, space: SearchSpace, states: _States, kidx: dict[int
             T[:, c], M[:, c] = _interval_costs(table, space, k, m, iu, ju, ws)
         else:
             T[:, c], M[:, c] = T[:, done[k]], M[:, done[k]]
-    acc = space.accumulate_s_per_byte * np.asarray(table.grad_bytes, float)[iu, ju]
+    acc = _range(table.accumulate_s, iu, ju)
     U = (m - 1) * (T + acc[:, None]) + (_allreduce_s(table, space, iu, ju, reps)
-                                        + _optimizer_s(table, space, iu, ju)[:, None])
+                                        + _range(table.optimizer_s, iu, ju)[:, None])
     if fits_only:
         keep = np.flatnonzero(M.ravel() <= space.memory_budget)
     else:
