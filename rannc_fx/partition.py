@@ -17,7 +17,7 @@ from .device import DeviceSpec
 from .passes.capture import CapturedGraph, capture_pass
 from .passes.costs import build_cost_table
 from .passes.group import BlockGraph, group_pass
-from .passes.optcost import accumulate_curve, optimizer_curve
+from .passes.optcost import ParameterCosts, parameter_costs
 from .passes.profile import Profile, profile_pass
 from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
 from .passes.shapes import infer_values_pass
@@ -113,8 +113,13 @@ def analyze(
     config: Config | None = None,
     global_batch: int | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    param_costs: ParameterCosts | None = None,
 ) -> Analysis:
-    """Run capture, shapes, profile, group and costs: the inputs of the search."""
+    """Run capture, shapes, profile, group and costs: the inputs of the search.
+
+    ``param_costs`` (optimizer step and gradient accumulation per tensor) are measured here
+    unless given (``compile()`` measures them on every rank at once).
+    """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one device")
     cfg = Config.from_env(config)
@@ -153,11 +158,12 @@ def analyze(
         log.info("captured graph:\n%s", captured.gm.print_readable(print_output=False))
         for b, nodes in enumerate(blocks.blocks):
             log.info("block %d: %s", b, " ".join(nodes))
-    measure_on = run_device if cost_model == "measured" else None
+    if param_costs is None:
+        measure_on = run_device if cost_model == "measured" else None
+        param_costs = parameter_costs(optimizer, measure_on, spec, cfg.optimizer_state_factor)
     table = build_cost_table(
         captured, blocks, profile, values, sizes=sizes,
-        optimizer=optimizer_curve(optimizer, measure_on, spec, cfg.optimizer_state_factor),
-        accumulate=accumulate_curve(measure_on, spec),
+        optimizer=param_costs.optimizer, accumulate=param_costs.accumulate,
     )
     return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0)
 

@@ -32,7 +32,15 @@ import torch
 
 from ..device import DeviceSpec
 
-__all__ = ["SizeCurve", "accumulate_curve", "analytic_curve", "measure", "optimizer_curve"]
+__all__ = [
+    "ParameterCosts",
+    "SizeCurve",
+    "accumulate_curve",
+    "analytic_curve",
+    "measure",
+    "optimizer_curve",
+    "parameter_costs",
+]
 
 log = logging.getLogger("rannc_fx")
 
@@ -63,6 +71,31 @@ class SizeCurve:
         pairs = zip(self.nbytes, self.seconds, strict=True)
         cells = ", ".join(f"{_size(b)} {1e6 * s:.3g} us" for b, s in pairs)
         return f"{cells} ({self.source})"
+
+
+@dataclass(frozen=True)
+class ParameterCosts:
+    """Both curves: what ``costs.build_cost_table`` reads per parameter tensor."""
+
+    optimizer: SizeCurve
+    accumulate: SizeCurve
+
+
+def parameter_costs(
+    optimizer: torch.optim.Optimizer | None,
+    device: torch.device | None,
+    spec: DeviceSpec,
+    optimizer_state_factor: float,
+) -> ParameterCosts:
+    """The optimizer and accumulation curves, measured on ``device`` (None: analytic).
+
+    Under ``compile()`` every rank measures at once, so that ranks sharing a host's memory
+    bandwidth (CPU processes) are timed as they will run: side by side.
+    """
+    return ParameterCosts(
+        optimizer_curve(optimizer, device, spec, optimizer_state_factor),
+        accumulate_curve(device, spec),
+    )
 
 
 def analytic_curve(bytes_per_byte: float, spec: DeviceSpec, what: str) -> SizeCurve:

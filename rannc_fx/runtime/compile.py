@@ -5,7 +5,8 @@
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 The first call measures the link between ranks (unless ``Config.link_bandwidth`` and
-``link_latency`` are given) and captures the model on every rank; rank 0 alone profiles
+``link_latency`` are given) and, on every rank at once, the optimizer step and gradient
+accumulation per tensor size, then captures the model on every rank; rank 0 alone profiles
 (timing the user's optimizer too) and searches (the others wait) and broadcasts the plan as
 JSON. Each rank then splits the graph, keeps its own
 stage, frees every other parameter and buffer of the model, and prunes the optimizer to the
@@ -25,8 +26,10 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ..config import Config
+from ..device import DeviceSpec
 from ..partition import analyze, build_plan
 from ..passes.capture import CapturedGraph, batch_size_of, capture_pass
+from ..passes.optcost import ParameterCosts, parameter_costs
 from ..passes.search import search_pass
 from ..passes.shapes import infer_values_pass
 from ..passes.split import split_pass
@@ -74,6 +77,7 @@ class CompiledModel(nn.Module):
         self._given = plan
         self._captured: CapturedGraph | None = None
         self._executor: StageExecutor | None = None
+        self._param_costs: ParameterCosts | None = None  # measured by every rank at once
 
     # -- what runs where ----------------------------------------------------------------------
     @property
@@ -129,6 +133,13 @@ class CompiledModel(nn.Module):
                 }
                 given = {k: v for k, v in cfg.model_dump().items() if k in measured and v is not None}
                 cfg = self.config = cfg.model_copy(update={**measured, **given})
+        if self._given is None and world > 1 and cfg.cost_model != "analytic":
+            # every rank at once: ranks that share a host's memory bandwidth step side by side
+            dist.barrier()
+            self._param_costs = parameter_costs(
+                self._optimizer, self.device, DeviceSpec.of(self.device),
+                cfg.optimizer_state_factor,
+            )  # fmt: skip
         with _untouched(model):
             if planned:
                 try:
@@ -166,7 +177,7 @@ class CompiledModel(nn.Module):
         local = batch_size_of(list(_leaves(args, kwargs)), cfg.batch_dim)
         a = analyze(
             self.model, args, kwargs, world_size=world, config=cfg, global_batch=local * world,
-            optimizer=self._optimizer,
+            optimizer=self._optimizer, param_costs=self._param_costs,
         )
         t0 = time.perf_counter()
         result = search_pass(a.table, a.space)

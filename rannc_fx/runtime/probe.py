@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import CommError
+from .comm import CommError, all_reduce_flat
 
 __all__ = ["Link", "measure_link"]
 
@@ -63,8 +63,8 @@ def measure_link(
         except RuntimeError as e:
             raise CommError(f"rank {rank}: measuring the link to rank {peer} failed: {e}") from e
         found.append(Link(_LARGE / max(one_way - lat, 1e-9), lat, 0.0))
-    buf = torch.zeros(_REDUCED // 4, dtype=torch.float32, device=device)
-    reduced = _all_reduce_s(buf, rounds=3)
+    grads = [torch.zeros(_REDUCED // 16, dtype=torch.float32, device=device) for _ in range(4)]
+    reduced = _all_reduce_s(grads, rounds=3)
     if not found:
         return None
     lat = max(x.latency for x in found)
@@ -76,18 +76,17 @@ def measure_link(
     return link
 
 
-def _all_reduce_s(buf: torch.Tensor, rounds: int) -> float:
-    """Median seconds of a SUM all-reduce of ``buf`` over every rank (one warm-up)."""
+def _all_reduce_s(grads: list[torch.Tensor], rounds: int) -> float:
+    """Median seconds of the runtime's gradient all-reduce of ``grads`` (``all_reduce_flat``:
+    one flat buffer, then views) over every rank, after one warm-up."""
     times = []
-    try:
-        for _ in range(rounds + 1):
-            _sync(buf.device)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            _sync(buf.device)
-            times.append(time.perf_counter() - t0)
-    except RuntimeError as e:
-        raise CommError(f"rank {dist.get_rank()}: timing an all-reduce failed: {e}") from e
+    device = grads[0].device
+    for _ in range(rounds + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        all_reduce_flat(grads, None, what="the link probe's all-reduce")
+        _sync(device)
+        times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
 
