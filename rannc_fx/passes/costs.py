@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -82,23 +83,14 @@ def _shared_once(uses: dict[int, list[int]], nbytes: dict[int, int] | dict[int, 
     return items
 
 
-def _per_tensor(num_blocks: int, uses: dict[int, list[int]], grads: dict[int, int],
+def _per_tensor(num_blocks: int, grad_uses: dict[int, list[int]], grads: dict[int, int],
                 curve: SizeCurve | None) -> np.ndarray | None:
     """Range sums of ``curve`` read at each gradient's size, each tensor once."""
     if curve is None:
         return None
-    keys = list(grads)
-    seconds = curve(np.array([grads[k] for k in keys], float)) if keys else np.zeros(0)
-    weights = {k: float(s) for k, s in zip(keys, seconds, strict=True)}
-    return range_sums(num_blocks, _shared_once({k: uses[k] for k in keys}, weights))
-
-
-def _tensor(gm: torch.nn.Module, name: str) -> torch.Tensor:
-    obj: object = gm
-    for atom in name.split("."):
-        obj = getattr(obj, atom)
-    assert isinstance(obj, torch.Tensor), f"{name} is not a tensor"
-    return obj
+    seconds = curve(np.array(list(grads.values()), float))
+    weights = {k: float(s) for k, s in zip(grads, seconds, strict=True)}
+    return range_sums(num_blocks, _shared_once(grad_uses, weights))
 
 
 def build_cost_table(
@@ -144,12 +136,14 @@ def build_cost_table(
     tensors: dict[int, torch.Tensor] = {}
     for b, ps in enumerate(blocks.params):
         for p in ps:
-            t = _tensor(captured.gm, p)
+            t = attrgetter(p)(captured.gm)
+            assert isinstance(t, torch.Tensor), f"{p} is not a tensor"
             tensors[id(t)] = t
             uses.setdefault(id(t), []).append(b)
     nbytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     grads = {k: nbytes[k] for k, t in tensors.items()
              if isinstance(t, torch.nn.Parameter) and t.requires_grad}
+    grad_uses = {k: uses[k] for k in grads}
     table = CostTable(
         sizes=np.asarray(sizes, dtype=np.int64),
         fwd=per_block["fwd_s"],
@@ -158,9 +152,9 @@ def build_cost_table(
         workspace=per_block["workspace_bytes"],
         cut=cut,
         param_bytes=range_sums(nb, _shared_once(uses, nbytes)),
-        grad_bytes=range_sums(nb, _shared_once({p: uses[p] for p in grads}, grads)),
-        optimizer_s=_per_tensor(nb, uses, grads, optimizer),
-        accumulate_s=_per_tensor(nb, uses, grads, accumulate),
+        grad_bytes=range_sums(nb, _shared_once(grad_uses, grads)),
+        optimizer_s=_per_tensor(nb, grad_uses, grads, optimizer),
+        accumulate_s=_per_tensor(nb, grad_uses, grads, accumulate),
     )
     log.info("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
              time.perf_counter() - t0)

@@ -213,7 +213,7 @@ def _alias_base(node: fx.Node) -> fx.Node:
 
 
 def _trainable(gm: fx.GraphModule, node: fx.Node) -> bool:
-    t = _attr(gm, str(node.target))
+    t = operator.attrgetter(str(node.target))(gm)
     return isinstance(t, torch.nn.Parameter) and t.requires_grad
 
 
@@ -520,7 +520,7 @@ def block_params(captured: CapturedGraph, blocks: Sequence[Sequence[str]],
             for a in node.all_input_nodes:
                 if a.op == "get_attr":
                     target = str(a.target)
-                    if isinstance(_attr(gm, target), torch.Tensor):
+                    if isinstance(operator.attrgetter(target)(gm), torch.Tensor):
                         seen.setdefault(canon.get(target, target))
             if node.op == "call_module":
                 mod = gm.get_submodule(str(node.target))
@@ -546,13 +546,6 @@ def _canonical_names(captured: CapturedGraph) -> dict[str, str]:
     for name, t in _tensors_of(captured.gm):
         out[name] = captured.aliases.get(name) or first.setdefault(id(t), name)
     return out
-
-
-def _attr(gm: torch.nn.Module, target: str) -> object:
-    obj: object = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 # -- coarsening ------------------------------------------------------------------------------

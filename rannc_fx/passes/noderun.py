@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import torch
@@ -135,7 +136,7 @@ class NodeRunner:
         """Storages of parameters, buffers and constants: state, never activations."""
         held = list(_state(self.gm).values())
         held += [a for n in self.gm.graph.nodes if n.op == "get_attr"
-                 for a in [_get_attr(self.gm, str(n.target))] if isinstance(a, torch.Tensor)]
+                 for a in [attrgetter(str(n.target))(self.gm)] if isinstance(a, torch.Tensor)]
         if self.analytic:
             held = [self.fake(t) for t in held]
         return frozenset(storage_id(t) for t in held)
@@ -172,7 +173,7 @@ class NodeRunner:
         return [leaf(t, orig) for t, orig in zip(sized, flat, strict=True)]
 
     def attr(self, target: str) -> Any:
-        obj = _get_attr(self.gm, target)
+        obj = attrgetter(target)(self.gm)
         return self.fake(obj) if self.analytic and isinstance(obj, torch.Tensor) else obj
 
     def call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall:
@@ -241,13 +242,6 @@ def _state(mod: nn.Module) -> dict[str, torch.Tensor]:
         **dict(mod.named_parameters(remove_duplicate=False)),
         **dict(mod.named_buffers(remove_duplicate=False)),
     }
-
-
-def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _method(name: str) -> Any:

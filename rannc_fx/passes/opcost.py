@@ -32,8 +32,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..device import DeviceSpec
 
 __all__ = [
-    "OpCall", "OpCost", "ZeroScalars", "count_op", "differentiable", "measure_op", "run_op",
-    "storage_id", "tensors",
+    "OpCall", "OpCost", "ZeroScalars", "count_op", "differentiable", "measure_op",
+    "median_seconds", "run_op", "storage_id", "tensors", "time_call",
 ]
 
 log = logging.getLogger("rannc_fx")
@@ -301,10 +301,14 @@ def _dtype(call: OpCall, out: Any) -> str:
 
 
 def _once(fn: Callable[[], Any], device: torch.device) -> float:
-    return _median(fn, device, repeats=1, inner=1)
+    return median_seconds(fn, device, repeats=1, inner=1)
 
 
-def _median(fn: Callable[[], Any], device: torch.device, *, repeats: int, inner: int) -> float:
+def median_seconds(
+    fn: Callable[[], Any], device: torch.device, *, repeats: int, inner: int = 1
+) -> float:
+    """Median seconds per call over ``repeats`` timings of ``inner`` calls each (CUDA events
+    on a GPU, so queued kernels are counted)."""
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -324,24 +328,24 @@ def _median(fn: Callable[[], Any], device: torch.device, *, repeats: int, inner:
     return statistics.median(samples)
 
 
-def _time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     """Median seconds per call after one warm-up call, looping calls shorter than 0.2 ms."""
     warm = _once(fn, device)
     inner = max(1, min(_MAX_INNER, math.ceil(_MIN_REPEAT_S / max(warm, 1e-7))))
-    return _median(fn, device, repeats=repeats, inner=inner)
+    return median_seconds(fn, device, repeats=repeats, inner=inner)
 
 
 def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple[Any, OpCost]:
     """Time the op's forward and backward on ``device``; return its outputs and costs."""
     first = _instrumented(call, device)
     with torch.enable_grad():
-        fwd_s = _time(call.bind()[0], device, repeats)
+        fwd_s = time_call(call.bind()[0], device, repeats)
         out = call.bind()[0]()
     bwd = _backward(call, out)
     bwd_s = 0.0
     if bwd is not None:
         try:
-            bwd_s = _time(bwd, device, repeats)
+            bwd_s = time_call(bwd, device, repeats)
         except RuntimeError as e:  # no derivative for this op: nothing runs backward
             log.debug("%s has no backward (%s); costing it 0", call.name, e)
     internal, ins, outs = first.saved

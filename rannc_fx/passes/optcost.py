@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +29,7 @@ import numpy as np
 import torch
 
 from ..device import DeviceSpec
+from .opcost import time_call
 
 __all__ = [
     "ParameterCosts",
@@ -54,8 +53,8 @@ _SIZES = (1 << 18, 1 << 22)
 
 @dataclass(frozen=True)
 class SizeCurve:
-    """Seconds to process one tensor of ``n`` bytes: linear between the measured sizes,
-    the smallest one's time below them, the last segment's slope beyond them."""
+    """Seconds to process one tensor of ``n`` bytes: linear between the measured sizes (at
+    least two), the smallest one's time below them, the last segment's slope beyond them."""
 
     nbytes: tuple[float, ...]
     seconds: tuple[float, ...]
@@ -64,7 +63,7 @@ class SizeCurve:
     def __call__(self, n: float | np.ndarray) -> np.ndarray:
         x, y = np.asarray(self.nbytes, float), np.asarray(self.seconds, float)
         n = np.asarray(n, float)
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else y[-1] / x[-1]
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
         return np.where(n > x[-1], y[-1] + (n - x[-1]) * slope, np.interp(n, x, y))
 
     def describe(self) -> str:
@@ -130,7 +129,7 @@ def measure(
             p.grad = torch.randn_like(p)
         opt = type(optimizer)(ps, **_constructor_kwargs(optimizer))
         opt.step()  # the first step allocates the state
-        return _median_s(opt.step, device, repeats)
+        return time_call(opt.step, device, repeats)
 
     name = type(optimizer).__name__
     try:
@@ -170,22 +169,11 @@ def accumulate_curve(
             for g, x in zip(grads, new, strict=True):
                 g.add_(x)
 
-        return _median_s(add, device, repeats)
+        return time_call(add, device, repeats)
 
     curve = _curve(run, _elem(dtype), f"measured add_ on {device}")
     log.info("gradient accumulation per tensor: %s", curve.describe())
     return curve
-
-
-def _median_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # one warm-up
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -214,7 +202,3 @@ def _size(nbytes: float) -> str:
             return f"{nbytes / size:.0f} {unit}"
     return f"{nbytes:.0f} B"
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

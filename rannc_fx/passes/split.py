@@ -269,13 +269,6 @@ class _StagedCopy:
 # -- per-stage modules -----------------------------------------------------------------------
 
 
-def _attr(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
 def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
                   recomputed: frozenset[str]) -> fx.GraphModule:
     """A partition as ``stage_<s>``: plan-ordered placeholders, own parameters, flat outputs."""
@@ -320,7 +313,7 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
     g.output(tuple(by_value[o] for o in spec.outputs))
     _drop_unused(g, lambda n: n.meta.get(_VALUE, "") in recomputed or _VALUE not in n.meta)
     root = {
-        str(n.target): _attr(captured.gm, str(n.target))
+        str(n.target): operator.attrgetter(str(n.target))(captured.gm)
         for n in g.nodes if n.op in ("get_attr", "call_module")
     }
     gm = fx.GraphModule(root, g, class_name=f"stage_{s}")

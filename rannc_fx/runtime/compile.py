@@ -131,8 +131,8 @@ class CompiledModel(nn.Module):
                     "link_latency": link.latency,
                     "allreduce_bandwidth": link.allreduce_bandwidth,
                 }
-                given = {k: v for k, v in cfg.model_dump().items() if k in measured and v is not None}
-                cfg = self.config = cfg.model_copy(update={**measured, **given})
+                unset = {k: v for k, v in measured.items() if getattr(cfg, k) is None}
+                cfg = self.config = cfg.model_copy(update=unset)  # what the user gave stays
         if self._given is None and world > 1 and cfg.cost_model != "analytic":
             # every rank at once: ranks that share a host's memory bandwidth step side by side
             dist.barrier()

@@ -405,8 +405,7 @@ class StageExecutor:
             self.stage.inputs, self._in_specs, self.routes.args[i], strict=True
         ):
             if spec.kind in ("int", "ints"):
-                ints = spec.ints_for(n)  # each stage recomputes sizes for its own samples
-                args.append(ints[0] if spec.kind == "int" else torch.Size(ints))
+                args.append(_ints_value(spec, n))  # each stage's sizes for its own samples
                 continue
             if name in self._graph_inputs and spec.batch_dim is None:
                 args.append(local[self._graph_inputs[name][0]])

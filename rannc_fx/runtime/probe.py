@@ -11,13 +11,13 @@ all-reduce over every rank: every rank calls it, at the same point.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..passes.opcost import median_seconds
 from .comm import CommError, all_reduce_flat
 
 __all__ = ["Link", "measure_link"]
@@ -40,8 +40,8 @@ def measure_link(
     device: torch.device, *, rounds: int = 20, large_rounds: int = 4
 ) -> Link | None:
     """Latency (median one-way time of an 8-byte message) and bandwidth (4 MiB messages, the
-    latency taken off) of the slowest probed pair, and the all-reduce bandwidth (32 MiB) over every
-    rank as ``search`` prices it (``2 (W - 1) / W`` bytes per byte reduced, ``2 (W - 1)``
+    latency taken off) of the slowest probed pair, and the all-reduce bandwidth (32 MiB) over
+    every rank as ``search`` prices it (``2 (W - 1) / W`` bytes per byte reduced, ``2 (W - 1)``
     latencies); None on one rank. Collective: every rank calls it, and gets rank 0's figures
     only where it probed a pair (rank 0 always does)."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -50,63 +50,49 @@ def measure_link(
     pairs = sorted({(0, 1), (0, world - 1)})
     small = torch.zeros(_SMALL, dtype=torch.uint8, device=device)
     large = torch.zeros(_LARGE, dtype=torch.uint8, device=device)
-    found: list[Link] = []
+    found: list[tuple[float, float]] = []  # (bandwidth, latency) of each pair probed here
     for a, b in pairs:
         if rank not in (a, b):
             continue
-        peer, first = (b, True) if rank == a else (a, False)
+        peer = b if rank == a else a
+        small_trip = _round_trip(small, peer, first=rank == a)
+        large_trip = _round_trip(large, peer, first=rank == a)
         try:
-            _ping(small, peer, first, 3)  # connect and warm up both sizes
-            _ping(large, peer, first, 1)
-            lat = _ping(small, peer, first, rounds) / 2
-            one_way = _ping(large, peer, first, large_rounds) / 2
+            for _ in range(3):  # connect, and warm up both sizes
+                small_trip()
+            large_trip()
+            lat = median_seconds(small_trip, device, repeats=rounds) / 2
+            one_way = median_seconds(large_trip, device, repeats=large_rounds) / 2
         except RuntimeError as e:
             raise CommError(f"rank {rank}: measuring the link to rank {peer} failed: {e}") from e
-        found.append(Link(_LARGE / max(one_way - lat, 1e-9), lat, 0.0))
+        found.append((_LARGE / max(one_way - lat, 1e-9), lat))
+    # the runtime's gradient all-reduce (one flat buffer, then views), after one warm-up
     grads = [torch.zeros(_REDUCED // 16, dtype=torch.float32, device=device) for _ in range(4)]
-    reduced = _all_reduce_s(grads, rounds=3)
+
+    def reduce() -> None:
+        all_reduce_flat(grads, None, what="the link probe's all-reduce")
+
+    reduce()
+    reduced = median_seconds(reduce, device, repeats=3)
     if not found:
         return None
-    lat = max(x.latency for x in found)
+    bandwidth, lat = min(bw for bw, _ in found), max(t for _, t in found)
     ring = 2 * (world - 1)
-    ar_bw = ring / world * _REDUCED / max(reduced - ring * lat, 1e-9)
-    link = Link(min(x.bandwidth for x in found), lat, ar_bw)
+    link = Link(bandwidth, lat, ring / world * _REDUCED / max(reduced - ring * lat, 1e-9))
     log.info("link: %.3g GB/s, %.0f us per message, all-reduce %.3g GB/s (rank %d, pairs %s)",
-             link.bandwidth / 1e9, link.latency * 1e6, ar_bw / 1e9, rank, pairs)
+             link.bandwidth / 1e9, link.latency * 1e6, link.allreduce_bandwidth / 1e9, rank, pairs)
     return link
 
 
-def _all_reduce_s(grads: list[torch.Tensor], rounds: int) -> float:
-    """Median seconds of the runtime's gradient all-reduce of ``grads`` (``all_reduce_flat``:
-    one flat buffer, then views) over every rank, after one warm-up."""
-    times = []
-    device = grads[0].device
-    for _ in range(rounds + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        all_reduce_flat(grads, None, what="the link probe's all-reduce")
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+def _round_trip(buf: torch.Tensor, peer: int, *, first: bool) -> Callable[[], None]:
+    """``buf`` to ``peer`` and back (``first``: this rank sends first)."""
 
-
-def _ping(buf: torch.Tensor, peer: int, first: bool, rounds: int) -> float:
-    """Median round-trip seconds of ``buf`` between this rank and ``peer``."""
-    times = []
-    for _ in range(rounds):
-        _sync(buf.device)
-        t0 = time.perf_counter()
+    def trip() -> None:
         if first:
             dist.send(buf, peer)
             dist.recv(buf, peer)
         else:
             dist.recv(buf, peer)
             dist.send(buf, peer)
-        _sync(buf.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return trip
