@@ -50,6 +50,7 @@ from runtime_common import (  # noqa: E402
 
 import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
+from rannc_fx.runtime.schedule import Kind  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,9 +120,9 @@ def measure_memory(
     held = model._executor._saved  # the step the executor keeps for backward (private)
     kept: dict[int, int] = {}
     if held is not None:
-        for args in held.inputs:
+        for args in held.args.values():
             kept.update(_storages(args))
-        for outs in held.outputs:
+        for outs in held.outs.values():
             kept.update(_storages(outs))
     cut = {k: v for k, v in kept.items() if k not in acts and k not in param_st and k not in buf_st}
     keep.clear()
@@ -167,7 +168,7 @@ def measure_stage_times(
 
     h1 = ex.module.register_forward_pre_hook(pre)
     h2 = ex.module.register_forward_hook(post)
-    inner = ex._backward_one
+    inner = ex._dispatch[Kind.B]  # each micro-batch's backward
 
     def timed(*a: Any, **k: Any) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -175,15 +176,15 @@ def measure_stage_times(
         got["bwd"].append(time.perf_counter() - t0)
         got["bwd_cpu"].append(time.thread_time() - c0)
 
-    finish = ex.grads.finish
+    finish = ex.grads.reduce
 
     def timed_finish() -> None:  # the gradient all-reduces after the backwards
         t0 = time.perf_counter()
         finish()
         got["allreduce"].append(time.perf_counter() - t0)
 
-    ex._backward_one = timed
-    ex.grads.finish = timed_finish
+    ex._dispatch[Kind.B] = timed
+    ex.grads.reduce = timed_finish  # type: ignore[method-assign]
     try:
         for _ in range(steps):
             loss = model(*step_args)
@@ -198,8 +199,8 @@ def measure_stage_times(
     finally:
         h1.remove()
         h2.remove()
-        del ex._backward_one
-        del ex.grads.finish
+        ex._dispatch[Kind.B] = inner
+        del ex.grads.reduce
     if not got["bwd"]:  # one rank, one micro-batch: plain autograd, no per-micro-batch hook
         got["bwd"], got["bwd_cpu"] = got["step_bwd"], got["step_bwd_cpu"]
     return {k: 1e3 * statistics.median(v) if v else 0.0 for k, v in got.items()}

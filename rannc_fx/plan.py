@@ -16,7 +16,14 @@ replica
     those ``r`` ranks.
 micro-batch
     One of the ``micro_batches`` equal slices of the global batch that flow through the
-    pipeline one after another (GPipe).
+    pipeline one after another.
+schedule
+    The order in which each stage runs its micro-batches' forwards and backwards: ``gpipe``
+    (every forward, then every backward: a stage holds all m micro-batches' activations) or
+    ``1f1b`` (one forward, one backward: stage s holds at most min(m, S - s)).
+recompute
+    A stage that recomputes keeps only its inputs for a micro-batch in flight and runs its
+    forward again right before that micro-batch's backward.
 sample
     One row of the batch dimension of the model's inputs. Shapes in a plan are given per
     sample, so a rank can work out any tensor's shape for the samples it holds.
@@ -51,7 +58,7 @@ __all__ = [
     "ValueSpec",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: schedule and per-stage recompute
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -187,6 +194,7 @@ class Stage(BaseModel):
     allreduce_ms: float
     optimizer_ms: float = 0.0
     accumulate_ms: float = 0.0  # adding one micro-batch's gradients into .grad
+    recompute: bool = False  # forward again before each backward (fwd_ms more per micro-batch)
     memory: MemoryEstimate
 
     @property
@@ -239,6 +247,7 @@ class Plan(BaseModel):
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1, description="samples per step over all ranks")
     micro_batches: int = Field(ge=1)
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
     device: DeviceSpec
     cost_model: Literal["measured", "analytic"]
     memory_budget: int
@@ -253,13 +262,21 @@ class Plan(BaseModel):
     search_seconds: float = 0.0
 
     # -- invariants ------------------------------------------------------------------------
+    @model_validator(mode="before")
+    @classmethod
+    def _check_version(cls, data: object) -> object:
+        # before the fields: an older plan would otherwise be misread with today's defaults
+        version = data.get("format_version", FORMAT_VERSION) if isinstance(data, dict) else None
+        if version is not None and version != FORMAT_VERSION:
+            raise ValueError(
+                f"plan format version {version} is not {FORMAT_VERSION} (version 2 added the "
+                "schedule and per-stage recomputation); make the plan again with this version "
+                "of rannc_fx"
+            )
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Plan:
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(
-                f"plan format version {self.format_version} is not {FORMAT_VERSION}; "
-                "make the plan again with this version of rannc_fx"
-            )
         if [b.index for b in self.blocks] != list(range(len(self.blocks))):
             raise ValueError("blocks must be numbered 0, 1, ... in order")
         if not self.stages:
@@ -313,6 +330,12 @@ class Plan(BaseModel):
                 return st
         raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
 
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations (or, recomputing, inputs) stage ``stage`` holds at
+        once under the plan's schedule."""
+        m = self.micro_batches
+        return m if self.schedule == "gpipe" else min(m, len(self.stages) - stage)
+
     def node_stage(self) -> dict[str, int]:
         """Node name -> stage index, for every node the blocks hold."""
         out: dict[str, int] = {}
@@ -354,10 +377,11 @@ class Plan(BaseModel):
             f"rannc_fx plan: {len(self.stages)} stage(s) on {self.world_size} rank(s), "
             f"{self.micro_batches} micro-batch(es) of {self.global_batch // self.micro_batches}"
             f"{'+' if self.global_batch % self.micro_batches else ''} samples, "
-            f"device {self.device.name} ({self.cost_model} costs)"
+            f"schedule {self.schedule}, device {self.device.name} ({self.cost_model} costs)"
         )
         cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
-                "comm ms", "accum ms", "allred ms", "optim ms", "memory", "of budget")
+                "recompute", "in flight", "comm ms", "accum ms", "allred ms", "optim ms",
+                "memory", "of budget")
         rows = []
         for st in self.stages:
             nparam = st.memory.params
@@ -370,6 +394,8 @@ class Plan(BaseModel):
                 str(st.samples),
                 f"{st.fwd_ms:.2f}",
                 f"{st.bwd_ms:.2f}",
+                "yes" if st.recompute else "no",
+                str(self.in_flight(st.index)),
                 f"{st.comm_ms:.2f}",
                 f"{st.accumulate_ms:.2f}",
                 f"{st.allreduce_ms:.2f}",

@@ -174,12 +174,15 @@ def make_plan(
     stage_io: Sequence[tuple[Sequence[str], Sequence[str]]],
     outputs: Sequence[str],
     shared: Sequence[tuple[str, Sequence[int]]] = (),
+    schedule: str = "gpipe",
+    recompute: Sequence[bool] | None = None,
 ) -> Plan:
     """A plan with one block per stage; cut values follow from ``stage_io``.
 
     ``stage_io[s]`` is (input names, output names) of stage s in placeholder / return order;
     a name one stage returns and later ones take becomes a cut value. ``outputs`` are the
-    model's flat outputs by value name; ``shared`` is (parameter name, stages) pairs.
+    model's flat outputs by value name; ``shared`` is (parameter name, stages) pairs;
+    ``recompute`` one flag per stage (default none recomputes).
     """
     producer: dict[str, int] = {}
     for s, (_, outs) in enumerate(stage_io):
@@ -211,6 +214,7 @@ def make_plan(
                 bwd_ms=2.0,
                 comm_ms=0.0,
                 allreduce_ms=0.0,
+                recompute=bool(recompute[s]) if recompute is not None else False,
                 memory=zero,
             )
         )
@@ -221,6 +225,7 @@ def make_plan(
         world_size=rank,
         global_batch=global_batch,
         micro_batches=micro_batches,
+        schedule=schedule,
         device=DeviceSpec.preset("cpu"),
         cost_model="analytic",
         memory_budget=1 << 30,

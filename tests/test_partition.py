@@ -13,6 +13,7 @@ import rannc_fx.passes.capture
 from rannc_fx import Config, DeviceSpec, Plan
 from rannc_fx.__main__ import main as cli
 from rannc_fx.models import TransformerLM, cnn_example, gpt_example, mlp_example
+from rannc_fx.plan import FORMAT_VERSION
 
 from . import hf_models
 
@@ -143,7 +144,7 @@ def test_cli_prints_the_summary_and_writes_the_plan(tmp_path, capsys, monkeypatc
     assert "rannc_fx plan:" in text and "predicted step time" in text
     plan = Plan.load(out)
     assert plan.world_size == 4 and plan.global_batch == 64
-    assert json.loads(out.read_text())["format_version"] == 1
+    assert json.loads(out.read_text())["format_version"] == FORMAT_VERSION
     assert plan.device == DeviceSpec.preset("v100-32gb")
 
 

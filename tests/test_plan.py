@@ -54,6 +54,35 @@ def test_json_round_trip_is_exact(tmp_path):
     assert Plan.load(tmp_path / "p.json") == plan
 
 
+def test_schedule_and_recomputation_round_trip_and_show():
+    stages = tuple(st.model_copy(update={"recompute": i == 0})
+                   for i, st in enumerate(make_plan().stages))
+    plan = make_plan(schedule="1f1b", stages=stages)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert [plan.in_flight(s) for s in range(2)] == [2, 1]  # min(m, S - s), m = 2
+    assert [make_plan().in_flight(s) for s in range(2)] == [2, 2]  # GPipe: m
+    text = plan.summary()
+    assert "schedule 1f1b" in text
+    head, _, *rows = text.splitlines()[1:5]
+    end = head.index("recompute") + len("recompute")  # columns are right-aligned
+    assert [row[:end].split()[-1] for row in rows] == ["yes", "no"]
+    end = head.index("in flight") + len("in flight")
+    assert [row[:end].split()[-1] for row in rows] == ["2", "1"]
+
+
+def test_a_version_1_plan_is_refused_not_misread():
+    import json
+
+    old = json.loads(make_plan().to_json())
+    old["format_version"] = 1
+    del old["schedule"]
+    for st in old["stages"]:
+        del st["recompute"]
+    with pytest.raises(ValueError, match="plan format version 1 is not 2 .*schedule.*make the "
+                                         "plan again"):
+        Plan.from_json(json.dumps(old))
+
+
 def test_lookups():
     plan = make_plan()
     assert plan.node_stage() == {"n0": 0, "n1": 0, "n2": 1}

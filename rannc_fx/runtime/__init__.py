@@ -1,28 +1,59 @@
 """The runtime: what executes a plan on every rank.
 
 schedule  which micro-batch each stage runs, forward or backward (data, no processes)
+lowering  a schedule plus recomputation, messages and once-a-step actions, per stage
+simulate  a lowered schedule checked for hangs and mismatched messages, and timed
 routing   which samples each rank holds and every piece that moves (pure arithmetic)
 comm      process groups, batched p2p, flat all-reduces, errors that name the peer
-buffers   BatchNorm-style buffers under micro-batching and replicas
-grads     gradient all-reduce: shared parameters over their holders, the rest per stage
 pieces    cutting tensors into sample pieces and reassembling them
-executor  StageExecutor: GPipe on this rank's stage, the loss bridge to autograd
+checks    plan, stage module and inputs agree
+buffers   BatchNorm-style buffers under micro-batching, replicas and recomputation
+grads     gradient all-reduce; gradients held for loss.backward()
+outputs   model outputs home, the loss to every rank
+stage     StageRunner: the operations the actions name, on this rank's stage
+bridge    the loss's autograd function: loss.backward() reaches the executor
+executor  StageExecutor: interprets the lowered schedule
+alone     the one-rank, one-micro-batch fast path (same interface)
 compile   compile(model, optimizer): plan on rank 0, broadcast, split, run the executor
 """
 
+from .alone import AloneExecutor, build_executor
 from .comm import CommError, Groups, build_groups, init_distributed
 from .compile import CompiledModel, compile
 from .executor import StageExecutor
-from .schedule import Action, gpipe_schedule
+from .lowering import Topology, format_lowered, lower, topology_of
+from .schedule import (
+    Action,
+    Kind,
+    format_schedule,
+    gpipe_schedule,
+    make_schedule,
+    one_f_one_b_schedule,
+)
+from .simulate import ScheduleError, Simulation, plan_durations, simulate
 
 __all__ = [
     "Action",
+    "AloneExecutor",
     "CommError",
     "CompiledModel",
     "Groups",
+    "Kind",
+    "ScheduleError",
+    "Simulation",
     "StageExecutor",
+    "Topology",
+    "build_executor",
     "build_groups",
     "compile",
+    "format_lowered",
+    "format_schedule",
     "gpipe_schedule",
     "init_distributed",
+    "lower",
+    "make_schedule",
+    "one_f_one_b_schedule",
+    "plan_durations",
+    "simulate",
+    "topology_of",
 ]

@@ -19,6 +19,11 @@ misses the spread between slices' means (close, not equal). The normalization it
 each micro-batch slice's statistics (like DDP without SyncBatchNorm), so the forward matches
 single-device only for a stage with one replica and one micro-batch.
 
+A stage that recomputes its forward before each backward must not update them again: every
+forward of a step saw the step's initial buffers, so ``recompute_scope`` puts those back for the
+recomputation and the step's buffers afterwards (``torch.utils.checkpoint`` alone would update
+BatchNorm's running statistics twice and count ``num_batches_tracked`` twice).
+
 A buffer counts as updated when its value or version counter changes in the first
 micro-batch (BatchNorm's kernel writes running statistics without bumping the version); the
 set is found once per train/eval state of the module and cached.
@@ -26,7 +31,8 @@ set is found once per train/eval state of the module and cached.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,31 +53,37 @@ class BufferSync:
         micro_batches: int,
         group: dist.ProcessGroup | None,
         ranks: Sequence[int],
+        recompute: bool = False,
     ):
         self.module = module
+        self.recompute = recompute
         self.micro_batches = micro_batches
         self.group = group
         self.ranks = tuple(ranks)
         self._buffers = dict(module.named_buffers())
         self._updated: dict[tuple[bool, ...], tuple[str, ...]] = {}
-        self._active = bool(self._buffers) and (micro_batches > 1 or len(self.ranks) > 1)
+        self._active = bool(self._buffers) and (
+            micro_batches > 1 or len(self.ranks) > 1 or recompute
+        )
         self._key: tuple[bool, ...] = ()
         self._versions: dict[str, int] = {}
         self._start: dict[str, torch.Tensor] = {}  # the step's initial values
         self._first: dict[str, torch.Tensor] = {}  # the values after micro-batch 0
         self._acc: dict[str, torch.Tensor] = {}  # share-weighted sums
         self._names: tuple[str, ...] = ()  # the buffers this step updates
+        self._seen: dict[str, torch.Tensor] = {}  # what every forward of the step saw
 
     def begin(self) -> None:
         """Call before the first micro-batch of a step."""
         self._reset()
+        self._seen = {}
         if not self._active:
             return
         self._key = tuple(m.training for m in self.module.modules())
         known = self._updated.get(self._key)
         candidates = tuple(self._buffers) if known is None else known
         self._versions = {n: self._buffers[n]._version for n in candidates}
-        if self.micro_batches > 1 or known is None:
+        if self.micro_batches > 1 or known is None or self.recompute:
             self._start = {n: self._buffers[n].detach().clone() for n in candidates}
 
     def before_microbatch(self, i: int) -> None:
@@ -94,6 +106,8 @@ class BufferSync:
                     or not torch.equal(self._buffers[n], self._start[n])
                 )
             self._first = {n: self._buffers[n].detach().clone() for n in self._names}
+            if self.recompute:
+                self._seen = {n: self._start[n] for n in self._names}
         for n in self._names:
             b = self._buffers[n].detach()
             if b.is_floating_point():
@@ -113,6 +127,18 @@ class BufferSync:
             if n not in self._acc:
                 _write(self._buffers[n], self._first[n])
         self._reset()
+
+    @contextlib.contextmanager
+    def recompute_scope(self) -> Iterator[None]:
+        """Run a recomputation on the buffers the step's forwards saw; keep the step's."""
+        now = {n: self._buffers[n].detach().clone() for n in self._seen}
+        for n, v in self._seen.items():
+            _write(self._buffers[n], v)
+        try:
+            yield
+        finally:
+            for n, v in now.items():
+                _write(self._buffers[n], v)
 
     def _reset(self) -> None:
         self._key, self._versions, self._start, self._first = (), {}, {}, {}

@@ -34,6 +34,7 @@ from ..passes.search import search_pass
 from ..passes.shapes import infer_values_pass
 from ..passes.split import split_pass
 from ..plan import Plan, ValueSpec
+from .alone import AloneExecutor, build_executor
 from .comm import CommError, init_distributed
 from .executor import StageExecutor
 from .probe import measure_link
@@ -76,7 +77,7 @@ class CompiledModel(nn.Module):
         self._optimizer = optimizer
         self._given = plan
         self._captured: CapturedGraph | None = None
-        self._executor: StageExecutor | None = None
+        self._executor: StageExecutor | AloneExecutor | None = None
         self._param_costs: ParameterCosts | None = None  # measured by every rank at once
 
     # -- what runs where ----------------------------------------------------------------------
@@ -111,7 +112,7 @@ class CompiledModel(nn.Module):
         flat = self._captured.flatten_inputs(args, kwargs)
         return self._captured.unflatten_outputs(self._executor.forward(flat))
 
-    def _ready(self) -> StageExecutor:
+    def _ready(self) -> StageExecutor | AloneExecutor:
         if self._executor is None:
             raise RuntimeError("the model is planned on its first call; call it once first")
         return self._executor
@@ -166,7 +167,7 @@ class CompiledModel(nn.Module):
             _prune_optimizer(self._optimizer, stage)
         self._captured, self.stage = captured, stage
         self.model = None  # drops the full model; `stage` holds the parameters that remain
-        self._executor = StageExecutor(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
+        self._executor = build_executor(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
 
     def _plan_here(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int

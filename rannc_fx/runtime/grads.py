@@ -1,5 +1,5 @@
 """Gradient all-reduce after a step's backwards: shared parameters over all their holders,
-the rest among the stage's replicas.
+the rest among the stage's replicas; and where a step's gradients wait for ``loss.backward()``.
 
 Each replica's gradient is the sum over its micro-batches of share-weighted slice gradients,
 so the SUM over replicas is the global-batch gradient. A parameter that several stages use
@@ -7,6 +7,12 @@ so the SUM over replicas is the global-batch gradient. A parameter that several 
 SUM over all of them gives every holder the same full gradient, hence the same value after
 the same optimizer step. Such a parameter is left out of its replica group's all-reduce, which
 would count it twice.
+
+A schedule that runs the backwards inside the call (1F1B) computes the gradient of the loss
+itself; ``hold`` keeps it aside, and ``loss.backward()`` applies it scaled by the gradient that
+reaches the loss (the chain rule: d f(loss)/dθ = f'(loss) · dloss/dθ). A call whose loss never
+gets a backward leaves ``.grad`` as it was. Between the call and ``loss.backward()`` the held
+gradients and any gradients of earlier calls (accumulation) exist side by side.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class GradSync:
             taken.update(found)
         self.own = [p for i, p in unique.items() if i not in taken]
         self._stash: dict[int, torch.Tensor] = {}
+        self._held: dict[int, torch.Tensor] = {}
 
     def _reduced(self) -> list[nn.Parameter]:
         ps = [p for j, group in self.shared if self.groups.shared[j] is not None for p in group]
@@ -50,18 +57,25 @@ class GradSync:
             ps.extend(self.own)
         return ps
 
-    def begin(self) -> None:
-        """Before the backwards: set aside gradients from earlier calls (accumulation), so
-        only this step's are summed over ranks."""
+    def begin(self, *, every: bool = False) -> None:
+        """Before a step's backwards: set aside gradients from earlier calls (accumulation),
+        so only this step's are summed over ranks. ``every``: set aside every parameter's, not
+        only the reduced ones' (the step's gradients are then held, see ``hold``)."""
         self._stash = {}
-        for p in self._reduced():
+        self._held = {}
+        for p in self.every if every else self._reduced():
             if p.grad is not None:
                 self._stash[id(p)] = p.grad
                 p.grad = None
 
-    def finish(self) -> None:
+    @property
+    def every(self) -> list[nn.Parameter]:
+        return [p for _, group in self.shared for p in group] + self.own
+
+    def reduce(self) -> None:
         """After the backwards: the SUM all-reduces, shared parameters first (plan order),
-        then the stage's own; every rank walks the groups in that one global order."""
+        then the stage's own; every rank walks the groups in that one global order. Leaves
+        this step's reduced gradients in ``.grad`` (the set-aside ones stay aside)."""
         todo: list[tuple[dist.ProcessGroup, list[nn.Parameter], str, tuple[int, ...]]] = []
         for j, ps in self.shared:
             g = self.groups.shared[j]
@@ -81,6 +95,40 @@ class GradSync:
         for group, ps, what, ranks in todo:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
             for p, r in zip(ps, all_reduce_flat(grads, group, what=what, ranks=ranks), strict=True):
-                old = self._stash.get(id(p))
-                p.grad = r if old is None else old + r
+                p.grad = r
+
+    def merge(self) -> None:
+        """Add the set-aside gradients back: ``.grad`` = earlier calls' + this step's."""
+        for p in self.every:
+            old = self._stash.get(id(p))
+            if old is not None:
+                p.grad = old if p.grad is None else old + p.grad
         self._stash = {}
+
+    def hold(self) -> None:
+        """Keep this step's gradients aside and give ``.grad`` back as the call found it, until
+        ``apply`` (``loss.backward()``) or ``drop_held`` (the next call) decides their fate."""
+        self._held = {}
+        for p in self.every:
+            if p.grad is not None:
+                self._held[id(p)] = p.grad
+            p.grad = self._stash.get(id(p))
+        self._stash = {}
+
+    def apply(self, scale: torch.Tensor | None) -> None:
+        """``.grad += scale * held`` (the chain rule through the loss), once."""
+        for p in self.every:
+            h = self._held.pop(id(p), None)
+            if h is None:
+                continue
+            if scale is not None:
+                h = h.mul_(scale.to(h.dtype))
+            p.grad = h if p.grad is None else p.grad + h
+        self._held = {}
+
+    def drop_held(self) -> None:
+        self._held = {}
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(h.numel() * h.element_size() for h in self._held.values())

@@ -1,4 +1,5 @@
-"""Cut tensors into sample pieces along the batch dimension and put them back together."""
+"""Cut tensors into sample pieces along the batch dimension and put them back together
+(and integer values, which each rank computes for its own sample count)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import torch
 from ..plan import ValueSpec
 from .routing import Transfer
 
-__all__ = ["assemble", "dtype_of", "interleave", "piece_shape", "sample_major", "take"]
+__all__ = [
+    "assemble",
+    "dtype_of",
+    "interleave",
+    "ints_value",
+    "piece_shape",
+    "sample_major",
+    "take",
+]
 
 
 def dtype_of(spec: ValueSpec) -> torch.dtype:
@@ -15,6 +24,12 @@ def dtype_of(spec: ValueSpec) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"value {spec.name!r} has unknown dtype {spec.dtype!r}")
     return dt
+
+
+def ints_value(spec: ValueSpec, samples: int) -> int | torch.Size:
+    """An integer value (a size the graph computes) for ``samples`` samples."""
+    ints = spec.ints_for(samples)
+    return ints[0] if spec.kind == "int" else torch.Size(ints)
 
 
 def piece_shape(spec: ValueSpec, t: Transfer) -> tuple[int, ...]:

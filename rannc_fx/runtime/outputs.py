@@ -1,0 +1,218 @@
+"""Model outputs at ``GATHER``: batched ones home to the ranks whose samples they hold, the loss
+(every output without a batch dimension) to every rank.
+
+    batched output   the producing replicas send each owner rank its samples' rows
+                     (``routing.output_transfers``), which it assembles for its local batch
+    the loss         the stage that computes it sums its replicas' share-weighted parts (an
+                     all-reduce among them, if several) and sends the sum to every rank
+                     outside the stage, spread round robin over its replicas
+                     (``unbatched_peers``); every other rank receives it
+
+Between any two ranks the loss messages come after the batched outputs on both sides, so they
+match in posting order like every other message (``comm.post``). A sender returns without
+waiting for its loss sends (the last stage's forward is the critical path); ``finish_sends``
+completes them at the next forward or at the end of the backward. A one-stage plan all-reduces
+the loss among its replicas, which are then every rank.
+
+Loss arithmetic: replica k of the loss's stage sees n(i, k) samples of micro-batch i and
+computes their mean loss l(i, k); the step's loss is sum(n(i, k) / G * l(i, k)), the
+global-batch mean. Outputs without a batch dimension are assumed mean-reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..plan import OutputRef, Plan, Stage
+from .comm import Groups, Message, Pending, all_reduce_flat, post
+from .pieces import assemble, dtype_of, interleave, ints_value, piece_shape, sample_major, take
+from .routing import RankRoutes, Transfer, spec_of
+
+__all__ = ["Outputs", "unbatched_peers"]
+
+
+class Outputs:
+    """This rank's part in returning the model's outputs (one object per executor)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        stage: Stage,
+        rank: int,
+        routes: RankRoutes,
+        spans: list[tuple[int, int]],
+        groups: Groups,
+        device: torch.device,
+    ):
+        self.plan, self.stage, self.rank, self.routes = plan, stage, rank, routes
+        self.spans, self.groups, self.device = spans, groups, device
+        self.local = plan.global_batch // plan.world_size
+        self.out_pos = {name: p for p, name in enumerate(stage.outputs)}
+        self.mine: list[OutputRef] = [r for r in plan.outputs if r.stage == stage.index]
+        self.unbatched = [
+            r for r in plan.outputs if r.spec.kind == "tensor" and r.spec.batch_dim is None
+        ]
+        # averaged over the batch: the floating ones (a loss); the others are micro-batch 0's
+        self.averaged = {
+            r.index
+            for r in self.unbatched
+            if dtype_of(r.spec).is_floating_point or dtype_of(r.spec).is_complex
+        }
+        self.dsts, self.srcs = unbatched_peers(plan, rank)
+        self.sent: Pending | None = None  # sends of the last forward's loss, unfinished
+
+    @property
+    def kept(self) -> set[int]:
+        """Stage output positions that are model outputs (kept until ``GATHER``)."""
+        return {self.out_pos[r.spec.name] for r in self.mine}
+
+    def accumulate(self, i: int, outs: tuple[Any, ...], reduced: dict[int, torch.Tensor]) -> None:
+        """Micro-batch ``i``'s outputs without a batch dimension into their share-weighted sums."""
+        a, b = self.spans[i]
+        w = (b - a) / self.plan.global_batch
+        for ref in self.mine:
+            spec = ref.spec
+            if spec.kind != "tensor" or spec.batch_dim is not None:
+                continue
+            v = outs[self.out_pos[spec.name]].detach()
+            if ref.index in self.averaged:
+                reduced[ref.index] = reduced[ref.index] + w * v if ref.index in reduced else w * v
+            elif i == 0 and self.stage.ranks.index(self.rank) == 0:
+                reduced[ref.index] = v.clone()  # not averageable: micro-batch 0's value
+
+    def gather(self, outputs: dict[int, dict[int, torch.Tensor]]) -> dict[int, Any]:
+        """Batched model outputs (``outputs[i][position]``, detached) to their owner ranks.
+
+        An interleaved output moves in sample-major order and is interleaved again for the
+        local samples, as the model would have laid it out for the local batch alone.
+        """
+        me = self.rank
+        layouts = {r.spec.name: r.spec for r in self.mine if r.spec.interleave is not None}
+        regrouped: dict[tuple[int, str], torch.Tensor] = {}
+
+        def source(t: Transfer) -> torch.Tensor:
+            x = outputs[t.microbatch][self.out_pos[t.value]]
+            if t.value not in layouts:
+                return x
+            key = (t.microbatch, t.value)
+            if key not in regrouped:
+                a, b = self.spans[t.microbatch]
+                regrouped[key] = sample_major(x, layouts[t.value], b - a)
+            return regrouped[key]
+
+        msgs: list[Message] = []
+        recv: dict[Transfer, torch.Tensor] = {}
+        for t in self.routes.outputs:
+            if t.local:
+                continue
+            spec = spec_of(self.plan, t)
+            label = f"model output {t.value!r} of micro-batch {t.microbatch}"
+            if t.src == me:
+                piece = take(source(t), spec, t.src_rows(spec))
+                msgs.append(Message("send", piece.contiguous(), t.dst, label))
+            else:
+                recv[t] = buf = torch.empty(
+                    piece_shape(spec, t), dtype=dtype_of(spec), device=self.device
+                )
+                msgs.append(Message("recv", buf, t.src, label))
+        post(msgs).wait()
+        results: dict[int, Any] = {}
+        for ref in self.plan.outputs:
+            spec = ref.spec
+            if spec.kind != "tensor" or spec.batch_dim is None:
+                continue
+            parts = [
+                (t, recv[t] if not t.local else take(source(t), spec, t.src_rows(spec)))
+                for t in self.routes.outputs
+                if t.dst == me and t.slot == ref.index
+            ]
+            y = assemble(parts, spec, self.local, self.device)
+            results[ref.index] = y if spec.interleave is None else interleave(y, spec, self.local)
+        return results
+
+    def share(self, reduced: dict[int, torch.Tensor], results: dict[int, Any]) -> Pending:
+        """Every unbatched output to every rank; integer outputs computed here.
+
+        This stage's own are summed over its replicas and sent to the ranks this rank serves;
+        the sends are left running. The other stages' are received into ``results``: valid
+        once the returned Pending is waited on. Posted after ``gather`` on every rank.
+        """
+        for ref in self.plan.outputs:
+            spec = ref.spec
+            if spec.kind in ("int", "ints"):
+                results[ref.index] = ints_value(spec, self.local)
+            elif spec.kind != "tensor":
+                raise ValueError(f"model output {ref.index} is a {spec.kind}; return tensors")
+        st = self.stage.index
+        mine = [r for r in self.unbatched if r.stage == st]
+        vals = [
+            reduced[r.index]
+            if r.index in reduced
+            else torch.zeros(r.spec.shape, dtype=dtype_of(r.spec), device=self.device)
+            for r in mine
+        ]
+        group = self.groups.stage[st]
+        if vals and group is not None:
+            vals = all_reduce_flat(
+                vals,
+                group,
+                what=f"the outputs without a batch dimension (the loss) of stage {st}",
+                ranks=self.stage.ranks,
+            )
+        results.update((r.index, v) for r, v in zip(mine, vals, strict=True))
+        sends: list[Message] = []
+        if self.dsts and vals:
+            payload = [v.clone() for v in vals]  # the caller may change the returned ones
+            for dst in self.dsts:
+                for r, v in zip(mine, payload, strict=True):
+                    sends.append(Message("send", v, dst, _unbatched_label(r)))
+        recvs: list[Message] = []
+        for s, src in self.srcs.items():
+            for r in self.unbatched:
+                if r.stage == s:
+                    buf = torch.empty(r.spec.shape, dtype=dtype_of(r.spec), device=self.device)
+                    results[r.index] = buf
+                    recvs.append(Message("recv", buf, src, _unbatched_label(r)))
+        if sends and recvs:
+            # one batch, waited on before returning: NCCL could deadlock on two batches
+            # that two ranks post in opposite order
+            return post(sends + recvs)
+        self.sent = post(sends) if sends else None
+        return post(recvs)
+
+    def finish_sends(self) -> None:
+        if self.sent is not None:
+            sent, self.sent = self.sent, None
+            sent.wait()
+
+
+def unbatched_peers(plan: Plan, rank: int) -> tuple[list[int], dict[int, int]]:
+    """Where the outputs without a batch dimension go: (the ranks ``rank`` sends its stage's
+    to, {stage: the rank ``rank`` receives that stage's from}).
+
+    A stage with such outputs sends them to every rank outside it, the j-th of those (in rank
+    order) from its replica j mod r, so each replica sends about (world - r) / r messages:
+
+        stage 1 on ranks 2, 3 owns the loss    rank 0 <- rank 2, rank 1 <- rank 3
+    """
+    owners = sorted(
+        {r.stage for r in plan.outputs if r.spec.kind == "tensor" and r.spec.batch_dim is None}
+    )
+    dsts: list[int] = []
+    srcs: dict[int, int] = {}
+    for s in owners:
+        ranks = plan.stages[s].ranks
+        outside = [j for j in range(plan.world_size) if j not in ranks]
+        for k, dst in enumerate(outside):
+            src = ranks[k % len(ranks)]
+            if src == rank:
+                dsts.append(dst)
+            elif dst == rank:
+                srcs[s] = src
+    return dsts, srcs
+
+
+def _unbatched_label(ref: OutputRef) -> str:
+    return f"model output {ref.index} ({ref.spec.name!r}, without a batch dimension)"

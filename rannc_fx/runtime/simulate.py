@@ -1,0 +1,203 @@
+"""Simulate a lowered schedule without processes: check it cannot hang, and time it.
+
+The model of the runtime it checks (``executor`` runs it so):
+
+- a receive is posted where its ``RECV_*`` action stands and waited on by the compute action
+  that reads it (``F``, ``B``) or by ``GATHER``; sends never block (they are finished at the end
+  of the step), so an action waits only for messages that are posted earlier;
+- messages between two stages match in posting order (no tags): the sender's sequence of
+  messages to a stage must equal that stage's sequence of receives from it, else a receive
+  would get another message's bytes;
+- ``GATHER`` posts its sends and receives at once and then waits for the outputs of every
+  other stage that holds model outputs, sent at that stage's ``GATHER``; ``REDUCE`` waits for
+  every stage it shares a parameter with.
+
+``simulate`` checks both properties and returns each action's start and end for given action
+durations; ``plan_durations`` reads them off a plan's per-stage costs (a forward carries half
+the stage's communication time, a backward the other half plus the gradient accumulation after
+the first micro-batch, ``REDUCE`` the all-reduce and the optimizer step), so the step time it
+predicts is the makespan of the same schedule the executor runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..plan import Plan
+from .lowering import Topology
+from .schedule import Action, Kind, Schedule
+
+__all__ = ["ScheduleError", "Simulation", "plan_durations", "simulate"]
+
+Durations = Callable[[Action], float]
+_Msg = tuple[str, int | None]  # (what, micro-batch): the label both ends agree on
+
+
+class ScheduleError(ValueError):
+    """The lowered schedule would hang or mismatch messages; the text names the actions."""
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Start and end (seconds) of every action, and the step's makespan."""
+
+    start: dict[Action, float]
+    end: dict[Action, float]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end.values(), default=0.0)
+
+    def stage_end(self, stage: int) -> float:
+        return max((t for a, t in self.end.items() if a.stage == stage), default=0.0)
+
+
+def _sends(a: Action, topo: Topology) -> list[tuple[int, _Msg]]:
+    """(destination stage, label) of every message ``a`` posts, in posting order."""
+    s, i = a.stage, a.microbatch
+    if a.kind is Kind.SEND_F:
+        return [(c, ("F", i)) for c in sorted(topo.sends_to[s])]
+    if a.kind is Kind.SEND_B:
+        return [(p, ("B", i)) for p in sorted(topo.grads_to[s])]
+    if a.kind is Kind.SCATTER:
+        return [(d, ("SCATTER", None)) for d in range(topo.num_stages) if d != s]
+    if a.kind is Kind.GATHER and s in topo.output_stages:
+        return [(d, ("GATHER", None)) for d in range(topo.num_stages) if d != s]
+    return []
+
+
+def _receives(a: Action, topo: Topology) -> list[tuple[int, _Msg]]:
+    """(source stage, label) of every message ``a`` posts a receive for, in posting order."""
+    s, i = a.stage, a.microbatch
+    if a.kind is Kind.RECV_F:
+        return [(p, ("F", i)) for p in sorted(topo.reads_from[s])]
+    if a.kind is Kind.RECV_B:
+        return [(c, ("B", i)) for c in sorted(topo.grads_from[s])]
+    if a.kind is Kind.SCATTER:
+        return [(d, ("SCATTER", None)) for d in range(topo.num_stages) if d != s]
+    if a.kind is Kind.GATHER:
+        return [(o, ("GATHER", None)) for o in sorted(topo.output_stages) if o != s]
+    return []
+
+
+def _waits_for(a: Action) -> tuple[str, int | None] | None:
+    """The label whose receives ``a`` waits on: its micro-batch's messages, or GATHER's."""
+    if a.kind is Kind.F:
+        return ("F", a.microbatch)
+    if a.kind is Kind.B:
+        return ("B", a.microbatch)
+    if a.kind is Kind.GATHER:
+        return ("GATHER", None)
+    return None
+
+
+def _check_matching(lowered: Schedule, topo: Topology) -> None:
+    n = topo.num_stages
+    sent: dict[tuple[int, int], list[_Msg]] = {}
+    got: dict[tuple[int, int], list[_Msg]] = {}
+    for s in range(n):
+        for a in lowered[s]:
+            for d, label in _sends(a, topo):
+                sent.setdefault((s, d), []).append(label)
+            for src, label in _receives(a, topo):
+                got.setdefault((src, s), []).append(label)
+    for pair in sorted(set(sent) | set(got)):
+        out, back = sent.get(pair, []), got.get(pair, [])
+        if out != back:
+            k = next((k for k, (x, y) in enumerate(zip(out, back, strict=False)) if x != y),
+                     min(len(out), len(back)))
+            raise ScheduleError(
+                f"stage {pair[0]} sends {_show(out[k:k + 3])} to stage {pair[1]} where it "
+                f"posts receives for {_show(back[k:k + 3])}: messages between two stages must "
+                "be posted in the same order on both sides"
+            )
+
+
+def _show(labels: list[_Msg]) -> str:
+    return ", ".join(f"{w}{'' if i is None else i}" for w, i in labels) or "nothing"
+
+
+def simulate(lowered: Schedule, topology: Topology, durations: Durations) -> Simulation:
+    """Run every stage's list as early as its messages allow; raise ScheduleError on a hang."""
+    _check_matching(lowered, topology)
+    n = topology.num_stages
+    posted: dict[tuple[int, int, _Msg], float] = {}  # (src, dst, label) -> time posted
+    arrived: dict[int, float] = {}  # stage -> when it reached REDUCE
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    clock, pos = [0.0] * n, [0] * n
+    expected = [[(src, label) for a in lowered[s] for src, label in _receives(a, topology)]
+                for s in range(n)]
+    peers = [{p for group in topology.shared if s in group for p in group} for s in range(n)]
+    while any(pos[s] < len(lowered[s]) for s in range(n)):
+        progressed = False
+        for s in range(n):
+            while pos[s] < len(lowered[s]):
+                a = lowered[s][pos[s]]
+                if a.kind is Kind.GATHER:
+                    # posts its sends and receives together, then waits: sends count from
+                    # its arrival, so two stages holding outputs never wait on each other
+                    for d, label in _sends(a, topology):
+                        posted.setdefault((s, d, label), clock[s])
+                if a.kind is Kind.REDUCE:
+                    # a collective: it starts once every stage sharing a parameter is there
+                    arrived.setdefault(s, clock[s])
+                    if any(p not in arrived for p in peers[s]):
+                        break
+                    ready: float | None = max((arrived[p] for p in peers[s]), default=0.0)
+                else:
+                    ready = _ready_at(a, s, expected[s], posted)
+                if ready is None:
+                    break
+                t0 = max(clock[s], ready)
+                start[a], end[a] = t0, t0 + durations(a)
+                clock[s] = end[a]
+                for d, label in _sends(a, topology):
+                    posted.setdefault((s, d, label), end[a])
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(str(lowered[s][pos[s]]) for s in range(n) if pos[s] < len(lowered[s]))
+            raise ScheduleError(f"the schedule hangs: {stuck} wait for messages never sent")
+    return Simulation(start, end)
+
+
+def _ready_at(a: Action, s: int, expected: list[tuple[int, _Msg]],
+              posted: dict[tuple[int, int, _Msg], float]) -> float | None:
+    """When the messages ``a`` waits on were sent, or None while one is still unsent."""
+    label = _waits_for(a)
+    if label is None:
+        return 0.0
+    times = []
+    for src, want in expected:
+        if want == label:
+            t = posted.get((src, s, want))
+            if t is None:
+                return None
+            times.append(t)
+    return max(times, default=0.0)
+
+
+def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
+    """Action durations in seconds from the plan's predicted per-stage costs.
+
+    Every backward but a stage's first adds its gradients into ``.grad`` (``accumulate_ms``).
+    """
+    first_b = {s: next((a.microbatch for a in acts if a.kind is Kind.B), None)
+               for s, acts in enumerate(lowered)}
+
+    def of(a: Action) -> float:
+        st = plan.stages[a.stage]
+        if a.kind is Kind.F:
+            return 1e-3 * (st.fwd_ms + st.comm_ms / 2)
+        if a.kind is Kind.R:
+            return 1e-3 * st.fwd_ms
+        if a.kind is Kind.B:
+            acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
+            return 1e-3 * (st.bwd_ms + st.comm_ms / 2 + acc)
+        if a.kind is Kind.REDUCE:
+            return 1e-3 * (st.allreduce_ms + st.optimizer_ms)
+        return 0.0
+
+    return of

@@ -1,0 +1,285 @@
+"""One rank's stage, one action at a time: the operations a schedule's actions name.
+
+``StageRunner`` never decides ordering; ``executor`` calls its methods in the order of the
+lowered schedule. What one step keeps between actions lives in a ``StepState``:
+
+    SCATTER     post every micro-batch's graph-input pieces (sends and receives)
+    RECV_F i    post the receives of micro-batch i's cut values
+    F i         wait for them, assemble the stage's arguments, run the stage; keep the
+                arguments and (unless the stage recomputes) the outputs for the backward
+    SEND_F i    send micro-batch i's cut values to the consumer replicas
+    R i         run micro-batch i's forward again with gradients, on the random state and
+                buffers its F saw (only stages that recompute)
+    RECV_B i    post the receives of the gradients of micro-batch i's cut values
+    B i         wait for them, add the loss seed (its share of the global batch), backward
+    SEND_B i    send the gradients of micro-batch i's cut-value inputs to the producers
+
+A stage that recomputes runs F under ``torch.no_grad()``: a micro-batch in flight holds only
+the stage's inputs (and its model outputs), and R rebuilds its activations right before B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..plan import Plan, Stage, ValueSpec
+from . import routing
+from .buffers import BufferSync
+from .checks import check_stage_outputs
+from .comm import Message, Pending, post
+from .outputs import Outputs
+from .pieces import assemble, dtype_of, ints_value, piece_shape, take
+from .routing import RankRoutes, Transfer
+
+__all__ = ["StageRunner", "StepState"]
+
+_Received = tuple[Pending, dict[Transfer, torch.Tensor]]
+
+
+@dataclass
+class StepState:
+    """Everything one step holds between actions, per micro-batch where it is per micro-batch.
+
+    ``grad``: the step keeps what a backward needs. ``held``: its backwards run in the call
+    and their gradients wait for ``loss.backward()``. ``seeds``: stage output position -> the
+    gradient that reaches it from the caller (scaled by each micro-batch's share in B).
+    """
+
+    index: int
+    grad: bool
+    local: list[Any]
+    held: bool = False
+    seeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    inputs: list[_Received] = field(default_factory=list)  # per micro-batch (SCATTER)
+    cut_recv: dict[int, _Received] = field(default_factory=dict)
+    grad_recv: dict[int, _Received] = field(default_factory=dict)
+    args: dict[int, list[Any]] = field(default_factory=dict)
+    outs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # for the backward
+    model_outs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # for GATHER
+    rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    sends: list[Pending] = field(default_factory=list)
+    reduced: dict[int, torch.Tensor] = field(default_factory=dict)  # share-weighted losses
+    results: dict[int, Any] = field(default_factory=dict)  # model outputs, after GATHER
+    backwards: int = 0
+
+    def finish_sends(self) -> None:
+        for p in self.sends:
+            p.wait()
+        self.sends.clear()
+
+
+class StageRunner:
+    """The per-action operations of ``module``, this rank's replica of ``stage``."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        stage: Stage,
+        module: fx.GraphModule,
+        *,
+        rank: int,
+        routes: RankRoutes,
+        in_specs: list[ValueSpec],
+        outputs: Outputs,
+        buffers: BufferSync,
+        device: torch.device,
+    ):
+        self.plan, self.stage, self.module, self.rank = plan, stage, module, rank
+        self.routes, self.in_specs, self.outputs = routes, in_specs, outputs
+        self.buffers, self.device = buffers, device
+        self.recompute = stage.recompute
+        self.graph_inputs = {spec.name: i for i, spec in enumerate(plan.inputs)}
+        self.cuts = {cv.name: cv for cv in plan.cut_values}
+        self.out_pos = {name: p for p, name in enumerate(stage.outputs)}
+        replica = stage.ranks.index(rank)
+        self.spans = [
+            routing.replica_span(plan, stage.index, replica, i) for i in range(plan.micro_batches)
+        ]
+        self.shares = [(b - a) / plan.global_batch for a, b in self.spans]
+        self.in_pos = {name: p for p, name in enumerate(stage.inputs)}
+        self.sends_cuts = any(t.src == rank for ts in routes.cuts for t in ts)
+        self.sends_grads = any(t.src == rank for ts in routes.grads for t in ts)
+        self.kept = outputs.kept
+
+    # -- messages --------------------------------------------------------------------------------
+    def _messages(
+        self, transfers: list[Transfer], source: Any, what: str
+    ) -> tuple[list[Message], dict[Transfer, torch.Tensor]]:
+        """This rank's sends (pieces of ``source(t)``) and receives (fresh buffers), in order."""
+        me = self.rank
+        msgs: list[Message] = []
+        recv: dict[Transfer, torch.Tensor] = {}
+        for t in transfers:
+            if t.local:
+                continue
+            spec = routing.spec_of(self.plan, t)
+            label = f"{what} {t.value!r} of micro-batch {t.microbatch}"
+            if t.src == me:
+                piece = take(source(t), spec, t.src_rows(spec) if t.batched else None)
+                msgs.append(Message("send", piece.contiguous(), t.dst, label))
+            else:
+                buf = torch.empty(piece_shape(spec, t), dtype=dtype_of(spec), device=self.device)
+                recv[t] = buf
+                msgs.append(Message("recv", buf, t.src, label))
+        return msgs, recv
+
+    def scatter(self, step: StepState, _: int | None = None) -> None:
+        """Every micro-batch's graph inputs at once; owners never wait on anything first."""
+        for i in range(self.plan.micro_batches):
+            msgs, recv = self._messages(
+                self.routes.inputs[i], lambda t: step.local[t.slot], "input"
+            )
+            step.inputs.append((post([x for x in msgs if x.op == "recv"]), recv))
+            step.sends.append(post([x for x in msgs if x.op == "send"]))
+
+    def recv_f(self, step: StepState, i: int) -> None:
+        mine = [t for t in self.routes.cuts[i] if t.dst == self.rank]
+        msgs, recv = self._messages(mine, None, "cut value")
+        step.cut_recv[i] = (post(msgs), recv)
+
+    def send_f(self, step: StepState, i: int) -> None:
+        if not self.sends_cuts:
+            return  # another replica of this stage sends what this one would
+        outs = step.outs[i]
+        mine = [t for t in self.routes.cuts[i] if t.src == self.rank]
+        msgs, _ = self._messages(mine, lambda t: outs[self.out_pos[t.value]].detach(), "cut value")
+        step.sends.append(post(msgs))
+        if self.recompute or not step.grad:
+            del step.outs[i]  # sent: nothing else reads them
+
+    def recv_b(self, step: StepState, i: int) -> None:
+        mine = [t for t in self.routes.grads[i] if t.dst == self.rank]
+        msgs, recv = self._messages(mine, None, "gradient of cut value")
+        step.grad_recv[i] = (post(msgs), recv)
+
+    def send_b(self, step: StepState, i: int) -> None:
+        if not self.sends_grads:
+            return  # B freed the arguments: this replica sends no gradient
+        args = step.args.pop(i)
+
+        def source(t: Transfer) -> torch.Tensor:
+            x = args[self.in_pos[t.value]]
+            return x.grad if x.grad is not None else torch.zeros_like(x)
+
+        mine = [t for t in self.routes.grads[i] if t.src == self.rank]
+        msgs, _ = self._messages(mine, source, "gradient of cut value")
+        step.sends.append(post(msgs))
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _args(self, step: StepState, i: int) -> list[Any]:
+        pending, recv = step.inputs[i]
+        pending.wait()
+        if i in step.cut_recv:
+            cut_pending, cut_recv = step.cut_recv.pop(i)
+            cut_pending.wait()
+            recv = {**recv, **cut_recv}
+        step.inputs[i] = (pending, {})
+        n = self.spans[i][1] - self.spans[i][0]
+        args: list[Any] = []
+        for name, spec, pieces in zip(
+            self.stage.inputs, self.in_specs, self.routes.args[i], strict=True
+        ):
+            if spec.kind in ("int", "ints"):
+                args.append(ints_value(spec, n))  # each stage's sizes for its own samples
+                continue
+            if name in self.graph_inputs and spec.batch_dim is None:
+                args.append(step.local[self.graph_inputs[name]])
+                continue
+            parts = [
+                (t, recv[t] if not t.local else take(step.local[t.slot], spec, t.src_rows(spec)))
+                for t in pieces
+            ]
+            x = assemble(parts, spec, n, self.device)
+            if step.grad and name in self.cuts and routing.needs_grad(spec):
+                x = x.detach().requires_grad_(True)  # a leaf: backward reads its .grad
+            args.append(x)
+        return args
+
+    def forward(self, step: StepState, i: int) -> None:
+        args = self._args(step, i)
+        self.buffers.before_microbatch(i)
+        if step.grad and self.recompute:
+            step.rng[i] = _rng_state(self.device)
+            with torch.no_grad():
+                outs = self._run(args)
+        else:
+            outs = self._run(args)
+        self.buffers.after_microbatch(i, self.shares[i])
+        check_stage_outputs(self.stage, self.cuts, self.spans[i][1] - self.spans[i][0], outs)
+        self.outputs.accumulate(i, outs, step.reduced)
+        step.model_outs[i] = {p: outs[p].detach() for p in self.kept if _is_tensor(outs[p])}
+        if step.grad:
+            step.args[i] = args
+        if self.sends_cuts or (step.grad and not self.recompute):
+            step.outs[i] = outs
+
+    def recompute_one(self, step: StepState, i: int) -> None:
+        """R: micro-batch i's forward again, with gradients, as its F ran it."""
+        # enable_grad: a deferred backward runs inside autograd's backward, where it is off
+        with (
+            torch.enable_grad(),
+            _rng_restored(step.rng.pop(i), self.device),
+            self.buffers.recompute_scope(),
+        ):
+            step.outs[i] = self._run(step.args[i])
+
+    def backward(self, step: StepState, i: int) -> None:
+        recv: dict[Transfer, torch.Tensor] = {}
+        if i in step.grad_recv:
+            pending, recv = step.grad_recv.pop(i)
+            pending.wait()
+        outs = step.outs.pop(i)
+        grads: dict[int, torch.Tensor] = {}
+        for t, piece in recv.items():
+            pos = self.out_pos[t.value]
+            spec = routing.spec_of(self.plan, t)
+            g = grads.get(pos)
+            if g is None:
+                g = grads[pos] = torch.zeros_like(outs[pos])
+            take(g, spec, t.dst_rows(spec) if t.batched else None).add_(piece)
+        for pos, s in step.seeds.items():
+            g = self.shares[i] * s
+            grads[pos] = grads[pos] + g if pos in grads else g
+        tensors, gs = [], []
+        for pos, g in grads.items():
+            o = outs[pos]
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                tensors.append(o)
+                gs.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, gs)
+        step.backwards += 1
+        if not self.sends_grads:
+            step.args.pop(i, None)
+
+    def _run(self, args: list[Any]) -> tuple[Any, ...]:
+        outs = self.module(*args)
+        return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _rng_restored(
+    state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device
+) -> Iterator[None]:
+    """Dropout draws what it drew in F; the random stream afterwards is as if R never ran."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else [], enabled=True):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
