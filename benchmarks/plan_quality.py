@@ -345,7 +345,7 @@ def score(a: Analysis, title: str, analyze_s: float) -> list[str]:
             rows.append(f"| {name} | - | - | nothing fits | - | - | - | - |")
             continue
         ev = sc.evaluation
-        slow = max(c.fwd_s + c.bwd_s + c.comm_s for c in ev.stages)
+        slow = max(c.time_s for c in ev.stages)
         mem = max(c.memory for c in ev.stages) / a.space.memory_budget
         rows.append(f"| {name} | {len(sc.stages)} | {sc.micro_batches} | {_shape(sc.stages)} "
                     f"| {1e3 * ev.step_s:.1f} | {ev.step_s / ours:.2f} | {1e3 * slow:.1f} "

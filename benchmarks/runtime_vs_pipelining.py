@@ -1,4 +1,4 @@
-"""Step time of rannc_fx against torch.distributed.pipelining's ScheduleGPipe on 2+ ranks.
+"""Step time of rannc_fx against torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B).
 
 Run with torchrun (gloo on CPU, one thread per rank):
 
@@ -10,8 +10,11 @@ Run with torchrun (gloo on CPU, one thread per rank):
 ``--mode same-split``: rannc_fx's plan is forced to one replica per stage and ``--micro-batches``
 (``Config(replicas=(1,)*W, micro_batches=m)``) with every transformer layer a leaf module, so
 it can only cut between layers; the peers then cut at the same layers and run the same
-micro-batch count. Contenders: ``rannc_fx``, ``pipelining-manual`` (hand-written stage modules,
-``PipelineStage``) and ``pipelining-traced`` (``pipeline()`` with a ``split_spec``).
+micro-batch count. Per schedule in ``--schedules``: ``rannc_fx-<schedule>`` (and with
+``--recompute`` also ``rannc_fx-<schedule>-recompute``, every stage recomputing),
+``pipelining-manual-<schedule>`` (hand-written stage modules, ``PipelineStage``) and
+``pipelining-traced-<schedule>`` (``pipeline()`` with a ``split_spec``). The first rannc_fx
+contender is the reference of the ratios.
 
 ``--mode auto``: rannc_fx plans on its own (stages, cuts, replicas, micro-batches); the peer
 splits the layers evenly over W stages (embedding with the first, head with the last), as its
@@ -88,6 +91,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: force rannc_fx's replica count per stage (e.g. 1 1: a pipeline "
         "whose cut and micro-batch count are still searched); default: searched",
     )
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=("gpipe", "1f1b"),
+        default=["gpipe"],
+        help="same-split: schedules every contender runs (default: gpipe)",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="same-split: add a rannc_fx contender per schedule with every stage recomputing",
+    )
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default: 5)")
     p.add_argument("--steps", type=int, default=30, help="timed rounds (default: 30)")
     p.add_argument(
@@ -137,7 +152,8 @@ class _Stage(nn.Module):
 
 
 class PeerStep:
-    """One rank's stage of torch.distributed.pipelining's ScheduleGPipe, plus Adam."""
+    """One rank's stage of torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B,
+    plus Adam."""
 
     def __init__(
         self,
@@ -147,8 +163,15 @@ class PeerStep:
         traced: bool,
         ids: torch.Tensor,
         labels: torch.Tensor,
+        schedule: str = "gpipe",
     ):
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            SplitPoint,
+            pipeline,
+        )
 
         rank, world = dist.get_rank(), dist.get_world_size()
         self.rank, self.world, self.ids, self.labels = rank, world, ids, labels
@@ -163,7 +186,8 @@ class PeerStep:
             mod = _Stage(model, edges[rank], edges[rank + 1], rank == 0, rank == world - 1)
             stage = PipelineStage(mod, rank, world, dev)
             params = list(mod.parameters())
-        self.sched = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lm_loss)
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.sched = kind(stage, n_microbatches=m, loss_fn=lm_loss)
         self.opt = torch.optim.Adam(params, lr=1e-4)
         self.losses: list[torch.Tensor] = []
 
@@ -241,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.profile_cache:
         cache["profile_cache_dir"] = None
 
+    variants = [("rannc_fx", {})]
     if args.mode == "same-split":
         cfg = Config(
             replicas=(1,) * world,
@@ -248,25 +273,34 @@ def main(argv: list[str] | None = None) -> None:
             leaf_modules=("Block",),
             **cache,
         )
+        variants = [
+            (f"rannc_fx-{s}{'-recompute' if r else ''}", {"schedule": s, "recompute": r})
+            for s in args.schedules
+            for r in ((False, True) if args.recompute else (False,))
+        ]
     else:
         cfg = Config(replicas=tuple(args.replicas) if args.replicas else None, **cache)
     t0 = time.perf_counter()
-    rannc = RanncStep(copy.deepcopy(base), cfg, ids, labels)
-    rannc()  # plans (rank 0 profiles; the others wait), then runs the first step
-    plan = rannc.model.plan
+    contenders: dict[str, Any] = {}
+    for name, forced in variants:
+        step = RanncStep(copy.deepcopy(base), cfg.model_copy(update=forced), ids, labels)
+        step()  # plans (rank 0 profiles; the others wait), then runs the first step
+        contenders[name] = step
+    ref = variants[0][0]
+    plan = contenders[ref].model.plan
     setup_s = time.perf_counter() - t0
 
-    contenders: dict[str, Any] = {"rannc_fx": rannc}
     if args.mode == "same-split":
         bounds = layer_bounds(plan, args.layers)
         m = args.micro_batches
-        contenders["pipelining-manual"] = PeerStep(
-            copy.deepcopy(base), bounds, m, False, ids, labels
-        )
-        if not args.no_traced:
-            contenders["pipelining-traced"] = PeerStep(
-                copy.deepcopy(base), bounds, m, True, ids, labels
+        for s in args.schedules:
+            contenders[f"pipelining-manual-{s}"] = PeerStep(
+                copy.deepcopy(base), bounds, m, False, ids, labels, s
             )
+            if not args.no_traced:
+                contenders[f"pipelining-traced-{s}"] = PeerStep(
+                    copy.deepcopy(base), bounds, m, True, ids, labels, s
+                )
         peer_desc = f"cut before layer(s) {bounds}, m={m}"
     else:
         bounds = even_bounds(args.layers, world)
@@ -278,9 +312,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # first-step losses: every contender starts from the same weights and batch
     for name, step in contenders.items():
-        if name != "rannc_fx":
+        if not name.startswith("rannc_fx"):
             step()
-    first = {name: (s.last if name == "rannc_fx" else s.loss()) for name, s in contenders.items()}
+    first = {
+        name: (s.last if name.startswith("rannc_fx") else s.loss())
+        for name, s in contenders.items()
+    }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, first)
 
@@ -295,12 +332,12 @@ def main(argv: list[str] | None = None) -> None:
 
     losses = {k: next((g[k] for g in gathered if g[k] is not None), None) for k in contenders}
     print(plan.summary())
-    print(f"\nrannc_fx setup (capture, profile, search, split, first step): {setup_s:.1f} s")
+    print(f"\nrannc_fx setup (capture, profile, search, split, first step) of "
+          f"{len(variants)} contender(s): {setup_s:.1f} s")
     print(f"peer: {peer_desc}; {args.steps} timed rounds after {args.warmup} warm-up rounds\n")
-    ref = "rannc_fx"
     print(
-        "| contender | wall ms median | p10 | p90 | rannc_fx / contender, wall | CPU ms (all ranks) "
-        "| rannc_fx / contender, CPU | first-step loss |"
+        f"| contender | wall ms median | p10 | p90 | {ref} / contender, wall | CPU ms (all ranks) "
+        f"| {ref} / contender, CPU | first-step loss |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, ts in times.items():

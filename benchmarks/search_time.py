@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import logging
 import math
 import sys
@@ -34,13 +35,12 @@ from rannc_fx.passes.search import (
     SearchResult,
     SearchSpace,
     StageChoice,
-    _build_states,
-    _edges,
-    _size_index,
     evaluate,
     needed_sizes,
     search_pass,
 )
+from rannc_fx.passes.search.candidates import Candidates
+from rannc_fx.passes.search.kernel import build_states
 
 TableFactory = Callable[[int, SearchSpace], CostTable]
 GiB = 1024**3
@@ -116,20 +116,22 @@ def _tied(params: np.ndarray, tied: float) -> np.ndarray:
 
 
 def even_split(table: CostTable, space: SearchSpace) -> tuple[float, str]:
-    """Best step time of the even splits that fit: S stages of equal blocks and replicas."""
+    """Best step time of the even splits that fit: S stages of equal blocks and replicas, under
+    each of the space's schedules, recomputing in no stage or (where allowed) in every one."""
     B, W, best = table.num_blocks, space.world_size, (math.inf, "none fits")
+    rhos = (False, True) if space.recompute is None else (space.recompute,)
     for S in range(1, min(B, W) + 1):
         if W % S:
             continue
         b = np.linspace(0, B, S + 1).round().astype(int)
-        stages = tuple(StageChoice(int(x), int(y), W // S) for x, y in zip(b[:-1], b[1:],
-                                                                           strict=True))
-        for m in space.micro_batches:
+        for m, sched, rho in itertools.product(space.micro_batches, space.schedules, rhos):
             if m * (W // S) > space.global_batch:
                 continue
-            ev = evaluate(table, space, stages, m)
+            stages = tuple(StageChoice(int(x), int(y), W // S, rho)
+                           for x, y in zip(b[:-1], b[1:], strict=True))
+            ev = evaluate(table, space, stages, m, sched)
             if ev.fits and ev.step_s < best[0]:
-                best = (ev.step_s, f"{S}x{W // S}, m={m}")
+                best = (ev.step_s, f"{S}x{W // S}, m={m}, {sched}{', recompute' * rho}")
     return best
 
 
@@ -178,24 +180,27 @@ def time_search(table: CostTable, space: SearchSpace, repeat: int = 1) -> Timing
 
 
 def plain_scan_dps(table: CostTable, space: SearchSpace) -> int:
-    """DPs a plain threshold scan would run: one per distinct u of a fitting stage, per m."""
-    states, kidx = _build_states(space), _size_index(table)
+    """DPs a plain threshold scan of GPipe would run: one per distinct u of a fitting stage,
+    per m."""
+    cands = Candidates(table, space, build_states(space))
     total = 0
     for m in space.micro_batches:
-        e = _edges(table, space, states, kidx, m)
+        e = cands.gpipe(m)
         total += 0 if e is None else len(np.unique(e.u))
     return total
 
 
 def run_grid(make_table: TableFactory, grid: Sequence[tuple[int, int]], *,
              samples_per_rank: int, micro_batches: tuple[int, ...], memory_gib: float,
-             bandwidth: float, repeat: int) -> list[str]:
+             bandwidth: float, repeat: int, schedules: tuple[str, ...] = ("gpipe", "1f1b"),
+             recompute: bool | None = None) -> list[str]:
     """One markdown row per (blocks, world size)."""
     rows = []
     for B, W in grid:
         space = SearchSpace(world_size=W, global_batch=samples_per_rank * W,
                             memory_budget=memory_gib * GiB, link_bandwidth=bandwidth,
-                            micro_batches=micro_batches)
+                            micro_batches=micro_batches, schedules=schedules,
+                            recompute=recompute)
         table = make_table(B, space)
         t = time_search(table, space, repeat)
         head = (f"| {table.num_blocks} | {W} | {t.wall_s:.2f} | {t.cpu_s:.2f} | {t.dps} "
@@ -205,9 +210,10 @@ def run_grid(make_table: TableFactory, grid: Sequence[tuple[int, int]], *,
         else:
             res = t.result
             even, how = even_split(table, space)
-            plan = " ".join(f"{s.end - s.start}x{s.replicas}" for s in res.stages)
+            plan = " ".join(f"{s.end - s.start}x{s.replicas}{'r' * s.recompute}"
+                            for s in res.stages)
             rows.append(head + f"| {res.evaluation.step_s * 1e3:.1f} | {even * 1e3:.1f} ({how}) "
-                        f"| m={res.micro_batches}: {plan} |")
+                        f"| {res.schedule}, m={res.micro_batches}: {plan} |")
         print(rows[-1], file=sys.stderr, flush=True)
     return rows
 
@@ -247,8 +253,10 @@ def run_bert(a: argparse.Namespace) -> list[str]:
                 res = t.result
                 reps = "/".join(str(st.replicas) for st in res.stages)
                 mem = max(c.memory for c in res.evaluation.stages) / an.space.memory_budget
+                rc = sum(st.recompute for st in res.stages)
                 rows.append(head + f"| {len(res.stages)} stages, m={res.micro_batches}, "
-                                   f"replicas {reps} | {1e3 * res.evaluation.step_s:.0f} "
+                                   f"{res.schedule}, {rc} recomputing, replicas {reps} "
+                                   f"| {1e3 * res.evaluation.step_s:.0f} "
                                    f"| {100 * mem:.0f} % |")
             print(rows[-1], file=sys.stderr, flush=True)
             del model, args, kwargs, an
@@ -261,6 +269,9 @@ BERT_HEAD = [
     "| predicted ms | peak memory / budget |",
     "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
 ]
+
+
+_RECOMPUTE = {"search": None, "on": True, "off": False}
 
 
 def _load(spec: str) -> TableFactory:
@@ -288,6 +299,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--memory-gib", type=float, default=72.0, help="memory budget per device (synthetic)")
     p.add_argument("--bandwidth", type=float, default=25e9, help="link bytes/s per device (synthetic)")
     p.add_argument("--repeat", type=int, default=1, help="searches per row; the fastest is kept")
+    p.add_argument("--schedules", nargs="+", choices=("gpipe", "1f1b"), default=["gpipe", "1f1b"],
+                   help="pipeline schedules the search chooses from (synthetic)")
+    p.add_argument("--recompute", choices=tuple(_RECOMPUTE), default="search",
+                   help="activation recomputation: per stage where needed, every stage, or none "
+                        "(synthetic)")
     p.add_argument("--table", default=None,
                    help="module:function (num_blocks, space) -> CostTable; default synthetic")
     p.add_argument("--jitter", type=float, default=0.02,
@@ -323,12 +339,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     grid += [(b, w) for b in a.sweep_blocks for w in a.sweep_world_sizes if (b, w) not in grid]
     head = [
         "| blocks | ranks | wall s | cpu s | DPs | plain-scan DPs | predicted ms "
-        "| best even split ms | plan (blocks x replicas per stage) |",
+        "| best even split ms | plan (blocks x replicas per stage, r: recomputes) |",
         "|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     rows = run_grid(make, grid, samples_per_rank=a.samples_per_rank,
                     micro_batches=tuple(a.micro_batches), memory_gib=a.memory_gib,
-                    bandwidth=a.bandwidth, repeat=a.repeat)
+                    bandwidth=a.bandwidth, repeat=a.repeat, schedules=tuple(a.schedules),
+                    recompute=_RECOMPUTE[a.recompute])
     text = "\n".join(head + rows)
     print(text)
     if a.out:

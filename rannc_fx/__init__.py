@@ -5,11 +5,11 @@
     print(parted.plan.summary())
 """
 
+from .compile import CompiledModel, compile
 from .config import Config
 from .device import DeviceSpec
 from .partition import Partitioned, partition
 from .plan import Plan
-from .runtime import CompiledModel, compile
 
 __all__ = ["CompiledModel", "Config", "DeviceSpec", "Partitioned", "Plan", "compile", "partition"]
 __version__ = "0.1.0"

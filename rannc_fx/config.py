@@ -30,6 +30,14 @@ class Config(BaseModel):
     )
     micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step")
     max_micro_batches: int = Field(default=32, ge=1, description="largest count the search tries")
+    schedule: Literal["gpipe", "1f1b"] | None = Field(
+        default=None, description="pipeline schedule; None = searched (GPipe or 1F1B)"
+    )
+    recompute: bool | None = Field(
+        default=None,
+        description="activation recomputation: None = searched per stage, True = every stage, "
+        "False = none",
+    )
 
     # -- memory ----------------------------------------------------------------------------
     device_memory: int | None = Field(

@@ -105,6 +105,16 @@ class ValueSpec(BaseModel):
                 )
         return self
 
+    @property
+    def carries_gradient(self) -> bool:
+        """A floating tensor that requires a gradient (a loss, when it has no batch dim)."""
+        dt = self.dtype or ""
+        return (
+            self.kind == "tensor"
+            and self.requires_grad
+            and dt.startswith(("float", "bfloat", "complex"))
+        )
+
     def shape_for(self, samples: int) -> tuple[int, ...]:
         """The tensor's shape when it holds ``samples`` samples."""
         if self.kind != "tensor":
@@ -330,6 +340,12 @@ class Plan(BaseModel):
                 return st
         raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
 
+    @property
+    def loss_output(self) -> int | None:
+        """The index of the model's only output without a batch dimension that carries a
+        gradient, when it is a scalar (a schedule may then run the whole step in the call)."""
+        return loss_output([r.spec for r in self.outputs])
+
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations (or, recomputing, inputs) stage ``stage`` holds at
         once under the plan's schedule."""
@@ -413,6 +429,17 @@ class Plan(BaseModel):
         for sp in self.shared_params:
             tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
         return "\n".join([head, line, "-" * len(line), *body, *tail])
+
+
+def loss_output(outputs: list[ValueSpec]) -> int | None:
+    """See ``Plan.loss_output``; ``outputs`` are the model's flat outputs in order. Outputs
+    with a batch dimension come back detached (per rank), so only the others can be losses."""
+    carry = [
+        j for j, spec in enumerate(outputs) if spec.carries_gradient and spec.batch_dim is None
+    ]
+    if len(carry) != 1:
+        return None
+    return carry[0] if all(d == 1 for d in outputs[carry[0]].shape) else None
 
 
 def _human_bytes(n: int) -> str:

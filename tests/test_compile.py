@@ -1,4 +1,4 @@
-"""``rannc_fx.runtime.compile`` end to end on forked gloo ranks: plan on rank 0, broadcast,
+"""``rannc_fx.compile`` end to end on forked gloo ranks: plan on rank 0, broadcast,
 split, free, prune, train; every rank checks loss, outputs and parameters after Adam steps
 against a deep-copied single-process reference trained on the global batch."""
 
@@ -13,8 +13,8 @@ import torch
 from torch.testing import assert_close
 from torch.utils import _pytree as pytree
 
+from rannc_fx.compile import compile as rannc_compile
 from rannc_fx.config import Config
-from rannc_fx.runtime.compile import compile as rannc_compile
 
 from .dist_utils import run_ranks
 
@@ -28,6 +28,8 @@ ZOO = {
     "gpt2": ("tests.hf_models", "gpt2_example"),
     "bert": ("tests.hf_models", "bert_example"),
     "resnet": ("tests.hf_models", "resnet_example"),
+    "llama": ("tests.hf_models", "llama_example"),
+    "t5": ("tests.hf_models", "t5_example"),
 }
 
 
@@ -89,6 +91,10 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     for pname, p in stage.named_parameters():
         assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
     assert cm.plan.world_size == world and f"rank {rank} runs stage" in repr(cm)
+    if "schedule" in cfg:
+        assert cm.plan.schedule == cfg["schedule"] and f"schedule {cfg['schedule']}" in repr(cm)
+    if cfg.get("recompute") is not None:
+        assert all(st.recompute == cfg["recompute"] for st in cm.plan.stages)
     # the user's Adam was timed for the plan: every stage with parameters has a step cost
     assert all((st.optimizer_ms > 0) == (st.memory.grads > 0) for st in cm.plan.stages)
     return _loss(out).item()
@@ -111,6 +117,23 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     ],
 )
 def test_trains_like_one_process(name, world, cfg):
+    _warm(name)
+    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
+    assert len(set(losses)) == 1
+
+
+@pytest.mark.parametrize(
+    "name,world,cfg",
+    [
+        ("mlp", 1, dict(micro_batches=2, recompute=True)),
+        ("mlp", 3, dict(replicas=(2, 1), micro_batches=3, schedule="1f1b", recompute=True)),
+        ("gpt", 2, dict(replicas=(1, 1), micro_batches=4, schedule="1f1b")),
+        ("gpt", 3, dict(replicas=(1, 1, 1), micro_batches=3, schedule="1f1b", recompute=True)),
+        ("gpt", 4, dict(replicas=(2, 1, 1), micro_batches=2, schedule="gpipe", recompute=True)),
+        ("cnn", 2, dict(replicas=(1, 1), micro_batches=1, schedule="1f1b", recompute=True)),
+    ],
+)
+def test_schedules_and_recomputation_train_like_one_process(name, world, cfg):
     _warm(name)
     losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
     assert len(set(losses)) == 1

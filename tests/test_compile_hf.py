@@ -1,4 +1,4 @@
-"""``rannc_fx.runtime.compile`` on transformers models (export-captured ATen graphs): 5 Adam
+"""``rannc_fx.compile`` on transformers models (export-captured ATen graphs): 5 Adam
 steps on forked gloo ranks against the single-process reference, like ``test_compile``."""
 
 from __future__ import annotations
@@ -21,6 +21,22 @@ pytest.importorskip("transformers")
     ],
 )
 def test_hf_trains_like_one_process(name, world, cfg):
+    _warm(name)
+    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
+    assert len(set(losses)) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,world,cfg",
+    [
+        ("gpt2", 2, dict(replicas=(1, 1), micro_batches=4, schedule="1f1b", recompute=True)),
+        ("bert", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b", recompute=True)),
+        ("llama", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b")),
+        ("t5", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe", recompute=True)),
+    ],
+)
+def test_hf_schedules_and_recomputation(name, world, cfg):
     _warm(name)
     losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
     assert len(set(losses)) == 1

@@ -14,12 +14,12 @@ stage     StageRunner: the operations the actions name, on this rank's stage
 bridge    the loss's autograd function: loss.backward() reaches the executor
 executor  StageExecutor: interprets the lowered schedule
 alone     the one-rank, one-micro-batch fast path (same interface)
-compile   compile(model, optimizer): plan on rank 0, broadcast, split, run the executor
+
+It imports only the plan, the config and itself; ``rannc_fx.compile`` builds it.
 """
 
 from .alone import AloneExecutor, build_executor
 from .comm import CommError, Groups, build_groups, init_distributed
-from .compile import CompiledModel, compile
 from .executor import StageExecutor
 from .lowering import Topology, format_lowered, lower, topology_of
 from .schedule import (
@@ -36,7 +36,6 @@ __all__ = [
     "Action",
     "AloneExecutor",
     "CommError",
-    "CompiledModel",
     "Groups",
     "Kind",
     "ScheduleError",
@@ -45,7 +44,6 @@ __all__ = [
     "Topology",
     "build_executor",
     "build_groups",
-    "compile",
     "format_lowered",
     "format_schedule",
     "gpipe_schedule",

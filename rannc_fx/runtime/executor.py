@@ -23,7 +23,6 @@ matches every message and cannot hang.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
@@ -139,7 +138,7 @@ class StageExecutor:
         )  # fmt: skip
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
-        self._loss = _the_loss(plan)
+        self._loss = plan.loss_output
         self._in_call = (
             any(a.kind is Kind.B for a in split_at_gather(self.actions)[0])
             and self._loss is not None
@@ -267,21 +266,6 @@ class StageExecutor:
             pos = self.outputs.out_pos[ref.spec.name]
             seeds[pos] = seeds[pos] + g if pos in seeds else g
         return seeds
-
-
-def _the_loss(plan: Plan) -> int | None:
-    """The index of the model's only output that carries a gradient, if it is a scalar."""
-    carry = [
-        r
-        for r in plan.outputs
-        if r.spec.kind == "tensor"
-        and r.spec.batch_dim is None
-        and r.spec.requires_grad
-        and (dtype_of(r.spec).is_floating_point or dtype_of(r.spec).is_complex)
-    ]
-    if len(carry) != 1 or math.prod(carry[0].spec.shape) != 1:
-        return None
-    return carry[0].index
 
 
 def _is_one(g: torch.Tensor) -> bool:

@@ -14,8 +14,10 @@ lowered schedule. What one step keeps between actions lives in a ``StepState``:
     B i         wait for them, add the loss seed (its share of the global batch), backward
     SEND_B i    send the gradients of micro-batch i's cut-value inputs to the producers
 
-A stage that recomputes runs F under ``torch.no_grad()``: a micro-batch in flight holds only
-the stage's inputs (and its model outputs), and R rebuilds its activations right before B.
+A stage that recomputes runs F keeping no activations (autograd's saved tensors are dropped as
+they are made, as ``torch.utils.checkpoint`` does): a micro-batch in flight holds only the
+stage's inputs (and its model outputs), and R rebuilds its activations right before B with
+the same kernels, random state and buffers, so it recomputes the very values F made.
 """
 
 from __future__ import annotations
@@ -206,8 +208,11 @@ class StageRunner:
         self.buffers.before_microbatch(i)
         if step.grad and self.recompute:
             step.rng[i] = _rng_state(self.device)
-            with torch.no_grad():
+            # grad mode on, as in R (the same kernels, so R recomputes these very values),
+            # but nothing saved: the activations are dropped as they are made
+            with torch.autograd.graph.saved_tensors_hooks(_drop, _never):
                 outs = self._run(args)
+            outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
         else:
             outs = self._run(args)
         self.buffers.after_microbatch(i, self.shares[i])
@@ -261,6 +266,14 @@ class StageRunner:
     def _run(self, args: list[Any]) -> tuple[Any, ...]:
         outs = self.module(*args)
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+
+def _drop(t: torch.Tensor) -> None:
+    return None
+
+
+def _never(_: None) -> torch.Tensor:
+    raise RuntimeError("a recomputing stage's forward keeps no activations: backward runs on R")
 
 
 def _is_tensor(x: Any) -> bool:

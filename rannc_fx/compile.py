@@ -16,7 +16,6 @@ parameters it still holds. Later calls go straight to the ``StageExecutor``.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,19 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from ..config import Config
-from ..device import DeviceSpec
-from ..partition import analyze, build_plan
-from ..passes.capture import CapturedGraph, batch_size_of, capture_pass
-from ..passes.optcost import ParameterCosts, parameter_costs
-from ..passes.search import search_pass
-from ..passes.shapes import infer_values_pass
-from ..passes.split import split_pass
-from ..plan import Plan, ValueSpec
-from .alone import AloneExecutor, build_executor
-from .comm import CommError, init_distributed
-from .executor import StageExecutor
+from .config import Config
+from .device import DeviceSpec
+from .driver import Planned, plan_model, split_stages
+from .passes.capture import CapturedGraph, batch_size_of, capture_pass
+from .passes.optcost import ParameterCosts, parameter_costs
+from .passes.shapes import infer_values_pass
+from .plan import Plan
 from .probe import measure_link
+from .runtime import AloneExecutor, StageExecutor, build_executor
+from .runtime.comm import CommError, init_distributed
 
 __all__ = ["CompiledModel", "compile"]
 
@@ -144,7 +140,8 @@ class CompiledModel(nn.Module):
         with _untouched(model):
             if planned:
                 try:
-                    plan, captured, values = self._plan_here(args, kwargs, world)
+                    here = self._plan_here(args, kwargs, world)
+                    plan, captured, values = here.plan, here.captured, here.values
                 except Exception as e:
                     _broadcast_plan(e, rank, world)  # the others must hear of it, not time out
                     raise
@@ -160,7 +157,7 @@ class CompiledModel(nn.Module):
             plan = _broadcast_plan(plan if planned else None, rank, world)
         else:
             plan = self._load_given(captured, world)
-        stages = split_pass(captured, plan, values=values)
+        stages = split_stages(Planned(plan, captured, values, 0.0), cfg)
         stage = stages[plan.stage_of_rank(rank).index]
         _free_all_but(model, stage)
         if self._optimizer is not None:
@@ -169,21 +166,15 @@ class CompiledModel(nn.Module):
         self.model = None  # drops the full model; `stage` holds the parameters that remain
         self._executor = build_executor(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
 
-    def _plan_here(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int
-    ) -> tuple[Plan, CapturedGraph, dict[str, ValueSpec]]:
+    def _plan_here(self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int) -> Planned:
         """Rank 0: capture, profile and search for the global batch of all ranks."""
         assert self.model is not None
         cfg = self.config
         local = batch_size_of(list(_leaves(args, kwargs)), cfg.batch_dim)
-        a = analyze(
+        return plan_model(
             self.model, args, kwargs, world_size=world, config=cfg, global_batch=local * world,
             optimizer=self._optimizer, param_costs=self._param_costs,
-        )
-        t0 = time.perf_counter()
-        result = search_pass(a.table, a.space)
-        plan = build_plan(a, result, search_seconds=time.perf_counter() - t0)
-        return plan, a.captured, a.values
+        )  # fmt: skip
 
     def _load_given(self, captured: CapturedGraph, world: int) -> Plan:
         given = self._given

@@ -1,0 +1,265 @@
+"""Per-stage memory of GPipe, 1F1B and recomputation on CPU ranks, against the plan's prediction.
+
+Run with torchrun (gloo, one thread per rank):
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/memory_cpu.py --mode schedules
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/memory_cpu.py --mode budget
+
+``--mode schedules``: the GPT of ``runtime_common`` on a forced split (one replica per stage,
+``--micro-batches``, every layer a leaf), once per schedule x recomputation. Per stage:
+
+- saved activations: the peak of the bytes autograd holds at once during a step, counted
+  exactly with saved-tensor hooks (unique storages, parameters and buffers excluded, a storage
+  counted from its first save until autograd drops its last), against the plan's
+  ``activations`` (in-flight micro-batches x a micro-batch's saved bytes; one micro-batch's when
+  recomputing);
+- the step's memory: the peak of the process's resident memory during a step (sampled every
+  0.2 ms from ``/proc/self/statm``) above its level before the step, against the plan's
+  ``activations + comm_buffers + workspace`` (parameters, gradients and Adam state exist before
+  the step and are exact, see runtime_prediction_cpu_202611.md).
+
+``--mode budget``: ``Config(device_memory=...)`` set so that no GPipe plan without
+recomputation fits (below the least largest-stage memory such plans need), the search then
+picks its plan; training with it, every rank's peak (static bytes + the measured step memory)
+must stay within the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_common import GPT, add_model_args, environment, make_batch  # noqa: E402
+
+import rannc_fx  # noqa: E402
+from rannc_fx import Config  # noqa: E402
+from rannc_fx.passes.search import NoFeasiblePlan, search_pass  # noqa: E402
+
+MiB = 2**20
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--mode", choices=("schedules", "budget"), default="schedules",
+                   help="schedules: forced split, each schedule x recomputation; budget: a "
+                   "budget no GPipe plan without recomputation fits (default: schedules)")
+    add_model_args(p)
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="schedules: micro-batches (default: 4)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps per variant (default: 4)")
+    p.add_argument("--budget-fraction", type=float, default=0.85,
+                   help="budget: the budget as a fraction of the least largest-stage memory "
+                   "of GPipe without recomputation (default: 0.85)")
+    return p.parse_args(argv)
+
+
+class SavedBytes:
+    """Saved-tensor hooks that track the bytes autograd holds at once, and their peak."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded = excluded
+        self.count: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr in self.excluded or t.device.type == "meta":
+            return t
+        if self.count.get(ptr, 0) == 0:
+            self.live += s.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.count[ptr] = self.count.get(ptr, 0) + 1
+        holder = _Held(t)
+        weakref.finalize(holder, self._drop, ptr, s.nbytes())
+        return holder
+
+    def unpack(self, x: Any) -> torch.Tensor:
+        return x.t if isinstance(x, _Held) else x
+
+    def _drop(self, ptr: int, nbytes: int) -> None:
+        self.count[ptr] -= 1
+        if self.count[ptr] == 0:
+            self.live -= nbytes
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+class RssPeak:
+    """The peak resident memory of this process while the context is open (a sampling thread)."""
+
+    def __enter__(self) -> RssPeak:
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def measure(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor,
+            steps: int) -> dict[str, float]:
+    """Per step: peak saved bytes and peak RSS above the step's start; medians over steps."""
+    stage = model.stages[0]
+    excluded = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+    saved, rss = [], []
+    for _ in range(steps):
+        hooks = SavedBytes(excluded)
+        dist.barrier()
+        with RssPeak() as peak, torch.autograd.graph.saved_tensors_hooks(hooks.pack,
+                                                                         hooks.unpack):
+            loss = model(ids, labels)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        del loss
+        saved.append(hooks.peak)
+        rss.append(peak.peak - peak.base)
+    return {"saved": sorted(saved)[len(saved) // 2], "rss": sorted(rss)[len(rss) // 2]}
+
+
+def run_variant(base: GPT, cfg: Config, ids: torch.Tensor, labels: torch.Tensor,
+                steps: int) -> tuple[Any, dict[str, float]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = ids.shape[0] // world
+    mine = slice(rank * local, (rank + 1) * local)
+    model = copy.deepcopy(base)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    cm = rannc_fx.compile(model, opt, cfg)
+    for _ in range(2):  # plan, then a warm step (allocator pools, optimizer state)
+        cm(ids[mine], labels[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+    return cm.plan, measure(cm, opt, ids[mine], labels[mine], steps)
+
+
+def _row(name: str, plan: Any, got: dict[str, float]) -> str:
+    rank = dist.get_rank()
+    st = plan.stage_of_rank(rank)
+    mem = st.memory
+    step_pred = mem.activations + mem.comm_buffers + mem.workspace
+    return (f"| {name} | {st.index} | {'yes' if st.recompute else 'no'} | "
+            f"{plan.in_flight(st.index)} | {mem.activations / MiB:.2f} | {got['saved'] / MiB:.2f} "
+            f"| {100 * (mem.activations - got['saved']) / got['saved']:+.1f}% | "
+            f"{step_pred / MiB:.2f} | {got['rss'] / MiB:.2f} | "
+            f"{100 * (step_pred - got['rss']) / got['rss']:+.1f}% |")
+
+
+def _print_rows(rows: list[str]) -> None:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        print("| variant | stage | recompute | in flight | predicted activations MiB | measured "
+              "saved peak MiB | error | predicted step memory MiB | measured RSS peak above "
+              "step start MiB | error |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        for i in range(len(rows)):
+            for r in everyone:
+                print(r[i])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    base = GPT(args.vocab, args.d_model, args.heads, args.layers, args.seq)
+    ids, labels = make_batch(args.vocab, args.batch, args.seq)
+    common = dict(profile_cache_dir=None, leaf_modules=("Block",))
+    rows: list[str] = []
+    if args.mode == "schedules":
+        for schedule in ("gpipe", "1f1b"):
+            for recompute in (False, True):
+                cfg = Config(replicas=(1,) * world, micro_batches=args.micro_batches,
+                             schedule=schedule, recompute=recompute, **common)
+                plan, got = run_variant(base, cfg, ids, labels, args.steps)
+                rows.append(_row(f"{schedule}{' + recompute' if recompute else ''}", plan, got))
+        _print_rows(rows)
+    else:
+        need = _gpipe_need(base, ids, labels, world, Config(**common))
+        cfg0 = Config(**common)
+        budget = args.budget_fraction * need
+        cfg = cfg0.model_copy(update={"device_memory": int(budget / (1 - cfg0.memory_margin))})
+        plan, got = run_variant(base, cfg, ids, labels, args.steps)
+        rows.append(_row("searched under the budget", plan, got))
+        _print_rows(rows)
+        st = plan.stage_of_rank(dist.get_rank())
+        static = st.memory.params + st.memory.grads + st.memory.optimizer_state
+        peaks: list[Any] = [None] * world
+        dist.all_gather_object(peaks, (st.index, static, got["rss"]))
+        if dist.get_rank() == 0:
+            print(f"\nGPipe without recomputation needs at least {need / MiB:.2f} MiB per device; "
+                  f"budget {budget / MiB:.2f} MiB ({args.budget_fraction:.2f} of it, "
+                  f"device_memory={cfg.device_memory})")
+            print(plan.summary())
+            for s, stat, step in peaks:
+                print(f"- stage {s}: static {stat / MiB:.2f} MiB + step peak {step / MiB:.2f} "
+                      f"MiB = {(stat + step) / MiB:.2f} MiB, {100 * (stat + step) / budget:.1f}% "
+                      "of the budget")
+    if dist.get_rank() == 0:
+        print("\n" + "\n".join(environment()))
+        print(f"- command: torchrun --nproc-per-node {world} benchmarks/memory_cpu.py "
+              + " ".join(sys.argv[1:]))
+    dist.destroy_process_group()
+
+
+def _gpipe_need(base: GPT, ids: torch.Tensor, labels: torch.Tensor, world: int,
+                cfg: Config) -> float:
+    """The least largest-stage memory of any GPipe plan without recomputation (rank 0 plans,
+    every rank gets the figure)."""
+    import dataclasses
+
+    from rannc_fx.driver import analyze
+
+    out: list[Any] = [None]
+    if dist.get_rank() == 0:
+        a = analyze(copy.deepcopy(base), (ids, labels), world_size=world, config=cfg,
+                    global_batch=ids.shape[0])
+        space = dataclasses.replace(a.space, memory_budget=1.0, schedules=("gpipe",),
+                                    recompute=False)
+        try:
+            search_pass(a.table, space)
+            raise SystemExit("a 1-byte budget fits: the model has no memory to plan for")
+        except NoFeasiblePlan as e:
+            out[0] = e.largest_stage_bytes
+    dist.broadcast_object_list(out, src=0)
+    return float(out[0])
+
+
+if __name__ == "__main__":
+    main()

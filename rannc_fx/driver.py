@@ -1,0 +1,409 @@
+"""The one driver of the compiler: capture -> shapes -> profile -> group -> costs -> search ->
+plan -> split. ``partition()`` (offline) and ``compile()`` (training) both plan through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from .config import Config
+from .device import DeviceSpec
+from .passes.capture import CapturedGraph, capture_pass
+from .passes.costs import build_cost_table
+from .passes.group import BlockGraph, group_pass
+from .passes.optcost import ParameterCosts, parameter_costs
+from .passes.profile import Profile, profile_pass
+from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
+from .passes.shapes import infer_values_pass
+from .passes.split import split_pass, stage_interfaces
+from .plan import (
+    Block,
+    CutValue,
+    MemoryEstimate,
+    OutputRef,
+    Plan,
+    SharedParam,
+    Stage,
+    ValueSpec,
+    loss_output,
+)
+
+__all__ = ["Analysis", "Planned", "analyze", "build_plan", "plan_model", "split_stages"]
+
+log = logging.getLogger("rannc_fx")
+
+
+@dataclass
+class Planned:
+    """A plan with the captured graph and value specs it was made from (what ``split`` needs)."""
+
+    plan: Plan
+    captured: CapturedGraph
+    values: dict[str, ValueSpec]
+    started: float
+
+
+def plan_model(
+    model: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    world_size: int,
+    device: DeviceSpec | str | torch.device | None = None,
+    config: Config | None = None,
+    global_batch: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    param_costs: ParameterCosts | None = None,
+) -> Planned:
+    """Every pass up to the plan: ``analyze``, then the search and ``build_plan``."""
+    a = analyze(
+        model, example_args, example_kwargs, world_size=world_size, device=device,
+        config=config, global_batch=global_batch, optimizer=optimizer, param_costs=param_costs,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    result = search_pass(a.table, a.space)
+    plan = build_plan(a, result, search_seconds=time.perf_counter() - t0)
+    return Planned(plan, a.captured, a.values, a.started)
+
+
+def split_stages(planned: Planned, config: Config | None = None) -> list[fx.GraphModule]:
+    """One GraphModule per stage (``Config.debug`` logs each one's code)."""
+    plan = planned.plan
+    stages = split_pass(planned.captured, plan, values=planned.values)
+    if config is not None and config.debug:
+        for st, gm in zip(plan.stages, stages, strict=True):
+            log.info("stage %d (blocks %d-%d):\n%s", st.index, st.first_block,
+                     st.end_block - 1, gm.print_readable(print_output=False))
+    return stages
+
+
+@dataclass
+class Analysis:
+    """Everything the passes before the search produce; benchmarks compare plans on ``table``."""
+
+    captured: CapturedGraph
+    values: dict[str, ValueSpec]
+    profile: Profile
+    blocks: BlockGraph
+    table: CostTable
+    space: SearchSpace
+    spec: DeviceSpec
+    cost_model: Literal["measured", "analytic"]
+    config: Config
+    started: float
+
+
+def analyze(
+    model: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    world_size: int,
+    device: DeviceSpec | str | torch.device | None = None,
+    config: Config | None = None,
+    global_batch: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    param_costs: ParameterCosts | None = None,
+) -> Analysis:
+    """Run capture, shapes, profile, group and costs: the inputs of the search.
+
+    ``param_costs`` (optimizer step and gradient accumulation per tensor) are measured here
+    unless given (``compile()`` measures them on every rank at once).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: need at least one device")
+    cfg = Config.from_env(config)
+    kwargs = dict(example_kwargs or {})
+    t0 = time.perf_counter()
+    if any(p.device.type == "meta" for p in model.parameters()):
+        # a meta model computes on meta: bring real example inputs along (shapes are all we use)
+        example_args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to("meta"), (tuple(example_args), kwargs)
+        )
+
+    captured = capture_pass(
+        model, tuple(example_args), kwargs,
+        tracer=cfg.tracer, leaf_modules=cfg.leaf_modules, batch_dim=cfg.batch_dim,
+    )
+    flat = captured.flatten_inputs(tuple(example_args), kwargs)
+    values = infer_values_pass(captured, flat, batch_dim=cfg.batch_dim)
+    batch = global_batch or _batch_size(captured, values, flat, cfg.batch_dim)
+
+    spec, run_device, cost_model = _resolve_device(model, device, cfg)
+    budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
+    loss = loss_output([values[n] for n in captured.output_names])
+    space = _search_space(cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec,
+                          one_loss=loss is not None)
+    sizes = needed_sizes(space)
+
+    profile = profile_pass(
+        captured, flat, values,
+        batch_sizes=_profile_sizes(sizes),
+        device_spec=spec,
+        cost_model=cost_model,
+        device=run_device,
+        cache_dir=cfg.profile_cache_dir,
+        repeats=cfg.profile_repeats,
+    )
+    blocks = group_pass(captured, profile, values, max_blocks=cfg.max_blocks)
+    if cfg.debug:
+        log.info("captured graph:\n%s", captured.gm.print_readable(print_output=False))
+        for b, nodes in enumerate(blocks.blocks):
+            log.info("block %d: %s", b, " ".join(nodes))
+    if param_costs is None:
+        measure_on = run_device if cost_model == "measured" else None
+        param_costs = parameter_costs(optimizer, measure_on, spec, cfg.optimizer_state_factor)
+    table = build_cost_table(
+        captured, blocks, profile, values, sizes=sizes,
+        optimizer=param_costs.optimizer, accumulate=param_costs.accumulate,
+    )
+    return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _batch_size(
+    captured: CapturedGraph, values: dict[str, ValueSpec], flat: list[torch.Tensor], batch_dim: int
+) -> int:
+    for name, t in zip(captured.input_names, flat, strict=True):
+        v = values[name]
+        if v.kind == "tensor" and v.batch_dim is not None:
+            return int(t.shape[v.batch_dim]) // v.shape[v.batch_dim]
+    raise ValueError(
+        f"no input has a batch dimension (dim {batch_dim}) that varies with the batch size; "
+        "rannc_fx splits micro-batches along it: set Config(batch_dim=...) to the right dimension"
+    )
+
+
+def _resolve_device(
+    model: nn.Module, device: DeviceSpec | str | torch.device | None, cfg: Config
+) -> tuple[DeviceSpec, torch.device | None, Literal["measured", "analytic"]]:
+    """(spec, device to measure on or None, cost model)."""
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if isinstance(device, DeviceSpec) or (isinstance(device, str) and device in DeviceSpec.presets()):
+        spec = device if isinstance(device, DeviceSpec) else DeviceSpec.preset(device)
+        run: torch.device | None = None
+    else:
+        if device is None:
+            p = next(model.parameters(), None)
+            run = p.device if p is not None else torch.device("cpu")
+        else:
+            run = torch.device(device)
+        if run.type == "meta":
+            raise ValueError(
+                "the model's parameters are on the meta device, so nothing can be measured; "
+                f"pass device=<a preset: {', '.join(DeviceSpec.presets())}> or a DeviceSpec "
+                "to plan it with the analytic cost model"
+            )
+        spec = DeviceSpec.of(run)
+    links = {
+        "interconnect_bandwidth": cfg.link_bandwidth,
+        "interconnect_latency": cfg.link_latency,
+        "allreduce_bandwidth": cfg.allreduce_bandwidth,
+    }
+    spec = spec.model_copy(update={k: v for k, v in links.items() if v is not None})
+    cost_model: Literal["measured", "analytic"]
+    if cfg.cost_model == "auto":
+        cost_model = "analytic" if (on_meta or run is None) else "measured"
+    else:
+        cost_model = cfg.cost_model
+    if cost_model == "measured" and (on_meta or run is None):
+        raise ValueError(
+            "cost_model='measured' needs a real device and real weights; "
+            + ("the model is on the meta device" if on_meta else f"device={spec.name!r} is a spec")
+            + ": use cost_model='analytic' (or 'auto')"
+        )
+    return spec, run, cost_model
+
+
+def _search_space(
+    cfg: Config,
+    *,
+    world_size: int,
+    global_batch: int,
+    budget: int,
+    spec: DeviceSpec,
+    one_loss: bool = True,
+) -> SearchSpace:
+    if cfg.replicas is not None and sum(cfg.replicas) != world_size:
+        raise ValueError(
+            f"replicas={list(cfg.replicas)} sum to {sum(cfg.replicas)}, not the world size "
+            f"{world_size}; give counts that add up to {world_size}"
+        )
+    if cfg.micro_batches is not None:
+        if cfg.micro_batches > global_batch:
+            raise ValueError(
+                f"micro_batches={cfg.micro_batches} exceeds the global batch of {global_batch} "
+                "samples; use at most that many micro-batches"
+            )
+        candidates: tuple[int, ...] = (cfg.micro_batches,)
+    else:
+        limit = min(cfg.max_micro_batches, global_batch)
+        pow2 = {1 << i for i in range(limit.bit_length()) if (1 << i) <= limit}
+        divisors = {d for d in range(1, limit + 1) if global_batch % d == 0}
+        candidates = tuple(sorted(pow2 | divisors))
+    if cfg.schedule == "1f1b" and not one_loss:
+        raise ValueError(
+            "schedule='1f1b' runs each micro-batch's backward inside the call, which needs the "
+            "model's only output that carries a gradient to be a scalar loss; this model "
+            "returns none or several (an auxiliary loss?): return their sum as the loss, or use "
+            "schedule='gpipe' (or None, searched)"
+        )
+    schedules = (cfg.schedule,) if cfg.schedule else ("gpipe", "1f1b") if one_loss else ("gpipe",)
+    return SearchSpace(
+        world_size=world_size,
+        global_batch=global_batch,
+        memory_budget=budget,
+        link_bandwidth=spec.interconnect_bandwidth,
+        link_latency=spec.interconnect_latency,
+        allreduce_bandwidth=spec.allreduce_bandwidth,
+        optimizer_state_factor=cfg.optimizer_state_factor,
+        micro_batches=candidates,
+        stages=cfg.forced_stages,
+        replicas=cfg.replicas,
+        schedules=schedules,
+        recompute=cfg.recompute,
+    )
+
+
+def _profile_sizes(sizes: tuple[int, ...], most: int = 4) -> tuple[int, ...]:
+    """At most ``most`` sizes spread geometrically over ``sizes``; the rest are interpolated."""
+    if len(sizes) <= most:
+        return tuple(sizes)
+    lo, hi = math.log(sizes[0]), math.log(sizes[-1])
+    picks = {sizes[0], sizes[-1]}
+    for k in range(1, most - 1):
+        target = math.exp(lo + (hi - lo) * k / (most - 1))
+        picks.add(min(sizes, key=lambda s: abs(s - target)))
+    return tuple(sorted(picks))
+
+
+def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0) -> Plan:
+    """Assemble the Plan: blocks and stages with predicted costs, cut values, outputs."""
+    captured, values, profile, blocks, space = a.captured, a.values, a.profile, a.blocks, a.space
+    ms = 1e3
+    node_stage: dict[str, int] = {}
+    block_stage: list[int] = []
+    for s, choice in enumerate(result.stages):
+        for b in range(choice.start, choice.end):
+            block_stage.append(s)
+            for name in blocks.blocks[b]:
+                node_stage[name] = s
+    ifaces = stage_interfaces(captured, node_stage, values, len(result.stages))
+
+    param_bytes = _param_bytes(captured)
+    plan_blocks = []
+    for b, nodes in enumerate(blocks.blocks):
+        samples = result.evaluation.stages[block_stage[b]].samples
+        plan_blocks.append(Block(
+            index=b,
+            nodes=nodes,
+            fwd_ms=ms * sum(profile.at(n, "fwd_s", samples) for n in nodes),
+            bwd_ms=ms * sum(profile.at(n, "bwd_s", samples) for n in nodes),
+            param_bytes=sum(param_bytes.get(p, 0) for p in blocks.params[b]),
+            activation_bytes=int(sum(profile.at(n, "saved_bytes", samples) for n in nodes)),
+        ))
+
+    stage_params: list[set[str]] = [set() for _ in result.stages]
+    for b, read in enumerate(blocks.params):
+        stage_params[block_stage[b]].update(read)
+    params_set = {n for n, _ in captured.gm.named_parameters(remove_duplicate=False)}
+
+    stages: list[Stage] = []
+    rank = 0
+    for s, (choice, cost) in enumerate(zip(result.stages, result.evaluation.stages, strict=True)):
+        names = sorted(stage_params[s])
+        stages.append(Stage(
+            index=s,
+            first_block=choice.start,
+            end_block=choice.end,
+            replicas=choice.replicas,
+            ranks=tuple(range(rank, rank + choice.replicas)),
+            samples=cost.samples,
+            num_nodes=sum(len(blocks.blocks[b]) for b in range(choice.start, choice.end)),
+            param_names=tuple(n for n in names if n in params_set),
+            buffer_names=tuple(n for n in names if n not in params_set),
+            inputs=ifaces[s].inputs,
+            outputs=ifaces[s].outputs,
+            fwd_ms=ms * cost.fwd_s,
+            bwd_ms=ms * cost.bwd_s,
+            comm_ms=ms * cost.comm_s,
+            allreduce_ms=ms * cost.allreduce_s,
+            optimizer_ms=ms * cost.optimizer_s,
+            accumulate_ms=ms * cost.accumulate_s,
+            recompute=choice.recompute,
+            memory=MemoryEstimate(
+                params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
+                activations=cost.activations, comm_buffers=cost.comm_buffers,
+                workspace=cost.workspace,
+            ),
+        ))
+        rank += choice.replicas
+
+    cut_values = tuple(
+        CutValue(producer=p, consumers=tuple(c), spec=values[name])
+        for name, p, c in ifaces[0].cut_values
+    ) if ifaces else ()
+    outputs = tuple(
+        OutputRef(index=i, stage=node_stage.get(name, 0), spec=values[name])
+        for i, name in enumerate(captured.output_names)
+    )
+    # buffers read by several stages (a rotary embedding's inv_freq) are copied into each:
+    # only parameters have gradients to sum over their holders
+    shared = _shared_params(captured, [names & params_set for names in stage_params])
+
+    return Plan(
+        model_fingerprint=captured.fingerprint(),
+        tracer=captured.tracer,
+        world_size=space.world_size,
+        global_batch=space.global_batch,
+        micro_batches=result.micro_batches,
+        schedule="1f1b" if result.schedule == "1f1b" else "gpipe",
+        device=a.spec,
+        cost_model=a.cost_model,
+        memory_budget=int(space.memory_budget),
+        optimizer_state_factor=space.optimizer_state_factor,
+        blocks=tuple(plan_blocks),
+        stages=tuple(stages),
+        inputs=tuple(values[n] for n in captured.input_names),
+        outputs=outputs,
+        cut_values=cut_values,
+        shared_params=shared,
+        predicted_step_ms=ms * result.evaluation.step_s,
+        search_seconds=search_seconds,
+    )
+
+
+def _param_bytes(captured: CapturedGraph) -> dict[str, int]:
+    gm = captured.gm
+    out = {n: p.numel() * p.element_size() for n, p in gm.named_parameters(remove_duplicate=False)}
+    out.update(
+        {n: b.numel() * b.element_size() for n, b in gm.named_buffers(remove_duplicate=False)}
+    )
+    return out
+
+
+def _shared_params(captured: CapturedGraph, stage_params: list[set[str]]) -> tuple[SharedParam, ...]:
+    """Parameters (under any of their names) that more than one stage reads."""
+    canon = captured.aliases
+    users: dict[str, set[int]] = {}
+    for s, names in enumerate(stage_params):
+        for n in names:
+            users.setdefault(canon.get(n, n), set()).add(s)
+    aliases_of: dict[str, list[str]] = {}
+    for alias, c in canon.items():
+        aliases_of.setdefault(c, []).append(alias)
+    return tuple(
+        SharedParam(name=n, aliases=tuple(sorted(aliases_of.get(n, []))), stages=tuple(sorted(s)))
+        for n, s in sorted(users.items())
+        if len(s) > 1
+    )

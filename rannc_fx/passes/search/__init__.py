@@ -1,0 +1,41 @@
+"""Search stage boundaries, replicas, micro-batches, schedule and recomputation exactly.
+
+The search imports numpy only (no torch); its modules, in the order a search uses them:
+
+    model       the cost model (its docstring has the formulas), the types, ``evaluate``
+    candidates  every stage of one micro-batch count, costed; 1F1B's in-flight limits
+    kernel      the DP over the block chain (a stage's weight is one number)
+    layers      the 1F1B DP (a stage's weight depends on its position from the end)
+    scan        ``search_pass``: the exact optimum by a threshold scan over the bottleneck
+    explain     ``NoFeasiblePlan``: why nothing fits, and what would
+"""
+
+from .explain import NoFeasiblePlan
+from .model import (
+    SCHEDULES,
+    CostTable,
+    Evaluation,
+    SearchResult,
+    SearchSpace,
+    StageChoice,
+    StageCost,
+    evaluate,
+    needed_sizes,
+    samples_per_replica,
+)
+from .scan import search_pass
+
+__all__ = [
+    "SCHEDULES",
+    "CostTable",
+    "Evaluation",
+    "NoFeasiblePlan",
+    "SearchResult",
+    "SearchSpace",
+    "StageChoice",
+    "StageCost",
+    "evaluate",
+    "needed_sizes",
+    "samples_per_replica",
+    "search_pass",
+]

@@ -1,0 +1,188 @@
+"""The DP over the block chain: least sum (or max) of stage weights per (block, state).
+
+This module imports numpy only (no torch). A candidate stage is an edge from block ``start``
+to block ``end`` that uses ``reps`` ranks; the state counts what the stages so far used:
+
+* ranks used so far (nothing forced),
+* (stages so far, ranks used) with a forced stage count,
+* stages so far with forced replica counts.
+
+One DP is O(E * Z) vectorised operations (E edges, Z states) in chunks that stay in cache. A
+stage's weight here is one number per edge; ``layers`` extends the states with the stage's
+position from the end, where a 1F1B stage's weight depends on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model import SearchSpace
+
+__all__ = ["Edges", "States", "backtrack", "backward", "build_states", "forward", "groups",
+           "through_bound"]
+
+_CHUNK = 1 << 15  # elements of the DP temporaries: small enough to stay in cache
+
+
+@dataclass(frozen=True)
+class States:
+    """The DP state axis: ranks used so far; (stages, ranks) with a forced stage count;
+    stages with forced replicas.
+
+    ``src[r, z]`` is the state before a stage of ``r`` replicas that ends in state ``z``, and
+    ``dst[r, z]`` the state after one that starts in ``z``; ``size`` (one past the last state)
+    stands for "none" and indexes an always-infinite pad column.
+    """
+
+    size: int
+    final: int
+    src: np.ndarray
+    dst: np.ndarray
+    replicas: tuple[int, ...]
+
+
+def build_states(space: SearchSpace) -> States:
+    W = space.world_size
+    if space.replicas is not None:
+        R = space.replicas
+        Z, final, reps = len(R) + 1, len(R), tuple(sorted(set(R)))
+        src = np.full((W + 1, Z), Z)
+        for s, r in enumerate(R):
+            src[r, s + 1] = s
+    else:
+        S = space.stages or 0
+        Z = (S + 1) * (W + 1) if S else W + 1
+        final, reps = Z - 1, tuple(range(1, W + 1))
+        z = np.arange(Z)
+        n = z % (W + 1)
+        src = np.full((W + 1, Z), Z)
+        for r in reps:
+            back = z - r - (W + 1 if S else 0)
+            src[r] = np.where((n >= r) & (back >= 0), back, Z)
+    dst = np.full((W + 1, Z), Z)
+    for r in range(W + 1):
+        ok = src[r] < Z
+        dst[r, src[r][ok]] = np.flatnonzero(ok)
+    return States(Z, final, src, dst, reps)
+
+
+@dataclass(frozen=True)
+class Edges:
+    """Candidate stages of one m: blocks [start, end) on ``reps`` replicas, with t, u, memory
+    and whether the stage recomputes (``rho``).
+
+    Sorted by end block (the DPs walk them in groups of one end block).
+    """
+
+    start: np.ndarray
+    end: np.ndarray
+    reps: np.ndarray
+    t: np.ndarray
+    u: np.ndarray
+    mem: np.ndarray
+    rho: np.ndarray
+
+    def take(self, idx: np.ndarray) -> Edges:
+        return Edges(self.start[idx], self.end[idx], self.reps[idx], self.t[idx], self.u[idx],
+                     self.mem[idx], self.rho[idx])
+
+
+def groups(key: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Edges whose sorted ``key`` is b are [out[b], out[b + 1])."""
+    return np.searchsorted(key, np.arange(num_blocks + 2))
+
+
+def _min_rows(table: np.ndarray, rows: np.ndarray, w: np.ndarray, buf: np.ndarray, *,
+              bottleneck: bool = False) -> np.ndarray:
+    """min over k of table[rows[k]] + w[k] (or max(., w[k])), in chunks that stay in cache."""
+    op = np.maximum if bottleneck else np.add
+    acc = np.full(table.shape[1], np.inf)
+    for a in range(0, len(rows), len(buf)):
+        c = buf[: min(len(buf), len(rows) - a)]
+        np.take(table, rows[a : a + len(buf)], axis=0, out=c)
+        op(c, w[a : a + len(buf), None], out=c)
+        np.minimum(acc, c.min(axis=0), out=acc)
+    return acc
+
+
+def _scratch(states: States) -> np.ndarray:
+    return np.empty((max(1, _CHUNK // states.size), states.size))
+
+
+def forward(e: Edges, w: np.ndarray, states: States, num_blocks: int, *,
+            bottleneck: bool = False, hi: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Least sum (or max) of ``w`` over stages from block 0 to each (block, state).
+
+    Returns the values D (B + 1, Z + 1) and ``shifted[i, r, z] = D[i, src[r, z]]`` for
+    ``backtrack``. ``hi`` ends each block's group early (edges sorted by u, a threshold).
+    """
+    B, Z, nr = num_blocks, states.size, states.src.shape[0]
+    lo = groups(e.end, B)
+    hi = lo[1:] if hi is None else hi
+    D = np.full((B + 1, Z + 1), np.inf)
+    D[0, 0] = -np.inf if bottleneck else 0.0
+    shifted = np.full((B + 1, nr, Z), np.inf)
+    shifted[0] = D[0][states.src]
+    flat, rows, buf = shifted.reshape(-1, Z), e.start * nr + e.reps, _scratch(states)
+    for j in range(1, B + 1):
+        a, b = lo[j], hi[j]
+        if a < b:
+            D[j, :Z] = _min_rows(flat, rows[a:b], w[a:b], buf, bottleneck=bottleneck)
+            shifted[j] = D[j][states.src]
+    return D, shifted
+
+
+def backtrack(e: Edges, w: np.ndarray, shifted: np.ndarray, states: States,
+              num_blocks: int, *, bottleneck: bool = False, hi: np.ndarray | None = None
+              ) -> list[int]:
+    """The edges of the plan ``forward`` found (the first best edge of each group)."""
+    lo = groups(e.end, num_blocks)
+    hi = lo[1:] if hi is None else hi
+    j, z, path = num_blocks, states.final, []
+    while j > 0:
+        a, b = int(lo[j]), int(hi[j])
+        prev = shifted[e.start[a:b], e.reps[a:b], z]
+        k = a + int(np.argmin(np.maximum(prev, w[a:b]) if bottleneck else prev + w[a:b]))
+        path.append(k)
+        z, j = int(states.src[e.reps[k], z]), int(e.start[k])
+    return path[::-1]
+
+
+def backward(e: Edges, states: States, num_blocks: int) -> np.ndarray:
+    """Least sum of t over stages from each (block, state) to the end."""
+    B, Z, nr = num_blocks, states.size, states.dst.shape[0]
+    order = np.argsort(e.start, kind="stable")
+    lo = groups(e.start[order], B)
+    P = np.full((B + 1, Z + 1), np.inf)
+    P[B, states.final] = 0.0
+    shifted = np.full((B + 1, nr, Z), np.inf)  # [j, r, z] = P[j, dst[r, z]]
+    shifted[B] = P[B][states.dst]
+    flat, buf = shifted.reshape(-1, Z), _scratch(states)
+    rows, t = (e.end * nr + e.reps)[order], e.t[order]
+    for i in range(B - 1, -1, -1):
+        a, b = lo[i], lo[i + 1]
+        if a < b:
+            P[i, :Z] = _min_rows(flat, rows[a:b], t[a:b], buf)
+            shifted[i] = P[i][states.dst]
+    return P
+
+
+def through_bound(e: Edges, pre: np.ndarray, post: np.ndarray, states: States,
+                  num_blocks: int) -> np.ndarray:
+    """Per edge, the least sum of t over the other stages of whole plans that use it."""
+    Z, nr = states.size, states.src.shape[0]
+    before = pre[:, states.src].reshape(-1, Z)  # [i * nr + r]: best prefix, then r replicas
+    rows, buf = e.start * nr + e.reps, _scratch(states)
+    lo = groups(e.end, num_blocks)
+    out = np.empty(len(e.t))
+    for j in range(1, num_blocks + 1):
+        for a in range(lo[j], lo[j + 1], len(buf)):
+            b = min(a + len(buf), lo[j + 1])
+            c = buf[: b - a]
+            np.take(before, rows[a:b], axis=0, out=c)
+            np.add(c, post[j, :Z], out=c)
+            out[a:b] = c.min(axis=1)
+    return out

@@ -1,0 +1,201 @@
+"""The 1F1B DP: stages whose weight depends on their position from the end.
+
+This module imports numpy only (no torch). Under 1F1B a stage d stages from the end holds
+n = min(m, d) micro-batches in flight, so whether it fits, and whether it must recompute,
+depends on d. A variant of a stage (recomputing or not) is an *entry* that is valid where
+lo <= n <= fit. Past D = 1 + (the largest of the entries' limits fit and lo - 1 that are
+below m) nothing changes any more, so positions d >= D are one layer.
+
+The DP walks the blocks forward; the state after a stage is (its position d, capped at D;
+ranks used so far). The stage before one at d sits at min(d + 1, D) -- one source per state,
+so the min-plus is the usual one, with the entry's weight picked by the state's layer:
+
+    stage     0     1    ...  S-3   S-2   S-1        (S stages; d = S - s)
+    layer     D     D    ...   3     2     1         (d >= D share layer D)
+    start: (every layer, 0 ranks) at block 0       final: (layer 1, all ranks) at block B
+
+With a forced stage count (or forced replicas) the stages so far give d = S - s exactly, and
+the layer is just a function of the state. The weights of a group of entries are computed
+per layer as needed (a callback), so nothing of size entries x layers is kept.
+
+An entry reads the DP row of its start block through ``src[r]`` (the states before a stage
+of r replicas). Those shifted rows are kept for the (start, r) pairs the entries use while
+they fit in ``_ROWS`` elements -- after the search's bounds few pairs are left -- and are
+gathered entry by entry otherwise (slower per element, but memory stays blocks x states).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernel import groups
+from .model import SearchSpace
+
+__all__ = ["Entries", "Layers", "Weights", "backtrack", "build_layers", "forward", "max_depth"]
+
+_CHUNK = 1 << 16  # elements of the DP temporaries (half a MiB)
+_ROWS = 1 << 22  # elements of the kept shifted rows (32 MiB)
+
+# entries [a, b) of the group being reduced -> their weights per state block, (b - a, blocks)
+Weights = Callable[[int, int], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The states: blocks of ``width`` columns, block b holding stages at ``depth[b]``.
+
+    ``src[r, z]``: the state before a stage of r replicas that ends in state z; ``size``
+    (one past the last state) stands for "none" and indexes an always-infinite pad column.
+    """
+
+    size: int
+    width: int
+    depth: np.ndarray
+    src: np.ndarray
+    init: np.ndarray
+    final: int
+
+
+def max_depth(space: SearchSpace, num_blocks: int) -> int:
+    """The most stages a plan of the space can have (no position from the end is larger)."""
+    if space.replicas is not None:
+        return len(space.replicas)
+    return space.stages or min(num_blocks, space.world_size)
+
+
+def build_layers(space: SearchSpace, cap: int) -> Layers:
+    """States for positions from the end capped at ``cap`` (the D above)."""
+    W = space.world_size
+    if space.replicas is not None or space.stages:
+        S = len(space.replicas) if space.replicas is not None else int(space.stages or 0)
+        width = 1 if space.replicas is not None else W + 1
+        nb = S + 1  # block s: s stages so far, so the last of them is S - s + 1 from the end
+        depth = np.minimum(S + 1 - np.arange(nb), cap)
+        Z = nb * width
+        src = np.full((W + 1, Z), Z)
+        if space.replicas is not None:
+            for k, r in enumerate(space.replicas):
+                src[r, k + 1] = k
+            final = S
+        else:
+            z = np.arange(Z)
+            s, n = np.divmod(z, width)
+            for r in range(1, W + 1):
+                src[r] = np.where((n >= r) & (s >= 1), z - width - r, Z)
+            final = S * width + W
+        init = np.array([0])
+    else:  # block b: stages b + 1 from the end; the one before sits in block b + 1 (capped)
+        width, nb = W + 1, cap
+        depth = np.arange(1, nb + 1)
+        Z = nb * width
+        z = np.arange(Z)
+        b, n = np.divmod(z, width)
+        src = np.full((W + 1, Z), Z)
+        for r in range(1, W + 1):
+            src[r] = np.where(n >= r, np.minimum(b + 1, nb - 1) * width + n - r, Z)
+        init, final = np.arange(nb) * width, W
+    return Layers(Z, width, depth, src, init, int(final))
+
+
+@dataclass(frozen=True)
+class Entries:
+    """Stage variants of one m: blocks [start, end) on ``reps`` replicas, recomputing or not
+    (``rho``), valid where the in-flight count n is in [lo, fit]; ``edge`` is the stage's
+    index among the relaxed edges. Sorted by end block."""
+
+    start: np.ndarray
+    end: np.ndarray
+    reps: np.ndarray
+    t: np.ndarray
+    u: np.ndarray
+    rho: np.ndarray
+    lo: np.ndarray
+    fit: np.ndarray
+    edge: np.ndarray
+
+    @classmethod
+    def chain(cls, start: np.ndarray, end: np.ndarray, reps: np.ndarray) -> Entries:
+        """Stages with no costs of their own, for a DP whose weights come from elsewhere."""
+        none = np.zeros(0)
+        return cls(start, end, reps, none, none, none, none, none, none)
+
+    def take(self, idx: np.ndarray) -> Entries:
+        return Entries(*(getattr(self, f)[idx] for f in _FIELDS))
+
+    def valid(self, a: int, b: int, n: np.ndarray) -> np.ndarray:
+        """(b - a, len(n)): whether entries [a, b) are valid at in-flight counts ``n``."""
+        return (self.lo[a:b, None] <= n) & (n <= self.fit[a:b, None])
+
+
+_FIELDS = ("start", "end", "reps", "t", "u", "rho", "lo", "fit", "edge")
+
+
+class _Rows:
+    """The shifted DP rows ``V[start][src[reps]]`` of the entries, by block."""
+
+    def __init__(self, e: Entries, V: np.ndarray, L: Layers) -> None:
+        self.e, self.V, self.L = e, V, L
+        key = e.start.astype(np.int64) * L.src.shape[0] + e.reps
+        self.pairs, self.row = np.unique(key, return_inverse=True)
+        self.kept = len(self.pairs) * L.size <= _ROWS
+        if self.kept:  # one row per (start, r) pair, filled as each start block is done
+            self.table = np.full((len(self.pairs), L.size), np.inf)
+            self.lo = np.searchsorted(self.pairs // L.src.shape[0], np.arange(len(V) + 1))
+
+    def done(self, i: int) -> None:
+        """Block i's row of V is final."""
+        if self.kept and self.lo[i] < self.lo[i + 1]:
+            reps = self.pairs[self.lo[i] : self.lo[i + 1]] % self.L.src.shape[0]
+            self.table[self.lo[i] : self.lo[i + 1]] = self.V[i][self.L.src[reps]]
+
+    def get(self, a: int, b: int) -> np.ndarray:
+        """(b - a, Z): the shifted rows of entries [a, b)."""
+        if self.kept:
+            return np.take(self.table, self.row[a:b], axis=0)
+        e, stride = self.e, self.V.shape[1]
+        return np.take(self.V, (e.start[a:b].astype(np.int64) * stride)[:, None]
+                       + self.L.src[e.reps[a:b]])
+
+
+def forward(e: Entries, weights: Weights, L: Layers, num_blocks: int, *,
+            bottleneck: bool = False) -> np.ndarray:
+    """Least sum (or max) of the weights over stages from block 0 to each (block, state).
+
+    Returns V (B + 1, Z + 1), its last column the pad.
+    """
+    B, Z, nb = num_blocks, L.size, len(L.depth)
+    lo = groups(e.end, B)
+    V = np.full((B + 1, Z + 1), np.inf)
+    V[0, L.init] = -np.inf if bottleneck else 0.0
+    rows, step = _Rows(e, V, L), max(1, _CHUNK // Z)
+    rows.done(0)
+    op = np.maximum if bottleneck else np.add
+    for j in range(1, B + 1):
+        acc = V[j, :Z]
+        for a in range(int(lo[j]), int(lo[j + 1]), step):
+            b = min(a + step, int(lo[j + 1]))
+            c = rows.get(a, b)
+            v = c.reshape(b - a, nb, L.width)
+            op(v, weights(a, b)[:, :, None], out=v)
+            np.minimum(acc, c.min(axis=0), out=acc)
+        rows.done(j)
+    return V
+
+
+def backtrack(e: Entries, weights: Weights, V: np.ndarray, L: Layers, num_blocks: int, *,
+              bottleneck: bool = False) -> list[int]:
+    """The entries of the plan ``forward`` found (the first best entry of each group)."""
+    lo = groups(e.end, num_blocks)
+    j, z, path = num_blocks, L.final, []
+    while j > 0:
+        a, b = int(lo[j]), int(lo[j + 1])
+        col = L.src[e.reps[a:b], z]
+        w = weights(a, b)[:, z // L.width]
+        prev = V[e.start[a:b], col]
+        k = int(np.argmin(np.maximum(prev, w) if bottleneck else prev + w))
+        path.append(a + k)
+        z, j = int(col[k]), int(e.start[a + k])
+    return path[::-1]

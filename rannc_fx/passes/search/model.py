@@ -1,0 +1,376 @@
+"""The cost model: what one stage of a plan costs in time and memory, and the step time.
+
+This module imports numpy only (no torch). All times are in seconds, sizes in bytes.
+
+A stage covers blocks [i, j) with r replicas; with m micro-batches each replica handles
+q = ceil(global_batch / (m * r)) samples per micro-batch, and ``k`` is the index of q in
+``table.sizes``. The schedule sigma ("gpipe" or "1f1b") is chosen for the whole plan, the
+activation recomputation rho (True or False) per stage; d is the stage's position from the
+end (the last stage has d = 1). n is how many micro-batches' activations the stage holds at
+once:
+
+    n        = m                 (gpipe: every forward before any backward)
+             = min(m, d)         (1f1b: a stage d from the end runs at most d forwards ahead)
+    F, Bw, A = sum(fwd[k, i:j]), sum(bwd[k, i:j]), sum(act[k, i:j])
+    cin,cout = cut[k, i], cut[k, j]
+    t_s      = F + Bw + rho * F + 2 * (cin + cout) / link_bw + 2 * link_lat * ([i > 0] + [j < B])
+                         (recomputation runs the stage's forward again before each backward)
+    ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
+                         (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
+    acc_s    = accumulate_s[i, j]             (micro-batch 2.. adds its gradients into .grad)
+    opt_s    = optimizer_s[i, j]              (the optimizer step of the range's parameters)
+    u_s      = (m - 1) * (t_s + acc_s) + ar_s + opt_s
+    step     = sum_s t_s  +  max_s u_s
+    memory_s = param_bytes[i, j] + grad_bytes[i, j] * (1 + optimizer_state_factor)
+               + n * (A + cin + cout)          (rho = False)
+               + n * (cin + cout) + A          (rho = True: a micro-batch in flight keeps only
+                                                the stage's inputs and outputs; one micro-batch's
+                                                activations exist during its backward)
+               + max(workspace[k, i:j])
+
+``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
+bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer
+step (every replica steps the stage's parameters; stages step in parallel). A plan is feasible
+when every stage's memory is within ``memory_budget``, replica counts sum to ``world_size`` and
+m * r <= global_batch.
+
+Without recomputation a stage is never slower (same or lower t, hence u) and with it never
+needs more memory, so the search gives each stage recomputation only when it does not fit
+without (unless ``SearchSpace.recompute`` forces it on or off). 1F1B never holds more in
+flight than GPipe; with m = 1 the two are the same plan and the search reports "gpipe"
+unless only "1f1b" was allowed.
+
+``StageTerms`` holds the formulas; ``evaluate`` and the search kernel both read them, so a plan
+the search returns has the step and the memory ``evaluate`` gives it, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "SCHEDULES",
+    "CostTable",
+    "Evaluation",
+    "SearchResult",
+    "SearchSpace",
+    "StageChoice",
+    "StageCost",
+    "StageTerms",
+    "allreduce_s",
+    "bottleneck_s",
+    "evaluate",
+    "in_flight",
+    "needed_sizes",
+    "plan_step",
+    "range_max",
+    "range_sum",
+    "samples_per_replica",
+    "size_index",
+    "stage_memory",
+    "stage_terms",
+]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-block costs at each per-replica micro-batch size in ``sizes``.
+
+    Shapes: sizes (Q,); fwd, bwd, act, workspace (Q, B); cut (Q, B + 1) with cut[:, 0] and
+    cut[:, B] zero; param_bytes and grad_bytes (B, B + 1), entry [i, j] for the block range
+    [i, j) with shared parameters counted once (only i < j is read); optimizer_s and
+    accumulate_s (B, B + 1) likewise give the seconds of the range's optimizer step and of
+    adding one micro-batch's gradients into ``.grad`` (None: free).
+    """
+
+    sizes: np.ndarray
+    fwd: np.ndarray
+    bwd: np.ndarray
+    act: np.ndarray
+    workspace: np.ndarray
+    cut: np.ndarray
+    param_bytes: np.ndarray
+    grad_bytes: np.ndarray
+    optimizer_s: np.ndarray | None = None
+    accumulate_s: np.ndarray | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.fwd.shape[1])
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    world_size: int
+    global_batch: int
+    memory_budget: float
+    link_bandwidth: float
+    optimizer_state_factor: float = 2.0
+    link_latency: float = 0.0  # seconds per message
+    allreduce_bandwidth: float | None = None  # None: link_bandwidth
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)  # candidates; forced = one candidate
+    stages: int | None = None  # forced stage count
+    replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
+    schedules: tuple[str, ...] = SCHEDULES  # candidates; forced = one candidate
+    recompute: bool | None = None  # None: per stage, only where needed; True / False: all / none
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    start: int
+    end: int  # exclusive
+    replicas: int
+    recompute: bool = False  # run the forward again before each backward; keep only cut values
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One replica of one stage: samples per micro-batch, times (s) and memory parts (bytes).
+
+    ``recompute_s`` is the forward that recomputation runs again (``fwd_s`` or 0);
+    ``in_flight`` is n, the micro-batches whose activations the stage holds at once;
+    ``activations`` is n * A without recomputation and A with it, ``comm_buffers``
+    n * (cin + cout).
+    """
+
+    samples: int
+    fwd_s: float
+    bwd_s: float
+    comm_s: float
+    allreduce_s: float
+    optimizer_s: float
+    accumulate_s: float  # per micro-batch after the first
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    comm_buffers: int
+    workspace: int
+    recompute: bool = False
+    in_flight: int = 1
+    recompute_s: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        """t: the stage's seconds per micro-batch, forward, backward and messages."""
+        return self.fwd_s + self.bwd_s + self.recompute_s + self.comm_s
+
+    @property
+    def memory(self) -> int:
+        return (self.params + self.grads + self.optimizer_state + self.activations
+                + self.comm_buffers + self.workspace)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step_s: float
+    stages: tuple[StageCost, ...]
+    fits: bool
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    micro_batches: int
+    stages: tuple[StageChoice, ...]
+    evaluation: Evaluation
+    seconds: float = 0.0  # wall time of the search
+    schedule: str = "gpipe"
+
+
+def samples_per_replica(global_batch: int, micro_batches: int, replicas: int) -> int:
+    return -(-global_batch // (micro_batches * replicas))
+
+
+def needed_sizes(space: SearchSpace) -> tuple[int, ...]:
+    """Every per-replica micro-batch size the search may look up, ascending."""
+    reps = sorted(set(space.replicas)) if space.replicas else range(1, space.world_size + 1)
+    return tuple(sorted({
+        samples_per_replica(space.global_batch, m, r)
+        for m in set(space.micro_batches) for r in reps if m * r <= space.global_batch
+    }))
+
+
+def size_index(table: CostTable) -> dict[int, int]:
+    return {int(q): k for k, q in enumerate(np.asarray(table.sizes).tolist())}
+
+
+def in_flight(schedule: str, m: int, d: int) -> int:
+    """n: micro-batches whose activations a stage d stages from the end holds at once."""
+    return m if schedule == "gpipe" else min(m, d)
+
+
+# -- the formulas -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageTerms:
+    """The terms of the stages [i, j) at one size (arrays over the stages, or broadcastable).
+
+    The one place the time and memory formulas are written.
+    """
+
+    fb: np.ndarray  # F + Bw
+    fwd: np.ndarray  # F: what recomputation runs again
+    comm: np.ndarray  # 2 (cin + cout) / link_bw + 2 lat ([i > 0] + [j < B])
+    fixed: np.ndarray  # params + grads (1 + optimizer_state_factor)
+    act: np.ndarray  # A
+    cuts: np.ndarray  # cin + cout
+    ws: np.ndarray  # max workspace
+
+    def time(self, recompute: bool) -> np.ndarray:
+        return (self.fb + self.fwd if recompute else self.fb) + self.comm
+
+    def memory(self, n: int | np.ndarray, recompute: bool) -> np.ndarray:
+        return stage_memory(self.fixed, self.act, self.cuts, self.ws, n, recompute)
+
+    def take(self, idx: np.ndarray) -> StageTerms:
+        return StageTerms(*(np.asarray(getattr(self, f))[idx] for f in _TERMS))
+
+
+_TERMS = ("fb", "fwd", "comm", "fixed", "act", "cuts", "ws")
+
+
+def stage_memory(fixed: np.ndarray, act: np.ndarray, cuts: np.ndarray, ws: np.ndarray,
+                 n: int | np.ndarray, recompute: bool) -> np.ndarray:
+    """memory_s from ``StageTerms``' parts, n micro-batches in flight (broadcasting)."""
+    held = n * cuts + act if recompute else n * (act + cuts)
+    return fixed + held + ws
+
+
+def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
+                ws: np.ndarray) -> StageTerms:
+    """The terms of the stages [i, j) at size index k, given their largest workspace."""
+    grad = np.asarray(table.grad_bytes, float)[i, j]
+    cut = np.asarray(table.cut[k], float)
+    fwd = np.concatenate(([0.0], np.cumsum(table.fwd[k])))
+    fb = np.concatenate(([0.0], np.cumsum(table.fwd[k] + table.bwd[k])))
+    act = np.concatenate(([0.0], np.cumsum(table.act[k])))
+    both = cut[i] + cut[j]
+    edges = (i > 0).astype(float) + (j < table.num_blocks).astype(float)
+    return StageTerms(
+        fb=fb[j] - fb[i], fwd=fwd[j] - fwd[i],
+        comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
+        fixed=np.asarray(table.param_bytes, float)[i, j] + grad * (1 + space.optimizer_state_factor),
+        act=act[j] - act[i], cuts=both, ws=np.asarray(ws, float))
+
+
+def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.ndarray:
+    """ar_s of stages with ``grad`` gradient bytes on ``reps`` replicas (broadcasting)."""
+    r = np.asarray(reps, float)
+    bw = space.allreduce_bandwidth or space.link_bandwidth
+    return 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
+
+
+def bottleneck_s(m: int, t: np.ndarray, acc: np.ndarray, fixed_s: np.ndarray) -> np.ndarray:
+    """u_s = (m - 1) (t_s + acc_s) + (ar_s + opt_s); ``fixed_s`` is ar_s + opt_s."""
+    return (m - 1) * (t + acc) + fixed_s
+
+
+def range_sum(arr: np.ndarray | None, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """``arr[i, j]`` for an optional per-range array (None: zeros)."""
+    return np.zeros(np.shape(i)) if arr is None else np.asarray(arr, float)[i, j]
+
+
+def range_max(x: np.ndarray) -> np.ndarray:
+    """(B + 1, B + 1) array whose [i, j] is max(x[i:j]) for i < j."""
+    B = len(x)
+    rows = np.where(np.arange(B)[None, :] >= np.arange(B)[:, None], x[None, :], -np.inf)
+    out = np.full((B + 1, B + 1), -np.inf)
+    out[:B, 1:] = np.maximum.accumulate(rows, axis=1)
+    return out
+
+
+# -- evaluating one plan ----------------------------------------------------------------------
+def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
+           m: int, n: int) -> tuple[StageCost, float, float, float]:
+    """The stage's costs, its t, its u and its memory as the kernel computes them."""
+    i, j, r, rho = st.start, st.end, st.replicas, st.recompute
+    q = samples_per_replica(space.global_batch, m, r)
+    if q not in kidx:
+        raise ValueError(f"the cost table has no costs for {q} samples per replica; "
+                         "build it for needed_sizes(space)")
+    k, ii, jj = kidx[q], np.array([i]), np.array([j])
+    terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]))
+    t = float(terms.time(rho)[0])
+    grad = float(table.grad_bytes[i, j])
+    ar = float(allreduce_s(space, np.array([grad]), np.array([r]))[0])
+    opt, acc = float(range_sum(table.optimizer_s, ii, jj)[0]), float(
+        range_sum(table.accumulate_s, ii, jj)[0])
+    u = float(bottleneck_s(m, np.array([t]), np.array([acc]), np.array([ar + opt]))[0])
+    fwd, act, cuts = float(table.fwd[k, i:j].sum()), float(terms.act[0]), float(terms.cuts[0])
+    cost = StageCost(
+        samples=q, fwd_s=fwd, bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
+        allreduce_s=ar, optimizer_s=opt, accumulate_s=acc,
+        params=round(float(table.param_bytes[i, j])), grads=round(grad),
+        optimizer_state=round(grad * space.optimizer_state_factor),
+        activations=round(act if rho else n * act), comm_buffers=round(n * cuts),
+        workspace=round(float(terms.ws[0])), recompute=rho, in_flight=n,
+        recompute_s=fwd if rho else 0.0,
+    )
+    return cost, t, u, float(terms.memory(n, rho)[0])
+
+
+def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
+    """step = sum_s t_s + max_s u_s, summed in stage order (the search sums the same way)."""
+    return sum(ts) + max(us)
+
+
+def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...],
+             micro_batches: int, schedule: str = "gpipe") -> Evaluation:
+    """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
+
+    Each stage recomputes as its ``StageChoice.recompute`` says.
+    """
+    m, end = micro_batches, 0
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+    for st in stages:
+        if st.start != end or st.end <= st.start or st.replicas < 1:
+            raise ValueError(f"stages {stages} must cover blocks 0.. in order, each non-empty "
+                             "with at least one replica")
+        if m * st.replicas > space.global_batch:
+            raise ValueError(f"{m} micro-batches x {st.replicas} replicas exceed the global "
+                             f"batch {space.global_batch}")
+        end = st.end
+    if end != table.num_blocks or sum(s.replicas for s in stages) != space.world_size:
+        raise ValueError(f"stages {stages} must end at block {table.num_blocks} and their "
+                         f"replicas sum to the world size {space.world_size}")
+    kidx, S = size_index(table), len(stages)
+    got = [_stage(table, space, kidx, st, m, in_flight(schedule, m, S - s))
+           for s, st in enumerate(stages)]
+    step = plan_step([g[1] for g in got], [g[2] for g in got])
+    return Evaluation(step, tuple(g[0] for g in got),
+                      all(g[3] <= space.memory_budget for g in got))
+
+
+def _check(table: CostTable, space: SearchSpace) -> None:
+    """ValueError when the table's shapes or the space's values are unusable."""
+    B, Q = table.num_blocks, len(table.sizes)
+    shapes = {"fwd": (Q, B), "bwd": (Q, B), "act": (Q, B), "workspace": (Q, B),
+              "cut": (Q, B + 1), "param_bytes": (B, B + 1), "grad_bytes": (B, B + 1)}
+    for name, shape in shapes.items():
+        if np.shape(getattr(table, name)) != shape:
+            raise ValueError(f"CostTable.{name} has shape {np.shape(getattr(table, name))}, "
+                             f"expected {shape} for {Q} sizes and {B} blocks")
+    if B < 1 or space.world_size < 1 or space.global_batch < 1 or space.link_bandwidth <= 0:
+        raise ValueError(f"need blocks, world size, global batch and link bandwidth > 0: {space}")
+    if not space.micro_batches or min(space.micro_batches) < 1:
+        raise ValueError(f"micro_batches={space.micro_batches}: need counts >= 1")
+    if not space.schedules or not set(space.schedules) <= set(SCHEDULES):
+        raise ValueError(f"schedules={space.schedules}: need one or more of {SCHEDULES}")
+    if space.replicas is not None:
+        if min(space.replicas, default=0) < 1 or sum(space.replicas) != space.world_size:
+            raise ValueError(f"replicas={list(space.replicas)} must be >= 1 and sum to the "
+                             f"world size {space.world_size}")
+        if space.stages is not None and space.stages != len(space.replicas):
+            raise ValueError(f"stages={space.stages} but replicas={list(space.replicas)}")
+    if space.stages is not None and space.stages < 1:
+        raise ValueError(f"stages={space.stages}: need at least one stage")
+    missing = sorted(set(needed_sizes(space)) - set(size_index(table)))
+    if missing:
+        raise ValueError(f"the cost table has no costs for {missing} samples per replica; "
+                         "build it for needed_sizes(space)")
+

@@ -1,0 +1,264 @@
+"""An independent statement of the search's cost model, and exact optima by enumeration.
+
+Plain Python: loops over blocks, no numpy, nothing from the search but its dataclasses.
+``stage_figures`` is the cost model of ``rannc_fx/passes/search/model.py``'s docstring written
+out again. ``brute_force`` enumerates every plan (micro-batch count, stage boundaries,
+replicas, schedule and each stage's recomputation: all 2^S choices); ``pareto`` keeps
+(sum t, max u) labels per DP state, per total stage count under 1F1B so that a stage's
+position from the end is known; ``least_largest_stage`` is the least largest-stage memory
+over every plan (what ``NoFeasiblePlan.largest_stage_bytes`` reports).
+
+``brute_force`` compares memory with the budget on both sides of a small margin (``SLACK``):
+a plan the search calls fitting must fit the loose budget, and the optimum within the strict
+budget must be no better than the search's, so rounding at the boundary cannot flip a verdict.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from rannc_fx.passes.search import CostTable, SearchSpace, StageChoice
+
+SLACK = 1e-9
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One stage's figures, as StageCost names them, plus t, u and memory."""
+
+    samples: int
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    comm_s: float
+    allreduce_s: float
+    optimizer_s: float
+    accumulate_s: float
+    params: float
+    grads: float
+    optimizer_state: float
+    activations: float
+    comm_buffers: float
+    workspace: float
+    in_flight: int
+    recompute: bool
+    t: float
+    u: float
+    memory: float
+
+
+def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
+                  recompute: bool) -> Figures:
+    """Blocks [i, j) on r replicas, m micro-batches, n of them in flight."""
+    B, G = table.num_blocks, space.global_batch
+    q = -(-G // (m * r))
+    k = [int(x) for x in table.sizes].index(q)
+    F = Bw = A = 0.0
+    ws = -math.inf
+    for b in range(i, j):
+        F += float(table.fwd[k][b])
+        Bw += float(table.bwd[k][b])
+        A += float(table.act[k][b])
+        ws = max(ws, float(table.workspace[k][b]))
+    cin, cout = float(table.cut[k][i]), float(table.cut[k][j])
+    messages = (1 if i > 0 else 0) + (1 if j < B else 0)
+    comm = 2 * (cin + cout) / space.link_bandwidth + 2 * space.link_latency * messages
+    t = F + Bw + (F if recompute else 0.0) + comm
+    grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
+    ar_bw = space.allreduce_bandwidth or space.link_bandwidth
+    ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
+    opt = 0.0 if table.optimizer_s is None else float(table.optimizer_s[i][j])
+    acc = 0.0 if table.accumulate_s is None else float(table.accumulate_s[i][j])
+    u = (m - 1) * (t + acc) + ar + opt
+    activations = A if recompute else n * A
+    buffers = n * (cin + cout)
+    state = grad * space.optimizer_state_factor
+    return Figures(q, F, Bw, F if recompute else 0.0, comm, ar, opt, acc, param, grad, state,
+                   activations, buffers, ws, n, recompute, t, u,
+                   param + grad + state + activations + buffers + ws)
+
+
+def in_flight(schedule: str, m: int, d: int) -> int:
+    return m if schedule == "gpipe" else min(m, d)
+
+
+def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...], m: int,
+                 schedule: str) -> tuple[float, list[Figures]]:
+    """The step time and each stage's figures of a plan."""
+    S = len(stages)
+    figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
+                          in_flight(schedule, m, S - s), st.recompute)
+            for s, st in enumerate(stages)]
+    return sum(f.t for f in figs) + max(f.u for f in figs), figs
+
+
+@dataclass(frozen=True)
+class Best:
+    step: float
+    m: int
+    schedule: str
+    stages: tuple[StageChoice, ...]
+
+
+@dataclass
+class Verdict:
+    """The optimum within the strict and the loose budget, and whether a plan fits without
+    recomputation under GPipe (the search before schedules and recomputation)."""
+
+    strict: Best | None = None
+    loose: Best | None = None
+    plain_fits: bool = False
+
+    def offer(self, step: float, mem: float, budget: float, plan: Best, plain: bool) -> None:
+        if mem <= budget * (1 + SLACK):
+            if self.loose is None or step < self.loose.step:
+                self.loose = plan
+            self.plain_fits |= plain
+            if mem <= budget * (1 - SLACK) and (self.strict is None or step < self.strict.step):
+                self.strict = plan
+
+
+def stage_counts(space: SearchSpace, B: int) -> list[int]:
+    if space.replicas is not None:
+        return [len(space.replicas)]
+    if space.stages is not None:
+        return [space.stages]
+    return list(range(1, min(B, space.world_size) + 1))
+
+
+def _rho_choices(space: SearchSpace, S: int) -> list[tuple[bool, ...]]:
+    if space.recompute is None:
+        return list(itertools.product((False, True), repeat=S))
+    return [(space.recompute,) * S]
+
+
+def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
+    """Every plan of the space (tiny inputs)."""
+    B, W, G, budget = table.num_blocks, space.world_size, space.global_batch, space.memory_budget
+    memo: dict[tuple[int, int, int, int, int, bool], Figures] = {}
+
+    def fig(i: int, j: int, r: int, m: int, n: int, rho: bool) -> Figures:
+        key = (i, j, r, m, n, rho)
+        if key not in memo:
+            memo[key] = stage_figures(table, space, i, j, r, m, n, rho)
+        return memo[key]
+
+    out = Verdict()
+    for m in sorted(set(space.micro_batches)):
+        for S in stage_counts(space, B):
+            comps = ([tuple(space.replicas)] if space.replicas is not None else
+                     [tuple(b - a for a, b in zip((0, *c), (*c, W), strict=True))
+                      for c in itertools.combinations(range(1, W), S - 1)])
+            for cuts in itertools.combinations(range(1, B), S - 1):
+                bounds = (0, *cuts, B)
+                for reps in comps:
+                    if max(reps) * m > G:
+                        continue
+                    # the space's choices, and plain GPipe to tell whether one fits
+                    plain = ("gpipe", (False,) * S)
+                    choices = [(sc, rhos) for sc in space.schedules
+                               for rhos in _rho_choices(space, S)]
+                    for schedule, rhos in choices + ([plain] * (plain not in choices)):
+                        figs = [fig(bounds[s], bounds[s + 1], reps[s], m,
+                                    in_flight(schedule, m, S - s), rhos[s]) for s in range(S)]
+                        step = sum(f.t for f in figs) + max(f.u for f in figs)
+                        mem = max(f.memory for f in figs)
+                        if (schedule, rhos) not in choices:
+                            out.plain_fits |= mem <= budget * (1 + SLACK)
+                            continue
+                        stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s], rhos[s])
+                                       for s in range(S))
+                        out.offer(step, mem, budget, Best(step, m, schedule, stages),
+                                  (schedule, rhos) == plain)
+    return out
+
+
+def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
+    """The least largest-stage memory over the space's plans, by enumeration (oracle figures)."""
+    B, W, G, best = table.num_blocks, space.world_size, space.global_batch, math.inf
+    rhos = (False, True) if space.recompute is None else (space.recompute,)
+    memo: dict[tuple[int, int, int, int, int], float] = {}
+
+    def least(i: int, j: int, r: int, m: int, n: int) -> float:
+        if (i, j, r, m, n) not in memo:
+            memo[i, j, r, m, n] = min(stage_figures(table, space, i, j, r, m, n, rho).memory
+                                      for rho in rhos)
+        return memo[i, j, r, m, n]
+
+    for m in space.micro_batches:
+        for S in stage_counts(space, B):
+            comps = ([tuple(space.replicas)] if space.replicas is not None else
+                     [tuple(b - a for a, b in zip((0, *c), (*c, W), strict=True))
+                      for c in itertools.combinations(range(1, W), S - 1)])
+            for cuts in itertools.combinations(range(1, B), S - 1):
+                bounds = (0, *cuts, B)
+                for reps in comps:
+                    if max(reps) * m > G:
+                        continue
+                    for schedule in space.schedules:
+                        worst = max(least(bounds[s], bounds[s + 1], reps[s], m,
+                                          in_flight(schedule, m, S - s)) for s in range(S))
+                        best = min(best, worst)
+    return best
+
+
+Label = tuple[float, float, tuple[StageChoice, ...]]
+
+
+def _front(new: list[Label]) -> list[Label]:
+    """The labels no other label beats on both sum t and max u."""
+    new.sort(key=lambda x: (x[0], x[1]))
+    front, low = [], math.inf
+    for lab in new:
+        if lab[1] < low:
+            front.append(lab)
+            low = lab[1]
+    return front
+
+
+def pareto(table: CostTable, space: SearchSpace) -> Best | None:
+    """Exact optimum by labels (sum of t, max of u) per (block, ranks, stages so far), for
+    each m, schedule and -- under 1F1B or when forced -- total stage count S, so that a stage's
+    position from the end is known; each recomputation choice is a label of its own. No
+    pruning beyond dominance."""
+    B, W, G, budget = table.num_blocks, space.world_size, space.global_batch, space.memory_budget
+    rhos = (False, True) if space.recompute is None else (space.recompute,)
+    memo: dict[tuple[int, int, int, int, int, bool], Figures] = {}
+    best: Best | None = None
+
+    def extend(labels: dict[tuple[int, int, int], list[Label]], j: int, used: int, s: int,
+               m: int, n: int) -> list[Label]:
+        """Labels at (j, used) whose last stage is the s-th (0: not counted)."""
+        new: list[Label] = []
+        allowed = [space.replicas[s - 1]] if space.replicas is not None else range(1, W + 1)
+        for i in range(j):
+            for r in allowed:
+                prev = labels.get((i, used - r, max(s - 1, 0)))
+                if r > used or m * r > G or not prev:
+                    continue
+                for rho in rhos:
+                    key = (i, j, r, m, n, rho)
+                    if key not in memo:
+                        memo[key] = stage_figures(table, space, i, j, r, m, n, rho)
+                    f = memo[key]
+                    if f.memory <= budget:
+                        st = StageChoice(i, j, r, rho)
+                        new += [(a + f.t, max(b, f.u), (*p, st)) for a, b, p in prev]
+        return _front(new)
+
+    for m, schedule in itertools.product(sorted(set(space.micro_batches)), space.schedules):
+        counted = schedule == "1f1b" or space.stages is not None or space.replicas is not None
+        for S in stage_counts(space, B) if counted else [0]:
+            labels: dict[tuple[int, int, int], list[Label]] = {(0, 0, 0): [(0.0, 0.0, ())]}
+            for s in range(1, S + 1) if S else [0]:
+                n = in_flight(schedule, m, S - s + 1)
+                for j in range(1, B + 1):
+                    for used in range(1, W + 1):
+                        if front := extend(labels, j, used, s, m, n):
+                            labels[(j, used, s)] = front
+            for a, b, plan in labels.get((B, W, S), []):
+                if best is None or a + b < best.step:
+                    best = Best(a + b, m, schedule, plan)
+    return best
