@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4, help="part stage: micro-batches")
     p.add_argument("--steps", type=int, default=3, help="part stage: Adam steps measured")
     p.add_argument("--preset", default="h100-80gb", help="DeviceSpec preset of the analytic model")
+    p.add_argument("--device", default="cuda", help="where to measure (cpu: a dry run of --part "
+                   "saved)")
     return p.parse_args(argv)
 
 
@@ -76,7 +78,7 @@ def build(name: str, a: argparse.Namespace, device: str) -> tuple[nn.Module, tup
         with ctx:
             model = transformers.GPT2LMHeadModel(cfg)
         kwargs = {"labels": ids.clone()}
-    dev = "cuda" if device == "cuda" else "cpu"
+    dev = "cpu" if device == "meta" else device
     return model, (ids.to(dev),), {k: v.to(dev) for k, v in kwargs.items()}
 
 
@@ -129,7 +131,7 @@ def part_saved(a: argparse.Namespace) -> None:
         an = analyze(meta, margs, mkw, world_size=1, device=a.preset, config=cfg)
         ana_total, ana_attn = _saved_by_profile(an.profile, a.batch)
         del meta, an
-        model, args, kwargs = build(name, a, "cuda")
+        model, args, kwargs = build(name, a, a.device)
         me = analyze(model, args, kwargs, world_size=1, config=cfg.model_copy(
             update={"cost_model": "measured"}))
         mea_total, mea_attn = _saved_by_profile(me.profile, a.batch)
@@ -142,11 +144,12 @@ def part_saved(a: argparse.Namespace) -> None:
                      f"{_top(ana_attn)}; measured profile: {_top(mea_attn)}; autograd (saved at "
                      f"the attention op): {_top(sdpa)}")
         targets = sorted({str(n.target) for n in me.captured.gm.graph.nodes
-                          if "attention" in str(n.target)})
+                          if n.op == "call_function" and "attention" in str(n.target)})
         notes.append(f"- {name}: attention ops in the GPU capture: {targets}")
         del model, me, flat
         gc.collect()
-        torch.cuda.empty_cache()
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
     print()
     print("\n".join(notes))
 
@@ -159,6 +162,9 @@ def _top(d: dict[str, float], k: int = 2) -> str:
 
 @contextlib.contextmanager
 def _peak() -> Iterator[dict[str, int]]:
+    if not torch.cuda.is_available():  # a dry run on the CPU: nothing to read
+        yield {"before": 0, "peak": 1}
+        return
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     out = {"before": torch.cuda.memory_allocated()}
@@ -172,12 +178,13 @@ def part_stage(a: argparse.Namespace) -> None:
 
     print(f"\n## One stage on the GPU: {a.micro_batches} micro-batches of "
           f"{a.batch // a.micro_batches} samples, GPipe, Adam\n")
-    print("| model | recompute | predicted MiB (params+grads+Adam / activations+inputs / "
-          "workspace) | measured peak MiB | error | step ms |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| model | recompute | params + Adam state MiB: plan / allocated before the step | "
+          "step memory MiB: predicted (grads + activations + cut values + workspace + model "
+          "outputs) | measured (peak above the step's start) | error | step ms |")
+    print("|---|---|---|---|---:|---:|---:|")
     for name in a.models:
         for recompute in (False, True):
-            model, args, kwargs = build(name, a, "cuda")
+            model, args, kwargs = build(name, a, a.device)
             cfg = Config(profile_cache_dir=None, profile_repeats=1, micro_batches=a.micro_batches,
                          max_micro_batches=a.micro_batches, schedule="gpipe", recompute=recompute,
                          cost_model="measured")
@@ -187,7 +194,10 @@ def part_stage(a: argparse.Namespace) -> None:
             plan = parted.plan
             ex = StageExecutor(plan, parted.stages[0])
             flat = parted.captured.flatten_inputs(args, kwargs)
-            peaks, times = [], []
+            gc.collect()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+            peaks, befores, times = [], [], []
             for _ in range(a.steps + 1):
                 opt.zero_grad(set_to_none=True)
                 with _peak() as p:
@@ -195,27 +205,32 @@ def part_stage(a: argparse.Namespace) -> None:
                     loss = ex.forward(flat)[0]
                     loss.backward()
                     opt.step()
-                    torch.cuda.synchronize()
+                    if a.device == "cuda":
+                        torch.cuda.synchronize()
                     times.append(time.perf_counter() - t0)
-                peaks.append(p["peak"])
+                peaks.append(p["peak"] - p["before"])
+                befores.append(p["before"])
             mem = plan.stages[0].memory
-            static = mem.params + mem.grads + mem.optimizer_state
-            pred = mem.total
+            static = mem.params + mem.optimizer_state
+            pred = mem.total - static
             meas = max(peaks[1:])
-            print(f"| {name} | {'yes' if recompute else 'no'} | {pred / MiB:.0f} ({static / MiB:.0f}"
-                  f" / {(mem.activations + mem.comm_buffers) / MiB:.0f} / "
-                  f"{mem.workspace / MiB:.0f}) | {meas / MiB:.0f} | "
+            print(f"| {name} | {'yes' if recompute else 'no'} | {static / MiB:.0f} / "
+                  f"{max(befores[1:]) / MiB:.0f} | {pred / MiB:.0f} ({mem.grads / MiB:.0f} + "
+                  f"{mem.activations / MiB:.0f} + {mem.comm_buffers / MiB:.0f} + "
+                  f"{mem.workspace / MiB:.0f} + {mem.outputs / MiB:.0f}) | {meas / MiB:.0f} | "
                   f"{100 * (pred - meas) / meas:+.1f}% | {1e3 * min(times[1:]):.1f} |")
             del model, opt, parted, ex, flat, loss
             gc.collect()
-            torch.cuda.empty_cache()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    if not torch.cuda.is_available():
+    if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
-    print(f"- {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    print(f"- {where}, torch {torch.__version__}, "
           f"command: python benchmarks/memory_gpu.py {' '.join(sys.argv[1:])}")
     if "saved" in a.part:
         part_saved(a)

@@ -4,6 +4,7 @@ plan -> split. ``partition()`` (offline) and ``compile()`` (training) both plan 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -142,6 +143,10 @@ def analyze(
     loss = loss_output([values[n] for n in captured.output_names])
     space = _search_space(cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec,
                           one_loss=loss is not None)
+    local = -(-batch // world_size)  # each rank assembles its local batch's outputs
+    space = dataclasses.replace(
+        space, output_bytes=_local_output_bytes(captured, values, local)
+    )
     sizes = needed_sizes(space)
 
     profile = profile_pass(
@@ -275,6 +280,17 @@ def _search_space(
     )
 
 
+def _local_output_bytes(captured: CapturedGraph, values: dict[str, ValueSpec],
+                        samples: int) -> float:
+    """Bytes of the batched model outputs of ``samples`` samples (each rank's local batch)."""
+    total = 0
+    for name in dict.fromkeys(captured.output_names):
+        spec = values.get(name)
+        if spec is not None and spec.kind == "tensor" and spec.batch_dim is not None:
+            total += spec.nbytes_for(samples)
+    return float(total)
+
+
 def _profile_sizes(sizes: tuple[int, ...], most: int = 4) -> tuple[int, ...]:
     """At most ``most`` sizes spread geometrically over ``sizes``; the rest are interpolated."""
     if len(sizes) <= most:
@@ -344,7 +360,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             memory=MemoryEstimate(
                 params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
                 activations=cost.activations, comm_buffers=cost.comm_buffers,
-                workspace=cost.workspace,
+                workspace=cost.workspace, outputs=cost.outputs,
             ),
         ))
         rank += choice.replicas

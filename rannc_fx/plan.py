@@ -163,6 +163,7 @@ class MemoryEstimate(BaseModel):
     activations: int
     comm_buffers: int
     workspace: int
+    outputs: int = 0  # batched model outputs (logits) until they go home, and the local batch's
 
     @property
     def total(self) -> int:
@@ -173,6 +174,7 @@ class MemoryEstimate(BaseModel):
             + self.activations
             + self.comm_buffers
             + self.workspace
+            + self.outputs
         )
 
 

@@ -42,6 +42,7 @@ class Figures:
     activations: float
     comm_buffers: float
     workspace: float
+    outputs: float
     in_flight: int
     recompute: bool
     t: float
@@ -75,9 +76,13 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     activations = A if recompute else n * A
     buffers = n * (cin + cout)
     state = grad * space.optimizer_state_factor
+    # every micro-batch's batched model outputs until they go home, and the local batch's
+    outputs = space.output_bytes
+    if table.out is not None:
+        outputs += m * sum(float(table.out[k][b]) for b in range(i, j))
     return Figures(q, F, Bw, F if recompute else 0.0, comm, ar, opt, acc, param, grad, state,
-                   activations, buffers, ws, n, recompute, t, u,
-                   param + grad + state + activations + buffers + ws)
+                   activations, buffers, ws, outputs, n, recompute, t, u,
+                   param + grad + state + activations + buffers + ws + outputs)
 
 
 def in_flight(schedule: str, m: int, d: int) -> int:

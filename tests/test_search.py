@@ -78,7 +78,19 @@ def random_table(rng: np.random.Generator, num_blocks: int, sizes: tuple[int, ..
         # the optimizer step and the gradient accumulation, each present about half the time
         optimizer_s=_ranges(draw(nparams) * frozen, uses) if rng.uniform() < 0.5 else None,
         accumulate_s=_ranges(draw(nparams) * frozen, uses) if rng.uniform() < 0.5 else None,
+        # batched model outputs (logits) from the last block, or from any, about half the time
+        out=_outputs(rng, draw(Q, B)) if rng.uniform() < 0.5 else None,
     )
+
+
+def _outputs(rng: np.random.Generator, x: np.ndarray) -> np.ndarray:
+    """Output bytes in the last block, and now and then in one more."""
+    out = np.zeros_like(x)
+    out[:, -1] = x[:, -1]
+    extra = int(rng.integers(0, x.shape[1]))
+    if rng.uniform() < 0.3:
+        out[:, extra] += x[:, extra]
+    return out
 
 
 def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, tight: float = 0.0,
@@ -110,7 +122,9 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     table = dataclasses.replace(table, act=table.act * 3)  # activations that matter
     budget = rng.uniform(0.3, 2.0) * (table.param_bytes[0, B] * 3 + table.act.sum() / 2 + 2)
-    space = dataclasses.replace(space, **random_links(rng))
+    space = dataclasses.replace(space, **random_links(rng),
+                                output_bytes=float(rng.uniform(0, 1)) if rng.uniform() < 0.3
+                                else 0.0)
     if rng.uniform() < tight:
         least = least_largest_stage(table, space)
         plain = least_largest_stage(table, dataclasses.replace(space, schedules=("gpipe",),
@@ -137,7 +151,8 @@ def outcome(fn, table: CostTable, space: SearchSpace) -> SearchResult | None:
 
 _TIMES = ("fwd_s", "bwd_s", "recompute_s", "comm_s", "allreduce_s", "optimizer_s",
           "accumulate_s")
-_BYTES = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "workspace")
+_BYTES = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "workspace",
+          "outputs")
 
 
 def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> None:
@@ -383,6 +398,23 @@ def test_evaluate_recompute_and_1f1b_by_hand() -> None:
     s1r = evaluate(table, space, (plan[0], StageChoice(2, 3, 2, recompute=True)), 2,
                    "1f1b").stages[1]
     assert (s1r.activations, s1r.comm_buffers, s1r.memory, s1r.time_s) == (30, 2, 883, 14)
+
+
+def test_evaluate_model_outputs_by_hand() -> None:
+    """Logits of the last block: the stage keeps every micro-batch's until they go home, and
+    every rank assembles its local batch's (output_bytes)."""
+    table = by_hand_table()
+    out = np.zeros_like(table.fwd)
+    out[:, 2] = table.sizes * 5.0  # 5 bytes per sample
+    table = dataclasses.replace(table, out=out)
+    space = SearchSpace(world_size=3, global_batch=8, memory_budget=1000, link_bandwidth=2.0,
+                        optimizer_state_factor=2.0, micro_batches=(2,), output_bytes=7.0)
+    plan = (StageChoice(0, 2, 1), StageChoice(2, 3, 2))
+    for schedule in ("gpipe", "1f1b"):
+        s0, s1 = evaluate(table, space, plan, 2, schedule).stages
+        assert s0.outputs == 7  # only the local batch's
+        assert s1.outputs == 2 * 2 * 5 + 7  # m = 2 micro-batches of 2 samples each, and 7
+    assert evaluate(table, space, plan, 2).stages[1].memory == 915 + 27
 
 
 def test_shared_parameter_counted_once() -> None:

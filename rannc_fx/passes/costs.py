@@ -124,12 +124,23 @@ def build_cost_table(
         per_block[field] = acc.T.copy()  # (Q, B)
 
     q = np.asarray(sizes, dtype=float)
+
+    def bytes_at(spec: ValueSpec) -> np.ndarray:  # at each size, affine in the samples
+        one, two = spec.nbytes_for(1), spec.nbytes_for(2)
+        return (two - one) * q + (2 * one - two)
+
     cut = np.zeros((len(sizes), nb + 1))
     for b, crossing in enumerate(blocks.boundary):
         for v in crossing:
-            spec = values[v]
-            one, two = spec.nbytes_for(1), spec.nbytes_for(2)
-            cut[:, b] += (two - one) * q + (2 * one - two)
+            cut[:, b] += bytes_at(values[v])
+    # batched model outputs (logits): kept by their stage until they go home
+    out = np.zeros((len(sizes), nb))
+    where = blocks.block_of()
+    for name in dict.fromkeys(captured.output_names):
+        spec = values.get(name)
+        if spec is not None and spec.kind == "tensor" and spec.batch_dim is not None:
+            if name in where:
+                out[:, where[name]] += bytes_at(spec)
 
     # keyed by tensor identity: a tied weight under two names is one tensor
     uses: dict[int, list[int]] = {}
@@ -155,6 +166,7 @@ def build_cost_table(
         grad_bytes=range_sums(nb, _shared_once(grad_uses, grads)),
         optimizer_s=_per_tensor(nb, grad_uses, grads, optimizer),
         accumulate_s=_per_tensor(nb, grad_uses, grads, accumulate),
+        out=out if out.any() else None,
     )
     log.info("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
              time.perf_counter() - t0)

@@ -191,6 +191,7 @@ class StageExecutor:
         self._run(step, {Mode.EVAL: self._eval, Mode.CALL: self.actions,
                          Mode.DEFERRED: self._deferred[0]}[mode])
         flat = [step.results[r.index] for r in self.plan.outputs]
+        step.results, step.reduced = {}, {}  # the caller holds them now, as long as it wants
         if mode is Mode.EVAL:
             return flat
         tied = [self._loss] if step.held and self._loss is not None else self._diff

@@ -134,14 +134,14 @@ class Candidates:
         self.acc = range_sum(table.accumulate_s, iu, ju)
         self.opt = range_sum(table.optimizer_s, iu, ju)
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
-        self._terms: dict[int, StageTerms] = {}
+        self._terms: dict[tuple[int, int], StageTerms] = {}
 
-    def terms(self, k: int) -> StageTerms:
-        """The cost model's terms of every stage [i, j) at size index k."""
-        if k not in self._terms:
+    def terms(self, k: int, m: int) -> StageTerms:
+        """The cost model's terms of every stage [i, j) at size index k with m micro-batches."""
+        if (k, m) not in self._terms:
             ws = range_max(self.table.workspace[k])[self.iu, self.ju]
-            self._terms[k] = stage_terms(self.table, self.space, k, self.iu, self.ju, ws)
-        return self._terms[k]
+            self._terms[(k, m)] = stage_terms(self.table, self.space, k, self.iu, self.ju, ws, m)
+        return self._terms[(k, m)]
 
     def replicas(self, m: int) -> np.ndarray:
         """The replica counts a stage may have with m micro-batches."""
@@ -187,7 +187,7 @@ class Candidates:
             if k in done:
                 T[:, c], M[:, c], RHO[:, c] = T[:, done[k]], M[:, done[k]], RHO[:, done[k]]
                 continue
-            done[k], terms = c, self.terms(k)
+            done[k], terms = c, self.terms(k, m)
             if sp.recompute is not None:
                 RHO[:, c] = sp.recompute
                 T[:, c], M[:, c] = terms.time(sp.recompute), terms.memory(m, sp.recompute)
@@ -206,7 +206,7 @@ class Candidates:
             return None
         M = np.empty((len(self.iu), len(reps)))
         for c, r in enumerate(reps.tolist()):
-            terms = self.terms(self.size(m, r))
+            terms = self.terms(self.size(m, r), m)
             M[:, c] = np.min([terms.memory(n, v) for v in self.variants()], axis=0)
         zero = np.zeros(M.shape)
         return self._edges(np.arange(M.size), reps, zero, zero, M, zero.astype(bool))
@@ -219,7 +219,7 @@ class Candidates:
     def stage(self, i: int, j: int, r: int, m: int, n: int) -> tuple[float, float, bool] | None:
         """t, u and recomputation of the stage [i, j) on r replicas with n in flight, its
         first variant that fits; None if none does."""
-        pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r))
+        pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r), m)
         for v in self.variants():
             if terms.memory(n, v)[pair][0] <= self.space.memory_budget:
                 t = terms.time(v)[pair]
@@ -237,10 +237,10 @@ class Candidates:
         sp, R, allowed = self.space, len(reps), [int(v) for v in self.variants()]
         ks = [self.size(m, r) for r in reps.tolist()]
         # no variant beats the first allowed one's t + u: only stages that can still win
-        t_first = np.stack([self.terms(k).time(bool(allowed[0])) for k in ks], axis=1)
+        t_first = np.stack([self.terms(k, m).time(bool(allowed[0])) for k in ks], axis=1)
         can_win = t_first + self._u(m, t_first, reps) < below
         if gains_only:
-            full = np.stack([self.terms(k).memory(m, bool(allowed[0])) for k in ks], axis=1)
+            full = np.stack([self.terms(k, m).memory(m, bool(allowed[0])) for k in ks], axis=1)
             if not (can_win & (full > sp.memory_budget)).any():
                 return None
         rows = np.flatnonzero(can_win.any(axis=1))
@@ -250,7 +250,7 @@ class Candidates:
             if k in done:
                 T[:, c], FIT[:, c] = T[:, done[k]], FIT[:, done[k]]
                 continue
-            done[k], terms = c, self.terms(k).take(rows)
+            done[k], terms = c, self.terms(k, m).take(rows)
             for v in allowed:
                 T[:, c, v] = terms.time(bool(v))
                 FIT[:, c, v] = max_in_flight(terms, bool(v), m, sp.memory_budget)

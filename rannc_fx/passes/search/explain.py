@@ -71,7 +71,7 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
         return math.inf
     ks = {r: cands.size(m, r) for r in np.unique(e.reps).tolist()}
     col = {k: c for c, k in enumerate(dict.fromkeys(ks.values()))}
-    stacked = {f: np.stack([getattr(cands.terms(k), f) for k in col])
+    stacked = {f: np.stack([getattr(cands.terms(k, m), f) for k in col])
                for f in ("fixed", "act", "cuts", "ws")}
     where = (np.array([col[ks[int(r)]] for r in e.reps]),
              e.end.astype(np.int64) * (e.end - 1) // 2 + e.start)  # (size, pair of cands)
@@ -158,7 +158,7 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
         r = -(-G // (m * int(size)))  # fewest replicas with q <= size
         if r > r_max:
             continue
-        terms = stage_terms(table, space, k, iu, ju, range_max(table.workspace[k])[iu, ju])
+        terms = stage_terms(table, space, k, iu, ju, range_max(table.workspace[k])[iu, ju], m)
         for n in ns:
             mem = np.min([terms.memory(n, v) for v in variants], axis=0)
             r_need[n] = np.where(mem <= space.memory_budget, np.minimum(r_need[n], r), r_need[n])

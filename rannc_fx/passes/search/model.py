@@ -27,6 +27,10 @@ once:
                                                 the stage's inputs and outputs; one micro-batch's
                                                 activations exist during its backward)
                + max(workspace[k, i:j])
+               + m * sum(out[k, i:j]) + output_bytes
+                         (batched model outputs such as logits: the stage keeps every
+                          micro-batch's until they go home at the end of the forwards, and
+                          every rank assembles its local batch's, output_bytes)
 
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
 bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer
@@ -65,6 +69,7 @@ __all__ = [
     "evaluate",
     "in_flight",
     "needed_sizes",
+    "outputs_held",
     "plan_step",
     "range_max",
     "range_sum",
@@ -85,7 +90,8 @@ class CostTable:
     cut[:, B] zero; param_bytes and grad_bytes (B, B + 1), entry [i, j] for the block range
     [i, j) with shared parameters counted once (only i < j is read); optimizer_s and
     accumulate_s (B, B + 1) likewise give the seconds of the range's optimizer step and of
-    adding one micro-batch's gradients into ``.grad`` (None: free).
+    adding one micro-batch's gradients into ``.grad`` (None: free); out (Q, B) the bytes of
+    the batched model outputs (logits) each block makes for one micro-batch (None: none).
     """
 
     sizes: np.ndarray
@@ -98,6 +104,7 @@ class CostTable:
     grad_bytes: np.ndarray
     optimizer_s: np.ndarray | None = None
     accumulate_s: np.ndarray | None = None
+    out: np.ndarray | None = None  # (Q, B): bytes of batched model outputs each block makes
 
     @property
     def num_blocks(self) -> int:
@@ -118,6 +125,7 @@ class SearchSpace:
     replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
     schedules: tuple[str, ...] = SCHEDULES  # candidates; forced = one candidate
     recompute: bool | None = None  # None: per stage, only where needed; True / False: all / none
+    output_bytes: float = 0.0  # batched model outputs of one rank's local batch (every rank)
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,7 @@ class StageCost:
     recompute: bool = False
     in_flight: int = 1
     recompute_s: float = 0.0
+    outputs: int = 0  # batched model outputs held: m micro-batches' and the local batch's
 
     @property
     def time_s(self) -> float:
@@ -163,7 +172,7 @@ class StageCost:
     @property
     def memory(self) -> int:
         return (self.params + self.grads + self.optimizer_state + self.activations
-                + self.comm_buffers + self.workspace)
+                + self.comm_buffers + self.workspace + self.outputs)
 
 
 @dataclass(frozen=True)
@@ -215,7 +224,7 @@ class StageTerms:
     fb: np.ndarray  # F + Bw
     fwd: np.ndarray  # F: what recomputation runs again
     comm: np.ndarray  # 2 (cin + cout) / link_bw + 2 lat ([i > 0] + [j < B])
-    fixed: np.ndarray  # params + grads (1 + optimizer_state_factor)
+    fixed: np.ndarray  # params + grads (1 + optimizer_state_factor) + m out + output_bytes
     act: np.ndarray  # A
     cuts: np.ndarray  # cin + cout
     ws: np.ndarray  # max workspace
@@ -241,8 +250,9 @@ def stage_memory(fixed: np.ndarray, act: np.ndarray, cuts: np.ndarray, ws: np.nd
 
 
 def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
-                ws: np.ndarray) -> StageTerms:
-    """The terms of the stages [i, j) at size index k, given their largest workspace."""
+                ws: np.ndarray, m: int) -> StageTerms:
+    """The terms of the stages [i, j) at size index k with m micro-batches, given their
+    largest workspace."""
     grad = np.asarray(table.grad_bytes, float)[i, j]
     cut = np.asarray(table.cut[k], float)
     fwd = np.concatenate(([0.0], np.cumsum(table.fwd[k])))
@@ -253,8 +263,18 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     return StageTerms(
         fb=fb[j] - fb[i], fwd=fwd[j] - fwd[i],
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
-        fixed=np.asarray(table.param_bytes, float)[i, j] + grad * (1 + space.optimizer_state_factor),
+        fixed=np.asarray(table.param_bytes, float)[i, j] + grad * (1 + space.optimizer_state_factor)
+        + outputs_held(table, space, k, i, j, m),
         act=act[j] - act[i], cuts=both, ws=np.asarray(ws, float))
+
+
+def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
+                 m: int) -> np.ndarray:
+    """m * sum(out[k, i:j]) + output_bytes: the batched model outputs the stages hold."""
+    if table.out is None:
+        return np.full(np.shape(i), float(space.output_bytes))
+    out = np.concatenate(([0.0], np.cumsum(table.out[k])))
+    return m * (out[j] - out[i]) + space.output_bytes
 
 
 def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.ndarray:
@@ -293,7 +313,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         raise ValueError(f"the cost table has no costs for {q} samples per replica; "
                          "build it for needed_sizes(space)")
     k, ii, jj = kidx[q], np.array([i]), np.array([j])
-    terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]))
+    terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]), m)
     t = float(terms.time(rho)[0])
     grad = float(table.grad_bytes[i, j])
     ar = float(allreduce_s(space, np.array([grad]), np.array([r]))[0])
@@ -309,6 +329,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         activations=round(act if rho else n * act), comm_buffers=round(n * cuts),
         workspace=round(float(terms.ws[0])), recompute=rho, in_flight=n,
         recompute_s=fwd if rho else 0.0,
+        outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     return cost, t, u, float(terms.memory(n, rho)[0])
 
