@@ -13,10 +13,12 @@ Run with torchrun (gloo, one thread per rank):
   counted from its first save until autograd drops its last), against the plan's
   ``activations`` (in-flight micro-batches x a micro-batch's saved bytes; one micro-batch's when
   recomputing);
-- the step's memory: the peak of the process's resident memory during a step (sampled every
-  0.2 ms from ``/proc/self/statm``) above its level before the step, against the plan's
-  ``activations + comm_buffers + workspace`` (parameters, gradients and Adam state exist before
-  the step and are exact, see runtime_prediction_cpu_202611.md).
+- the step's memory: the peak of the bytes the process's allocator has handed out (glibc's
+  ``mallinfo2``, in-use heap and mmapped blocks, sampled every 0.2 ms) during a step, above
+  its level before the step, against the plan's ``grads + activations + comm_buffers +
+  workspace + outputs`` (the gradients are set to None before each step; parameters and Adam
+  state exist before it and are exact, see runtime_prediction_cpu_202611.md). Resident memory
+  would not do: the allocator keeps freed pages, so after the first step it barely moves.
 
 ``--mode budget``: ``Config(device_memory=...)`` set so that no GPipe plan without
 recomputation fits (below the least largest-stage memory such plans need), the search then
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
+import ctypes
 import sys
 import threading
 import time
@@ -47,7 +49,6 @@ from rannc_fx import Config  # noqa: E402
 from rannc_fx.passes.search import NoFeasiblePlan, search_pass  # noqa: E402
 
 MiB = 2**20
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4,
                    help="schedules: micro-batches (default: 4)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per variant (default: 4)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
+                   help="budget: force the schedule (default: searched); gpipe leaves "
+                   "recomputation as the only way to fit")
     p.add_argument("--budget-fraction", type=float, default=0.85,
                    help="budget: the budget as a fraction of the least largest-stage memory "
                    "of GPipe without recomputation (default: 0.85)")
@@ -105,11 +109,11 @@ class _Held:
         self.t = t
 
 
-class RssPeak:
-    """The peak resident memory of this process while the context is open (a sampling thread)."""
+class HeapPeak:
+    """The peak of the allocator's in-use bytes while the context is open (a sampling thread)."""
 
-    def __enter__(self) -> RssPeak:
-        self.base = self.peak = _rss()
+    def __enter__(self) -> HeapPeak:
+        self.base = self.peak = _in_use()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -117,18 +121,29 @@ class RssPeak:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, _in_use())
             time.sleep(0.0002)
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, _in_use())
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
+def _in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back: heap blocks and mmapped ones."""
+    m = _LIBC.mallinfo2()
+    return int(m.uordblks + m.hblkhd)
 
 
 def measure(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor,
@@ -136,20 +151,20 @@ def measure(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: t
     """Per step: peak saved bytes and peak RSS above the step's start; medians over steps."""
     stage = model.stages[0]
     excluded = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
-    saved, rss = [], []
+    saved, heap = [], []
     for _ in range(steps):
         hooks = SavedBytes(excluded)
         dist.barrier()
-        with RssPeak() as peak, torch.autograd.graph.saved_tensors_hooks(hooks.pack,
-                                                                         hooks.unpack):
+        with HeapPeak() as peak, torch.autograd.graph.saved_tensors_hooks(hooks.pack,
+                                                                          hooks.unpack):
             loss = model(ids, labels)
             loss.backward()
-        opt.step()
-        opt.zero_grad()
         del loss
         saved.append(hooks.peak)
-        rss.append(peak.peak - peak.base)
-    return {"saved": sorted(saved)[len(saved) // 2], "rss": sorted(rss)[len(rss) // 2]}
+        heap.append(peak.peak - peak.base)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"saved": sorted(saved)[len(saved) // 2], "heap": sorted(heap)[len(heap) // 2]}
 
 
 def run_variant(base: GPT, cfg: Config, ids: torch.Tensor, labels: torch.Tensor,
@@ -171,12 +186,12 @@ def _row(name: str, plan: Any, got: dict[str, float]) -> str:
     rank = dist.get_rank()
     st = plan.stage_of_rank(rank)
     mem = st.memory
-    step_pred = mem.activations + mem.comm_buffers + mem.workspace
+    step_pred = mem.grads + mem.activations + mem.comm_buffers + mem.workspace + mem.outputs
     return (f"| {name} | {st.index} | {'yes' if st.recompute else 'no'} | "
             f"{plan.in_flight(st.index)} | {mem.activations / MiB:.2f} | {got['saved'] / MiB:.2f} "
             f"| {100 * (mem.activations - got['saved']) / got['saved']:+.1f}% | "
-            f"{step_pred / MiB:.2f} | {got['rss'] / MiB:.2f} | "
-            f"{100 * (step_pred - got['rss']) / got['rss']:+.1f}% |")
+            f"{step_pred / MiB:.2f} | {got['heap'] / MiB:.2f} | "
+            f"{100 * (step_pred - got['heap']) / got['heap']:+.1f}% |")
 
 
 def _print_rows(rows: list[str]) -> None:
@@ -184,7 +199,7 @@ def _print_rows(rows: list[str]) -> None:
     dist.all_gather_object(everyone, rows)
     if dist.get_rank() == 0:
         print("| variant | stage | recompute | in flight | predicted activations MiB | measured "
-              "saved peak MiB | error | predicted step memory MiB | measured RSS peak above "
+              "saved peak MiB | error | predicted step memory MiB | measured heap peak above "
               "step start MiB | error |")
         print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for i in range(len(rows)):
@@ -214,14 +229,15 @@ def main(argv: list[str] | None = None) -> None:
         need = _gpipe_need(base, ids, labels, world, Config(**common))
         cfg0 = Config(**common)
         budget = args.budget_fraction * need
-        cfg = cfg0.model_copy(update={"device_memory": int(budget / (1 - cfg0.memory_margin))})
+        cfg = cfg0.model_copy(update={"device_memory": int(budget / (1 - cfg0.memory_margin)),
+                                      "schedule": args.schedule})
         plan, got = run_variant(base, cfg, ids, labels, args.steps)
         rows.append(_row("searched under the budget", plan, got))
         _print_rows(rows)
         st = plan.stage_of_rank(dist.get_rank())
-        static = st.memory.params + st.memory.grads + st.memory.optimizer_state
+        static = st.memory.params + st.memory.optimizer_state  # grads: in the step
         peaks: list[Any] = [None] * world
-        dist.all_gather_object(peaks, (st.index, static, got["rss"]))
+        dist.all_gather_object(peaks, (st.index, static, got["heap"]))
         if dist.get_rank() == 0:
             print(f"\nGPipe without recomputation needs at least {need / MiB:.2f} MiB per device; "
                   f"budget {budget / MiB:.2f} MiB ({args.budget_fraction:.2f} of it, "

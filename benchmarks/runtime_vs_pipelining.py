@@ -350,6 +350,11 @@ def main(argv: list[str] | None = None) -> None:
             f"| {name} | {s['median']:.1f} | {s['p10']:.1f} | {s['p90']:.1f} | {ratio} | "
             f"{c['median']:.1f} | {cratio} | {loss if loss is None else f'{loss:.6f}'} |"
         )
+    for s in args.schedules if args.mode == "same-split" else ():
+        mine, peer = f"rannc_fx-{s}", f"pipelining-manual-{s}"
+        print(f"\n{s}: {mine} / {peer}, median of per-round ratios: wall "
+              f"{median_ratio(times[mine], times[peer]):.3f}, CPU "
+              f"{median_ratio(cpu_sum[mine], cpu_sum[peer]):.3f}")
     print(
         f"\npredicted step (plan.predicted_step_ms): {plan.predicted_step_ms:.1f} ms; "
         f"measured rannc_fx median {1e3 * summarize(times[ref])['median']:.1f} ms"

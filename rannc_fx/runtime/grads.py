@@ -102,7 +102,8 @@ class GradSync:
         for p in self.every:
             old = self._stash.get(id(p))
             if old is not None:
-                p.grad = old if p.grad is None else old + p.grad
+                # in place into the earlier gradient: no third copy while the step's exists
+                p.grad = old if p.grad is None else old.add_(p.grad)
         self._stash = {}
 
     def hold(self) -> None:
@@ -123,7 +124,7 @@ class GradSync:
                 continue
             if scale is not None:
                 h = h.mul_(scale.to(h.dtype))
-            p.grad = h if p.grad is None else p.grad + h
+            p.grad = h if p.grad is None else p.grad.add_(h)
         self._held = {}
 
     def drop_held(self) -> None:
