@@ -3,9 +3,10 @@
     python examples/train.py                         # one process
     torchrun --nproc-per-node 2 examples/train.py    # rannc_fx splits it over 2 ranks
 
-By default each device is taken to hold only 36 MiB (``--device-memory-mib``), about what
-this model needs on one rank with Adam, so that on 2 ranks the plan must pipeline it rather
-than replicate it; pass ``--device-memory-mib 0`` for the device's real size.
+By default each device is taken to hold only 28 MiB (``--device-memory-mib``), less than this
+model needs on one rank with Adam even with one micro-batch in flight, so that on 2 ranks the
+plan must pipeline it rather than replicate it; pass ``--device-memory-mib 0`` for the
+device's real size.
 
 The line marked below is the only change a single-device script needs: ``rannc_fx.compile``
 plans the model on its first call (stages, replicas, micro-batches), then each rank runs its
@@ -45,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=128, help="hidden size")
     p.add_argument("--seq", type=int, default=64, help="tokens per sample")
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
-    p.add_argument("--device-memory-mib", type=int, default=36,
+    p.add_argument("--device-memory-mib", type=int, default=28,
                    help="memory per device the plan must fit (0: the device's real size)")
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     p.add_argument("--stages", type=int, default=None, help="force the stage count (default: searched)")
