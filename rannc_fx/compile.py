@@ -32,7 +32,7 @@ from .passes.optcost import ParameterCosts, parameter_costs
 from .passes.shapes import infer_values_pass
 from .plan import Plan
 from .probe import measure_link
-from .runtime import AloneExecutor, StageExecutor, build_executor
+from .runtime import AloneExecutor, StageExecutor, build_executor, plan_grid
 from .runtime.comm import CommError, init_distributed
 
 __all__ = ["CompiledModel", "compile"]
@@ -98,7 +98,12 @@ class CompiledModel(nn.Module):
             f"rank {ex.rank} runs stage {ex.stage.index} "
             f"(replica {ex.replica + 1} of {ex.stage.replicas}, ranks {list(ex.stage.ranks)})"
         )
-        return f"CompiledModel(\n{ex.plan.summary()}\n{where}\n)"
+        plan = ex.plan
+        if plan.world_size * plan.micro_batches <= 256:
+            grid = plan_grid(plan)
+        else:
+            grid = "(rannc_fx.runtime.plan_grid(model.plan) prints one step's actions per rank)"
+        return f"CompiledModel(\n{plan.summary()}\n{where}\none step:\n{grid}\n)"
 
     # -- a step ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -91,6 +91,7 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     for pname, p in stage.named_parameters():
         assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
     assert cm.plan.world_size == world and f"rank {rank} runs stage" in repr(cm)
+    assert f"rank {world - 1} " in repr(cm).split("one step:")[1]  # a grid row per rank
     if "schedule" in cfg:
         assert cm.plan.schedule == cfg["schedule"] and f"schedule {cfg['schedule']}" in repr(cm)
     if cfg.get("recompute") is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 
 import pytest
 import torch
@@ -54,8 +55,12 @@ def test_stages_compose_to_the_model(name, world_size):
     for g, w, c in zip(_leaves(got), _leaves(want), _leaves(whole), strict=True):
         assert torch.equal(g, c), "stages differ from the captured graph"
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    for gm in parted.stages:
-        assert "def forward" in gm.code
+    for st, gm in zip(plan.stages, parted.stages, strict=True):
+        # the stage takes exactly its plan inputs and owns every attribute its code reads
+        assert [n.op for n in gm.graph.nodes].count("placeholder") == len(st.inputs)
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":  # raises if the stage lacks it
+                assert isinstance(operator.attrgetter(n.target)(gm), (torch.Tensor, torch.nn.Module))
 
 
 def test_forced_stages_split_the_transformer_and_share_the_tied_embedding():

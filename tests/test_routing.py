@@ -192,13 +192,19 @@ def test_each_pair_posts_in_the_same_order(world, local, mbs, reps):
 def test_order_is_canonical(world, local, mbs, reps):
     """Both ends see one list, so their per-pair message order agrees."""
     plan = _chain_plan(local, mbs, reps)
-    first = routing.input_transfers(plan) + routing.output_transfers(plan)
-    assert first == routing.input_transfers(plan) + routing.output_transfers(plan)
-    keys = [(t.microbatch, t.slot) for t in routing.input_transfers(plan)]
-    assert keys == sorted(keys)
+    rank_of = {r: (st.index, st.ranks.index(r)) for st in plan.stages for r in st.ranks}
+    # inputs: micro-batch, input, consumer stage, consumer replica, owner rank
+    keys = [(t.microbatch, t.slot, *rank_of[t.dst], t.src) for t in routing.input_transfers(plan)]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
     for i in range(mbs):
-        slots = [t.slot for t in routing.cut_transfers(plan, i)]
-        assert slots == sorted(slots)
+        # cut values: value, consumer stage, consumer replica, producer replica
+        keys = [(t.slot, *rank_of[t.dst], rank_of[t.src][1])
+                for t in routing.cut_transfers(plan, i)]
+        assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    # outputs: micro-batch, output, producer replica, owner rank
+    keys = [(t.microbatch, t.slot, rank_of[t.src][1], t.dst)
+            for t in routing.output_transfers(plan)]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
 
 
 EMPTY = [c for c in ALL if not _valid(*c[1:]) and c[2] <= c[1] * c[0]]

@@ -261,3 +261,19 @@ def test_plan_durations_price_every_action_from_the_plan():
     assert dur(Action(1, Kind.REDUCE)) == pytest.approx(1e-3 * 4.0)
     assert dur(Action(1, Kind.SEND_F, 0)) == 0.0
     assert simulate(low, topo, dur).makespan > 0
+
+
+def test_plan_grid_has_a_row_per_rank():
+    from rannc_fx.runtime import plan_grid
+
+    values = {"x": tensor("x", (1, 6)), "y": tensor("y", (1,), dtype="int64"),
+              "h": tensor("h", (1, 8), requires_grad=True), "loss": scalar("loss")}
+    plan = make_plan(global_batch=12, micro_batches=4, replicas=(2, 1), values=values,
+                     inputs=["x", "y"], stage_io=[(["x"], ["h"]), (["h", "y"], ["loss"])],
+                     outputs=["loss"], schedule="1f1b")
+    lines = plan_grid(plan).splitlines()
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["rank", "0", "0F0"], ["rank", "1", "0F0"], ["rank", "2", "."]]
+    # the ranks of stage 0 run 1F1B's warm-up forward, then alternate
+    assert lines[1].split()[2:] == ["0F0", "0F1", ".", "0B0", "0F2", "0B1", "0F3", "0B2", ".",
+                                    "0B3"]

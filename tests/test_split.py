@@ -332,7 +332,10 @@ def test_stages_run_generated_code_not_an_interpreter():
     for st in stages:
         assert isinstance(st, fx.GraphModule)
         assert not isinstance(st, fx.Interpreter)
-        assert type(st).forward is not fx.GraphModule.forward or "forward" in st.code
+        # recompile() made forward from the stage's own source (an eval'd module), which is
+        # what runs: no fx.Interpreter walks the graph node by node
+        assert "eval_with_key" in type(st).forward.__code__.co_filename
+        assert "Interpreter" not in st.code
         assert not any(n.op == "placeholder" and "weight" in n.name for n in st.graph.nodes), (
             "parameters are the stage's own attributes, not inputs")
 

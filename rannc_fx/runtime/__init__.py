@@ -29,6 +29,7 @@ from .schedule import (
     gpipe_schedule,
     make_schedule,
     one_f_one_b_schedule,
+    plan_grid,
 )
 from .simulate import ScheduleError, Simulation, plan_durations, simulate
 
@@ -52,6 +53,7 @@ __all__ = [
     "make_schedule",
     "one_f_one_b_schedule",
     "plan_durations",
+    "plan_grid",
     "simulate",
     "topology_of",
 ]

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
+from ..plan import Plan
+
 __all__ = [
     "SCHEDULES",
     "Action",
@@ -41,6 +43,7 @@ __all__ = [
     "in_flight",
     "make_schedule",
     "one_f_one_b_schedule",
+    "plan_grid",
 ]
 
 
@@ -192,6 +195,14 @@ def format_schedule(schedule: Schedule, rows: Sequence[tuple[str, int]] | None =
                 line[tick[a]] = str(a)
         lines.append(name.ljust(label) + "".join(c.ljust(cell) for c in line).rstrip())
     return "\n".join(lines)
+
+
+def plan_grid(plan: Plan) -> str:
+    """One step of ``plan``'s schedule, one row per rank: its stage's forwards and backwards
+    by clock tick (a recomputing stage runs R before each of its B)."""
+    sched = make_schedule(plan.schedule, len(plan.stages), plan.micro_batches)
+    rows = [(f"rank {r}", plan.stage_of_rank(r).index) for r in range(plan.world_size)]
+    return format_schedule(sched, rows)
 
 
 def _dependency(a: Action, num_stages: int) -> Action | None:

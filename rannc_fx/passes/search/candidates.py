@@ -135,6 +135,7 @@ class Candidates:
         self.opt = range_sum(table.optimizer_s, iu, ju)
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
         self._terms: dict[tuple[int, int], StageTerms] = {}
+        self._fixed: np.ndarray | None = None
 
     def terms(self, k: int, m: int) -> StageTerms:
         """The cost model's terms of every stage [i, j) at size index k with m micro-batches."""
@@ -156,9 +157,12 @@ class Candidates:
     def _u(self, m: int, t: np.ndarray, reps: np.ndarray, rows: np.ndarray | None = None
            ) -> np.ndarray:
         """u of the stages (rows; all if None) at each replica count (columns) given t."""
-        grad, opt, acc = ((self.grad, self.opt, self.acc) if rows is None else
-                          (self.grad[rows], self.opt[rows], self.acc[rows]))
-        fixed = allreduce_s(self.space, grad[:, None], reps[None, :]) + opt[:, None]
+        if self._fixed is None:  # ar_s + opt_s of every stage at every replica count, once
+            every = np.arange(1, self.space.world_size + 1)
+            self._fixed = allreduce_s(self.space, self.grad[:, None], every[None, :]) \
+                + self.opt[:, None]
+        fixed = self._fixed[:, reps - 1] if rows is None else self._fixed[rows[:, None], reps - 1]
+        acc = self.acc if rows is None else self.acc[rows]
         return bottleneck_s(m, t, acc[:, None], fixed)
 
     def _edges(self, keep: np.ndarray, reps: np.ndarray, t: np.ndarray, u: np.ndarray,

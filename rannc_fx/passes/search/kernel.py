@@ -10,6 +10,11 @@ to block ``end`` that uses ``reps`` ranks; the state counts what the stages so f
 One DP is O(E * Z) vectorised operations (E edges, Z states) in chunks that stay in cache. A
 stage's weight here is one number per edge; ``layers`` extends the states with the stage's
 position from the end, where a 1F1B stage's weight depends on it.
+
+With nothing forced, the state before a stage of r replicas that ends in state z is z - r:
+the rows an edge reads, ``D[i][src[r]]``, are then D's row i shifted right by r, read through
+a strided view of a left-padded D instead of a (blocks x replicas x states) copy that at 1024
+ranks would take 1.6 GB and most of the search's time to fill.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class States:
     src: np.ndarray
     dst: np.ndarray
     replicas: tuple[int, ...]
+    shift: bool = False  # src[r, z] = z - r (and dst[r, z] = z + r) wherever it is defined
 
 
 def build_states(space: SearchSpace) -> States:
@@ -65,7 +71,44 @@ def build_states(space: SearchSpace) -> States:
     for r in range(W + 1):
         ok = src[r] < Z
         dst[r, src[r][ok]] = np.flatnonzero(ok)
-    return States(Z, final, src, dst, reps)
+    return States(Z, final, src, dst, reps, shift=space.replicas is None and not space.stages)
+
+
+class _Rows:
+    """D (B + 1, Z + 1, the last column the always-infinite pad) and its rows as an edge of
+    r replicas from block i reads them: ``rows[i, r]`` = ``D[i][src[r]]`` (``dst`` for the
+    backward DP) -- a strided view where the states shift, else a kept copy."""
+
+    def __init__(self, states: States, num_blocks: int, *, backward: bool = False):
+        B, Z = num_blocks, states.size
+        self.states, self.backward = states, backward
+        nr = states.src.shape[0]
+        if states.shift:
+            # D sits inside a row of W infinities on the side the shift reads from
+            pad = nr - 1
+            self._full = np.full((B + 1, Z + 1 + pad), np.inf)
+            off = 0 if backward else pad
+            self.D = self._full[:, off : off + Z + 1]
+            step = self._full.strides[1]
+            self.rows = np.lib.stride_tricks.as_strided(
+                self.D, shape=(B + 1, nr, Z), strides=(self._full.strides[0],
+                                                       step if backward else -step, step),
+                writeable=False)
+        else:
+            self.D = np.full((B + 1, Z + 1), np.inf)
+            self.rows = np.full((B + 1, nr, Z), np.inf)
+
+    def set(self, j: int, values: np.ndarray) -> None:
+        self.D[j, : self.states.size] = values
+        if not self.states.shift:
+            idx = self.states.dst if self.backward else self.states.src
+            self.rows[j] = self.D[j][idx]
+
+    def gather(self, i: np.ndarray, r: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``rows[i[k], r[k]]`` for every k, into ``out`` (a view of it for the result)."""
+        got = out[: len(i)]
+        got[...] = self.rows[i, r]
+        return got
 
 
 @dataclass(frozen=True)
@@ -94,14 +137,13 @@ def groups(key: np.ndarray, num_blocks: int) -> np.ndarray:
     return np.searchsorted(key, np.arange(num_blocks + 2))
 
 
-def _min_rows(table: np.ndarray, rows: np.ndarray, w: np.ndarray, buf: np.ndarray, *,
+def _min_rows(rows: _Rows, i: np.ndarray, r: np.ndarray, w: np.ndarray, buf: np.ndarray, *,
               bottleneck: bool = False) -> np.ndarray:
-    """min over k of table[rows[k]] + w[k] (or max(., w[k])), in chunks that stay in cache."""
+    """min over k of rows[i[k], r[k]] + w[k] (or max(., w[k])), in chunks that stay in cache."""
     op = np.maximum if bottleneck else np.add
-    acc = np.full(table.shape[1], np.inf)
-    for a in range(0, len(rows), len(buf)):
-        c = buf[: min(len(buf), len(rows) - a)]
-        np.take(table, rows[a : a + len(buf)], axis=0, out=c)
+    acc = np.full(buf.shape[1], np.inf)
+    for a in range(0, len(i), len(buf)):
+        c = rows.gather(i[a : a + len(buf)], r[a : a + len(buf)], buf)
         op(c, w[a : a + len(buf), None], out=c)
         np.minimum(acc, c.min(axis=0), out=acc)
     return acc
@@ -116,23 +158,24 @@ def forward(e: Edges, w: np.ndarray, states: States, num_blocks: int, *,
             ) -> tuple[np.ndarray, np.ndarray]:
     """Least sum (or max) of ``w`` over stages from block 0 to each (block, state).
 
-    Returns the values D (B + 1, Z + 1) and ``shifted[i, r, z] = D[i, src[r, z]]`` for
-    ``backtrack``. ``hi`` ends each block's group early (edges sorted by u, a threshold).
+    Returns the values D (B + 1, Z + 1) and ``shifted[i, r, z] = D[i, src[r, z]]`` (a view
+    where the states shift) for ``backtrack``. ``hi`` ends each block's group early (edges
+    sorted by u, a threshold).
     """
-    B, Z, nr = num_blocks, states.size, states.src.shape[0]
+    B, Z = num_blocks, states.size
     lo = groups(e.end, B)
     hi = lo[1:] if hi is None else hi
-    D = np.full((B + 1, Z + 1), np.inf)
-    D[0, 0] = -np.inf if bottleneck else 0.0
-    shifted = np.full((B + 1, nr, Z), np.inf)
-    shifted[0] = D[0][states.src]
-    flat, rows, buf = shifted.reshape(-1, Z), e.start * nr + e.reps, _scratch(states)
+    rows = _Rows(states, B)
+    first = np.full(Z, np.inf)
+    first[0] = -np.inf if bottleneck else 0.0
+    rows.set(0, first)
+    buf = _scratch(states)
     for j in range(1, B + 1):
         a, b = lo[j], hi[j]
         if a < b:
-            D[j, :Z] = _min_rows(flat, rows[a:b], w[a:b], buf, bottleneck=bottleneck)
-            shifted[j] = D[j][states.src]
-    return D, shifted
+            rows.set(j, _min_rows(rows, e.start[a:b], e.reps[a:b], w[a:b], buf,
+                                  bottleneck=bottleneck))
+    return rows.D, rows.rows
 
 
 def backtrack(e: Edges, w: np.ndarray, shifted: np.ndarray, states: States,
@@ -153,36 +196,36 @@ def backtrack(e: Edges, w: np.ndarray, shifted: np.ndarray, states: States,
 
 def backward(e: Edges, states: States, num_blocks: int) -> np.ndarray:
     """Least sum of t over stages from each (block, state) to the end."""
-    B, Z, nr = num_blocks, states.size, states.dst.shape[0]
+    B, Z = num_blocks, states.size
     order = np.argsort(e.start, kind="stable")
     lo = groups(e.start[order], B)
-    P = np.full((B + 1, Z + 1), np.inf)
-    P[B, states.final] = 0.0
-    shifted = np.full((B + 1, nr, Z), np.inf)  # [j, r, z] = P[j, dst[r, z]]
-    shifted[B] = P[B][states.dst]
-    flat, buf = shifted.reshape(-1, Z), _scratch(states)
-    rows, t = (e.end * nr + e.reps)[order], e.t[order]
+    rows = _Rows(states, B, backward=True)  # [j, r, z] = P[j, dst[r, z]]
+    last = np.full(Z, np.inf)
+    last[states.final] = 0.0
+    rows.set(B, last)
+    buf = _scratch(states)
+    ends, reps, t = e.end[order], e.reps[order], e.t[order]
     for i in range(B - 1, -1, -1):
         a, b = lo[i], lo[i + 1]
         if a < b:
-            P[i, :Z] = _min_rows(flat, rows[a:b], t[a:b], buf)
-            shifted[i] = P[i][states.dst]
-    return P
+            rows.set(i, _min_rows(rows, ends[a:b], reps[a:b], t[a:b], buf))
+    return rows.D
 
 
 def through_bound(e: Edges, pre: np.ndarray, post: np.ndarray, states: States,
                   num_blocks: int) -> np.ndarray:
     """Per edge, the least sum of t over the other stages of whole plans that use it."""
-    Z, nr = states.size, states.src.shape[0]
-    before = pre[:, states.src].reshape(-1, Z)  # [i * nr + r]: best prefix, then r replicas
-    rows, buf = e.start * nr + e.reps, _scratch(states)
-    lo = groups(e.end, num_blocks)
+    Z, B = states.size, num_blocks
+    before = _Rows(states, B)  # [i, r]: best prefix to block i, then a stage of r replicas
+    for i in range(B + 1):
+        before.set(i, pre[i, :Z])
+    buf = _scratch(states)
+    lo = groups(e.end, B)
     out = np.empty(len(e.t))
-    for j in range(1, num_blocks + 1):
+    for j in range(1, B + 1):
         for a in range(lo[j], lo[j + 1], len(buf)):
             b = min(a + len(buf), lo[j + 1])
-            c = buf[: b - a]
-            np.take(before, rows[a:b], axis=0, out=c)
+            c = before.gather(e.start[a:b], e.reps[a:b], buf)
             np.add(c, post[j, :Z], out=c)
             out[a:b] = c.min(axis=1)
     return out
