@@ -186,7 +186,7 @@ def _row(name: str, plan: Any, got: dict[str, float]) -> str:
     rank = dist.get_rank()
     st = plan.stage_of_rank(rank)
     mem = st.memory
-    step_pred = mem.grads + mem.activations + mem.comm_buffers + mem.workspace + mem.outputs
+    step_pred = mem.total - mem.params - mem.optimizer_state
     return (f"| {name} | {st.index} | {'yes' if st.recompute else 'no'} | "
             f"{plan.in_flight(st.index)} | {mem.activations / MiB:.2f} | {got['saved'] / MiB:.2f} "
             f"| {100 * (mem.activations - got['saved']) / got['saved']:+.1f}% | "

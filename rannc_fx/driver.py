@@ -360,7 +360,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             memory=MemoryEstimate(
                 params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
                 activations=cost.activations, comm_buffers=cost.comm_buffers,
-                workspace=cost.workspace, outputs=cost.outputs,
+                workspace=cost.workspace, outputs=cost.outputs, overlap=cost.overlap,
             ),
         ))
         rank += choice.replicas

@@ -164,9 +164,13 @@ class MemoryEstimate(BaseModel):
     comm_buffers: int
     workspace: int
     outputs: int = 0  # batched model outputs (logits) until they go home, and the local batch's
+    # of gradients, activations and cut values: the bytes never held at once (GPipe's
+    # gradients appear while its backwards free activations)
+    overlap: int = 0
 
     @property
     def total(self) -> int:
+        """The predicted peak: every part, less what never coexists."""
         return (
             self.params
             + self.grads
@@ -175,6 +179,7 @@ class MemoryEstimate(BaseModel):
             + self.comm_buffers
             + self.workspace
             + self.outputs
+            - self.overlap
         )
 
 

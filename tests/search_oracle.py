@@ -43,6 +43,7 @@ class Figures:
     comm_buffers: float
     workspace: float
     outputs: float
+    overlap: float
     in_flight: int
     recompute: bool
     t: float
@@ -74,15 +75,33 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     acc = 0.0 if table.accumulate_s is None else float(table.accumulate_s[i][j])
     u = (m - 1) * (t + acc) + ar + opt
     activations = A if recompute else n * A
-    buffers = n * (cin + cout)
+    # recomputing, a micro-batch in flight keeps its inputs; its outputs went on and R
+    # makes them again, for one micro-batch at a time
+    buffers = n * cin + cout if recompute else n * (cin + cout)
     state = grad * space.optimizer_state_factor
     # every micro-batch's batched model outputs until they go home, and the local batch's
     outputs = space.output_bytes
     if table.out is not None:
         outputs += m * sum(float(table.out[k][b]) for b in range(i, j))
+    # the gradients come with the backwards: they meet every in-flight micro-batch only if a
+    # forward follows the first backward (n < m); else they replace freed activations
+    c = cin + cout
+    if n < m:
+        peak = grad + activations + buffers
+    elif not recompute:
+        # the last forward ends with m micro-batches held; the first backward frees one
+        # micro-batch's activations while the gradients appear
+        peak = m * c + max(m * A, (m - 1) * A + grad)
+    elif m == 1:
+        peak = c + max(A, grad)
+    else:
+        # first backward: every input and its outputs, one micro-batch's activations giving
+        # way to the gradients; second: one input fewer, activations and gradients side by side
+        peak = max(m * cin + cout + max(A, grad), (m - 1) * cin + cout + A + grad)
+    overlap = grad + activations + buffers - peak
     return Figures(q, F, Bw, F if recompute else 0.0, comm, ar, opt, acc, param, grad, state,
-                   activations, buffers, ws, outputs, n, recompute, t, u,
-                   param + grad + state + activations + buffers + ws + outputs)
+                   activations, buffers, ws, outputs, overlap, n, recompute, t, u,
+                   param + state + peak + ws + outputs)
 
 
 def in_flight(schedule: str, m: int, d: int) -> int:

@@ -152,7 +152,7 @@ def outcome(fn, table: CostTable, space: SearchSpace) -> SearchResult | None:
 _TIMES = ("fwd_s", "bwd_s", "recompute_s", "comm_s", "allreduce_s", "optimizer_s",
           "accumulate_s")
 _BYTES = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "workspace",
-          "outputs")
+          "outputs", "overlap")
 
 
 def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> None:
@@ -250,6 +250,7 @@ def test_matches_pareto_oracle_larger() -> None:
         space = SearchSpace(world_size=W, global_batch=4 * W, memory_budget=0.0,
                             link_bandwidth=2.0, micro_batches=(1, 2, 4, 8))
         table = random_table(rng, B, needed_sizes(space), monotone=True)
+        table = dataclasses.replace(table, act=table.act * 4)  # activations that matter
         for slack, extra in ((1.01, {}), (1.1, {}), (1.3, {}), (3.0, {}),
                              (1.1, {"recompute": False}), (1.1, {"schedules": ("1f1b",)}),
                              (1.1, {"schedules": ("gpipe",)}), (1.2, {"stages": 3}),
@@ -340,10 +341,13 @@ def test_evaluate_by_hand() -> None:
     assert (s0.params, s0.grads, s0.optimizer_state) == (150, 150, 300)
     assert (s0.activations, s0.comm_buffers, s0.workspace, s0.in_flight) == (120, 8, 9, 2)
     assert (s1.samples, s1.fwd_s, s1.bwd_s, s1.comm_s, s1.allreduce_s) == (2, 3, 6, 2, 100)
-    assert (s1.activations, s1.comm_buffers, s1.workspace, s1.memory) == (60, 4, 1, 915)
+    # the gradients (200) appear as the first backward frees one micro-batch's activations
+    # (30): the peak holds 2 x 2 cut bytes + max(60, 30 + 200); overlap 200 + 60 + 4 - 234
+    assert (s1.activations, s1.comm_buffers, s1.workspace, s1.overlap) == (60, 4, 1, 30)
+    assert s1.memory == 250 + 200 + 400 + 60 + 4 + 1 - 30 == 885
     # t = 22 and 11; step = 33 + max(1 * 22 + 0, 1 * 11 + 100)
     assert ev.step_s == 33 + 111
-    assert ev.fits and s0.memory == 737
+    assert ev.fits and s0.memory == 737 - 60  # overlap 150 + 120 + 8 - (8 + max(120, 60 + 150))
 
     # 0.5 s per message, all-reduces at half the link's speed, optimizer steps of the ranges
     opt = np.array([[0, 2, 3.5, 5.5], [0, 0, 1.5, 3.5], [0, 0, 0, 3]], float)
@@ -361,7 +365,7 @@ def test_evaluate_by_hand() -> None:
     ev = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2)
     assert [c.accumulate_s for c in ev.stages] == [15, 20]
     assert ev.step_s == 35 + max(23 + 15 + 3.5, 12 + 20 + 201 + 3)
-    assert not evaluate(table, dataclasses.replace(space, memory_budget=914),
+    assert not evaluate(table, dataclasses.replace(space, memory_budget=884),
                         (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).fits
     with pytest.raises(ValueError, match="replicas sum"):
         evaluate(table, space, (StageChoice(0, 3, 2),), 2)
@@ -380,19 +384,24 @@ def test_evaluate_recompute_and_1f1b_by_hand() -> None:
     s0, s1 = ev.stages
     # stage 0 runs its forward (6 s) again before each backward: t = 6 + 12 + 6 + 4 = 28
     assert (s0.recompute, s0.fwd_s, s0.bwd_s, s0.recompute_s, s0.time_s) == (True, 6, 12, 6, 28)
-    # and holds its cut values for both micro-batches (2 x 4) but one micro-batch's 60 bytes
-    assert (s0.in_flight, s0.activations, s0.comm_buffers) == (2, 60, 8)
-    assert s0.memory == 150 + 150 + 300 + 60 + 8 + 9 == 677
-    assert (s1.recompute, s1.recompute_s, s1.memory) == (False, 0, 915)
+    # and holds the inputs of both micro-batches (none: it is the first stage) and one
+    # micro-batch's outputs (4) and activations (60 bytes)
+    assert (s0.in_flight, s0.activations, s0.comm_buffers) == (2, 60, 4)
+    # peak: the second backward's 4 cut bytes + 60 + 150 beats the first's 4 + max(60, 150),
+    # so gradients, activations and outputs all coexist
+    assert s0.overlap == 150 + 60 + 4 - max(4 + 150, 4 + 60 + 150) == 0
+    assert s0.memory == 150 + 150 + 300 + 60 + 4 + 9 == 673
+    assert (s1.recompute, s1.recompute_s, s1.memory) == (False, 0, 885)
     # t = 28 and 11; step = 39 + max(1 * 28, 1 * 11 + 100)
     assert ev.step_s == 39 + 111 and ev.fits
 
     # 1F1B: stage 0 is 2 from the end (2 in flight, as GPipe); the last stage holds only 1
     ev = evaluate(table, space, plan, 2, "1f1b")
     s0, s1 = ev.stages
-    assert (s0.in_flight, s0.activations, s0.comm_buffers, s0.memory) == (2, 60, 8, 677)
+    assert (s0.in_flight, s0.activations, s0.comm_buffers, s0.memory) == (2, 60, 4, 673)
     assert (s1.in_flight, s1.activations, s1.comm_buffers) == (1, 30, 2)
-    assert s1.memory == 250 + 200 + 400 + 30 + 2 + 1 == 883
+    # one in flight of m = 2: a forward follows the first backward, so all of it coexists
+    assert s1.overlap == 0 and s1.memory == 250 + 200 + 400 + 30 + 2 + 1 == 883
     assert ev.step_s == 150  # the schedule changes memory only
     # recomputing with one micro-batch in flight saves nothing: A + cuts either way
     s1r = evaluate(table, space, (plan[0], StageChoice(2, 3, 2, recompute=True)), 2,
@@ -414,7 +423,7 @@ def test_evaluate_model_outputs_by_hand() -> None:
         s0, s1 = evaluate(table, space, plan, 2, schedule).stages
         assert s0.outputs == 7  # only the local batch's
         assert s1.outputs == 2 * 2 * 5 + 7  # m = 2 micro-batches of 2 samples each, and 7
-    assert evaluate(table, space, plan, 2).stages[1].memory == 915 + 27
+    assert evaluate(table, space, plan, 2).stages[1].memory == 885 + 27
 
 
 def test_shared_parameter_counted_once() -> None:

@@ -43,7 +43,7 @@ def max_in_flight(terms: StageTerms, recompute: bool, m: int, budget: float) -> 
     Memory grows with n, so a division estimates the limit and the formula itself settles
     it: the limit agrees with ``evaluate`` to the last bit.
     """
-    per = terms.cuts if recompute else terms.act + terms.cuts
+    per = terms.cuts - terms.cout if recompute else terms.act + terms.cuts
     one = terms.memory(1, recompute)
     with np.errstate(divide="ignore", invalid="ignore"):
         est = np.floor(1 + (budget - one) / per)

@@ -72,7 +72,7 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
     ks = {r: cands.size(m, r) for r in np.unique(e.reps).tolist()}
     col = {k: c for c, k in enumerate(dict.fromkeys(ks.values()))}
     stacked = {f: np.stack([getattr(cands.terms(k, m), f) for k in col])
-               for f in ("fixed", "act", "cuts", "ws")}
+               for f in ("fixed", "grads", "act", "cuts", "cout", "ws")}
     where = (np.array([col[ks[int(r)]] for r in e.reps]),
              e.end.astype(np.int64) * (e.end - 1) // 2 + e.start)  # (size, pair of cands)
     L = layers.build_layers(sp, min(m, layers.max_depth(sp, B)))
@@ -80,9 +80,10 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
 
     def weights(a: int, b: int) -> np.ndarray:
         at = (where[0][a:b], where[1][a:b])
-        fixed, act, cuts, ws = (stacked[f][at][:, None] for f in ("fixed", "act", "cuts", "ws"))
-        return np.min([stage_memory(fixed, act, cuts, ws, n, v) for v in cands.variants()],
-                      axis=0)
+        fixed, grads, act, cuts, cout, ws = (
+            stacked[f][at][:, None] for f in ("fixed", "grads", "act", "cuts", "cout", "ws"))
+        return np.min([stage_memory(fixed, grads, act, cuts, cout, ws, n, m, v)
+                       for v in cands.variants()], axis=0)
 
     V = layers.forward(layers.Entries.chain(e.start, e.end, e.reps), weights, L, B,
                        bottleneck=True)

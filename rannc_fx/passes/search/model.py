@@ -21,16 +21,36 @@ once:
     opt_s    = optimizer_s[i, j]              (the optimizer step of the range's parameters)
     u_s      = (m - 1) * (t_s + acc_s) + ar_s + opt_s
     step     = sum_s t_s  +  max_s u_s
-    memory_s = param_bytes[i, j] + grad_bytes[i, j] * (1 + optimizer_state_factor)
-               + n * (A + cin + cout)          (rho = False)
-               + n * (cin + cout) + A          (rho = True: a micro-batch in flight keeps only
-                                                the stage's inputs and outputs; one micro-batch's
-                                                activations exist during its backward)
+    memory_s = param_bytes[i, j] + grad_bytes[i, j] * optimizer_state_factor
+               + G + n * (A + cin + cout)      (rho = False)
+               + G + n * cin + cout + A        (rho = True: a micro-batch in flight keeps only
+                                                the stage's inputs; one micro-batch's
+                                                activations and outputs exist during its
+                                                backward)
+               - overlap
                + max(workspace[k, i:j])
                + m * sum(out[k, i:j]) + output_bytes
                          (batched model outputs such as logits: the stage keeps every
                           micro-batch's until they go home at the end of the forwards, and
                           every rank assembles its local batch's, output_bytes)
+
+G = grad_bytes[i, j] are the stage's gradients. They are made by the backwards, so (with
+``.grad`` None when the step starts, torch's default ``zero_grad``) they coexist with every
+in-flight micro-batch only when a forward runs after the stage's first backward, i.e. when
+n < m (1F1B). With n = m (GPipe, or a 1F1B stage whose forwards all come first) they appear
+while the backwards free activations, and ``overlap`` is what never coexists:
+
+    overlap  = 0                                                      (n < m)
+             = G + m (A + c) - m c - max(m A, (m - 1) A + G)           (rho = False, n = m)
+             = G + A + h - max(h + max(A, G), h - cin + A + G)         (rho = True,  n = m > 1)
+             = G + A + h - h - max(A, G)                               (rho = True,  m = 1)
+    (c = cin + cout, h = m cin + cout)
+
+so the peak is m c + max(m A, (m - 1) A + G) without recomputation (all activations, or all
+but one micro-batch's and the gradients) and the larger of the first backward (every
+micro-batch's inputs, then one micro-batch's activations or the gradients) and the second
+(one micro-batch fewer inputs, one micro-batch's activations and the gradients) with it.
+Gradients kept from earlier calls (accumulation without ``zero_grad``) coexist with all of it.
 
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
 bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer
@@ -69,6 +89,8 @@ __all__ = [
     "evaluate",
     "in_flight",
     "needed_sizes",
+    "held_bytes",
+    "kept_cuts",
     "outputs_held",
     "plan_step",
     "range_max",
@@ -143,7 +165,7 @@ class StageCost:
     ``recompute_s`` is the forward that recomputation runs again (``fwd_s`` or 0);
     ``in_flight`` is n, the micro-batches whose activations the stage holds at once;
     ``activations`` is n * A without recomputation and A with it, ``comm_buffers``
-    n * (cin + cout).
+    n * (cin + cout) without and n * cin + cout with it.
     """
 
     samples: int
@@ -163,6 +185,7 @@ class StageCost:
     in_flight: int = 1
     recompute_s: float = 0.0
     outputs: int = 0  # batched model outputs held: m micro-batches' and the local batch's
+    overlap: int = 0  # of the parts above, the bytes that never coexist (see the docstring)
 
     @property
     def time_s(self) -> float:
@@ -172,7 +195,7 @@ class StageCost:
     @property
     def memory(self) -> int:
         return (self.params + self.grads + self.optimizer_state + self.activations
-                + self.comm_buffers + self.workspace + self.outputs)
+                + self.comm_buffers + self.workspace + self.outputs - self.overlap)
 
 
 @dataclass(frozen=True)
@@ -224,29 +247,53 @@ class StageTerms:
     fb: np.ndarray  # F + Bw
     fwd: np.ndarray  # F: what recomputation runs again
     comm: np.ndarray  # 2 (cin + cout) / link_bw + 2 lat ([i > 0] + [j < B])
-    fixed: np.ndarray  # params + grads (1 + optimizer_state_factor) + m out + output_bytes
+    fixed: np.ndarray  # params + grads * optimizer_state_factor + m out + output_bytes
+    grads: np.ndarray  # G
     act: np.ndarray  # A
     cuts: np.ndarray  # cin + cout
+    cout: np.ndarray  # cout: a recomputing stage sends it on and rebuilds it in R
     ws: np.ndarray  # max workspace
+    m: int  # micro-batches
 
     def time(self, recompute: bool) -> np.ndarray:
         return (self.fb + self.fwd if recompute else self.fb) + self.comm
 
     def memory(self, n: int | np.ndarray, recompute: bool) -> np.ndarray:
-        return stage_memory(self.fixed, self.act, self.cuts, self.ws, n, recompute)
+        return stage_memory(self.fixed, self.grads, self.act, self.cuts, self.cout, self.ws, n,
+                            self.m, recompute)
 
     def take(self, idx: np.ndarray) -> StageTerms:
-        return StageTerms(*(np.asarray(getattr(self, f))[idx] for f in _TERMS))
+        return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in _TERMS}, m=self.m)
 
 
-_TERMS = ("fb", "fwd", "comm", "fixed", "act", "cuts", "ws")
+_TERMS = ("fb", "fwd", "comm", "fixed", "grads", "act", "cuts", "cout", "ws")
 
 
-def stage_memory(fixed: np.ndarray, act: np.ndarray, cuts: np.ndarray, ws: np.ndarray,
-                 n: int | np.ndarray, recompute: bool) -> np.ndarray:
+def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
+              recompute: bool) -> np.ndarray:
+    """Cut values held with n micro-batches in flight: inputs and outputs of each, or, when
+    recomputing, the inputs of each and one micro-batch's outputs."""
+    return n * (cuts - cout) + cout if recompute else n * cuts
+
+
+def held_bytes(grads: np.ndarray, act: np.ndarray, cuts: np.ndarray, cout: np.ndarray,
+               n: int | np.ndarray, m: int, recompute: bool) -> np.ndarray:
+    """Gradients, activations and cut values at the stage's peak (the docstring's formula
+    without the overlap subtracted out: what coexists)."""
+    if recompute:
+        h = kept_cuts(cuts, cout, m, True)
+        full = (np.maximum(h + np.maximum(act, grads), h - (cuts - cout) + act + grads)
+                if m > 1 else h + np.maximum(act, grads))
+        return np.where(n < m, kept_cuts(cuts, cout, n, True) + act + grads, full)
+    return np.where(n < m, n * (act + cuts) + grads,
+                    m * cuts + np.maximum(m * act, (m - 1) * act + grads))
+
+
+def stage_memory(fixed: np.ndarray, grads: np.ndarray, act: np.ndarray, cuts: np.ndarray,
+                 cout: np.ndarray, ws: np.ndarray, n: int | np.ndarray, m: int,
+                 recompute: bool) -> np.ndarray:
     """memory_s from ``StageTerms``' parts, n micro-batches in flight (broadcasting)."""
-    held = n * cuts + act if recompute else n * (act + cuts)
-    return fixed + held + ws
+    return fixed + held_bytes(grads, act, cuts, cout, n, m, recompute) + ws
 
 
 def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
@@ -263,9 +310,9 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     return StageTerms(
         fb=fb[j] - fb[i], fwd=fwd[j] - fwd[i],
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
-        fixed=np.asarray(table.param_bytes, float)[i, j] + grad * (1 + space.optimizer_state_factor)
+        fixed=np.asarray(table.param_bytes, float)[i, j] + grad * space.optimizer_state_factor
         + outputs_held(table, space, k, i, j, m),
-        act=act[j] - act[i], cuts=both, ws=np.asarray(ws, float))
+        grads=grad, act=act[j] - act[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
 
 
 def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
@@ -321,12 +368,17 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         range_sum(table.accumulate_s, ii, jj)[0])
     u = float(bottleneck_s(m, np.array([t]), np.array([acc]), np.array([ar + opt]))[0])
     fwd, act, cuts = float(table.fwd[k, i:j].sum()), float(terms.act[0]), float(terms.cuts[0])
+    cout = float(terms.cout[0])
+    kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, rho)[0])
     cost = StageCost(
         samples=q, fwd_s=fwd, bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
         allreduce_s=ar, optimizer_s=opt, accumulate_s=acc,
         params=round(float(table.param_bytes[i, j])), grads=round(grad),
         optimizer_state=round(grad * space.optimizer_state_factor),
-        activations=round(act if rho else n * act), comm_buffers=round(n * cuts),
+        activations=round(act if rho else n * act), comm_buffers=round(kept),
+        overlap=round(grad + (act if rho else n * act) + kept
+                      - float(held_bytes(np.array([grad]), np.array([act]), np.array([cuts]),
+                                         np.array([cout]), n, m, rho)[0])),
         workspace=round(float(terms.ws[0])), recompute=rho, in_flight=n,
         recompute_s=fwd if rho else 0.0,
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
