@@ -36,6 +36,7 @@ from .plan import (
     ValueSpec,
     loss_output,
 )
+from .runtime.simulate import simulate_plan
 
 __all__ = ["Analysis", "Planned", "analyze", "build_plan", "plan_model", "split_stages"]
 
@@ -377,7 +378,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
     # only parameters have gradients to sum over their holders
     shared = _shared_params(captured, [names & params_set for names in stage_params])
 
-    return Plan(
+    plan = Plan(
         model_fingerprint=captured.fingerprint(),
         tracer=captured.tracer,
         world_size=space.world_size,
@@ -397,6 +398,8 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         predicted_step_ms=ms * result.evaluation.step_s,
         search_seconds=search_seconds,
     )
+    simulated = simulate_plan(plan).makespan
+    return plan.model_copy(update={"simulated_step_ms": ms * simulated})
 
 
 def _param_bytes(captured: CapturedGraph) -> dict[str, int]:

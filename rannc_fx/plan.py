@@ -276,6 +276,9 @@ class Plan(BaseModel):
     cut_values: tuple[CutValue, ...]
     shared_params: tuple[SharedParam, ...] = ()
     predicted_step_ms: float
+    # the executor's lowered schedule run on the plan's per-stage costs (runtime.simulate);
+    # the search minimizes predicted_step_ms, the cost model's closed form
+    simulated_step_ms: float | None = None
     search_seconds: float = 0.0
 
     # -- invariants ------------------------------------------------------------------------
@@ -430,7 +433,10 @@ class Plan(BaseModel):
         line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
         body = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
         tail = [
-            f"predicted step time {self.predicted_step_ms:.2f} ms; memory budget "
+            f"predicted step time {self.predicted_step_ms:.2f} ms"
+            + (f" (schedule simulated: {self.simulated_step_ms:.2f} ms)"
+               if self.simulated_step_ms is not None else "")
+            + "; memory budget "
             f"{_human_bytes(self.memory_budget)} per device; {len(self.cut_values)} cut value(s)",
         ]
         for sp in self.shared_params:

@@ -169,3 +169,36 @@ def test_a_model_returning_a_cache_is_told_to_turn_it_off():
     model, args, kwargs = hf_models.llama_example(use_cache=True)
     with pytest.raises(rannc_fx.passes.capture.CaptureError, match="use_cache=False"):
         rannc_fx.partition(model, args, kwargs, world_size=2, config=CFG)
+
+
+def test_plan_records_schedule_recomputation_and_the_simulated_step():
+    from rannc_fx.runtime.simulate import simulate_plan
+
+    model, args, kwargs = gpt_example(layers=4)
+    cfg = CFG.model_copy(update={"replicas": (1, 1), "micro_batches": 4, "schedule": "1f1b",
+                                 "recompute": True})
+    plan = rannc_fx.partition(model, args, kwargs, world_size=2, config=cfg).plan
+    assert plan.schedule == "1f1b" and all(st.recompute for st in plan.stages)
+    assert [plan.in_flight(s) for s in range(2)] == [2, 1]
+    assert plan.simulated_step_ms == pytest.approx(1e3 * simulate_plan(plan).makespan)
+    assert "schedule simulated" in plan.summary()
+
+
+def test_1f1b_needs_one_scalar_loss():
+    """An auxiliary loss beside the main one: 1F1B cannot run the backward in the call."""
+
+    class TwoLosses(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x, y):
+            h = torch.relu(self.a(x))
+            return torch.nn.functional.cross_entropy(self.b(h), y), h.pow(2).mean()
+
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with pytest.raises(ValueError, match="schedule='1f1b' .* return their sum"):
+        rannc_fx.partition(TwoLosses(), (x, y), world_size=2,
+                           config=CFG.model_copy(update={"schedule": "1f1b"}))
+    plan = rannc_fx.partition(TwoLosses(), (x, y), world_size=2, config=CFG).plan
+    assert plan.schedule == "gpipe"  # searched: GPipe only

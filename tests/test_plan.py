@@ -139,6 +139,11 @@ def test_config_defaults_env_overrides_and_errors():
         Config.from_env(environ={"RANNC_FX_TRACER": "jit"})
     with pytest.raises(ValueError, match="names 2 stages"):
         Config(stages=3, replicas=(1, 1))
+    cfg = Config.from_env(environ={"RANNC_FX_SCHEDULE": "1f1b", "RANNC_FX_RECOMPUTE": "true"})
+    assert (cfg.schedule, cfg.recompute) == ("1f1b", True)
+    assert (Config().schedule, Config().recompute) == (None, None)  # searched
+    with pytest.raises(ValueError, match="RANNC_FX_"):
+        Config.from_env(environ={"RANNC_FX_SCHEDULE": "zero-bubble"})
 
 
 def test_device_presets():

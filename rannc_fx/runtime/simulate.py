@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .lowering import Topology
-from .schedule import Action, Kind, Schedule
+from .lowering import Topology, lower, topology_of
+from .schedule import Action, Kind, Schedule, make_schedule
 
-__all__ = ["ScheduleError", "Simulation", "plan_durations", "simulate"]
+__all__ = ["ScheduleError", "Simulation", "plan_durations", "simulate", "simulate_plan"]
 
 Durations = Callable[[Action], float]
 _Msg = tuple[str, int | None]  # (what, micro-batch): the label both ends agree on
@@ -201,3 +201,10 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
         return 0.0
 
     return of
+
+
+def simulate_plan(plan: Plan) -> Simulation:
+    """The plan's lowered schedule, checked and timed from its own per-stage costs."""
+    topology = topology_of(plan)
+    lowered = lower(make_schedule(plan.schedule, len(plan.stages), plan.micro_batches), topology)
+    return simulate(lowered, topology, plan_durations(plan, lowered))
