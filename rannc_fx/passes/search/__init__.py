@@ -2,7 +2,8 @@
 
 The search imports numpy only (no torch); its modules, in the order a search uses them:
 
-    model       the cost model (its docstring has the formulas), the types, ``evaluate``
+    model       the cost model (its docstring has the formulas), the types
+    evaluate    one plan's step time and per-stage costs under it
     candidates  every stage of one micro-batch count, costed; 1F1B's in-flight limits
     kernel      the DP over the block chain (a stage's weight is one number)
     layers      the 1F1B DP (a stage's weight depends on its position from the end)
@@ -10,6 +11,7 @@ The search imports numpy only (no torch); its modules, in the order a search use
     explain     ``NoFeasiblePlan``: why nothing fits, and what would
 """
 
+from .evaluate import evaluate
 from .explain import NoFeasiblePlan
 from .model import (
     SCHEDULES,
@@ -19,7 +21,6 @@ from .model import (
     SearchSpace,
     StageChoice,
     StageCost,
-    evaluate,
     needed_sizes,
     samples_per_replica,
 )

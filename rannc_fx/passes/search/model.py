@@ -64,13 +64,13 @@ without (unless ``SearchSpace.recompute`` forces it on or off). 1F1B never holds
 flight than GPipe; with m = 1 the two are the same plan and the search reports "gpipe"
 unless only "1f1b" was allowed.
 
-``StageTerms`` holds the formulas; ``evaluate`` and the search kernel both read them, so a plan
-the search returns has the step and the memory ``evaluate`` gives it, bit for bit.
+``StageTerms`` holds the formulas; ``evaluate`` (module ``evaluate``) and the search kernel both
+read them, so a plan the search returns has the step and the memory ``evaluate`` gives it, bit
+for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,13 +86,11 @@ __all__ = [
     "StageTerms",
     "allreduce_s",
     "bottleneck_s",
-    "evaluate",
     "in_flight",
     "needed_sizes",
     "held_bytes",
     "kept_cuts",
     "outputs_held",
-    "plan_step",
     "range_max",
     "range_sum",
     "samples_per_replica",
@@ -348,75 +346,6 @@ def range_max(x: np.ndarray) -> np.ndarray:
     out = np.full((B + 1, B + 1), -np.inf)
     out[:B, 1:] = np.maximum.accumulate(rows, axis=1)
     return out
-
-
-# -- evaluating one plan ----------------------------------------------------------------------
-def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
-           m: int, n: int) -> tuple[StageCost, float, float, float]:
-    """The stage's costs, its t, its u and its memory as the kernel computes them."""
-    i, j, r, rho = st.start, st.end, st.replicas, st.recompute
-    q = samples_per_replica(space.global_batch, m, r)
-    if q not in kidx:
-        raise ValueError(f"the cost table has no costs for {q} samples per replica; "
-                         "build it for needed_sizes(space)")
-    k, ii, jj = kidx[q], np.array([i]), np.array([j])
-    terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]), m)
-    t = float(terms.time(rho)[0])
-    grad = float(table.grad_bytes[i, j])
-    ar = float(allreduce_s(space, np.array([grad]), np.array([r]))[0])
-    opt, acc = float(range_sum(table.optimizer_s, ii, jj)[0]), float(
-        range_sum(table.accumulate_s, ii, jj)[0])
-    u = float(bottleneck_s(m, np.array([t]), np.array([acc]), np.array([ar + opt]))[0])
-    fwd, act, cuts = float(table.fwd[k, i:j].sum()), float(terms.act[0]), float(terms.cuts[0])
-    cout = float(terms.cout[0])
-    kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, rho)[0])
-    cost = StageCost(
-        samples=q, fwd_s=fwd, bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
-        allreduce_s=ar, optimizer_s=opt, accumulate_s=acc,
-        params=round(float(table.param_bytes[i, j])), grads=round(grad),
-        optimizer_state=round(grad * space.optimizer_state_factor),
-        activations=round(act if rho else n * act), comm_buffers=round(kept),
-        overlap=round(grad + (act if rho else n * act) + kept
-                      - float(held_bytes(np.array([grad]), np.array([act]), np.array([cuts]),
-                                         np.array([cout]), n, m, rho)[0])),
-        workspace=round(float(terms.ws[0])), recompute=rho, in_flight=n,
-        recompute_s=fwd if rho else 0.0,
-        outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
-    )
-    return cost, t, u, float(terms.memory(n, rho)[0])
-
-
-def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
-    """step = sum_s t_s + max_s u_s, summed in stage order (the search sums the same way)."""
-    return sum(ts) + max(us)
-
-
-def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...],
-             micro_batches: int, schedule: str = "gpipe") -> Evaluation:
-    """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
-
-    Each stage recomputes as its ``StageChoice.recompute`` says.
-    """
-    m, end = micro_batches, 0
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
-    for st in stages:
-        if st.start != end or st.end <= st.start or st.replicas < 1:
-            raise ValueError(f"stages {stages} must cover blocks 0.. in order, each non-empty "
-                             "with at least one replica")
-        if m * st.replicas > space.global_batch:
-            raise ValueError(f"{m} micro-batches x {st.replicas} replicas exceed the global "
-                             f"batch {space.global_batch}")
-        end = st.end
-    if end != table.num_blocks or sum(s.replicas for s in stages) != space.world_size:
-        raise ValueError(f"stages {stages} must end at block {table.num_blocks} and their "
-                         f"replicas sum to the world size {space.world_size}")
-    kidx, S = size_index(table), len(stages)
-    got = [_stage(table, space, kidx, st, m, in_flight(schedule, m, S - s))
-           for s, st in enumerate(stages)]
-    step = plan_step([g[1] for g in got], [g[2] for g in got])
-    return Evaluation(step, tuple(g[0] for g in got),
-                      all(g[3] <= space.memory_budget for g in got))
 
 
 def _check(table: CostTable, space: SearchSpace) -> None:

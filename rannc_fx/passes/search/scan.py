@@ -50,6 +50,7 @@ import numpy as np
 
 from . import kernel, layers
 from .candidates import Candidates, OneFOneB, depth_limit
+from .evaluate import evaluate, plan_step
 from .explain import no_plan
 from .model import (
     SCHEDULES,
@@ -58,8 +59,6 @@ from .model import (
     SearchSpace,
     StageChoice,
     _check,
-    evaluate,
-    plan_step,
 )
 
 __all__ = ["search_pass"]

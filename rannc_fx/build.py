@@ -1,0 +1,141 @@
+"""Assemble the Plan from the search's result: blocks, stages with their predicted costs, cut
+values, outputs, shared parameters, and the simulated step of the schedule the runtime runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .passes.capture import CapturedGraph
+from .passes.search import SearchResult
+from .passes.split import stage_interfaces
+from .plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
+from .runtime.simulate import simulate_plan
+
+if TYPE_CHECKING:
+    from .driver import Analysis
+
+__all__ = ["build_plan"]
+
+
+def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0) -> Plan:
+    """Assemble the Plan: blocks and stages with predicted costs, cut values, outputs."""
+    captured, values, profile, blocks, space = a.captured, a.values, a.profile, a.blocks, a.space
+    ms = 1e3
+    node_stage: dict[str, int] = {}
+    block_stage: list[int] = []
+    for s, choice in enumerate(result.stages):
+        for b in range(choice.start, choice.end):
+            block_stage.append(s)
+            for name in blocks.blocks[b]:
+                node_stage[name] = s
+    ifaces = stage_interfaces(captured, node_stage, values, len(result.stages))
+
+    param_bytes = _param_bytes(captured)
+    plan_blocks = []
+    for b, nodes in enumerate(blocks.blocks):
+        samples = result.evaluation.stages[block_stage[b]].samples
+        plan_blocks.append(Block(
+            index=b,
+            nodes=nodes,
+            fwd_ms=ms * sum(profile.at(n, "fwd_s", samples) for n in nodes),
+            bwd_ms=ms * sum(profile.at(n, "bwd_s", samples) for n in nodes),
+            param_bytes=sum(param_bytes.get(p, 0) for p in blocks.params[b]),
+            activation_bytes=int(sum(profile.at(n, "saved_bytes", samples) for n in nodes)),
+        ))
+
+    stage_params: list[set[str]] = [set() for _ in result.stages]
+    for b, read in enumerate(blocks.params):
+        stage_params[block_stage[b]].update(read)
+    params_set = {n for n, _ in captured.gm.named_parameters(remove_duplicate=False)}
+
+    stages: list[Stage] = []
+    rank = 0
+    for s, (choice, cost) in enumerate(zip(result.stages, result.evaluation.stages, strict=True)):
+        names = sorted(stage_params[s])
+        stages.append(Stage(
+            index=s,
+            first_block=choice.start,
+            end_block=choice.end,
+            replicas=choice.replicas,
+            ranks=tuple(range(rank, rank + choice.replicas)),
+            samples=cost.samples,
+            num_nodes=sum(len(blocks.blocks[b]) for b in range(choice.start, choice.end)),
+            param_names=tuple(n for n in names if n in params_set),
+            buffer_names=tuple(n for n in names if n not in params_set),
+            inputs=ifaces[s].inputs,
+            outputs=ifaces[s].outputs,
+            fwd_ms=ms * cost.fwd_s,
+            bwd_ms=ms * cost.bwd_s,
+            comm_ms=ms * cost.comm_s,
+            allreduce_ms=ms * cost.allreduce_s,
+            optimizer_ms=ms * cost.optimizer_s,
+            accumulate_ms=ms * cost.accumulate_s,
+            recompute=choice.recompute,
+            memory=MemoryEstimate(
+                params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
+                activations=cost.activations, comm_buffers=cost.comm_buffers,
+                workspace=cost.workspace, outputs=cost.outputs, overlap=cost.overlap,
+            ),
+        ))
+        rank += choice.replicas
+
+    cut_values = tuple(
+        CutValue(producer=p, consumers=tuple(c), spec=values[name])
+        for name, p, c in ifaces[0].cut_values
+    ) if ifaces else ()
+    outputs = tuple(
+        OutputRef(index=i, stage=node_stage.get(name, 0), spec=values[name])
+        for i, name in enumerate(captured.output_names)
+    )
+    # buffers read by several stages (a rotary embedding's inv_freq) are copied into each:
+    # only parameters have gradients to sum over their holders
+    shared = _shared_params(captured, [names & params_set for names in stage_params])
+
+    plan = Plan(
+        model_fingerprint=captured.fingerprint(),
+        tracer=captured.tracer,
+        world_size=space.world_size,
+        global_batch=space.global_batch,
+        micro_batches=result.micro_batches,
+        schedule="1f1b" if result.schedule == "1f1b" else "gpipe",
+        device=a.spec,
+        cost_model=a.cost_model,
+        memory_budget=int(space.memory_budget),
+        optimizer_state_factor=space.optimizer_state_factor,
+        blocks=tuple(plan_blocks),
+        stages=tuple(stages),
+        inputs=tuple(values[n] for n in captured.input_names),
+        outputs=outputs,
+        cut_values=cut_values,
+        shared_params=shared,
+        predicted_step_ms=ms * result.evaluation.step_s,
+        search_seconds=search_seconds,
+    )
+    simulated = simulate_plan(plan).makespan
+    return plan.model_copy(update={"simulated_step_ms": ms * simulated})
+
+
+def _param_bytes(captured: CapturedGraph) -> dict[str, int]:
+    gm = captured.gm
+    out = {n: p.numel() * p.element_size() for n, p in gm.named_parameters(remove_duplicate=False)}
+    out.update(
+        {n: b.numel() * b.element_size() for n, b in gm.named_buffers(remove_duplicate=False)}
+    )
+    return out
+
+
+def _shared_params(captured: CapturedGraph, stage_params: list[set[str]]) -> tuple[SharedParam, ...]:
+    """Parameters (under any of their names) that more than one stage reads."""
+    canon = captured.aliases
+    users: dict[str, set[int]] = {}
+    for s, names in enumerate(stage_params):
+        for n in names:
+            users.setdefault(canon.get(n, n), set()).add(s)
+    aliases_of: dict[str, list[str]] = {}
+    for alias, c in canon.items():
+        aliases_of.setdefault(c, []).append(alias)
+    return tuple(
+        SharedParam(name=n, aliases=tuple(sorted(aliases_of.get(n, []))), stages=tuple(sorted(s)))
+        for n, s in sorted(users.items())
+        if len(s) > 1
+    )
