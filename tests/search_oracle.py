@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rannc_fx.passes.search import CostTable, SearchSpace, StageChoice
@@ -158,9 +159,24 @@ def _rho_choices(space: SearchSpace, S: int) -> list[tuple[bool, ...]]:
     return [(space.recompute,) * S]
 
 
+def plans(table: CostTable, space: SearchSpace
+          ) -> Iterator[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Every (m, stage bounds, replica counts) of the space, without schedule or recompute."""
+    B, W, G = table.num_blocks, space.world_size, space.global_batch
+    for m in sorted(set(space.micro_batches)):
+        for S in stage_counts(space, B):
+            comps = ([tuple(space.replicas)] if space.replicas is not None else
+                     [tuple(b - a for a, b in zip((0, *c), (*c, W), strict=True))
+                      for c in itertools.combinations(range(1, W), S - 1)])
+            for cuts in itertools.combinations(range(1, B), S - 1):
+                for reps in comps:
+                    if max(reps) * m <= G:
+                        yield m, (0, *cuts, B), reps
+
+
 def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
     """Every plan of the space (tiny inputs)."""
-    B, W, G, budget = table.num_blocks, space.world_size, space.global_batch, space.memory_budget
+    budget = space.memory_budget
     memo: dict[tuple[int, int, int, int, int, bool], Figures] = {}
 
     def fig(i: int, j: int, r: int, m: int, n: int, rho: bool) -> Figures:
@@ -170,38 +186,29 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
         return memo[key]
 
     out = Verdict()
-    for m in sorted(set(space.micro_batches)):
-        for S in stage_counts(space, B):
-            comps = ([tuple(space.replicas)] if space.replicas is not None else
-                     [tuple(b - a for a, b in zip((0, *c), (*c, W), strict=True))
-                      for c in itertools.combinations(range(1, W), S - 1)])
-            for cuts in itertools.combinations(range(1, B), S - 1):
-                bounds = (0, *cuts, B)
-                for reps in comps:
-                    if max(reps) * m > G:
-                        continue
-                    # the space's choices, and plain GPipe to tell whether one fits
-                    plain = ("gpipe", (False,) * S)
-                    choices = [(sc, rhos) for sc in space.schedules
-                               for rhos in _rho_choices(space, S)]
-                    for schedule, rhos in choices + ([plain] * (plain not in choices)):
-                        figs = [fig(bounds[s], bounds[s + 1], reps[s], m,
-                                    in_flight(schedule, m, S - s), rhos[s]) for s in range(S)]
-                        step = sum(f.t for f in figs) + max(f.u for f in figs)
-                        mem = max(f.memory for f in figs)
-                        if (schedule, rhos) not in choices:
-                            out.plain_fits |= mem <= budget * (1 + SLACK)
-                            continue
-                        stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s], rhos[s])
-                                       for s in range(S))
-                        out.offer(step, mem, budget, Best(step, m, schedule, stages),
-                                  (schedule, rhos) == plain)
+    for m, bounds, reps in plans(table, space):
+        S = len(reps)
+        # the space's choices, and plain GPipe to tell whether one fits
+        plain = ("gpipe", (False,) * S)
+        choices = [(sc, rhos) for sc in space.schedules for rhos in _rho_choices(space, S)]
+        for schedule, rhos in choices + ([plain] * (plain not in choices)):
+            figs = [fig(bounds[s], bounds[s + 1], reps[s], m, in_flight(schedule, m, S - s),
+                        rhos[s]) for s in range(S)]
+            step = sum(f.t for f in figs) + max(f.u for f in figs)
+            mem = max(f.memory for f in figs)
+            if (schedule, rhos) not in choices:
+                out.plain_fits |= mem <= budget * (1 + SLACK)
+                continue
+            stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s], rhos[s])
+                           for s in range(S))
+            out.offer(step, mem, budget, Best(step, m, schedule, stages),
+                      (schedule, rhos) == plain)
     return out
 
 
 def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
     """The least largest-stage memory over the space's plans, by enumeration (oracle figures)."""
-    B, W, G, best = table.num_blocks, space.world_size, space.global_batch, math.inf
+    best = math.inf
     rhos = (False, True) if space.recompute is None else (space.recompute,)
     memo: dict[tuple[int, int, int, int, int], float] = {}
 
@@ -211,20 +218,12 @@ def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
                                       for rho in rhos)
         return memo[i, j, r, m, n]
 
-    for m in space.micro_batches:
-        for S in stage_counts(space, B):
-            comps = ([tuple(space.replicas)] if space.replicas is not None else
-                     [tuple(b - a for a, b in zip((0, *c), (*c, W), strict=True))
-                      for c in itertools.combinations(range(1, W), S - 1)])
-            for cuts in itertools.combinations(range(1, B), S - 1):
-                bounds = (0, *cuts, B)
-                for reps in comps:
-                    if max(reps) * m > G:
-                        continue
-                    for schedule in space.schedules:
-                        worst = max(least(bounds[s], bounds[s + 1], reps[s], m,
-                                          in_flight(schedule, m, S - s)) for s in range(S))
-                        best = min(best, worst)
+    for m, bounds, reps in plans(table, space):
+        S = len(reps)
+        for schedule in space.schedules:
+            worst = max(least(bounds[s], bounds[s + 1], reps[s], m,
+                              in_flight(schedule, m, S - s)) for s in range(S))
+            best = min(best, worst)
     return best
 
 

@@ -65,7 +65,6 @@ class AloneExecutor:
         self.plan, self.module = plan, module
         self.rank, self.replica = 0, 0
         self.stage = plan.stages[0]
-        self.actions: list[Any] = []
         self.device = torch.device(device) if device is not None else device_of(module)
         check_stage_interface(plan, self.stage, module)
         self._local = routing.local_batch(plan)

@@ -44,10 +44,10 @@ from .checks import (
 )
 from .comm import Groups, build_groups, check_same_plan
 from .grads import GradSync
-from .lowering import lower, split_at_gather, topology_of
+from .lowering import lower_plan, split_at_gather
 from .outputs import Outputs
 from .pieces import dtype_of
-from .schedule import Action, Kind, gpipe_schedule, make_schedule
+from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
 from .stage import StageRunner, StepState
 
@@ -103,14 +103,15 @@ class StageExecutor:
         self.device = torch.device(device) if device is not None else device_of(module)
         in_specs = check_stage_interface(plan, self.stage, module)
         # the schedule, lowered and simulated: a schedule that could hang never starts
-        topology = topology_of(plan)
-        lowered = lower(make_schedule(plan.schedule, len(plan.stages), plan.micro_batches),
-                        topology)
+        topology, lowered = lower_plan(plan)
         simulate(lowered, topology, plan_durations(plan, lowered))
         self.actions: list[Action] = lowered[self.stage.index]
-        fill_drain = lower(gpipe_schedule(len(plan.stages), plan.micro_batches), topology)
-        self._deferred = split_at_gather(fill_drain[self.stage.index])
-        self._eval = [a for a in self.actions if a.kind in _FORWARD_KINDS]
+        self._deferred = split_at_gather(lower_plan(plan, "gpipe")[1][self.stage.index])
+        self._lists = {
+            Mode.EVAL: [a for a in self.actions if a.kind in _FORWARD_KINDS],
+            Mode.CALL: self.actions,
+            Mode.DEFERRED: self._deferred[0],
+        }
         if plan.world_size > 1:
             check_same_plan(plan, self.device)
         timeout = timeout_s if timeout_s is not None else Config().timeout_s
@@ -133,8 +134,8 @@ class StageExecutor:
         )
         self.grads = GradSync(plan, self.stage.index, module, self.groups)
         self.runner = StageRunner(
-            plan, self.stage, module, rank=self.rank, routes=self.routes, in_specs=in_specs,
-            outputs=self.outputs, buffers=self.buffers, device=self.device,
+            plan, self.stage, module, rank=self.rank, routes=self.routes, spans=spans,
+            in_specs=in_specs, outputs=self.outputs, buffers=self.buffers, device=self.device,
         )  # fmt: skip
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
@@ -143,15 +144,16 @@ class StageExecutor:
             any(a.kind is Kind.B for a in split_at_gather(self.actions)[0])
             and self._loss is not None
         )
-        self._dispatch: dict[Kind, Callable[[StepState, int | None], None]] = {
+        # by kind; an action's micro-batch is None for the once-a-step kinds
+        self._dispatch: dict[Kind, Callable[[StepState, Any], None]] = {
             Kind.SCATTER: self.runner.scatter,
-            Kind.RECV_F: self.runner.recv_f,  # type: ignore[dict-item]
-            Kind.F: self.runner.forward,  # type: ignore[dict-item]
-            Kind.SEND_F: self.runner.send_f,  # type: ignore[dict-item]
-            Kind.R: self.runner.recompute_one,  # type: ignore[dict-item]
-            Kind.RECV_B: self.runner.recv_b,  # type: ignore[dict-item]
-            Kind.B: self.runner.backward,  # type: ignore[dict-item]
-            Kind.SEND_B: self.runner.send_b,  # type: ignore[dict-item]
+            Kind.RECV_F: self.runner.recv_f,
+            Kind.F: self.runner.forward,
+            Kind.SEND_F: self.runner.send_f,
+            Kind.R: self.runner.recompute_one,
+            Kind.RECV_B: self.runner.recv_b,
+            Kind.B: self.runner.backward,
+            Kind.SEND_B: self.runner.send_b,
             Kind.GATHER: self._gather,
             Kind.REDUCE: self._reduce,
         }
@@ -188,8 +190,7 @@ class StageExecutor:
             step.seeds = self._unit_seed()
             self.grads.begin(every=True)
         self.buffers.begin()
-        self._run(step, {Mode.EVAL: self._eval, Mode.CALL: self.actions,
-                         Mode.DEFERRED: self._deferred[0]}[mode])
+        self._run(step, self._lists[mode])
         flat = [step.results[r.index] for r in self.plan.outputs]
         step.results, step.reduced = {}, {}  # the caller holds them now, as long as it wants
         if mode is Mode.EVAL:

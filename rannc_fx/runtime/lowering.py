@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from .routing import needs_grad
-from .schedule import Action, Kind, Schedule
+from .schedule import Action, Kind, Schedule, make_schedule
 
-__all__ = ["Topology", "format_lowered", "lower", "split_at_gather", "topology_of"]
+__all__ = ["Topology", "format_lowered", "lower", "lower_plan", "split_at_gather", "topology_of"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,13 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
     return out
 
 
+def lower_plan(plan: Plan, schedule: str | None = None) -> tuple[Topology, Schedule]:
+    """The plan's topology and its schedule (or the named one) lowered."""
+    topology = topology_of(plan)
+    compute = make_schedule(schedule or plan.schedule, len(plan.stages), plan.micro_batches)
+    return topology, lower(compute, topology)
+
+
 def _fill_drain(compute: Sequence[Action]) -> bool:
     """Every backward comes after every forward."""
     kinds = [a.kind for a in compute]
@@ -164,9 +171,6 @@ def _hoist_receives(acts: list[Action]) -> list[Action]:
             p -= 1
             if out[p].kind is Kind.B and p > 0 and out[p - 1].kind is Kind.R:
                 p -= 1
-            # keep receives in posting order: never pass an earlier receive
-            while p < len(out) and out[p].kind in (Kind.RECV_F, Kind.RECV_B):
-                p += 1
         out.insert(p, a)
     return out
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .lowering import Topology, lower, topology_of
-from .schedule import Action, Kind, Schedule, make_schedule
+from .lowering import Topology, lower_plan
+from .schedule import Action, Kind, Schedule
 
 __all__ = ["ScheduleError", "Simulation", "plan_durations", "simulate", "simulate_plan"]
 
@@ -49,8 +49,6 @@ class Simulation:
     def makespan(self) -> float:
         return max(self.end.values(), default=0.0)
 
-    def stage_end(self, stage: int) -> float:
-        return max((t for a, t in self.end.items() if a.stage == stage), default=0.0)
 
 
 def _sends(a: Action, topo: Topology) -> list[tuple[int, _Msg]]:
@@ -205,6 +203,5 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
 
 def simulate_plan(plan: Plan) -> Simulation:
     """The plan's lowered schedule, checked and timed from its own per-stage costs."""
-    topology = topology_of(plan)
-    lowered = lower(make_schedule(plan.schedule, len(plan.stages), plan.micro_batches), topology)
+    topology, lowered = lower_plan(plan)
     return simulate(lowered, topology, plan_durations(plan, lowered))

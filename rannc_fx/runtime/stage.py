@@ -87,6 +87,7 @@ class StageRunner:
         *,
         rank: int,
         routes: RankRoutes,
+        spans: list[tuple[int, int]],
         in_specs: list[ValueSpec],
         outputs: Outputs,
         buffers: BufferSync,
@@ -99,10 +100,7 @@ class StageRunner:
         self.graph_inputs = {spec.name: i for i, spec in enumerate(plan.inputs)}
         self.cuts = {cv.name: cv for cv in plan.cut_values}
         self.out_pos = {name: p for p, name in enumerate(stage.outputs)}
-        replica = stage.ranks.index(rank)
-        self.spans = [
-            routing.replica_span(plan, stage.index, replica, i) for i in range(plan.micro_batches)
-        ]
+        self.spans = spans  # this replica's samples of each micro-batch
         self.shares = [(b - a) / plan.global_batch for a, b in self.spans]
         self.in_pos = {name: p for p, name in enumerate(stage.inputs)}
         self.sends_cuts = any(t.src == rank for ts in routes.cuts for t in ts)
