@@ -22,6 +22,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import rannc_fx
@@ -96,6 +97,7 @@ def main() -> None:
             if step == args.steps:
                 break
         epoch += 1
+    dist.destroy_process_group()  # as torch.distributed recommends: no abort at exit
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -88,6 +89,7 @@ def main() -> None:
             if step == args.steps:
                 break
         epoch += 1
+    dist.destroy_process_group()  # as torch.distributed recommends: no abort at exit
 
 
 if __name__ == "__main__":

@@ -5,11 +5,22 @@
     print(parted.plan.summary())
 """
 
+from .checkpoint import get_state_dict, set_state_dict
 from .compile import CompiledModel, compile
 from .config import Config
 from .device import DeviceSpec
 from .partition import Partitioned, partition
 from .plan import Plan
 
-__all__ = ["CompiledModel", "Config", "DeviceSpec", "Partitioned", "Plan", "compile", "partition"]
+__all__ = [
+    "CompiledModel",
+    "Config",
+    "DeviceSpec",
+    "Partitioned",
+    "Plan",
+    "compile",
+    "get_state_dict",
+    "partition",
+    "set_state_dict",
+]
 __version__ = "0.1.0"

@@ -4,19 +4,26 @@
     loss = model(x, y)                              # this rank's local batch
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-The first call measures the link between ranks (unless ``Config.link_bandwidth`` and
+Each rank runs its stage on its own device (``cuda:LOCAL_RANK`` when CUDA is available, else
+the CPU; ``Config.device`` overrides). The model may be built on the CPU or on the meta
+device; each rank moves or materializes only its stage's tensors (``placement.py``).
+``compile(..., example_args=...)`` plans at once (so a checkpoint can be loaded before the
+first step); otherwise the first call plans.
+
+Planning measures the link between ranks (unless ``Config.link_bandwidth`` and
 ``link_latency`` are given) and, on every rank at once, the optimizer step and gradient
 accumulation per tensor size, then captures the model on every rank; rank 0 alone profiles
 (timing the user's optimizer too) and searches (the others wait) and broadcasts the plan as
-JSON. Each rank then splits the graph, keeps its own
-stage, frees every other parameter and buffer of the model, and prunes the optimizer to the
-parameters it still holds. Later calls go straight to the ``StageExecutor``.
+JSON. A meta-device model, or one whose tensors are not on the rank's device, is planned
+with the analytic cost model for the rank's device. Each rank then splits the graph, places
+its own stage, frees every other parameter and buffer of the model, and prunes the optimizer
+to the parameters it still holds. Later calls go straight to the ``StageExecutor``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from .checkpoint import StateNames, load_local
 from .config import Config
 from .device import DeviceSpec
 from .driver import Planned, plan_model, split_stages
-from .passes.capture import CapturedGraph, batch_size_of, capture_pass
+from .passes.capture import CapturedGraph, batch_size_of, capture_pass, retarget_device_pass
 from .passes.optcost import ParameterCosts, parameter_costs
 from .passes.shapes import infer_values_pass
+from .placement import InitFn, Placement, free_others, place_stage, rank_device
 from .plan import Plan
 from .probe import measure_link
 from .runtime import AloneExecutor, StageExecutor, build_executor, plan_grid
@@ -43,14 +52,26 @@ def compile(
     optimizer: torch.optim.Optimizer | None = None,
     config: Config | None = None,
     plan: Plan | str | Path | None = None,
+    *,
+    example_args: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    init: InitFn | None = None,
 ) -> CompiledModel:
     """Wrap ``model`` for pipeline-parallel training on the default process group.
 
     Starts the process group from torchrun's environment if the script has not (a
     one-process group without torchrun). ``plan`` (a Plan or a saved plan file) skips
     profiling and search; it must have been made for this model and world size.
+
+    ``example_args`` / ``example_kwargs`` (one rank's batch, as ``forward`` will get it) plan
+    and place the stage now instead of on the first call. ``init(module)`` initializes a
+    module's own tensors when they are materialized from the meta device (default: the
+    module's ``reset_parameters()``).
     """
-    return CompiledModel(model, optimizer, config=config, plan=plan)
+    return CompiledModel(
+        model, optimizer, config=config, plan=plan, example_args=example_args,
+        example_kwargs=example_kwargs, init=init,
+    )  # fmt: skip
 
 
 class CompiledModel(nn.Module):
@@ -63,10 +84,13 @@ class CompiledModel(nn.Module):
         *,
         config: Config | None = None,
         plan: Plan | str | Path | None = None,
+        example_args: tuple[Any, ...] | None = None,
+        example_kwargs: dict[str, Any] | None = None,
+        init: InitFn | None = None,
     ):
         super().__init__()
         self.config = Config.from_env(config)
-        self.device = _device_of(model)
+        self.device = rank_device(self.config.device)
         init_distributed(self.config, device=self.device)
         self.model: nn.Module | None = model  # until the first call; then only `stage` is kept
         self.stage: fx.GraphModule | None = None
@@ -75,6 +99,11 @@ class CompiledModel(nn.Module):
         self._captured: CapturedGraph | None = None
         self._executor: StageExecutor | AloneExecutor | None = None
         self._param_costs: ParameterCosts | None = None  # measured by every rank at once
+        self._init = init
+        self._names: StateNames | None = None  # this rank's part under the original names
+        self.placement: Placement | None = None
+        if example_args is not None or example_kwargs is not None:
+            self._setup(tuple(example_args or ()), dict(example_kwargs or {}))
 
     # -- what runs where ----------------------------------------------------------------------
     @property
@@ -110,6 +139,8 @@ class CompiledModel(nn.Module):
         if self._executor is None:
             self._setup(args, kwargs)
         assert self._captured is not None and self._executor is not None
+        if self.placement is not None and self.placement.pending:
+            self.placement.check_initialized()
         flat = self._captured.flatten_inputs(args, kwargs)
         return self._captured.unflatten_outputs(self._executor.forward(flat))
 
@@ -124,6 +155,12 @@ class CompiledModel(nn.Module):
         assert model is not None
         rank, world = dist.get_rank(), dist.get_world_size()
         planned = self._given is None and rank == 0
+        home = _device_of(model)  # where the model's tensors are: the graph is captured there
+        analytic = _analytic(home, self.device, cfg)
+        if home.type == "meta":
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to("meta"), (args, kwargs)
+            )
         links = (cfg.link_bandwidth, cfg.link_latency, cfg.allreduce_bandwidth)
         if self._given is None and world > 1 and None in links:
             link = measure_link(self.device)  # every rank takes part
@@ -135,7 +172,7 @@ class CompiledModel(nn.Module):
                 }
                 unset = {k: v for k, v in measured.items() if getattr(cfg, k) is None}
                 cfg = self.config = cfg.model_copy(update=unset)  # what the user gave stays
-        if self._given is None and world > 1 and cfg.cost_model != "analytic":
+        if self._given is None and world > 1 and not analytic:
             # every rank at once: ranks that share a host's memory bandwidth step side by side
             dist.barrier()
             self._param_costs = parameter_costs(
@@ -145,7 +182,7 @@ class CompiledModel(nn.Module):
         with _untouched(model):
             if planned:
                 try:
-                    here = self._plan_here(args, kwargs, world)
+                    here = self._plan_here(args, kwargs, world, analytic)
                     plan, captured, values = here.plan, here.captured, here.values
                 except Exception as e:
                     _broadcast_plan(e, rank, world)  # the others must hear of it, not time out
@@ -164,14 +201,25 @@ class CompiledModel(nn.Module):
             plan = self._load_given(captured, world)
         stages = split_stages(Planned(plan, captured, values, 0.0), cfg)
         stage = stages[plan.stage_of_rank(rank).index]
-        _free_all_but(model, stage)
+        if home != self.device:
+            retarget_device_pass(stage, self.device)  # export baked the capture device in
+        seed = _shared_seed(world) if home.type == "meta" else 0
+        self.placement = place_stage(
+            model, stage, self.device, holders=(captured.gm,), optimizer=self._optimizer,
+            init=self._init, seed=seed,
+        )  # fmt: skip
+        held = {id(t) for t in (*stage.parameters(), *stage.buffers())}
+        self._names = StateNames.of(model, held)  # before the rest is freed: whole-model shapes
+        free_others(model, stage, self.placement)
         if self._optimizer is not None:
             _prune_optimizer(self._optimizer, stage)
         self._captured, self.stage = captured, stage
         self.model = None  # drops the full model; `stage` holds the parameters that remain
         self._executor = build_executor(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
 
-    def _plan_here(self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int) -> Planned:
+    def _plan_here(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int, analytic: bool
+    ) -> Planned:
         """Rank 0: capture, profile and search for the global batch of all ranks."""
         assert self.model is not None
         cfg = self.config
@@ -179,7 +227,35 @@ class CompiledModel(nn.Module):
         return plan_model(
             self.model, args, kwargs, world_size=world, config=cfg, global_batch=local * world,
             optimizer=self._optimizer, param_costs=self._param_costs,
+            device=DeviceSpec.of(self.device) if analytic else None,
         )  # fmt: skip
+
+    # -- state dicts under the original names -------------------------------------------------
+    def state_names(self) -> StateNames:
+        """The original model's state-dict names and this rank's tensors under them."""
+        if self._names is not None:
+            return self._names
+        assert self.model is not None
+        return StateNames.of(self.model)  # not planned yet: every rank holds the whole model
+
+    def state_dict(  # type: ignore[override]
+        self, *, destination: dict[str, Any] | None = None, prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
+        """This rank's part under the original model's names (``rannc_fx.get_state_dict``
+        adds the optimizer, and ``full=True`` the whole model on rank 0)."""
+        out = destination if destination is not None else {}
+        for k, t in self.state_names().local.items():
+            out[prefix + k] = t if keep_vars else t.detach()
+        return out
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load this rank's part of ``state_dict`` (keys of other stages are skipped)."""
+        if assign:
+            raise ValueError("assign=True is not supported: the stage's tensors stay in place")
+        return load_local(self, state_dict, strict=strict)
 
     def _load_given(self, captured: CapturedGraph, world: int) -> Plan:
         given = self._given
@@ -255,17 +331,28 @@ def _untouched(model: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _free_all_but(model: nn.Module, stage: fx.GraphModule) -> None:
-    """Release the storage of every parameter and buffer the stage does not hold.
+def _analytic(home: torch.device, device: torch.device, cfg: Config) -> bool:
+    """Whether the plan is made with the analytic cost model for ``device``'s spec: a meta
+    model has nothing to measure, and a model elsewhere than the rank's device would be
+    measured on the wrong hardware."""
+    if cfg.cost_model != "measured":
+        return cfg.cost_model == "analytic" or home != device
+    if home != device:
+        where = "on the meta device" if home.type == "meta" else f"on {home}"
+        raise ValueError(
+            f"cost_model='measured' times the model's ops where its tensors are, but they are "
+            f"{where} and this rank runs on {device}: use cost_model='auto' (analytic here) or "
+            f"build the model on {device}"
+        )
+    return False
 
-    The objects stay (an optimizer or user code may still refer to them) but hold nothing, so
-    a model larger than one device trains once each rank keeps only its stage.
-    """
-    keep = {id(t) for t in (*stage.parameters(), *stage.buffers())}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in keep:
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-            t.grad = None
+
+def _shared_seed(world: int) -> int:
+    """Rank 0's seed, so that every rank materializes a module's tensors identically."""
+    seed = [torch.initial_seed()]
+    if world > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return int(seed[0])
 
 
 def _prune_optimizer(optimizer: torch.optim.Optimizer, stage: fx.GraphModule) -> None:

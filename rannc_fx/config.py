@@ -39,6 +39,13 @@ class Config(BaseModel):
         "False = none",
     )
 
+    # -- placement -------------------------------------------------------------------------
+    device: str | None = Field(
+        default=None,
+        description="where this rank runs its stage: None = cuda:LOCAL_RANK when CUDA is "
+        "available, else cpu; 'cuda' means cuda:LOCAL_RANK",
+    )
+
     # -- memory ----------------------------------------------------------------------------
     device_memory: int | None = Field(
         default=None, gt=0, description="bytes per device; None = the device's own size"

@@ -105,11 +105,18 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
-        nn.init.normal_(self.pos, std=0.02)
         self.causal: torch.Tensor
-        self.register_buffer(
-            "causal", torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1), persistent=False
-        )
+        self.register_buffer("causal", torch.empty(seq, seq), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This module's own tensors (the layers have theirs): also what a model built on the
+        meta device is materialized with, stage by stage."""
+        nn.init.normal_(self.pos, std=0.02)
+        with torch.no_grad():
+            seq = self.causal.shape[0]
+            mask = torch.full((seq, seq), float("-inf"), device=self.causal.device)
+            self.causal.copy_(torch.triu(mask, diagonal=1))
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
