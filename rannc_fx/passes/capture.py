@@ -233,11 +233,15 @@ def retarget_device_pass(gm: fx.GraphModule, device: torch.device | str) -> fx.G
     def swap(x: Any) -> Any:
         return dev if isinstance(x, torch.device) else x
 
-    for n in gm.graph.nodes:
-        n.args = pytree.tree_map(swap, n.args)
-        n.kwargs = pytree.tree_map(swap, n.kwargs)
-    gm.graph.lint()
-    gm.recompile()
+    # nested graphs too: export puts autocast / grad-mode regions in submodule graphs
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            n.args = pytree.tree_map(swap, n.args)
+            n.kwargs = pytree.tree_map(swap, n.kwargs)
+        sub.graph.lint()
+        sub.recompile()
     return gm
 
 

@@ -1,0 +1,216 @@
+"""Placement: each rank materializes (meta model) or keeps (CPU model) only its stage's
+tensors, initialized identically wherever a tensor lives on several ranks; tensors no init
+touched are named before they can train; the optimizer carries over."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.models import TransformerLM, gpt_example
+from rannc_fx.placement import rank_device
+
+from .dist_utils import run_ranks
+
+CFG = dict(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0)
+
+
+def _example(batch: int) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    _, args, kwargs = gpt_example(batch=batch)
+    return args, kwargs
+
+
+def _meta_lm(rank: int, world: int, replicas: tuple[int, ...]) -> list[str]:
+    args, kwargs = _example(2)
+    with torch.device("meta"):
+        model = TransformerLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.05)
+    # 2 MiB per device: too little for one stage, so the layers (and the tied weight) split
+    cfg = Config(**CFG, replicas=replicas, micro_batches=2, device_memory=2 * 2**20)
+    cm = rannc_fx.compile(model, opt, cfg,
+                          example_args=args, example_kwargs=kwargs)
+    stage = cm.stages[0]
+    held = {id(t) for t in (*stage.parameters(), *stage.buffers())}
+    for t in (*stage.parameters(), *stage.buffers()):
+        assert t.device == torch.device("cpu") and torch.isfinite(t).all()
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if id(t) not in held:  # another stage's: never allocated here
+            assert t.device.type == "meta" or t.numel() == 0, name
+    if id(model.causal) in held:  # a non-persistent buffer: computed by reset_parameters()
+        s = model.causal.shape[0]
+        assert torch.equal(model.causal, torch.full((s, s), float("-inf")).triu(1))
+    # the optimizer steps the materialized parameters, with its own settings
+    in_opt = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(in_opt) == len(set(in_opt)) and set(in_opt) == {id(p) for p in stage.parameters()}
+    assert opt.param_groups[0]["lr"] == 0.003 and opt.param_groups[0]["weight_decay"] == 0.05
+    # what every rank holds, to compare across ranks
+    values = {k: v.clone() for k, v in cm.state_dict().items()}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, values)
+    # replicas of stage 1 (ranks 1 and 2) hold the same tensors, and the tied embedding is
+    # on both stages: every tensor held by several ranks is the same on each
+    assert everyone[1].keys() == everyone[2].keys() != everyone[0].keys()
+    assert "embed.weight" in everyone[0] and "head.weight" in everyone[2]
+    for k in everyone[0].keys() & everyone[2].keys():
+        assert torch.equal(everyone[0][k], everyone[2][k]), k
+    for k in everyone[1]:
+        assert torch.equal(everyone[1][k], everyone[2][k]), k
+    return sorted(values)
+
+
+def test_a_meta_model_materializes_each_stage_alike_on_every_rank_that_holds_it():
+    held = run_ranks(_meta_lm, 3, (1, 2), timeout_s=30.0, wall_s=120.0)
+    # every tensor of the model is held by some rank
+    assert set().union(*held) == set(TransformerLM().state_dict())
+
+
+class Scale(nn.Module):
+    """A module with its own parameter and no reset_parameters()."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Rotary(nn.Module):
+    """A non-persistent buffer computed in __init__ (as rotary-embedding caches are)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(d) / d), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq
+
+
+class Net(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # a scalar loss
+        return super().forward(x).square().mean()
+
+
+def _net(extra: nn.Module) -> nn.Module:
+    return Net(nn.Linear(8, 8), extra, nn.Linear(8, 1))
+
+
+def _uninitialized(rank: int, world: int, mode: str) -> str:
+    x = torch.randn(4, 8)
+    with torch.device("meta"):
+        model = _net(Rotary(8) if mode == "buffer" else Scale(8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, Scale):
+            nn.init.ones_(m.gain)
+        elif isinstance(m, Rotary):
+            d = m.inv_freq.numel()
+            m.inv_freq.copy_(1.0 / 10000 ** (torch.arange(d) / d))
+        elif isinstance(m, nn.Linear):
+            m.reset_parameters()
+
+    hook = init if mode == "init" else None
+    try:
+        cm = rannc_fx.compile(model, opt, Config(**CFG, stages=1), example_args=(x,), init=hook)
+    except RuntimeError as e:
+        return str(e)
+    if mode == "load":
+        plain = _net(Scale(8))
+        cm.load_state_dict(plain.state_dict())
+    try:
+        cm(x).backward()
+    except RuntimeError as e:
+        return str(e)
+    assert torch.equal(model[1].gain, torch.ones(8))
+    return "trained"
+
+
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("none", r"1 tensor\(s\) of this rank's stage .* never initialized: '1.gain'.*init=fn"),
+        ("buffer", r"non-persistent buffer '1.inv_freq' \(Rotary\) .* nothing computed it"),
+        ("init", r"^trained$"),
+        ("load", r"^trained$"),
+    ],
+)
+def test_tensors_no_init_touched_are_named_before_they_train(mode, expected):
+    (message,) = run_ranks(_uninitialized, 1, mode, timeout_s=30.0, wall_s=60.0)
+    assert re.search(expected, message), message
+
+
+def _measured_on_meta(rank: int, world: int) -> str:
+    with torch.device("meta"):
+        model = _net(nn.ReLU())
+    try:
+        rannc_fx.compile(model, None, Config(**CFG, cost_model="measured"),
+                         example_args=(torch.randn(4, 8),))
+    except ValueError as e:
+        return str(e)
+    return "planned"
+
+
+def test_measuring_a_meta_model_is_refused_with_the_way_out():
+    (message,) = run_ranks(_measured_on_meta, 1, timeout_s=30.0, wall_s=60.0)
+    assert "cost_model='measured'" in message and "on the meta device" in message
+    assert "cost_model='auto'" in message
+
+
+def test_the_rank_device_follows_local_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device("cuda") == torch.device("cuda", 3)
+    assert rank_device("cuda:1") == torch.device("cuda", 1)
+    assert rank_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_device(None) == torch.device("cpu")
+
+
+def _hf_from_meta(rank: int, world: int, name: str) -> list[float]:
+    from tests import hf_models
+
+    ref, args, kwargs = getattr(hf_models, f"{name}_example")(batch=2 * world)
+    with torch.device("meta"):
+        model = type(ref)(ref.config)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    n = args[0].shape[0] // world
+    largs = tuple(a[rank * n : (rank + 1) * n] for a in args)
+    lkwargs = {k: v[rank * n : (rank + 1) * n] for k, v in kwargs.items()}
+    cm = rannc_fx.compile(
+        model, opt, Config(**CFG, replicas=(1,) * world, micro_batches=2),
+        example_args=largs, example_kwargs=lkwargs, init=model._init_weights,
+    )  # fmt: skip
+    # non-persistent buffers (rotary inv_freq): computed by the init, as the CPU model has them
+    ref_buffers = dict(ref.named_buffers())
+    for bname, b in cm.stages[0].named_buffers():
+        if bname in ref_buffers:
+            assert torch.equal(b, ref_buffers[bname]), bname
+    cm.load_state_dict(ref.state_dict())  # every rank takes its part of the plain model's
+    losses = []
+    for _ in range(2):
+        loss = cm(*largs, **lkwargs).loss
+        want = ref(*args, **kwargs).loss
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+        for m, o in ((loss, opt), (want, ref_opt)):
+            m.backward()
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_transformers_model_from_meta_trains_like_the_cpu_built_one(name):
+    losses = run_ranks(_hf_from_meta, 2, name, timeout_s=60.0, wall_s=180.0)
+    assert losses[0] == losses[1]
