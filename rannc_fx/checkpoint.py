@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from .runtime.comm import agree
 
 __all__ = ["StateNames", "get_state_dict", "load_local", "set_state_dict"]
 
@@ -105,7 +106,10 @@ def set_state_dict(
         problems += _check_model(names, model_state_dict)
     if optimizer is not None and optim_state_dict is not None:
         problems += _check_optim(optimizer, names, optim_state_dict)
-    _agree(problems, distributed=_is_compiled(model))
+    if _is_compiled(model):
+        agree(problems, "cannot load the checkpoint")  # every rank raises, none waits
+    elif problems:
+        raise ValueError("cannot load the checkpoint:\n  " + "\n  ".join(problems))
     with torch.no_grad():
         if model_state_dict is not None:
             loaded = []
@@ -363,23 +367,6 @@ def _load_optim(optimizer: torch.optim.Optimizer, names: StateNames,
             index += 1
         groups.append({**settings, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-# -- agreeing on errors ------------------------------------------------------------------------
-
-
-def _agree(problems: list[str], *, distributed: bool) -> None:
-    """Raise the same error on every rank when any rank found a problem."""
-    found: list[tuple[int, list[str]]] = []
-    if distributed and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, problems)
-        found = [(r, p) for r, p in enumerate(gathered) if p]
-    elif problems:
-        found = [(dist.get_rank() if dist.is_initialized() else 0, problems)]
-    if found:
-        lines = [f"rank {r}: {msg}" for r, ps in found for msg in ps]
-        raise ValueError("cannot load the checkpoint:\n  " + "\n  ".join(lines))
 
 
 def _show(items: list[str]) -> str:

@@ -42,7 +42,7 @@ from .placement import InitFn, Placement, free_others, place_stage, rank_device
 from .plan import Plan
 from .probe import measure_link
 from .runtime import AloneExecutor, StageExecutor, build_executor, plan_grid
-from .runtime.comm import CommError, init_distributed
+from .runtime.comm import CommError, agree, init_distributed
 
 __all__ = ["CompiledModel", "compile"]
 
@@ -102,6 +102,7 @@ class CompiledModel(nn.Module):
         self._init = init
         self._names: StateNames | None = None  # this rank's part under the original names
         self.placement: Placement | None = None
+        self._checked = False  # whether the first step checked every rank's tensors
         if example_args is not None or example_kwargs is not None:
             self._setup(tuple(example_args or ()), dict(example_kwargs or {}))
 
@@ -139,10 +140,21 @@ class CompiledModel(nn.Module):
         if self._executor is None:
             self._setup(args, kwargs)
         assert self._captured is not None and self._executor is not None
-        if self.placement is not None and self.placement.pending:
-            self.placement.check_initialized()
+        if self.placement is not None and not self._checked:
+            self._check_initialized()
         flat = self._captured.flatten_inputs(args, kwargs)
         return self._captured.unflatten_outputs(self._executor.forward(flat))
+
+    def _check_initialized(self) -> None:
+        """Once, before the first step: every rank's tensors were initialized or loaded."""
+        assert self.placement is not None
+        try:
+            self.placement.check_initialized()
+        except RuntimeError as e:
+            agree([str(e)], "cannot train", error=RuntimeError)
+            raise
+        agree([], "cannot train", error=RuntimeError)
+        self._checked = True
 
     def _ready(self) -> StageExecutor | AloneExecutor:
         if self._executor is None:
@@ -204,10 +216,15 @@ class CompiledModel(nn.Module):
         if home != self.device:
             retarget_device_pass(stage, self.device)  # export baked the capture device in
         seed = _shared_seed(world) if home.type == "meta" else 0
-        self.placement = place_stage(
-            model, stage, self.device, holders=(captured.gm,), optimizer=self._optimizer,
-            init=self._init, seed=seed,
-        )  # fmt: skip
+        try:
+            self.placement = place_stage(
+                model, stage, self.device, holders=(captured.gm,), optimizer=self._optimizer,
+                init=self._init, seed=seed,
+            )  # fmt: skip
+        except RuntimeError as e:
+            agree([str(e)], "cannot place the stages", error=RuntimeError)
+            raise
+        agree([], "cannot place the stages", error=RuntimeError)
         held = {id(t) for t in (*stage.parameters(), *stage.buffers())}
         self._names = StateNames.of(model, held)  # before the rest is freed: whole-model shapes
         free_others(model, stage, self.placement)

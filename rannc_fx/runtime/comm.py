@@ -22,6 +22,7 @@ from ..plan import Plan
 
 __all__ = [
     "CommError",
+    "agree",
     "Groups",
     "Message",
     "Pending",
@@ -232,3 +233,21 @@ def _p2p_error(m: Message, e: Exception) -> str:
         f"{m.peer} died, is stuck, or runs a different plan or step; check its log (and that "
         "every rank calls the model and loss.backward() every step)"
     )
+
+
+def agree(problems: Sequence[str], what: str, *, error: type[Exception] = ValueError) -> None:
+    """One collective: raise ``error`` on every rank when any rank found a problem.
+
+    A rank that fails alone would leave the others waiting in their next collective until
+    the timeout; with this they all stop at once, each with every rank's message.
+    """
+    found: list[tuple[int, Sequence[str]]]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Sequence[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, list(problems))
+        found = [(r, p) for r, p in enumerate(gathered) if p]
+    else:
+        found = [(dist.get_rank() if dist.is_initialized() else 0, problems)] if problems else []
+    if found:
+        lines = [f"rank {r}: {msg}" for r, ps in found for msg in ps]
+        raise error(f"{what}:\n  " + "\n  ".join(lines))
