@@ -9,20 +9,35 @@ plan must pipeline it rather than replicate it; pass ``--device-memory-mib 0`` f
 device's real size.
 
 The line marked below is the only change a single-device script needs: ``rannc_fx.compile``
-plans the model on its first call (stages, replicas, micro-batches), then each rank runs its
-stage. Every rank feeds its own local batch, as with a DistributedSampler, and gets the loss
-of the whole global batch back.
+plans the model (stages, replicas, micro-batches) from one example batch, then each rank
+runs its stage. Every rank feeds its own local batch, as with a DistributedSampler, and gets
+the loss of the whole global batch back.
+
+Checkpoints and resuming (any world size: keys are the plain model's state-dict names):
+
+    torchrun --nproc-per-node 2 examples/train.py --ckpt-dir ckpt --ckpt-every 10
+    torchrun --nproc-per-node 2 examples/train.py --ckpt-dir ckpt --resume
+
+``--meta`` builds the model on the meta device: no weights exist until each rank
+materializes (and initializes) only its own stage, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import resource
 import time
+from collections.abc import Callable
+from itertools import islice
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import rannc_fx
@@ -49,20 +64,102 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
     p.add_argument("--device-memory-mib", type=int, default=28,
                    help="memory per device the plan must fit (0: the device's real size)")
-    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="Adam (two state tensors per parameter) or plain SGD (none)")
     p.add_argument("--stages", type=int, default=None, help="force the stage count (default: searched)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="force the micro-batch count (default: searched)")
     p.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
+    p.add_argument("--ckpt-dir", type=Path, default=None,
+                   help="save a torch.distributed.checkpoint to DIR/step_<steps done>")
+    p.add_argument("--ckpt-every", type=int, default=10,
+                   help="save every N steps, and after the last (with --ckpt-dir)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --ckpt-dir")
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on the meta device: each rank allocates only its stage")
+    p.add_argument("--report-memory", action="store_true",
+                   help="print each rank's peak resident memory and its stage's bytes after "
+                   "compile and at the end")
     p.add_argument("--verbose", action="store_true", help="log every compiler pass")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.resume and args.ckpt_dir is None:
+        p.error("--resume needs --ckpt-dir")
+    return args
 
 
 def config(args: argparse.Namespace) -> rannc_fx.Config:
     """The options this script exposes; everything else keeps its default (README: Options)."""
     memory = args.device_memory_mib * 2**20 or None
+    state = 2.0 if args.optimizer == "adam" else 0.0  # optimizer state bytes per parameter byte
     return rannc_fx.Config(stages=args.stages, micro_batches=args.micro_batches,
-                           device_memory=memory)
+                           device_memory=memory, optimizer_state_factor=state)
+
+
+def gpt2_init(lm: TransformerLM) -> Callable[[nn.Module], None]:
+    """``compile(init=...)``: how a module of this rank's stage is initialized when ``--meta``
+    built it without weights: GPT-2's N(0, 0.02) for the tied embedding (under either of its
+    modules), each other module's own reset."""
+
+    def init(module: nn.Module) -> None:
+        if module is lm.embed or module is lm.head:
+            nn.init.normal_(module.weight, std=0.02)
+        else:  # nn.MultiheadAttention names its reset _reset_parameters
+            (getattr(module, "reset_parameters", None) or module._reset_parameters)()
+
+    return init
+
+
+# -- checkpoints: every rank saves and loads its own stage's part ----------------------------
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    step: int, epoch: int) -> None:
+    """Every rank writes its stage's part; (step, epoch) are all the data position and random
+    state a resume needs here: the sampler's order is a function of its seed and the epoch,
+    and the model has no dropout (with dropout, each rank's RNG state would matter too, and
+    it does not carry over to another world size)."""
+    msd, osd = rannc_fx.get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd, "step": step, "epoch": epoch}, checkpoint_id=path)
+
+
+def load_checkpoint(path: Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """Fill this rank's stage and optimizer from ``path``; the (step, epoch) it was saved at."""
+    msd, osd = rannc_fx.get_state_dict(model, optimizer)  # what this rank holds: what it loads
+    state = {"model": msd, "optim": osd, "step": 0, "epoch": 0}
+    dcp.load(state, checkpoint_id=path)
+    rannc_fx.set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    return int(state["step"]), int(state["epoch"])
+
+
+def newest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The complete checkpoint with the most steps, chosen by rank 0 for every rank. DCP
+    writes ``.metadata`` last: a directory without it is a save that did not finish."""
+    found = [None]
+    if dist.get_rank() == 0:
+        done = {int(p.name[5:]): p for p in ckpt_dir.glob("step_*")
+                if p.name[5:].isdigit() and (p / ".metadata").is_file()}
+        found = [done[max(done)] if done else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def report_memory(model: rannc_fx.CompiledModel, when: str) -> None:
+    """Rank 0 prints every rank's peak resident memory so far and its stage's own tensors."""
+    rank = dist.get_rank()
+    stage = model.plan.stage_of_rank(rank)
+    held = sum(t.nbytes for t in (*model.stages[0].parameters(), *model.stages[0].buffers()))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    mine = (rank, stage.index, peak, held, stage.memory.params, stage.memory.total)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        for r, s, rss, nbytes, params, total in everyone:
+            print(f"memory {when} rank {r} stage {s}: peak RSS {rss / 2**20:.1f} MiB, stage "
+                  f"tensors {nbytes / 2**20:.1f} MiB (plan: params {params / 2**20:.1f} MiB, "
+                  f"total {total / 2**20:.1f} MiB)", flush=True)
 
 
 def main() -> None:
@@ -71,32 +168,56 @@ def main() -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.manual_seed(0)  # the same initial weights on every rank
 
+    # the same global batches (64 per epoch) for any world size that keeps batch * world
     data = synthetic_lm_data(64 * args.batch * world, args.seq, args.vocab)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
 
-    model = TransformerLM(args.vocab, args.d_model, layers=args.layers, seq=args.seq)
-    torch.nn.init.normal_(model.embed.weight, std=0.02)  # GPT-2's init for the tied embedding
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    model = rannc_fx.compile(model, optimizer, config(args))  # <- the one added line
+    with torch.device("meta") if args.meta else contextlib.nullcontext():
+        model = TransformerLM(args.vocab, args.d_model, layers=args.layers, seq=args.seq)
+    if not args.meta:
+        nn.init.normal_(model.embed.weight, std=0.02)  # GPT-2's init for the tied embedding
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=args.lr) if args.optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=args.lr)
+    )
+    input_ids, labels = next(iter(loader))  # an example batch: plan and place the stage now
+    model = rannc_fx.compile(  # <- the one added line
+        model, optimizer, config(args), example_args=(input_ids,),
+        example_kwargs={"labels": labels}, init=gpt2_init(model),
+    )
+    if rank == 0:
+        print(model.plan.summary(), flush=True)
+    if args.report_memory:
+        report_memory(model, "after compile")
 
-    step, epoch, t0 = 0, 0, time.perf_counter()
+    step, epoch = 0, 0
+    if args.resume:
+        path = newest_checkpoint(args.ckpt_dir)
+        if path is not None:
+            step, epoch = load_checkpoint(path, model, optimizer)
+            if rank == 0:
+                print(f"resumed from {path} at step {step}", flush=True)
+    t0 = time.perf_counter()
     while step < args.steps:
-        sampler.set_epoch(epoch)
-        for input_ids, labels in loader:
+        sampler.set_epoch(epoch)  # the epoch's order: the same after a resume
+        done = step - epoch * len(loader)  # batches of this epoch before the checkpoint
+        for input_ids, labels in islice(loader, done, None):
             loss = model(input_ids, labels=labels)["loss"]
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            if rank == 0 and step == 0:
-                print(model.plan.summary(), flush=True)
             if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
                 print(f"step {step:3d}  loss {loss.item():.4f}  "
                       f"({time.perf_counter() - t0:.1f} s)", flush=True)
             step += 1
+            if args.ckpt_dir is not None and (step % args.ckpt_every == 0 or step == args.steps):
+                save_checkpoint(args.ckpt_dir / f"step_{step}", model, optimizer, step, epoch)
             if step == args.steps:
                 break
         epoch += 1
+    if args.report_memory:
+        report_memory(model, "at the end")
     dist.destroy_process_group()  # as torch.distributed recommends: no abort at exit
 
 

@@ -36,3 +36,25 @@ def test_example_prints_the_plan_and_a_falling_loss(script):
     assert "rannc_fx plan: 2 stage(s) on 2 rank(s)" in out, out
     losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", out, re.M)]
     assert len(losses) == 2 and losses[1] < losses[0], out
+
+
+def _losses(out: str) -> dict[int, float]:
+    return {int(s): float(x) for s, x in re.findall(r"^step +(\d+) +loss ([\d.]+)", out, re.M)}
+
+
+@pytest.mark.slow  # ~20 s: three torchrun launches
+def test_train_resumes_from_its_checkpoint_on_the_same_trajectory(tmp_path):
+    small = ["--layers", "2", "--d-model", "64", "--seq", "32", "--vocab", "256",
+             "--stages", "2", "--micro-batches", "2", "--log-every", "1"]
+    ckpt = ["--ckpt-dir", str(tmp_path), "--ckpt-every", "3"]
+    whole = _losses(_torchrun("train.py", *small, "--steps", "10"))
+    _torchrun("train.py", *small, *ckpt, "--steps", "6")
+    assert all((tmp_path / f"step_{k}" / ".metadata").is_file() for k in (3, 6))
+    (tmp_path / "step_9").mkdir()  # a save that crashed before DCP wrote .metadata
+    out = _torchrun("train.py", *small, *ckpt, "--steps", "10", "--resume")
+    assert f"resumed from {tmp_path / 'step_6'} at step 6" in out, out
+    resumed = _losses(out)
+    assert sorted(resumed) == [6, 7, 8, 9], out
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(whole[step], rel=1e-4), (step, whole, resumed)
+    assert (tmp_path / "step_10" / ".metadata").is_file()  # the last step is saved too
