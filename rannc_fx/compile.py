@@ -41,7 +41,7 @@ from .passes.shapes import infer_values_pass
 from .placement import InitFn, Placement, free_others, place_stage, rank_device
 from .plan import Plan
 from .probe import measure_link
-from .runtime import AloneExecutor, StageExecutor, build_executor, plan_grid
+from .runtime import AloneExecutor, BatchSizes, StageExecutor, plan_grid
 from .runtime.comm import CommError, agree, init_distributed
 
 __all__ = ["CompiledModel", "compile"]
@@ -97,7 +97,8 @@ class CompiledModel(nn.Module):
         self._optimizer = optimizer
         self._given = plan
         self._captured: CapturedGraph | None = None
-        self._executor: StageExecutor | AloneExecutor | None = None
+        self._executor: StageExecutor | AloneExecutor | None = None  # the plan's batch size
+        self._batches: BatchSizes | None = None  # one executor per batch size seen
         self._param_costs: ParameterCosts | None = None  # measured by every rank at once
         self._init = init
         self._names: StateNames | None = None  # this rank's part under the original names
@@ -143,7 +144,9 @@ class CompiledModel(nn.Module):
         if self.placement is not None and not self._checked:
             self._check_initialized()
         flat = self._captured.flatten_inputs(args, kwargs)
-        return self._captured.unflatten_outputs(self._executor.forward(flat))
+        assert self._batches is not None
+        executor = self._batches.for_inputs(flat)
+        return self._captured.unflatten_outputs(executor.forward(flat))
 
     def _check_initialized(self) -> None:
         """Once, before the first step: every rank's tensors were initialized or loaded."""
@@ -232,7 +235,8 @@ class CompiledModel(nn.Module):
             _prune_optimizer(self._optimizer, stage)
         self._captured, self.stage = captured, stage
         self.model = None  # drops the full model; `stage` holds the parameters that remain
-        self._executor = build_executor(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
+        self._batches = BatchSizes(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
+        self._executor = self._batches.default
 
     def _plan_here(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int, analytic: bool

@@ -19,6 +19,7 @@ It imports only the plan, the config and itself; ``rannc_fx.compile`` builds it.
 """
 
 from .alone import AloneExecutor, build_executor
+from .batches import BatchSizes, rebatched
 from .comm import CommError, Groups, build_groups, init_distributed
 from .executor import StageExecutor
 from .lowering import Topology, format_lowered, lower, topology_of
@@ -34,6 +35,8 @@ from .schedule import (
 from .simulate import ScheduleError, Simulation, plan_durations, simulate
 
 __all__ = [
+    "BatchSizes",
+    "rebatched",
     "Action",
     "AloneExecutor",
     "CommError",
