@@ -13,6 +13,12 @@ plans the model (stages, replicas, micro-batches) from one example batch, then e
 runs its stage. Every rank feeds its own local batch, as with a DistributedSampler, and gets
 the loss of the whole global batch back.
 
+The loop is a whole training loop: the gradient clipped to a norm of ``--clip`` (with
+``model.clip_grad_norm_``: the whole model's norm, which torch's function over
+``model.parameters()`` cannot see from one rank), a warm-up then decaying learning rate, a
+smaller last batch in every epoch (``drop_last=False``), and an evaluation on held-out data
+every ``--eval-every`` steps (``model.eval()`` under ``torch.no_grad()``).
+
 Checkpoints and resuming (any world size: keys are the plain model's state-dict names):
 
     torchrun --nproc-per-node 2 examples/train.py --ckpt-dir ckpt --ckpt-every 10
@@ -64,7 +70,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
     p.add_argument("--device-memory-mib", type=int, default=28,
                    help="memory per device the plan must fit (0: the device's real size)")
-    p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
+    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=5,
+                   help="linear learning-rate warm-up, then inverse-square-root decay")
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="clip the whole model's gradient norm to this (0: no clipping)")
+    p.add_argument("--eval-every", type=int, default=10,
+                   help="evaluate on held-out data every N steps (0: never)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                    help="Adam (two state tensors per parameter) or plain SGD (none)")
     p.add_argument("--stages", type=int, default=None, help="force the stage count (default: searched)")
@@ -162,16 +174,29 @@ def report_memory(model: rannc_fx.CompiledModel, when: str) -> None:
                   f"total {total / 2**20:.1f} MiB)", flush=True)
 
 
+def evaluate(model: nn.Module, loader: DataLoader) -> float:
+    """Mean loss over held-out batches: eval mode, no gradients, nothing kept for backward."""
+    model.eval()
+    with torch.no_grad():
+        losses = [model(ids, labels=labels)["loss"].item() for ids, labels in loader]
+    model.train()
+    return sum(losses) / len(losses)
+
+
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.manual_seed(0)  # the same initial weights on every rank
 
-    # the same global batches (64 per epoch) for any world size that keeps batch * world
-    data = synthetic_lm_data(64 * args.batch * world, args.seq, args.vocab)
+    # the same global batches for any world size that keeps batch * world: 64 full ones per
+    # epoch, then a last one of 3 samples per rank (drop_last=False: every sample is seen)
+    data = synthetic_lm_data((64 * args.batch + 3) * world, args.seq, args.vocab)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=False)
+    held_out = synthetic_lm_data(4 * args.batch * world, args.seq, args.vocab, seed=1)
+    eval_loader = DataLoader(held_out, batch_size=args.batch,
+                             sampler=DistributedSampler(held_out, world, rank, shuffle=False))
 
     with torch.device("meta") if args.meta else contextlib.nullcontext():
         model = TransformerLM(args.vocab, args.d_model, layers=args.layers, seq=args.seq)
@@ -180,6 +205,10 @@ def main() -> None:
     optimizer: torch.optim.Optimizer = (
         torch.optim.Adam(model.parameters(), lr=args.lr) if args.optimizer == "adam"
         else torch.optim.SGD(model.parameters(), lr=args.lr)
+    )
+    warmup = max(1, args.warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, (warmup / (s + 1)) ** 0.5)
     )
     input_ids, labels = next(iter(loader))  # an example batch: plan and place the stage now
     model = rannc_fx.compile(  # <- the one added line
@@ -196,6 +225,8 @@ def main() -> None:
         path = newest_checkpoint(args.ckpt_dir)
         if path is not None:
             step, epoch = load_checkpoint(path, model, optimizer)
+            for _ in range(step):  # the schedule is a function of the step
+                schedule.step()
             if rank == 0:
                 print(f"resumed from {path} at step {step}", flush=True)
     t0 = time.perf_counter()
@@ -205,12 +236,19 @@ def main() -> None:
         for input_ids, labels in islice(loader, done, None):
             loss = model(input_ids, labels=labels)["loss"]
             loss.backward()
+            if args.clip > 0:  # the whole model's norm, the same on every rank (not torch's)
+                model.clip_grad_norm_(args.clip)
             optimizer.step()
+            schedule.step()
             optimizer.zero_grad()
             if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
                 print(f"step {step:3d}  loss {loss.item():.4f}  "
                       f"({time.perf_counter() - t0:.1f} s)", flush=True)
             step += 1
+            if args.eval_every and step % args.eval_every == 0:
+                held_out_loss = evaluate(model, eval_loader)
+                if rank == 0:
+                    print(f"eval after step {step}: loss {held_out_loss:.4f}", flush=True)
             if args.ckpt_dir is not None and (step % args.ckpt_every == 0 or step == args.steps):
                 save_checkpoint(args.ckpt_dir / f"step_{step}", model, optimizer, step, epoch)
             if step == args.steps:

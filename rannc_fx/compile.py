@@ -23,7 +23,7 @@ to the parameters it still holds. Later calls go straight to the ``StageExecutor
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from .amp import AmpSpecs, amp_state, autocast_as
 from .checkpoint import StateNames, load_local
 from .config import Config
 from .device import DeviceSpec
@@ -194,7 +195,9 @@ class CompiledModel(nn.Module):
                 self._optimizer, self.device, DeviceSpec.of(self.device),
                 cfg.optimizer_state_factor,
             )  # fmt: skip
-        with _untouched(model):
+        amp_type = home.type if home.type != "meta" else self.device.type
+        planned_amp = cfg.autocast_dtype or amp_state(amp_type)
+        with _untouched(model), autocast_as(amp_type, planned_amp):
             if planned:
                 try:
                     here = self._plan_here(args, kwargs, world, analytic)
@@ -216,6 +219,13 @@ class CompiledModel(nn.Module):
             plan = self._load_given(captured, world)
         stages = split_stages(Planned(plan, captured, values, 0.0), cfg)
         stage = stages[plan.stage_of_rank(rank).index]
+        amp = None
+        if home.type != "meta":  # the other autocast states' dtypes, while the model is whole
+            with _untouched(model):
+                amp = AmpSpecs.of(
+                    captured, captured.flatten_inputs(args, kwargs), plan, device_type=amp_type,
+                    planned=planned_amp, batch_dim=cfg.batch_dim,
+                )  # fmt: skip
         if home != self.device:
             retarget_device_pass(stage, self.device)  # export baked the capture device in
         seed = _shared_seed(world) if home.type == "meta" else 0
@@ -235,7 +245,12 @@ class CompiledModel(nn.Module):
             _prune_optimizer(self._optimizer, stage)
         self._captured, self.stage = captured, stage
         self.model = None  # drops the full model; `stage` holds the parameters that remain
-        self._batches = BatchSizes(plan, stage, device=self.device, timeout_s=cfg.timeout_s)
+        device_type = self.device.type
+        self._batches = BatchSizes(
+            plan, stage, device=self.device, timeout_s=cfg.timeout_s, planned=planned_amp,
+            state=lambda: amp_state(device_type),
+            retype=amp.retype if amp is not None else _planned_only(planned_amp),
+        )  # fmt: skip
         self._executor = self._batches.default
 
     def _plan_here(
@@ -366,6 +381,20 @@ def _analytic(home: torch.device, device: torch.device, cfg: Config) -> bool:
             f"build the model on {device}"
         )
     return False
+
+
+def _planned_only(planned: str | None) -> Callable[[Plan, str | None], Plan]:
+    def retype(plan: Plan, state: str | None) -> Plan:
+        if state != planned:
+            raise ValueError(
+                f"this call runs under autocast({state}) but the model, built on the meta "
+                f"device, was planned under autocast({planned}) and its values' dtypes under "
+                "other states cannot be inferred there: call it under the state it was "
+                "planned for (Config(autocast_dtype=...)), or build it on the CPU"
+            )
+        return plan
+
+    return retype
 
 
 def _shared_seed(world: int) -> int:

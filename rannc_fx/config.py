@@ -46,6 +46,12 @@ class Config(BaseModel):
         "available, else cpu; 'cuda' means cuda:LOCAL_RANK",
     )
 
+    autocast_dtype: Literal["bfloat16", "float16"] | None = Field(
+        default=None,
+        description="plan for torch.autocast with this dtype (profiles and memory in its "
+        "dtypes); None = the autocast state of the call that plans",
+    )
+
     # -- memory ----------------------------------------------------------------------------
     device_memory: int | None = Field(
         default=None, gt=0, description="bytes per device; None = the device's own size"

@@ -1,4 +1,4 @@
-"""Batch sizes other than the plan's: the plan re-split for the batch a call passes.
+"""Batch sizes (and autocast states) other than the plan's: the plan re-split for the call.
 
 What runs where is a function of the global batch and the micro-batch count alone
 (``routing``): the stages, their replica counts and the schedule stay. So a smaller last
@@ -6,6 +6,10 @@ batch of an epoch (``DataLoader(drop_last=False)``), or a larger batch, runs on 
 plan with those two changed, its micro-batches capped so that every replica of every stage
 gets at least one sample of each. One executor is made per size, the first time it is seen,
 and kept (the plan's own stays the one ``model.plan`` shows).
+
+The same goes for the autocast state a call runs under: ``retype`` (given by
+``rannc_fx.compile``, see ``rannc_fx/amp.py``) gives the plan with its cut values and outputs
+in that state's dtypes, and the executor for (size, state) is kept likewise.
 
 With more than one rank each call first all-gathers the ranks' local batch sizes (one
 integer each): every rank then picks the same executor, and unequal local batches are
@@ -15,7 +19,7 @@ waiting for a peer that raised.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,12 +53,19 @@ def rebatched(plan: Plan, global_batch: int) -> Plan:
 class BatchSizes:
     """The executor for each global batch size this rank's calls pass."""
 
-    def __init__(self, plan: Plan, module: fx.GraphModule, *, device: torch.device,
-                 timeout_s: float | None) -> None:
+    def __init__(
+        self, plan: Plan, module: fx.GraphModule, *, device: torch.device,
+        timeout_s: float | None,
+        planned: str | None = None,
+        state: Callable[[], str | None] = lambda: None,
+        retype: Callable[[Plan, str | None], Plan] = lambda plan, _: plan,
+    ) -> None:  # fmt: skip
         self.module, self.device, self.timeout_s = module, device, timeout_s
         self.default: Executor = build_executor(plan, module, device=device, timeout_s=timeout_s)
-        self.plan = plan
-        self._by_size: dict[int, Executor] = {plan.global_batch: self.default}
+        self.plan, self.state, self.retype = plan, state, retype
+        self._by_key: dict[tuple[int, str | None], Executor] = {
+            (plan.global_batch, planned): self.default
+        }
         self._batched = [
             (i, spec.batch_dim, spec.shape[spec.batch_dim])
             for i, spec in enumerate(plan.inputs)
@@ -63,19 +74,21 @@ class BatchSizes:
 
     def for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
         """The executor for the batch ``flat_inputs`` holds (the same on every rank)."""
-        local = self._local_size(flat_inputs)
+        local, state = self._local_size(flat_inputs), self.state()
         world = self.plan.world_size
         if world > 1:
-            local = self._agreed(local)
-        size = local * world
-        found = self._by_size.get(size)
+            self._agree(local, state)
+        key = (local * world, state)
+        found = self._by_key.get(key)
         if found is None:
             groups = getattr(self.default, "groups", None)
+            plan = self.retype(self.plan, key[1])
+            if key[0] != plan.global_batch:
+                plan = rebatched(plan, key[0])
             found = build_executor(
-                rebatched(self.plan, size), self.module, device=self.device,
-                timeout_s=self.timeout_s, groups=groups,
-            )  # fmt: skip
-            self._by_size[size] = found
+                plan, self.module, device=self.device, timeout_s=self.timeout_s, groups=groups
+            )
+            self._by_key[key] = found
         return found
 
     def _local_size(self, flat: Sequence[Any]) -> int:
@@ -88,18 +101,29 @@ class BatchSizes:
                 return int(t.shape[dim]) // rows
         return planned
 
-    def _agreed(self, local: int) -> int:
+    def _agree(self, local: int, state: str | None) -> None:
         world = self.plan.world_size
-        mine = torch.tensor([local], dtype=torch.int64, device=self.device)
-        sizes = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(sizes, mine)
-        found = [int(s.item()) for s in sizes]
-        if len(set(found)) > 1:
-            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(found))
+        code = _STATES.index(state) if state in _STATES else len(_STATES)
+        mine = torch.tensor([local, code], dtype=torch.int64, device=self.device)
+        got = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(got, mine)
+        sizes = [int(t[0].item()) for t in got]
+        if len(set(sizes)) > 1:
+            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
             raise ValueError(
                 f"the ranks passed local batches of different sizes ({shown}); every rank must "
                 "pass the same number of samples per call: a DistributedSampler gives every "
                 "rank the same count (it pads), and DataLoader(drop_last=True) drops a "
                 "smaller last batch"
             )
-        return local
+        codes = [int(t[1].item()) for t in got]
+        if len(set(codes)) > 1:
+            names = [str(_STATES[c]) if c < len(_STATES) else "other" for c in codes]
+            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            raise ValueError(
+                f"the ranks call the model under different autocast states ({shown}); enter "
+                "the same torch.autocast(...) on every rank"
+            )
+
+
+_STATES: list[str | None] = [None, "bfloat16", "float16"]

@@ -194,6 +194,9 @@ class StageExecutor:
         flat = [step.results[r.index] for r in self.plan.outputs]
         step.results, step.reduced = {}, {}  # the caller holds them now, as long as it wants
         if mode is Mode.EVAL:
+            # no backward follows to finish them: a process that ends after evaluating must
+            # not leave the loss it sends to the other ranks in flight
+            self.outputs.finish_sends()
             return flat
         tied = [self._loss] if step.held and self._loss is not None else self._diff
         if not tied:

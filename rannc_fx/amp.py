@@ -1,0 +1,97 @@
+"""Autocast on and off with one compiled model: the plan's cut values in each call's dtypes.
+
+Under ``torch.autocast`` the stages compute in a lower precision, so the values that cross
+stages (cut values) and the model's outputs come out in other dtypes than without it, and a
+rank must know a value's dtype before it posts the receive. The plan holds the dtypes of the
+autocast state it was made under (``Config.autocast_dtype``, else the state of the call that
+planned). Before the rest of the model is freed, ``AmpSpecs.of`` infers the dtypes of every
+value under the other states a training job switches between (autocast off, bfloat16, and on
+CUDA float16) with the same shape pass as planning (FakeTensorProp: no real compute); a call
+under one of them runs on a copy of the plan with those dtypes (``retype``), so each value
+moves in the dtype it has in that call: half the bytes of float32 for bfloat16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .passes.capture import CapturedGraph
+from .passes.shapes import infer_values_pass
+from .plan import Plan
+
+__all__ = ["AmpSpecs", "amp_state", "autocast_as"]
+
+_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def amp_state(device_type: str) -> str | None:
+    """The autocast dtype now in force for ``device_type`` ('bfloat16', 'float16'), or None."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@contextlib.contextmanager
+def autocast_as(device_type: str, state: str | None) -> Iterator[None]:
+    """Run under the autocast ``state`` (None: autocast off), whatever is in force outside."""
+    if state is None:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    else:
+        with torch.autocast(device_type, dtype=getattr(torch, state)):
+            yield
+
+
+@dataclass
+class AmpSpecs:
+    """The dtype of every cut value and model output under each autocast state."""
+
+    device_type: str
+    planned: str | None  # the state the plan was made under
+    dtypes: dict[str | None, dict[str, str | None]]  # state -> value name -> dtype
+
+    @classmethod
+    def of(cls, captured: CapturedGraph, flat_inputs: list[Any], plan: Plan, *,
+           device_type: str, planned: str | None, batch_dim: int) -> AmpSpecs:
+        """Infer the other states' dtypes (the whole model must still be there)."""
+        names = {cv.name for cv in plan.cut_values} | {ref.spec.name for ref in plan.outputs}
+        states: list[str | None] = [None, "bfloat16"] + (["float16"] if device_type == "cuda"
+                                                         else [])
+        dtypes: dict[str | None, dict[str, str | None]] = {}
+        for state in states:
+            if state == planned:
+                continue
+            with autocast_as(device_type, state):
+                values = infer_values_pass(captured, flat_inputs, batch_dim=batch_dim)
+            dtypes[state] = {n: values[n].dtype for n in names if n in values}
+        return cls(device_type, planned, dtypes)
+
+    def retype(self, plan: Plan, state: str | None) -> Plan:
+        """``plan`` with its cut values and outputs in the dtypes they have under ``state``."""
+        if state == self.planned:
+            return plan
+        if state not in self.dtypes:
+            known = ", ".join(str(s) for s in [self.planned, *self.dtypes])
+            raise ValueError(
+                f"this call runs under autocast({state}), a state the compiled model did not "
+                f"prepare (it knows: {known}); plan under it (Config(autocast_dtype=...)) or "
+                "use one of those"
+            )
+        dtypes = self.dtypes[state]
+
+        def spec(s: Any) -> Any:
+            new = dtypes.get(s.name, s.dtype)
+            return s if new == s.dtype else s.model_copy(update={"dtype": new})
+
+        return plan.model_copy(update={
+            "cut_values": tuple(cv.model_copy(update={"spec": spec(cv.spec)})
+                                for cv in plan.cut_values),
+            "outputs": tuple(ref.model_copy(update={"spec": spec(ref.spec)})
+                             for ref in plan.outputs),
+        })  # fmt: skip

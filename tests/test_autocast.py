@@ -1,0 +1,86 @@
+"""One compiled model under torch.autocast and without it: each call's cut values move in
+the dtypes they have in that call, and the losses follow one process under the same state."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.models import gpt_example, mlp_example
+
+from .dist_utils import run_ranks
+
+EXACT = dict(rtol=1e-5, atol=1e-5)
+BF16 = dict(rtol=2e-2, atol=2e-2)  # micro-batches round bf16 matmuls over other sums
+LOCAL = 4
+EXAMPLES = {"mlp": mlp_example, "gpt": gpt_example}
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def _switching(rank: int, world: int, name: str, planned: str | None) -> list[str]:
+    torch.manual_seed(0)
+    model, args, kwargs = EXAMPLES[name](batch=LOCAL * world)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    cut = lambda t: t[rank * LOCAL : (rank + 1) * LOCAL]  # noqa: E731
+    largs, lkwargs = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1,) * world,
+                 micro_batches=2, autocast_dtype=planned)
+    cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
+    planned_dtypes = sorted({str(cv.spec.dtype) for cv in cm.plan.cut_values})
+    for step, amp in enumerate(["bfloat16", None, "bfloat16", None]):
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None)
+        with ctx:
+            out, want = cm(*largs, **lkwargs), ref(*args, **kwargs)
+        assert _loss(out).dtype == _loss(want).dtype
+        assert_close(_loss(out), _loss(want), **(BF16 if amp else EXACT if step == 1 else BF16))
+        for loss, o in ((_loss(out), opt), (_loss(want), ref_opt)):
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    # evaluation without autocast after autocast training: the same parameters give the same loss
+    cm.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert_close(_loss(cm(*largs, **lkwargs)), _loss(ref(*args, **kwargs)), **BF16)
+    return planned_dtypes
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("planned", [None, "bfloat16"])
+def test_training_under_autocast_and_evaluating_without_follows_one_process(name, planned):
+    dtypes = run_ranks(_switching, 2, name, planned, timeout_s=30.0, wall_s=120.0)
+    # the plan carries the dtypes of the state it was made for (the MLP's cut is a Linear's
+    # output: bfloat16 under autocast; the LM's cut falls after a float32 residual add)
+    if name == "mlp":
+        assert dtypes[0] == (["bfloat16"] if planned else ["float32"]), dtypes[0]
+
+
+def _mixed(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model, (x, y), _ = mlp_example(batch=LOCAL * world)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
+                 micro_batches=2)
+    cm = rannc_fx.compile(model, None, cfg, example_args=(x[:LOCAL], y[:LOCAL]))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 1):
+            cm(x[:LOCAL], y[:LOCAL])
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+def test_ranks_under_different_autocast_states_fail_at_once():
+    for message in run_ranks(_mixed, 2, timeout_s=30.0, wall_s=20.0):
+        assert re.search(r"different autocast states \(rank 0: None, rank 1: bfloat16\)", message)
