@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,11 +84,19 @@ def infer_values_pass(
     on_meta = any(t.device.type == "meta" for t in _state(gm))
     mode = FakeTensorMode()
     prop = _FakeProp(gm, mode)
+
+    def values_at(samples: int) -> dict[str, Any]:
+        resized = inputs_for_samples(flat_inputs, batch, samples, batch_dim=batch_dim, fake=True)
+        fakes = [_fake_input(mode, r, orig, on_meta) for r, orig in zip(resized, flat_inputs, strict=True)]
+        return prop.values_at(samples, fakes)
+
     runs: list[dict[str, Any]] = []
     for s in SAMPLE_COUNTS:
-        resized = inputs_for_samples(flat_inputs, batch, s, batch_dim=batch_dim, fake=True)
-        fakes = [_fake_input(mode, r, orig, on_meta) for r, orig in zip(resized, flat_inputs, strict=True)]
-        runs.append(prop.values_at(s, fakes))
+        try:
+            runs.append(values_at(s))
+        except _NodeFailed as e:
+            why = _why_failed(e, values_at, batch, captured, on_meta)
+            raise ValueError(f"{e}; {why}") from e.__cause__
     specs = {}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function", "call_method", "call_module"):
@@ -123,6 +131,42 @@ def _fake_input(mode: FakeTensorMode, t: Any, orig: Any, on_meta: bool) -> Any:
     return fake.requires_grad_(orig.requires_grad)
 
 
+class _NodeFailed(ValueError):
+    def __init__(self, node: fx.Node, samples: int, op: str, e: Exception):
+        text = str(e).strip().splitlines()
+        super().__init__(f"node {node.name} ({op}) does not run at {samples} samples: "
+                         f"{type(e).__name__}: {text[0] if text else ''}")
+        self.node = node
+
+
+def _why_failed(e: _NodeFailed, values_at: Callable[[int], Any], batch: int,
+                captured: CapturedGraph, on_meta: bool) -> str:
+    """What running the graph at the example's own batch size tells about a failure."""
+    try:
+        values_at(batch)
+    except _NodeFailed as at_batch:
+        other = "" if at_batch.node is e.node else f" ({at_batch})"
+    else:
+        return (
+            f"it runs at the example's {batch} samples, so the model's code ties a size to that "
+            f"batch size: write x.view(x.size(0), -1) rather than x.view({batch}, -1)"
+        )
+    why = (
+        f"it fails at the example's {batch} samples too{other}, so the sample count is not the "
+        "cause: the node needs tensor values that shape inference on fake tensors does not "
+        "have (Python that reads a value, an output shape that depends on values)"
+    )
+    if on_meta:
+        return why + ", and a model on the meta device has no values at all"
+    if captured.tracer == "fx" and captured.checked is None:
+        why += (
+            "; or torch.fx traced code that is not the model's (its graph could not be checked "
+            "against the model): try Config(tracer='export')"
+        )
+    leaf = "" if e.node.op == "call_module" else "; keep its module whole with Config(leaf_modules=...)"
+    return why + leaf
+
+
 class _FakeProp(fx.Interpreter):
     """Runs the graph on fake tensors; parameters and buffers become fakes, never touched."""
 
@@ -153,12 +197,7 @@ class _FakeProp(fx.Interpreter):
         except ValueError:
             raise
         except Exception as e:
-            raise ValueError(
-                f"node {n.name} ({_op_name(n, self.module)}) does not run at {self._samples} "
-                f"samples: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                f"; the model's code probably fixes the batch size (write x.view(x.size(0), -1) "
-                "rather than x.view(8, -1)) or branches on tensor values"
-            ) from e
+            raise _NodeFailed(n, self._samples, _op_name(n, self.module), e) from e
         self._values[n.name] = out
         return out
 

@@ -1,0 +1,185 @@
+"""Trace a model into one flat fx.GraphModule: with torch.fx, or with non-strict torch.export."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.utils import _pytree as pytree
+
+from .capture_graph import CapturedGraph, CaptureError, batch_size_of, build_captured
+
+__all__ = ["opaque_modules", "trace_export", "trace_fx"]
+
+# Nodes that only check what export saw (device, layout, input guards) and pin the graph to it.
+_CHECK_ONLY_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+# -- torch.fx ----------------------------------------------------------------------------------
+
+
+class _FlatTracer(fx.Tracer):
+    """torch.fx with flat tensor placeholders, class-name leaves and buffers as graph values."""
+
+    def __init__(self, leaf_modules: tuple[str, ...], leaves: list[Any], in_spec: Any,
+                 names: list[str]):
+        super().__init__()
+        self.proxy_buffer_attributes = True  # `self.mask[:s]` with a traced `s` must stay in the graph
+        self.leaf_modules = set(leaf_modules)
+        self.leaves, self.in_spec, self.names = leaves, in_spec, names
+        self.out_leaves: list[Any] = []
+        self.out_spec: pytree.TreeSpec | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        cls = type(m)
+        if cls.__name__ in self.leaf_modules or f"{cls.__module__}.{cls.__qualname__}" in self.leaf_modules:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        tensor_idx = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+        placeholders = [
+            self.create_proxy("placeholder", self.names[i], (), {}) for i in tensor_idx
+        ]
+
+        def flat_fn(*proxies: Any) -> tuple[Any, ...]:
+            leaves = list(self.leaves)
+            for i, p in zip(tensor_idx, proxies, strict=True):
+                leaves[i] = p
+            a, kw = pytree.tree_unflatten(leaves, self.in_spec)
+            out = root_fn(self.root, *a, **kw)
+            self.out_leaves, self.out_spec = pytree.tree_flatten(out)
+            return tuple(x for x in self.out_leaves if isinstance(x, (fx.Proxy, torch.Tensor)))
+
+        return flat_fn, placeholders
+
+
+def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             leaf_modules: tuple[str, ...], batch_dim: int) -> CapturedGraph:
+    """``model(*args, **kwargs)`` traced by torch.fx (module level; ``leaf_modules`` kept whole)."""
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tracer = _FlatTracer(leaf_modules, leaves, in_spec, _leaf_names(model, args, kwargs))
+    graph = tracer.trace(model)
+    assert tracer.out_spec is not None
+    out_idx = [i for i, x in enumerate(tracer.out_leaves) if isinstance(x, (fx.Proxy, torch.Tensor))]
+    consts = {i: x for i, x in enumerate(tracer.out_leaves) if i not in set(out_idx)}
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    return build_captured(gm, model, "fx", in_spec, tracer.out_spec, leaves, out_idx, consts, batch_dim)
+
+
+def _leaf_names(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """A placeholder name per input leaf: the forward parameter's name, plus the path inside it."""
+    params = [
+        p.name for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        head, first, rest = path[0], path[1], path[2:]
+        if head.idx == 0:  # type: ignore[attr-defined]
+            i = first.idx  # type: ignore[attr-defined]
+            base = params[i] if i < len(params) else f"args_{i}"
+        else:
+            base = str(first.key)  # type: ignore[attr-defined]
+        suffix = "".join(f"_{getattr(k, 'idx', getattr(k, 'key', getattr(k, 'name', '')))}" for k in rest)
+        names.append("".join(c if c.isalnum() else "_" for c in base + suffix))
+    return names
+
+
+def opaque_modules(captured: CapturedGraph, leaf_modules: tuple[str, ...]) -> list[tuple[str, str]]:
+    """fx ``call_module`` nodes on torch.nn modules that have children (a whole encoder),
+    other than the ones the user asked to keep whole."""
+    out = []
+    for n in captured.gm.graph.nodes:
+        if n.op == "call_module":
+            mod = captured.gm.get_submodule(n.target)
+            cls = type(mod)
+            if (
+                next(mod.children(), None) is not None
+                and cls.__module__.startswith("torch.")
+                and cls.__name__ not in leaf_modules
+                and f"{cls.__module__}.{cls.__qualname__}" not in leaf_modules
+            ):
+                out.append((str(n.target), cls.__name__))
+    return out
+
+
+# -- torch.export ------------------------------------------------------------------------------
+
+
+def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 batch_dim: int) -> CapturedGraph:
+    """``model(*args, **kwargs)`` exported by non-strict torch.export (ATen level), with the
+    batch dimension of every batched input dynamic."""
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    batch = batch_size_of(leaves, batch_dim)
+
+    def batched(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch
+
+    if batch < 2:
+        raise CaptureError(
+            f"torch.export needs an example with at least 2 samples to keep the batch dimension "
+            f"dynamic (got {batch}; it treats sizes 0 and 1 as constants); capture with a larger "
+            "example batch"
+        )
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    dynamic = {
+        k: pytree.tree_map(lambda x: {batch_dim: torch.export.Dim.AUTO} if batched(x) else None, v)
+        for k, v in bound.arguments.items()
+    }
+    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    root = ep.module()
+    graph = root.graph
+    graph._codegen = fx.graph.CodeGen()
+
+    # Guards and metadata checks pin the graph to the example's devices; drop them.
+    for n in list(graph.nodes):
+        if (n.op == "call_module" and n.target == "_guards_fn") or n.target in _CHECK_ONLY_TARGETS:
+            graph.erase_node(n)
+    if hasattr(root, "_guards_fn"):
+        delattr(root, "_guards_fn")
+
+    # Export placeholders follow its own in_spec, where None is a leaf; match by key path.
+    ep_spec = ep.call_spec.in_spec
+    ep_paths = [p for p, _ in pytree.tree_flatten_with_path(
+        pytree.tree_unflatten(list(range(ep_spec.num_leaves)), ep_spec))[0]]
+    user_paths = {p: i for i, (p, _) in enumerate(pytree.tree_flatten_with_path((args, kwargs))[0])}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    ordered: list[tuple[int, fx.Node]] = []
+    for ph, path in zip(placeholders, ep_paths, strict=True):
+        i = user_paths.get(path)
+        if i is not None and isinstance(leaves[i], torch.Tensor):
+            ordered.append((i, ph))
+            val = ph.meta.get("val")
+            if batched(leaves[i]) and isinstance(val, torch.Tensor) and is_concrete_int(
+                val.shape[batch_dim]
+            ):
+                raise CaptureError(
+                    f"torch.export fixed the batch dimension of input {ph.name!r} at {batch}: "
+                    f"the model's code ties it to that size (e.g. x.view({batch}, -1) or a loop "
+                    "over the batch); compute sizes from x.size(0) or -1, or use "
+                    "Config(tracer='fx')"
+                )
+        else:  # a non-tensor input: export specialized it, so bake it in
+            value = leaves[i] if i is not None else None
+            for user in list(ph.users):
+                user.args = pytree.tree_map(lambda a, ph=ph, v=value: v if a is ph else a, user.args)
+                user.kwargs = pytree.tree_map(lambda a, ph=ph, v=value: v if a is ph else a, user.kwargs)
+            graph.erase_node(ph)
+    ordered.sort(key=lambda t: t[0])
+    anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    for _, ph in ordered:
+        anchor.prepend(ph)
+
+    (out_node,) = [n for n in graph.nodes if n.op == "output"]
+    out_leaves = list(out_node.args[0])
+    out_idx = [i for i, x in enumerate(out_leaves) if isinstance(x, fx.Node)]
+    consts = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, fx.Node)}
+    out_node.args = (tuple(out_leaves[i] for i in out_idx),)
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    return build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves, out_idx,
+                          consts, batch_dim)
