@@ -42,7 +42,7 @@ from .passes.shapes import infer_values_pass
 from .placement import InitFn, Placement, free_others, place_stage, rank_device
 from .plan import Plan
 from .probe import measure_link
-from .runtime import AloneExecutor, BatchSizes, StageExecutor, plan_grid
+from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
 from .runtime.comm import CommError, agree, init_distributed
 
 __all__ = ["CompiledModel", "compile"]
@@ -100,6 +100,7 @@ class CompiledModel(nn.Module):
         self._captured: CapturedGraph | None = None
         self._executor: StageExecutor | AloneExecutor | None = None  # the plan's batch size
         self._batches: BatchSizes | None = None  # one executor per batch size seen
+        self._last: StageExecutor | AloneExecutor | None = None  # the last call's
         self._param_costs: ParameterCosts | None = None  # measured by every rank at once
         self._init = init
         self._names: StateNames | None = None  # this rank's part under the original names
@@ -146,8 +147,29 @@ class CompiledModel(nn.Module):
             self._check_initialized()
         flat = self._captured.flatten_inputs(args, kwargs)
         assert self._batches is not None
-        executor = self._batches.for_inputs(flat)
+        executor = self._last = self._batches.for_inputs(flat)
         return self._captured.unflatten_outputs(executor.forward(flat))
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole model, on every rank after
+        ``loss.backward()``: returns the norm of the whole model's gradient (the same on every
+        rank) and scales every rank's gradients by the same factor. Torch's own function over
+        ``model.parameters()`` would see only this rank's stage (``runtime/clip.py``)."""
+        if self._executor is None:
+            raise RuntimeError(
+                "clip_grad_norm_ before the first call: there are no gradients yet (and the "
+                "model is planned on its first call); call it after loss.backward()"
+            )
+        return clip_grad_norm(
+            self._last or self._executor, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )  # fmt: skip
 
     def _check_initialized(self) -> None:
         """Once, before the first step: every rank's tensors were initialized or loaded."""

@@ -14,12 +14,14 @@ stage     StageRunner: the operations the actions name, on this rank's stage
 bridge    the loss's autograd function: loss.backward() reaches the executor
 executor  StageExecutor: interprets the lowered schedule
 alone     the one-rank, one-micro-batch fast path (same interface)
+clip      the whole model's gradient norm and clipping, each parameter counted once
 
 It imports only the plan, the config and itself; ``rannc_fx.compile`` builds it.
 """
 
 from .alone import AloneExecutor, build_executor
 from .batches import BatchSizes, rebatched
+from .clip import clip_grad_norm
 from .comm import CommError, Groups, build_groups, init_distributed
 from .executor import StageExecutor
 from .lowering import Topology, format_lowered, lower, topology_of
@@ -48,6 +50,7 @@ __all__ = [
     "Topology",
     "build_executor",
     "build_groups",
+    "clip_grad_norm",
     "format_lowered",
     "format_schedule",
     "gpipe_schedule",

@@ -226,8 +226,10 @@ def all_reduce_flat(
     *,
     what: str,
     ranks: Sequence[int] = (),
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> list[torch.Tensor]:
-    """SUM-all-reduce ``tensors`` as one flat buffer per dtype; returns the reduced tensors.
+    """All-reduce ``tensors`` (``op``, SUM by default) as one flat buffer per dtype; returns
+    the reduced tensors.
 
     One collective per dtype instead of one per tensor: latency, not bandwidth, dominates
     small stages.
@@ -239,7 +241,7 @@ def all_reduce_flat(
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         try:
-            dist.all_reduce(flat, group=group)
+            dist.all_reduce(flat, op=op, group=group)
         except RuntimeError as e:
             who = f"ranks {list(ranks)}" if ranks else "all ranks"
             raise CommError(

@@ -170,6 +170,12 @@ class StageExecutor:
             return Mode.CALL
         return Mode.DEFERRED
 
+    @property
+    def pending(self) -> StepState | None:
+        """The step whose ``loss.backward()`` has not run yet: its gradients are not in
+        ``.grad`` (1F1B holds them aside, GPipe has not computed them)."""
+        return self._saved
+
     def forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
         """Run this call's part of the step; returns the model's flat outputs for this rank.
 

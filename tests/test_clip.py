@@ -1,0 +1,126 @@
+"""``CompiledModel.clip_grad_norm_`` on forked gloo ranks: the norm of the whole model's
+gradient on every rank (replicas and a tied embedding counted once) and parameters after
+clipped Adam steps equal to a single-process reference clipped by torch's own function;
+a non-finite norm raises on every rank; a call before ``loss.backward()`` is refused."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rannc_fx.compile import compile as rannc_compile
+from rannc_fx.config import Config
+from rannc_fx.models import gpt_example, mlp_example
+from rannc_fx.runtime.clip import counted_by
+
+from .dist_utils import make_plan, run_ranks, scalar, tensor
+from .test_compile import LOCAL, TOL, _example, _local, _loss, _warm
+
+INF = math.inf
+FACTORY = {"mlp": mlp_example, "gpt": functools.partial(gpt_example, layers=1)}  # export is slow
+# at init the mlp's gradient norms are 0.70 (p=2) and 0.40 (inf); the gpt's 9.5 and 1.24
+MAX_NORM = {"mlp": 0.1, "gpt": 0.5}
+
+
+def _config(**cfg: Any) -> Config:
+    """Forced plans without the link probe or per-op profiling (they cost seconds a case)."""
+    return Config(
+        profile_cache_dir=None, timeout_s=60.0, cost_model="analytic", link_bandwidth=1e9,
+        link_latency=1e-5, allreduce_bandwidth=1e9, **cfg,
+    )  # fmt: skip
+
+
+def _train_clipped(
+    rank: int, world: int, name: str, cfg: dict[str, Any], norm_type: float, steps: int = 3
+) -> list[float]:
+    g = LOCAL * world
+    torch.manual_seed(0)
+    model, args, kwargs = FACTORY[name](batch=g)
+    ref = copy.deepcopy(model)
+    # eps well above a clipped gradient's entries: Adam then sees the clipping factor
+    # (with a tiny eps its step is nearly invariant to the gradient's scale)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-3)
+    cm = rannc_compile(model, opt, _config(**cfg))
+    largs, lkwargs = _local((args, kwargs), rank, g)
+    max_norm, norms = MAX_NORM[name], []
+    for _ in range(steps):
+        out, want = cm(*largs, **lkwargs), ref(*args, **kwargs)
+        _loss(out).backward()
+        _loss(want).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        assert max_norm / (ref_norm.item() + 1e-6) < 1  # the reference did clip
+        norm = cm.clip_grad_norm_(max_norm, norm_type)
+        assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        norms.append(norm.item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for pname, p in cm.stages[0].named_parameters():
+        assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    return norms
+
+
+@pytest.mark.parametrize(
+    "name,world,cfg,norm_type",
+    [
+        ("mlp", 1, dict(micro_batches=1), 2.0),  # the one-rank fast path
+        ("mlp", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe"), INF),
+        ("mlp", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b"), 2.0),
+        ("gpt", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"), INF),
+        ("gpt", 3, dict(replicas=(1, 2), micro_batches=1, schedule="gpipe"), 2.0),
+        ("gpt", 4, dict(replicas=(2, 1, 1), micro_batches=2, schedule="1f1b"), 3.0),
+    ],
+)
+def test_clips_like_one_process(name, world, cfg, norm_type):
+    _warm(name)
+    norms = run_ranks(_train_clipped, world, name, cfg, norm_type, timeout_s=60.0, wall_s=120.0)
+    assert all(n == norms[0] for n in norms)  # bit for bit the same norm on every rank
+
+
+def _refusals(rank: int, world: int, schedule: str) -> None:
+    model, args, _ = _example("mlp", LOCAL * world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cm = rannc_compile(model, opt, _config(replicas=(1, 1), micro_batches=2, schedule=schedule))
+    with pytest.raises(RuntimeError, match="before the first call"):
+        cm.clip_grad_norm_(1.0)
+    loss = cm(*_local(args, rank, LOCAL * world))
+    with pytest.raises(RuntimeError, match=r"before loss\.backward\(\) of step 1"):
+        cm.clip_grad_norm_(1.0)
+    loss.backward()
+    # a NaN in one rank's gradient: every rank raises, and nothing is scaled
+    if rank == 1:
+        next(cm.stages[0].parameters()).grad[0].fill_(math.nan)
+    before = [p.grad.clone() for p in cm.stages[0].parameters()]
+    with pytest.raises(RuntimeError, match=r"is nan \(ranks \[1\] hold non-finite gradients\)"):
+        cm.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    for p, b in zip(cm.stages[0].parameters(), before, strict=True):
+        assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
+    for norm_type in (2.0, INF):  # without the check: NaN everywhere, as torch returns it
+        assert cm.clip_grad_norm_(1.0, norm_type).isnan()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_refuses_before_backward_and_raises_on_every_rank_when_nonfinite(schedule):
+    _warm("mlp")
+    run_ranks(_refusals, 2, schedule, timeout_s=60.0)
+
+
+def test_each_parameter_counted_by_exactly_one_rank():
+    """Replicas (2, 1, 3), a parameter tied between stages 0 and 2, one between 1 and 2."""
+    v = {"x": tensor("x", (4,)), "h": tensor("h", (4,)), "k": tensor("k", (4,)),
+         "loss": scalar("loss")}  # fmt: skip
+    plan = make_plan(
+        global_batch=12, micro_batches=1, replicas=(2, 1, 3), values=v, inputs=["x"],
+        stage_io=[(["x"], ["h"]), (["h"], ["k"]), (["k"], ["loss"])], outputs=["loss"],
+        shared=[("embed.weight", (0, 2)), ("norm.weight", (1, 2))],
+    )  # fmt: skip
+    counts = [counted_by(plan, r) for r in range(plan.world_size)]
+    assert [c.own for c in counts] == [True, False, True, True, False, False]
+    assert [sorted(c.shared) for c in counts] == [[0], [], [1], [], [], []]
