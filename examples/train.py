@@ -16,8 +16,9 @@ the loss of the whole global batch back.
 The loop is a whole training loop: the gradient clipped to a norm of ``--clip`` (with
 ``model.clip_grad_norm_``: the whole model's norm, which torch's function over
 ``model.parameters()`` cannot see from one rank), a warm-up then decaying learning rate, a
-smaller last batch in every epoch (``drop_last=False``), and an evaluation on held-out data
-every ``--eval-every`` steps (``model.eval()`` under ``torch.no_grad()``).
+smaller last batch in every epoch (``drop_last=False``), an evaluation on held-out data
+every ``--eval-every`` steps (``model.eval()`` under ``torch.no_grad()``), and with ``--bf16``
+training under ``torch.autocast(bfloat16)`` while evaluating in float32.
 
 Checkpoints and resuming (any world size: keys are the plain model's state-dict names):
 
@@ -75,6 +76,8 @@ def parse_args() -> argparse.Namespace:
                    help="linear learning-rate warm-up, then inverse-square-root decay")
     p.add_argument("--clip", type=float, default=1.0,
                    help="clip the whole model's gradient norm to this (0: no clipping)")
+    p.add_argument("--bf16", action="store_true",
+                   help="train under torch.autocast(bfloat16), evaluate without it")
     p.add_argument("--eval-every", type=int, default=10,
                    help="evaluate on held-out data every N steps (0: never)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
@@ -106,7 +109,8 @@ def config(args: argparse.Namespace) -> rannc_fx.Config:
     memory = args.device_memory_mib * 2**20 or None
     state = 2.0 if args.optimizer == "adam" else 0.0  # optimizer state bytes per parameter byte
     return rannc_fx.Config(stages=args.stages, micro_batches=args.micro_batches,
-                           device_memory=memory, optimizer_state_factor=state)
+                           device_memory=memory, optimizer_state_factor=state,
+                           autocast_dtype="bfloat16" if args.bf16 else None)
 
 
 def gpt2_init(lm: TransformerLM) -> Callable[[nn.Module], None]:
@@ -229,12 +233,14 @@ def main() -> None:
                 schedule.step()
             if rank == 0:
                 print(f"resumed from {path} at step {step}", flush=True)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
     while step < args.steps:
         sampler.set_epoch(epoch)  # the epoch's order: the same after a resume
         done = step - epoch * len(loader)  # batches of this epoch before the checkpoint
         for input_ids, labels in islice(loader, done, None):
-            loss = model(input_ids, labels=labels)["loss"]
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = model(input_ids, labels=labels)["loss"]
             loss.backward()
             if args.clip > 0:  # the whole model's norm, the same on every rank (not torch's)
                 model.clip_grad_norm_(args.clip)

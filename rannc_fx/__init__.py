@@ -5,6 +5,7 @@
     print(parted.plan.summary())
 """
 
+from .amp import GradScaler
 from .checkpoint import get_state_dict, set_state_dict
 from .compile import CompiledModel, compile
 from .config import Config
@@ -16,6 +17,7 @@ __all__ = [
     "CompiledModel",
     "Config",
     "DeviceSpec",
+    "GradScaler",
     "Partitioned",
     "Plan",
     "compile",

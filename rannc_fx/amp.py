@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from .passes.capture import CapturedGraph
 from .passes.shapes import infer_values_pass
 from .plan import Plan
 
-__all__ = ["AmpSpecs", "amp_state", "autocast_as"]
+__all__ = ["AmpSpecs", "GradScaler", "amp_state", "autocast_as"]
 
 _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -95,3 +96,19 @@ class AmpSpecs:
             "outputs": tuple(ref.model_copy(update={"spec": spec(ref.spec)})
                              for ref in plan.outputs),
         })  # fmt: skip
+
+
+class GradScaler(ShardedGradScaler):
+    """``torch.amp.GradScaler`` for a compiled model: an inf or NaN on any rank skips the step
+    (and lowers the scale) on every rank.
+
+    torch's own scaler checks only this rank's gradients, so with a pipeline one rank would
+    skip a step its peers take and the replicas and shared weights would part. This is
+    torch's ``ShardedGradScaler``, which all-reduces that check over the process group; it
+    is used like ``torch.amp.GradScaler`` (``scale``, ``unscale_``, ``step``, ``update``).
+    """
+
+    def __init__(self, device: str | None = None, **kwargs: Any) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        super().__init__(device, **kwargs)

@@ -84,3 +84,37 @@ def _mixed(rank: int, world: int) -> str:
 def test_ranks_under_different_autocast_states_fail_at_once():
     for message in run_ranks(_mixed, 2, timeout_s=30.0, wall_s=20.0):
         assert re.search(r"different autocast states \(rank 0: None, rank 1: bfloat16\)", message)
+
+
+def _scaled(rank: int, world: int, inf_on: int | None) -> list[float]:
+    torch.manual_seed(0)
+    model, (x, y), _ = mlp_example(batch=LOCAL * world)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
+                 micro_batches=2)
+    cut = lambda t: t[rank * LOCAL : (rank + 1) * LOCAL]  # noqa: E731
+    cm = rannc_fx.compile(model, opt, cfg, example_args=(cut(x), cut(y)))
+    scaler, ref_scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler(
+        "cpu", init_scale=2.0**10)
+    for step in range(3):
+        for m, s, o, args in ((cm, scaler, opt, (cut(x), cut(y))), (ref, ref_scaler, ref_opt, (x, y))):
+            s.scale(m(*args)).backward()
+            if step == 1 and inf_on is not None and (m is ref or rank == inf_on):
+                next(iter(m.parameters())).grad.view(-1)[0] = float("inf")
+            s.unscale_(o)
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    for pname, p in cm.stages[0].named_parameters():
+        assert_close(p, ref.get_parameter(pname), **EXACT)
+    return [scaler.get_scale()]
+
+
+@pytest.mark.parametrize("inf_on", [None, 1])
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(inf_on):
+    # the inf is on rank 1's stage only; torch's own GradScaler would step on rank 0
+    scales = run_ranks(_scaled, 2, inf_on, timeout_s=30.0, wall_s=60.0)
+    assert scales[0] == scales[1] == ([2.0**10] if inf_on is None else [2.0**9])
