@@ -18,8 +18,11 @@ hyperparameters carry over untouched. (``torch.utils.swap_tensors`` would keep t
 but export's fake-tensor caches hold weak references to them, which it refuses.)
 
 A materialized tensor no init touched is *pending*: it must be loaded from a checkpoint
-before the first step (``Placement.check_initialized``). A non-persistent buffer cannot be
-loaded from one, so if no init computed it, placement fails at once and names it.
+before the first step (``Placement.check_initialized``). A non-persistent buffer or a plain
+tensor attribute (a graph constant) cannot be loaded from one, so if no init computed it,
+placement fails at once and names it. A buffer or constant that several stages read is placed
+on each of their ranks like any other tensor of the stage: copied, or computed by its
+modules' init on every rank that holds it.
 """
 
 from __future__ import annotations
@@ -156,16 +159,25 @@ def _attr(root: nn.Module, target: str) -> object:
     return obj
 
 
-def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, bool]]]:
-    out: dict[int, list[tuple[str, nn.Module, str, bool]]] = {}
+def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, str]]]:
+    """id(tensor) -> (module name, module, attribute, "parameter" / "buffer" / "attribute")
+    for every place the model holds it; "attribute": a plain tensor attribute (a constant)."""
+    out: dict[int, list[tuple[str, nn.Module, str, str]]] = {}
     for mname, mod in model.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
             if p is not None:
-                out.setdefault(id(p), []).append((mname, mod, attr, False))
+                out.setdefault(id(p), []).append((mname, mod, attr, "parameter"))
         for attr, b in mod._buffers.items():
             if b is not None:
-                out.setdefault(id(b), []).append((mname, mod, attr, True))
+                out.setdefault(id(b), []).append((mname, mod, attr, "buffer"))
+        for attr, v in _plain_tensors(mod):
+            out.setdefault(id(v), []).append((mname, mod, attr, "attribute"))
     return out
+
+
+def _plain_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Tensor attributes that are neither parameters nor buffers (``self.scale = tensor``)."""
+    return [(k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
 
 
 def _allocate(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -239,12 +251,26 @@ def _initialize(
         placement.initialized_by[mname or "(root)"] = how
         touched.update(id(t) for t in (*mod._parameters.values(), *mod._buffers.values())
                        if t is not None)
+        touched.update(id(t) for _, t in _plain_tensors(mod))
     names = _names(model)
     non_persistent = _non_persistent(model)
     for t in materialized:
         still_nan = (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
         if id(t) in touched and not still_nan:
             continue
+        if id(t) not in names:  # a plain tensor attribute: no checkpoint holds it either
+            held = owners.get(id(t), [])
+            what = (
+                f"tensor attribute {_qualified(held[0][0], held[0][2])!r} "
+                f"({type(held[0][1]).__name__})" if held else "a tensor constant of the graph"
+            )
+            raise RuntimeError(
+                f"{what} of this rank's stage is on the meta device and nothing computed it; it "
+                "is neither a parameter nor a buffer, so no checkpoint holds it: register it as "
+                "a buffer (persistent=False and computed in reset_parameters() if it follows "
+                "from the configuration), compute it in compile(..., init=fn), or build the "
+                "model on the CPU"
+            )
         for name in names.get(id(t), []):
             if name in non_persistent:
                 owner = owners[id(t)][0][1]
@@ -260,7 +286,7 @@ def _initialize(
 
 
 def _init_of(mod: nn.Module, init: InitFn | None) -> tuple[Callable[[], None] | None, str]:
-    if not (mod._parameters or mod._buffers):
+    if not (mod._parameters or mod._buffers or _plain_tensors(mod)):
         return None, ""
     if init is not None:
         return (lambda: init(mod)), "init"
@@ -282,7 +308,11 @@ def _names(model: nn.Module) -> dict[int, list[str]]:
 
 def _non_persistent(model: nn.Module) -> set[str]:
     return {
-        f"{mname}.{attr}" if mname else attr
+        _qualified(mname, attr)
         for mname, mod in model.named_modules(remove_duplicate=False)
         for attr in mod._non_persistent_buffers_set
     }
+
+
+def _qualified(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr

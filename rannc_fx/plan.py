@@ -202,6 +202,8 @@ class Stage(BaseModel):
     samples: int = Field(ge=1)
     num_nodes: int
     param_names: tuple[str, ...]
+    # buffers and tensor constants the stage reads: each stage that reads one holds a copy
+    # (never a SharedParam: nothing to all-reduce; one the forward writes has one reader stage)
     buffer_names: tuple[str, ...] = ()
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -244,7 +246,8 @@ class OutputRef(BaseModel):
 
 
 class SharedParam(BaseModel):
-    """A parameter used by more than one stage (a tied embedding and LM head)."""
+    """A parameter used by more than one stage (a tied embedding and LM head): each holds it,
+    and its gradient is summed over all their ranks. Buffers are never shared parameters."""
 
     model_config = _FROZEN
 

@@ -15,9 +15,14 @@ Two steps, as in RaNNC:
    Some values never cross a stage boundary because the consumer stage recomputes them
    (``recomputed_values``): integers (sizes; from the stage's sample count) and *data-free*
    values (attention masks, position ids: deterministic values computed only from buffers,
-   constants, sizes and other such values, never written in place and reading no trainable
-   parameter; the consumer stage runs their chain again). They only join their first
-   consumer's group and are not counted at boundaries.
+   constants, sizes and other such values, never written in place, reading no trainable
+   parameter and no tensor the forward writes; the consumer stage runs their chain again).
+   They only join their first consumer's group and are not counted at boundaries.
+
+   Every stage that reads a buffer or constant holds its own copy (the same values on every
+   stage), so a tensor the forward writes (``written_state``: a BatchNorm's running
+   statistics, a counter ``add_``-ed in place) has all its readers in the writer's group: a
+   stage boundary between them would leave the other stages' copies stale.
 
 2. *Coarsening*. While there are more than ``max_blocks`` blocks, the adjacent pair whose
    boundary carries the most bytes per second of compute on its smaller side is merged
@@ -27,6 +32,7 @@ Two steps, as in RaNNC:
 from __future__ import annotations
 
 import heapq
+import inspect
 import logging
 import operator
 import time
@@ -35,7 +41,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
-from torch import fx
+from torch import fx, nn
 
 from ..plan import ValueSpec
 from .capture import CapturedGraph
@@ -52,6 +58,7 @@ __all__ = [
     "is_view",
     "recompute_chain",
     "recomputed_values",
+    "written_state",
 ]
 
 log = logging.getLogger("rannc_fx")
@@ -71,6 +78,12 @@ _RANDOM_NAMES = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
     "bernoulli", "multinomial", "normal", "poisson", "native_dropout",
+})
+# aten's batch-norm family updates its running statistics in place though the schemas do not
+# say so (``_native_batch_norm_legit`` and ``_batch_norm_with_update`` do: ``Tensor(a!)``)
+_RUNNING_STATS_OPS = frozenset({
+    "batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
+    "cudnn_batch_norm",
 })
 _INPLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -146,6 +159,9 @@ def _mutated_args(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
         return first if getattr(mod, "inplace", False) is True else []
     if node.op not in ("call_function", "call_method"):
         return []
+    name = _op_name(node)
+    if name in _RUNNING_STATS_OPS:
+        return _running_stats(node)
     if isinstance(t, torch._ops.OpOverload):
         out = []
         for i, a in enumerate(t._schema.arguments):
@@ -154,7 +170,6 @@ def _mutated_args(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
                 if isinstance(v, fx.Node):
                     out.append(v)
         return out
-    name = _op_name(node)
     if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
         return first
     if name.endswith("_") and not name.startswith("_"):
@@ -162,9 +177,89 @@ def _mutated_args(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
     return []
 
 
+def _running_stats(node: fx.Node) -> list[fx.Node]:
+    """The running statistics a batch-norm-family op updates: none with its training flag
+    (``training``, ``use_input_stats``) false."""
+    bound = _bound_args(node)
+    if bound is None:
+        return []
+    if bound.get("training", bound.get("use_input_stats", True)) is False:
+        return []
+    return [v for k in ("running_mean", "running_var") if isinstance(v := bound.get(k), fx.Node)]
+
+
+def _bound_args(node: fx.Node) -> dict[str, object] | None:
+    """The node's arguments by parameter name (defaults filled in), when they can be known."""
+    t = node.target
+    schema = t._schema if isinstance(t, torch._ops.OpOverload) else None
+    if schema is None:
+        try:
+            sig = inspect.signature(t)  # type: ignore[arg-type]  # F.batch_norm
+        except (TypeError, ValueError):  # a builtin (torch.batch_norm): aten's schema
+            packet = getattr(torch.ops.aten, _op_name(node), None)
+            schema = getattr(getattr(packet, "default", None), "_schema", None)
+        else:
+            try:
+                bound = sig.bind(*node.args, **node.kwargs)
+            except TypeError:
+                return None
+            bound.apply_defaults()
+            return dict(bound.arguments)
+    if schema is None:
+        return None
+    out: dict[str, object] = {
+        a.name: a.default_value for a in schema.arguments if a.has_default_value()
+    }
+    out.update(zip((a.name for a in schema.arguments), node.args, strict=False))
+    out.update(node.kwargs)
+    return out
+
+
 def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     """Whether the node writes to one of its inputs."""
     return bool(_mutated_args(node, gm))
+
+
+def _state(node: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The parameter, buffer or constant that ``node`` (a get_attr, or a view of one) is."""
+    base = _alias_base(node)
+    if base.op != "get_attr":
+        return None
+    t = operator.attrgetter(str(base.target))(gm)
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def _module_writes(node: fx.Node, gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a ``call_module`` node's module updates itself: a normalization layer's
+    running statistics (torch.fx leaves the training flag to run time, so whenever it tracks
+    them)."""
+    if node.op != "call_module":
+        return []
+    mod = gm.get_submodule(str(node.target))
+    if not (isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats):
+        return []
+    return [
+        (f"{node.target}.{attr}", t)
+        for attr in ("running_mean", "running_var", "num_batches_tracked")
+        if isinstance(t := getattr(mod, attr, None), torch.Tensor)
+    ]
+
+
+def written_state(gm: fx.GraphModule) -> dict[int, tuple[str, str]]:
+    """Parameters, buffers and constants that the forward writes, by ``id``: (a name of the
+    tensor, the first node that writes it). In-place ops on them or their views, the
+    batch-norm family's running statistics, normalization modules that track them."""
+    out: dict[int, tuple[str, str]] = {}
+    for n in gm.graph.nodes:
+        if n.op not in CALL_OPS:
+            continue
+        for name, t in _module_writes(n, gm):
+            out.setdefault(id(t), (name, n.name))
+        for m in _mutated_args(n, gm):
+            state = _state(m, gm)
+            if state is not None:
+                out.setdefault(id(state), (str(_alias_base(m).target), n.name))
+    return out
 
 
 # -- atomic grouping -------------------------------------------------------------------------
@@ -223,10 +318,12 @@ def recomputed_values(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> froze
     Integers (kind ``int``/``ints``: from the sample count) and data-free values: call
     functions/methods (no modules) whose inputs are only buffers, constants, frozen
     parameters, integers and other data-free values, that are deterministic and that no
-    in-place op writes (nor any alias of them).
+    in-place op writes (nor any alias of them), reading no tensor the forward writes (its
+    value depends on where it is read, and another stage's copy is never written).
     """
     nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
     written = {_alias_base(m) for n in nodes for m in _mutated_args(n, gm)}
+    written_ids = set(written_state(gm))
     out: set[str] = set()
     for n in nodes:
         kind = _kind(values, n)
@@ -234,7 +331,9 @@ def recomputed_values(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> froze
             out.add(n.name)
             continue
         if (n.op == "call_module" or _is_random(n) or _mutated_args(n, gm)
-                or _alias_base(n) in written or n in written):
+                or _alias_base(n) in written or n in written
+                or any(id(_state(a, gm)) in written_ids for a in n.all_input_nodes
+                       if a.op == "get_attr")):
             continue
         if all(
             (a.op == "get_attr" and not _trainable(gm, a)) or a.name in out
@@ -320,11 +419,15 @@ def _union_atomic(gm: fx.GraphModule, nodes: list[fx.Node], index: dict[fx.Node,
                   values: dict[str, ValueSpec], uf: _UnionFind) -> None:
     free = recomputed_values(gm, values)
     param_only = _param_only(nodes, index, values, free)
-    # readers of each alias class (keyed by its base value), in node order
-    readers: dict[fx.Node, list[fx.Node]] = {}
+    # readers of each alias class (keyed by its base value; a parameter, buffer or constant
+    # by the tensor, whichever get_attr node or module reads it), in node order
+    readers: dict[object, list[fx.Node]] = {}
     for n in nodes:
         for a in n.all_input_nodes:
-            readers.setdefault(_alias_base(a), []).append(n)
+            readers.setdefault(_alias_key(a, gm), []).append(n)
+        if n.op == "call_module":
+            for _, t in _tensors_of(gm.get_submodule(str(n.target))):
+                readers.setdefault(id(t), []).append(n)
     anchor = _anchors(nodes, index, free)
     for i, n in enumerate(nodes):
         users = [u for u in n.users if u in index]
@@ -359,9 +462,19 @@ def _union_atomic(gm: fx.GraphModule, nodes: list[fx.Node], index: dict[fx.Node,
             # a reader that ran before the write must stay with it: a later stage would see
             # the written value; a value from outside the chain (input, buffer) is read by
             # whichever stage holds each reader, so all of its readers stay with the write
-            for r in readers.get(base, ()):
+            for r in readers.get(_alias_key(base, gm), ()):
                 if base.op in ("placeholder", "get_attr") or index[r] < i:
                     uf.union(i, index[r])
+        for _, t in _module_writes(n, gm):  # a normalization layer called in several places
+            for r in readers.get(id(t), ()):
+                uf.union(i, index[r])
+
+
+def _alias_key(node: fx.Node, gm: fx.GraphModule) -> object:
+    """What ``node`` aliases: the tensor's id for a parameter, buffer or constant (read by
+    any number of get_attr nodes, under any of its names), else its base node."""
+    t = _state(node, gm)
+    return id(t) if t is not None else _alias_base(node)
 
 
 def _ordered_groups(nodes: list[fx.Node], index: dict[fx.Node, int], uf: _UnionFind,

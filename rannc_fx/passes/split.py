@@ -11,7 +11,11 @@ The search decides which stage each node runs in (``Plan.node_stage``);
   of ``plan.stages[s].inputs``, returning a flat tuple in the order of ``outputs``, holding
   the captured graph's own parameter and buffer objects under their original names.
   (``split_module`` passes parameters to partitions as inputs and renames modules
-  ``a.b`` -> ``a_b``; the stages own theirs instead.)
+  ``a.b`` -> ``a_b``; the stages own theirs instead.) A buffer or constant that several
+  stages read is held by each of them: one object here, a copy with the same values on each
+  rank under ``compile()``. Only parameters are shared state across ranks (their gradients
+  are summed over their holders); a tensor the forward writes must therefore be read by one
+  stage only (``check_written_state``).
 
 Running stage 0, 1, ... in order, each on the values its ``inputs`` name, reproduces the
 captured graph bit for bit.
@@ -33,9 +37,15 @@ from torch.fx.passes.split_module import split_module
 
 from ..plan import Plan, Stage, ValueSpec
 from .capture import CapturedGraph
-from .group import CALL_OPS, recomputed_values
+from .group import CALL_OPS, recomputed_values, written_state
 
-__all__ = ["StageInterface", "run_stages", "split_pass", "stage_interfaces"]
+__all__ = [
+    "StageInterface",
+    "check_written_state",
+    "run_stages",
+    "split_pass",
+    "stage_interfaces",
+]
 
 log = logging.getLogger("rannc_fx")
 
@@ -383,9 +393,43 @@ def split_pass(
         sub = parts.get_submodule(f"submod_{st.index}")
         assert isinstance(sub, fx.GraphModule)
         stages.append(_stage_module(sub, captured, st, staged.recomputed))
+    check_written_state(captured, stages)
     log.info("split %d nodes into %d stages (%d cut values) in %.2f s", len(node_stage), num,
              len(ifaces[0].cut_values) if ifaces else 0, time.perf_counter() - t0)
     return stages
+
+
+def check_written_state(captured: CapturedGraph, stages: list[fx.GraphModule]) -> None:
+    """Refuse a parameter, buffer or constant that the forward writes (a BatchNorm's running
+    statistics, a counter) and that more than one stage reads: each stage would write only its
+    own copy, and the others would read stale values.
+
+    group_pass keeps every reader of such a tensor in one block, so a plan from the search
+    never does this; a plan made by hand or for another graph can.
+    """
+    written = written_state(captured.gm)
+    if not written:
+        return
+    holders: dict[int, list[int]] = {}
+    for s, gm in enumerate(stages):
+        held = {id(t) for t in (*gm.parameters(), *gm.buffers())}
+        held.update(
+            id(v) for n in gm.graph.nodes if n.op == "get_attr"
+            if isinstance(v := operator.attrgetter(str(n.target))(gm), torch.Tensor)
+        )
+        for i in held & written.keys():
+            holders.setdefault(i, []).append(s)
+    for i, readers in holders.items():
+        if len(readers) > 1:
+            name, writer = written[i]
+            raise ValueError(
+                f"{name!r} is written in the forward (by node {writer!r}) and read by stages "
+                f"{readers}; each stage holds its own copy of a buffer, so the write would not "
+                "reach the other stages and their copies would go stale. Keep its readers in "
+                "one stage: make the plan again with this version of rannc_fx (its grouping "
+                "does), or give each place that uses it its own module (one BatchNorm per "
+                "call rather than one called in several places)"
+            )
 
 
 def run_stages(stages: list[fx.GraphModule], plan: Plan, flat_inputs: list[Any],
