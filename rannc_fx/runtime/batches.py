@@ -28,6 +28,7 @@ from torch import fx
 
 from ..plan import Plan
 from .alone import AloneExecutor, build_executor
+from .comm import CommError
 from .executor import StageExecutor
 
 __all__ = ["BatchSizes", "rebatched"]
@@ -106,7 +107,14 @@ class BatchSizes:
         code = _STATES.index(state) if state in _STATES else len(_STATES)
         mine = torch.tensor([local, code], dtype=torch.int64, device=self.device)
         got = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(got, mine)
+        try:
+            dist.all_gather(got, mine)
+        except RuntimeError as e:
+            raise CommError(
+                f"rank {dist.get_rank()}: all-gather of the local batch sizes at the start of a "
+                f"call failed: {e}; a rank died or stopped calling the model (every rank calls "
+                "it every step): check the other ranks' logs"
+            ) from e
         sizes = [int(t[0].item()) for t in got]
         if len(set(sizes)) > 1:
             shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
