@@ -333,10 +333,12 @@ def _check_optim(optimizer: torch.optim.Optimizer, names: StateNames,
         )
     for gi, group in enumerate(optimizer.param_groups):
         seen: dict[str, tuple[str, Any]] = {}
+        clashes: set[str] = set()  # one message per setting and group
         for p in group["params"]:
             name, settings = flat.first("param_groups", by_id.get(id(p), []))
             for k, v in settings.items():
-                if k in seen and not _same(seen[k][1], v):
+                if k in seen and k not in clashes and not _same(seen[k][1], v):
+                    clashes.add(k)
                     problems.append(
                         f"param group {gi} of this rank holds {seen[k][0]!r} and {name!r}, "
                         f"saved with different {k} ({seen[k][1]!r} and {v!r}); give them "

@@ -260,3 +260,15 @@ def test_saving_before_the_first_step_resumes_like_a_fresh_optimizer(tmp_path):
     rannc_fx.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
     losses = [_step(model2, opt2, args, kwargs) for _ in range(2)]
     assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
+
+
+def test_parameters_saved_in_groups_with_other_settings_are_named():
+    model, _, _ = _data()
+    head = [p for n, p in model.named_parameters() if n.startswith("norm.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("norm.")]
+    two = torch.optim.Adam([{"params": rest}, {"params": head, "lr": 0.5}], lr=0.01)
+    _, osd = rannc_fx.get_state_dict(model, two)
+    one = _adam(model)  # one group: the saved settings of its parameters disagree
+    with pytest.raises(ValueError, match=r"param group 0 of this rank holds .* saved with "
+                                         r"different lr \(0.01 and 0.5\)"):
+        rannc_fx.set_state_dict(model, one, optim_state_dict=osd)
