@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -79,12 +78,6 @@ class Run:
     wall: float
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,7 +114,7 @@ def train(args: argparse.Namespace, meta: bool) -> Run:
     """One torchrun of examples/train.py --report-memory."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-        "--master-port", str(free_port()), str(TRAIN), "--vocab", str(args.vocab),
+        "--standalone", str(TRAIN), "--vocab", str(args.vocab),  # a free port of its own
         "--d-model", str(args.d_model), "--layers", str(args.layers), "--seq", str(args.seq),
         "--batch", str(args.batch), "--steps", str(args.steps), "--log-every", "1",
         "--device-memory-mib", str(args.device_memory_mib), "--report-memory",

@@ -28,6 +28,7 @@ modules' init on every rank that holds it.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import zlib
 from collections.abc import Callable
@@ -65,7 +66,6 @@ class Placement:
     moved_bytes: int = 0
     materialized_bytes: int = 0
     freed_bytes: int = 0
-    initialized_by: dict[str, str] = field(default_factory=dict)  # module name -> how
     pending: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> tensor
 
     def loaded(self, tensors: list[torch.Tensor]) -> None:
@@ -146,17 +146,10 @@ def _stage_tensors(stage: fx.GraphModule) -> dict[int, torch.Tensor]:
         out.setdefault(id(t), t)
     for n in stage.graph.nodes:
         if n.op == "get_attr":
-            value = _attr(stage, str(n.target))
+            value = operator.attrgetter(str(n.target))(stage)
             if isinstance(value, torch.Tensor):
                 out.setdefault(id(value), value)
     return out
-
-
-def _attr(root: nn.Module, target: str) -> object:
-    obj: object = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, str]]]:
@@ -242,24 +235,22 @@ def _initialize(
         if mname not in wanted or id(mod) in done:
             continue
         done.add(id(mod))
-        fn, how = _init_of(mod, init)
+        fn = _init_of(mod, init)
         if fn is None:
             continue
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed((seed + zlib.crc32(mname.encode())) % 2**63)
             fn()
-        placement.initialized_by[mname or "(root)"] = how
         touched.update(id(t) for t in (*mod._parameters.values(), *mod._buffers.values())
                        if t is not None)
         touched.update(id(t) for _, t in _plain_tensors(mod))
-    names = _names(model)
-    non_persistent = _non_persistent(model)
     for t in materialized:
         still_nan = (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
         if id(t) in touched and not still_nan:
             continue
-        if id(t) not in names:  # a plain tensor attribute: no checkpoint holds it either
-            held = owners.get(id(t), [])
+        held = owners.get(id(t), [])
+        names = [_qualified(m, a) for m, _, a, kind in held if kind != "attribute"]
+        if not names:  # a plain tensor attribute: no checkpoint holds it either
             what = (
                 f"tensor attribute {_qualified(held[0][0], held[0][2])!r} "
                 f"({type(held[0][1]).__name__})" if held else "a tensor constant of the graph"
@@ -271,47 +262,30 @@ def _initialize(
                 "from the configuration), compute it in compile(..., init=fn), or build the "
                 "model on the CPU"
             )
-        for name in names.get(id(t), []):
-            if name in non_persistent:
-                owner = owners[id(t)][0][1]
+        for m, owner, a, kind in held:
+            if kind == "buffer" and a in owner._non_persistent_buffers_set:
                 raise RuntimeError(
-                    f"non-persistent buffer {name!r} ({type(owner).__name__}) of this rank's "
-                    "stage is on the meta device and nothing computed it: it is not in any "
-                    f"checkpoint, so it must be computed by {type(owner).__name__}."
+                    f"non-persistent buffer {_qualified(m, a)!r} ({type(owner).__name__}) of "
+                    "this rank's stage is on the meta device and nothing computed it: it is not "
+                    f"in any checkpoint, so it must be computed by {type(owner).__name__}."
                     "reset_parameters() or by compile(..., init=fn) (for a transformers model, "
                     "init=model._init_weights recomputes rotary caches); or build the model on "
                     "the CPU"
                 )
-        placement.pending[names.get(id(t), [f"<tensor {id(t)}>"])[0]] = t
+        placement.pending[names[0]] = t
 
 
-def _init_of(mod: nn.Module, init: InitFn | None) -> tuple[Callable[[], None] | None, str]:
+def _init_of(mod: nn.Module, init: InitFn | None) -> Callable[[], None] | None:
+    """What initializes ``mod``'s own tensors: the user's ``init``, else its own reset."""
     if not (mod._parameters or mod._buffers or _plain_tensors(mod)):
-        return None, ""
+        return None
     if init is not None:
-        return (lambda: init(mod)), "init"
-    for name in ("reset_parameters", "_reset_parameters"):
+        return lambda: init(mod)
+    for name in ("reset_parameters", "_reset_parameters"):  # nn.MultiheadAttention: private
         fn = getattr(mod, name, None)
         if callable(fn):
-            return fn, name
-    return None, ""
-
-
-def _names(model: nn.Module) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for named in (model.named_parameters(remove_duplicate=False),
-                  model.named_buffers(remove_duplicate=False)):
-        for name, t in named:
-            out.setdefault(id(t), []).append(name)
-    return out
-
-
-def _non_persistent(model: nn.Module) -> set[str]:
-    return {
-        _qualified(mname, attr)
-        for mname, mod in model.named_modules(remove_duplicate=False)
-        for attr in mod._non_persistent_buffers_set
-    }
+            return fn
+    return None
 
 
 def _qualified(module_name: str, attr: str) -> str:

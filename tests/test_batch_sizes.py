@@ -74,24 +74,33 @@ def test_other_batch_sizes_train_like_one_process(name, world, cfg, sizes):
     assert all(run == losses[0] for run in losses)
 
 
-def _unequal(rank: int, world: int) -> str:
+def _disagreeing(rank: int, world: int, what: str) -> str:
     torch.manual_seed(0)
     model, (x, y), _ = mlp_example(batch=PLANNED * world)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
                  micro_batches=2)
     cm = rannc_fx.compile(model, None, cfg, example_args=(x[:PLANNED], y[:PLANNED]))
-    n = 3 if rank == 1 else PLANNED  # rank 1's last batch is smaller
+    # rank 1's last batch is smaller, or rank 1 alone runs under autocast
+    n = 3 if what == "size" and rank == 1 else PLANNED
     try:
-        cm(x[:n], y[:n])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=what == "autocast" and rank == 1):
+            cm(x[:n], y[:n])
     except ValueError as e:
         return str(e)
     return "ran"
 
 
-def test_unequal_local_batches_fail_on_every_rank_at_once():
+@pytest.mark.parametrize(
+    "what,expected",
+    [
+        ("size", r"local batches of different sizes \(rank 0: 4, rank 1: 3\)"),
+        ("autocast", r"different autocast states \(rank 0: None, rank 1: bfloat16\)"),
+    ],
+)
+def test_ranks_that_disagree_fail_on_every_rank_at_once(what, expected):
     # wall_s below the 30 s timeout: no rank may wait for the one that failed
-    for message in run_ranks(_unequal, 2, timeout_s=30.0, wall_s=20.0):
-        assert re.search(r"local batches of different sizes \(rank 0: 4, rank 1: 3\)", message)
+    for message in run_ranks(_disagreeing, 2, what, timeout_s=30.0, wall_s=20.0):
+        assert re.search(expected, message), message
 
 
 def test_a_batch_too_small_for_the_replicas_is_refused_with_the_way_out():

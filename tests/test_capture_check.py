@@ -16,6 +16,7 @@ from rannc_fx.passes.capture import CapturedGraph, CaptureError, capture_pass
 from rannc_fx.passes.shapes import infer_values_pass
 
 from .test_capture import _MaskedEncoder, assert_same, run
+from .test_shapes import _WithBranchy
 
 try:
     from transformers.utils import ModelOutput
@@ -231,24 +232,6 @@ def test_meta_models_are_checked_on_shapes():
     with torch.device("meta"):
         wrong_values = _TypeChecks()
     assert capture_pass(wrong_values, (x,)).tracer == "fx"  # no values on meta: not caught
-
-
-class _Branchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) if bool(x.sum() > 0) else -self.lin(x)
-
-
-class _WithBranchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = _Branchy()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x).relu()
 
 
 def test_a_model_that_cannot_run_is_captured_unchecked_and_said_so(caplog):

@@ -74,7 +74,7 @@ def check_capture(
             )
             return None
         restart()
-        got = _run_graph(captured, args, kwargs)
+        got = _run_graph(captured, args, kwargs, restart)
     why = _difference(got, expected, values=not on_meta)
     if why:
         raise GraphMismatch(why)
@@ -121,8 +121,8 @@ def _copies(tree: Any) -> Any:
 
 
 class _Run(fx.Interpreter):
-    """The graph's run, remembering the node running when it raises (a check, not the hot
-    path: the graph's own code runs in training)."""
+    """The graph's run, remembering the node running when it raises (only after the graph's
+    generated code raised, to say where)."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
@@ -134,11 +134,19 @@ class _Run(fx.Interpreter):
         return super().run_node(n)
 
 
-def _run_graph(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run_graph(captured: CapturedGraph, args: tuple[Any, ...], kwargs: dict[str, Any],
+               restart: Callable[[], None]) -> Any:
+    """The graph's generated code on the example; only when it raises, the run again node by
+    node (``_Run``) to name the node that fails."""
+    flat = captured.flatten_inputs(args, kwargs)
+    try:
+        return captured.unflatten_outputs(list(captured.gm(*_copies(flat))))
+    except Exception:
+        pass
+    restart()
     run = _Run(captured.gm)
     try:
-        flat = run.run(*_copies(captured.flatten_inputs(args, kwargs)))
-        return captured.unflatten_outputs(list(flat))
+        return captured.unflatten_outputs(list(run.run(*_copies(flat))))
     except Exception as e:
         n = run.node
         where = f"its node {n.name} ({_call_text(n)}){_module_of(n)}" if n else "the graph"
