@@ -2,13 +2,16 @@
 
     torchrun --nproc-per-node 2 benchmarks/batch_sizes_overhead.py
 
-Since ``runtime/batches.py``, each call first all-gathers the ranks' local batch sizes (one
-integer per rank) and looks up the executor for that size. This script times the same
-compiled model two ways, interleaved step by step after ``--warmup`` rounds:
+Since ``runtime/batches.py``, each call first agrees with the other ranks on the local batch
+sizes and autocast states (one all-reduce of four integers) and looks up the executor for
+that size. This script times the same compiled model four ways, interleaved step by step
+after ``--warmup`` rounds:
 
-- ``checked``: ``model(ids, labels=labels)``, what every call does now;
-- ``direct``: the plan's executor called directly, as every call did before (no all-gather,
-  no lookup; the same flattening of inputs and outputs).
+- ``checked``: ``model(ids, labels=labels)``, what every call does by default;
+- ``unchecked``: the same with ``Config(check_batches=False)`` (no agreement, the lookup stays);
+- ``direct``: the plan's executor called directly, as every call did before (no agreement,
+  no lookup; the same flattening of inputs and outputs);
+- ``again``: ``direct`` once more, so the A/A ratio shows the noise of the run's median.
 
 The overhead is the median of the per-round wall-time ratios minus one; CPU time per step is
 given too. Each ``--sizes`` entry is one model (runtime_common.GPT, forced plan of 2 stages).
@@ -63,14 +66,24 @@ def run(name: str, args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
 
+    def unchecked() -> None:  # Config(check_batches=False): no agreement, the lookup stays
+        assert cm._batches is not None
+        cm._batches.check = False
+        try:
+            checked()
+        finally:
+            cm._batches.check = True
+
     def direct() -> None:
         flat = captured.flatten_inputs((ids,), {"labels": labels})
         captured.unflatten_outputs(executor.forward(flat)).backward()
         opt.step()
         opt.zero_grad()
 
-    wall, cpu = interleave({"checked": checked, "direct": direct}, warmup=args.warmup,
-                           steps=args.steps, sync=dist.barrier)
+    # "again" is "direct" a second time: the A/A ratio is the noise of this run's median
+    wall, cpu = interleave({"checked": checked, "unchecked": unchecked, "direct": direct,
+                            "again": direct},
+                           warmup=args.warmup, steps=args.steps, sync=dist.barrier)
     if dist.get_rank() == 0:
         w = {k: summarize(v)["median"] * 1e3 for k, v in wall.items()}
         c = {k: summarize(v)["median"] * 1e3 for k, v in cpu.items()}
@@ -78,6 +91,8 @@ def run(name: str, args: argparse.Namespace) -> None:
         print(f"| {name} | {shape} | "
               f"{w['direct']:.2f} | {w['checked']:.2f} | "
               f"{100 * (median_ratio(wall['checked'], wall['direct']) - 1):+.2f} % | "
+              f"{100 * (median_ratio(wall['unchecked'], wall['direct']) - 1):+.2f} % | "
+              f"{100 * (median_ratio(wall['again'], wall['direct']) - 1):+.2f} % | "
               f"{c['direct']:.2f} | {c['checked']:.2f} |", flush=True)
 
 
@@ -87,8 +102,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
         print("| model | plan | direct ms (wall) | checked ms (wall) | overhead (median of "
-              "per-round ratios) | direct ms (CPU, rank 0) | checked ms (CPU, rank 0) |")
-        print("|---|---|---:|---:|---:|---:|---:|")
+              "per-round ratios) | check_batches=False | A/A: direct again | direct ms (CPU, "
+              "rank 0) | checked ms (CPU, rank 0) |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.sizes:
         run(name, args)
     if dist.get_rank() == 0:

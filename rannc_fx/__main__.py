@@ -1,14 +1,17 @@
-"""Command line: ``python -m rannc_fx plan MODULE:FACTORY --world-size N --device PRESET``."""
+"""Command line: ``python -m rannc_fx plan MODULE:FACTORY --world-size N --device PRESET`` and
+``python -m rannc_fx trace summary FILE``."""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import importlib
+import json
 import logging
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,11 +72,32 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--tracer", choices=("auto", "fx", "export"), default=None)
     plan.add_argument("--out", default="plan.json", help="where to write the plan JSON")
     plan.add_argument("-v", "--verbose", action="store_true", help="log each pass")
+    trace = sub.add_parser("trace", help="read a trace written with Config.trace_dir")
+    what = trace.add_subparsers(dest="trace_command", required=True)
+    summary = what.add_parser("summary", help="busy, bubble and communication per stage, "
+                              "measured and predicted")
+    summary.add_argument("file", help="the trace.json a traced run wrote")
     return p
+
+
+def _trace_summary(path: str) -> int:
+    from .runtime.tracefile import format_summary, summarize
+
+    try:
+        trace = json.loads(Path(path).read_text())
+        summary = summarize(trace)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {path}: not a rannc_fx trace ({type(e).__name__}: {e}); write one with "
+              "Config(trace_dir=...) or RANNC_FX_TRACE_DIR", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "trace":
+        return _trace_summary(args.file)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     factory = _load_factory(args.factory)

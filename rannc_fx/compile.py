@@ -16,7 +16,9 @@ the executor for their batch size and autocast state (``runtime/batches.py``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +32,12 @@ from .placement import InitFn, Placement, rank_device
 from .plan import Plan
 from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
 from .runtime.comm import agree, init_distributed
+from .runtime.trace import Recorder
 from .setup import set_up_rank
 
 __all__ = ["CompiledModel", "compile"]
+
+log = logging.getLogger("rannc_fx")
 
 
 def compile(
@@ -92,6 +97,7 @@ class CompiledModel(nn.Module):
         self._names: StateNames | None = None  # this rank's part under the original names
         self.placement: Placement | None = None
         self._checked = False  # whether the first step checked every rank's tensors
+        self._trace: Recorder | None = None  # Config.trace_dir: the traced steps' events
         if example_args is not None or example_kwargs is not None:
             self._setup(tuple(example_args or ()), dict(example_kwargs or {}))
 
@@ -131,6 +137,8 @@ class CompiledModel(nn.Module):
         assert self._captured is not None and self._executor is not None
         if self.placement is not None and not self._checked:
             self._check_initialized()
+        if self._trace is not None:
+            self._trace.begin_call(torch.is_grad_enabled())
         flat = self._captured.flatten_inputs(args, kwargs)
         assert self._batches is not None
         executor = self._last = self._batches.for_inputs(flat)
@@ -152,10 +160,15 @@ class CompiledModel(nn.Module):
                 "clip_grad_norm_ before the first call: there are no gradients yet (and the "
                 "model is planned on its first call); call it after loss.backward()"
             )
-        return clip_grad_norm(
-            self._last or self._executor, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
-            foreach=foreach,
-        )  # fmt: skip
+        rec = self._trace
+        with nullcontext() if rec is None else rec.span(
+            "clip_grad_norm_", "collective", kind="clip",
+            peers=[r for r in range(rec.world) if r != rec.rank], match="clip",
+        ):  # fmt: skip
+            return clip_grad_norm(
+                self._last or self._executor, max_norm, norm_type,
+                error_if_nonfinite=error_if_nonfinite, foreach=foreach,
+            )  # fmt: skip
 
     def _check_initialized(self) -> None:
         """Once, before the first step: every rank's tensors were initialized or loaded."""
@@ -184,6 +197,10 @@ class CompiledModel(nn.Module):
         self.placement, self._names, self._batches = ready.placement, ready.names, ready.batches
         self._executor = ready.batches.default
         self.model = None  # drops the full model; `stage` holds the parameters that remain
+        if self.config.trace_dir is not None:
+            self._trace = _recorder(self.config, self._executor, self._optimizer)
+            if self._trace is not None:
+                ready.batches.set_trace(self._trace)
 
     # -- state dicts under the original names -------------------------------------------------
     def state_names(self) -> StateNames:
@@ -211,3 +228,23 @@ class CompiledModel(nn.Module):
         if assign:
             raise ValueError("assign=True is not supported: the stage's tensors stay in place")
         return load_local(self, state_dict, strict=strict)
+
+
+def _recorder(
+    config: Config, executor: StageExecutor | AloneExecutor,
+    optimizer: torch.optim.Optimizer | None,
+) -> Recorder | None:  # fmt: skip
+    """The recorder of the steps ``config.trace_steps`` names (``runtime/trace.py``)."""
+    assert config.trace_dir is not None
+    if not isinstance(executor, StageExecutor):
+        log.warning("trace_dir is set but the plan runs on one rank, one micro-batch: there is "
+                    "no schedule to trace (torch.profiler shows the model's own step)")
+        return None
+    rec = Recorder(
+        config.traced_steps, config.trace_dir, rank=executor.rank,
+        world=executor.plan.world_size, stage=executor.stage.index, replica=executor.replica,
+        device=executor.device,
+    )  # fmt: skip
+    if optimizer is not None:
+        rec.watch(optimizer)
+    return rec

@@ -7,7 +7,14 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["Config", "ENV_PREFIX"]
 
@@ -105,10 +112,45 @@ class Config(BaseModel):
 
     # -- runtime ---------------------------------------------------------------------------
     timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout")
+    check_batches: bool = Field(
+        default=True,
+        description="agree on the ranks' local batch sizes and autocast states at each call "
+        "(one all-reduce of four integers), so unequal ones fail on every rank at once; False "
+        "skips it when every rank is known to pass equal batches (a rank that does not then "
+        "leaves the others waiting until timeout_s)",
+    )
+    trace_dir: Path | None = Field(
+        default=None,
+        description="write a Chrome trace of the steps trace_steps names here (trace.json, "
+        "merged on rank 0); None = no tracing, at no cost",
+    )
+    trace_steps: str = Field(
+        default="3-4",
+        pattern=r"^\s*\d+(\s*-\s*\d+)?\s*$",
+        description="training steps to trace, 1-based: 'N' or 'FIRST-LAST' (calls with "
+        "gradients count; evaluation calls are not steps)",
+    )
     debug: bool = Field(
         default=False,
         description="log the captured graph, the blocks and every stage's code (logger rannc_fx)",
     )
+
+    @field_validator("trace_steps", mode="before")
+    @classmethod
+    def _steps_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) else v  # RANNC_FX_TRACE_STEPS=3 parses as JSON
+
+    @property
+    def traced_steps(self) -> range:
+        """``trace_steps`` as a range of 1-based step numbers."""
+        first, _, last = self.trace_steps.partition("-")
+        a, b = int(first), int(last or first)
+        if a < 1 or b < a:
+            raise ValueError(
+                f"trace_steps={self.trace_steps!r}: write 'N' or 'FIRST-LAST' with "
+                "1 <= FIRST <= LAST, e.g. '3-4'"
+            )
+        return range(a, b + 1)
 
     @model_validator(mode="after")
     def _check_forced(self) -> Config:
@@ -125,6 +167,7 @@ class Config(BaseModel):
                 f"micro_batches={self.micro_batches} exceeds max_micro_batches="
                 f"{self.max_micro_batches}; raise max_micro_batches too"
             )
+        _ = self.traced_steps  # 'FIRST-LAST' in order
         return self
 
     @property

@@ -147,6 +147,7 @@ def set_up_rank(
         plan, stage, device=device, timeout_s=cfg.timeout_s, planned=planned_amp,
         state=lambda: amp_state(device_type),
         retype=amp.retype if amp is not None else _planned_only(planned_amp),
+        check=cfg.check_batches,
     )  # fmt: skip
     return Ready(cfg, captured, stage, plan, placement, names, batches)
 

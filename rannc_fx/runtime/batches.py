@@ -14,7 +14,9 @@ in that state's dtypes, and the executor for (size, state) is kept likewise.
 With more than one rank each call first all-reduces the ranks' local batch sizes (and
 autocast states): every rank then picks the same executor, and unequal local batches are
 refused on every rank at once instead of leaving the ranks that passed the plan's size
-waiting for a peer that raised.
+waiting for a peer that raised. That costs one collective's latency per call, before the
+first message (every message's size depends on the batch size, so it cannot overlap them);
+``Config(check_batches=False)`` skips it for a job whose ranks always pass equal batches.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..plan import Plan
 from .alone import AloneExecutor, build_executor
 from .comm import CommError
 from .executor import StageExecutor
+from .trace import Recorder
 
 __all__ = ["BatchSizes", "rebatched"]
 
@@ -60,13 +63,15 @@ class BatchSizes:
         planned: str | None = None,
         state: Callable[[], str | None] = lambda: None,
         retype: Callable[[Plan, str | None], Plan] = lambda plan, _: plan,
+        check: bool = True,
     ) -> None:  # fmt: skip
         self.module, self.device, self.timeout_s = module, device, timeout_s
         self.default: Executor = build_executor(plan, module, device=device, timeout_s=timeout_s)
-        self.plan, self.state, self.retype = plan, state, retype
+        self.plan, self.state, self.retype, self.check = plan, state, retype, check
         self._by_key: dict[tuple[int, str | None], Executor] = {
             (plan.global_batch, planned): self.default
         }
+        self.trace: Recorder | None = None
         self._batched = [
             (i, spec.batch_dim, spec.shape[spec.batch_dim])
             for i, spec in enumerate(plan.inputs)
@@ -77,8 +82,14 @@ class BatchSizes:
         """The executor for the batch ``flat_inputs`` holds (the same on every rank)."""
         local, state = self._local_size(flat_inputs), self.state()
         world = self.plan.world_size
-        if world > 1:
-            self._agree(local, state)
+        if world > 1 and self.check:
+            rec = self.trace
+            if rec is not None and rec.on:
+                others = [r for r in range(world) if r != rec.rank]
+                with rec.span("agree", "collective", kind="agree", peers=others, match="agree"):
+                    self._agree(local, state)
+            else:
+                self._agree(local, state)
         key = (local * world, state)
         found = self._by_key.get(key)
         if found is None:
@@ -89,8 +100,17 @@ class BatchSizes:
             found = build_executor(
                 plan, self.module, device=self.device, timeout_s=self.timeout_s, groups=groups
             )
+            if isinstance(found, StageExecutor):
+                found.set_trace(self.trace)
             self._by_key[key] = found
         return found
+
+    def set_trace(self, rec: Recorder) -> None:
+        """Every executor, made or to be made, records into ``rec``."""
+        self.trace = rec
+        for ex in self._by_key.values():
+            if isinstance(ex, StageExecutor):
+                ex.set_trace(rec)
 
     def _local_size(self, flat: Sequence[Any]) -> int:
         """Samples in this call's local batch; the plan's when no input says otherwise (then

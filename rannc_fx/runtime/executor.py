@@ -44,12 +44,13 @@ from .checks import (
 )
 from .comm import Groups, build_groups, check_same_plan
 from .grads import GradSync
-from .lowering import lower_plan, split_at_gather
+from .lowering import lower_plan, split_at_gather, topology_of
 from .outputs import Outputs
 from .pieces import dtype_of
 from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
 from .stage import StageRunner, StepState
+from .trace import Recorder
 
 __all__ = ["Mode", "StageExecutor", "device_of"]
 
@@ -158,6 +159,8 @@ class StageExecutor:
             Kind.REDUCE: self._reduce,
         }
         self._step = 0
+        self.trace: Recorder | None = None
+        self._peers: dict[tuple[Kind, int | None], list[int]] = {}
         self._saved: StepState | None = None  # the step a loss.backward() may still reach
         self._anchor = torch.zeros((), requires_grad=True)
 
@@ -196,6 +199,8 @@ class StageExecutor:
             step.seeds = self._unit_seed()
             self.grads.begin(every=True)
         self.buffers.begin()
+        if self.trace is not None:
+            self.trace.ran(self.plan, self.plan.schedule if mode is Mode.CALL else "gpipe")
         self._run(step, self._lists[mode])
         flat = [step.results[r.index] for r in self.plan.outputs]
         step.results, step.reduced = {}, {}  # the caller holds them now, as long as it wants
@@ -236,8 +241,39 @@ class StageExecutor:
 
     def _run(self, step: StepState, actions: list[Action]) -> None:
         dispatch = self._dispatch
+        rec = self.trace
+        if rec is not None and rec.on:
+            self._run_traced(rec, step, actions)
+            return
         for a in actions:
             dispatch[a.kind](step, a.microbatch)
+
+    # -- tracing -----------------------------------------------------------------------------------
+    def set_trace(self, rec: Recorder | None) -> None:
+        """Record the traced steps' actions in ``rec`` (``runtime/trace.py``)."""
+        self.trace = self.runner.trace = rec
+        if rec is not None:
+            self._peers = _action_peers(self.plan, self.rank, self.routes, self.groups)
+
+    def _run_traced(self, rec: Recorder, step: StepState, actions: list[Action]) -> None:
+        """``_run``, each action an event; a compute action starts after the waits it ran."""
+        for a in actions:
+            first = len(rec.events)
+            t0 = rec.now()
+            self._dispatch[a.kind](step, a.microbatch)
+            t1 = rec.now()
+            if a.kind.is_compute:
+                t0 = max([t0, *(e["end"] for e in rec.events[first:])])
+            i = a.microbatch
+            peers = self._peers.get((a.kind, i), [])
+            label = a.kind.value + ("" if i is None else str(i))
+            if a.kind in (Kind.GATHER, Kind.REDUCE):
+                rec.event(label, "collective", t0, t1, kind=a.kind.value, peers=peers,
+                          match=a.kind.value)
+            elif a.kind.is_compute:
+                rec.event(label, "compute", t0, t1, kind=a.kind.value, microbatch=i)
+            else:
+                rec.event(label, "post", t0, t1, kind=a.kind.value, microbatch=i, to=peers)
 
     # -- once a step -------------------------------------------------------------------------------
     def _gather(self, step: StepState, _: int | None = None) -> None:
@@ -277,6 +313,26 @@ class StageExecutor:
             pos = self.outputs.out_pos[ref.spec.name]
             seeds[pos] = seeds[pos] + g if pos in seeds else g
         return seeds
+
+
+def _action_peers(
+    plan: Plan, rank: int, routes: routing.RankRoutes, groups: Groups
+) -> dict[tuple[Kind, int | None], list[int]]:
+    """The ranks each message or once-a-step action of ``rank`` sends to or waits for."""
+    peers: dict[tuple[Kind, int | None], list[int]] = {}
+
+    def to(ts: list[routing.Transfer]) -> list[int]:
+        return sorted({t.dst for t in ts if t.src == rank and not t.local})
+
+    peers[(Kind.SCATTER, None)] = to([t for ts in routes.inputs for t in ts])
+    for i in range(plan.micro_batches):
+        peers[(Kind.SEND_F, i)] = to(routes.cuts[i])
+        peers[(Kind.SEND_B, i)] = to(routes.grads[i])
+    owners = {r for s in topology_of(plan).output_stages for r in plan.stages[s].ranks}
+    peers[(Kind.GATHER, None)] = sorted(owners - {rank})
+    together = {r for rs in (*groups.stage_ranks, *groups.shared_ranks) if rank in rs for r in rs}
+    peers[(Kind.REDUCE, None)] = sorted(together - {rank})
+    return peers
 
 
 def _is_one(g: torch.Tensor) -> bool:

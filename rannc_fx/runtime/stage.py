@@ -38,6 +38,7 @@ from .comm import Message, Pending, post
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .routing import RankRoutes, Transfer
+from .trace import Recorder
 
 __all__ = ["StageRunner", "StepState"]
 
@@ -106,6 +107,7 @@ class StageRunner:
         self.sends_cuts = any(t.src == rank for ts in routes.cuts for t in ts)
         self.sends_grads = any(t.src == rank for ts in routes.grads for t in ts)
         self.kept = outputs.kept
+        self.trace: Recorder | None = None  # set by the executor when tracing
 
     # -- messages --------------------------------------------------------------------------------
     def _messages(
@@ -172,12 +174,24 @@ class StageRunner:
         step.sends.append(post(msgs))
 
     # -- compute ---------------------------------------------------------------------------------
+    def _wait(self, pending: Pending, match: str, i: int) -> None:
+        """Wait for received messages; traced, an event naming the ranks they come from."""
+        rec = self.trace
+        if rec is None or not rec.on or not pending.messages:
+            pending.wait()
+            return
+        t0 = rec.now()
+        pending.wait()
+        peers = sorted({m.peer for m in pending.messages})
+        rec.event(f"wait {match}{i}", "wait", t0, rec.now(), microbatch=i, peers=peers,
+                  match=match)
+
     def _args(self, step: StepState, i: int) -> list[Any]:
         pending, recv = step.inputs[i]
-        pending.wait()
+        self._wait(pending, "SCATTER", i)
         if i in step.cut_recv:
             cut_pending, cut_recv = step.cut_recv.pop(i)
-            cut_pending.wait()
+            self._wait(cut_pending, "SEND_F", i)
             recv = {**recv, **cut_recv}
         step.inputs[i] = (pending, {})
         n = self.spans[i][1] - self.spans[i][0]
@@ -236,7 +250,7 @@ class StageRunner:
         recv: dict[Transfer, torch.Tensor] = {}
         if i in step.grad_recv:
             pending, recv = step.grad_recv.pop(i)
-            pending.wait()
+            self._wait(pending, "SEND_B", i)
         outs = step.outs.pop(i)
         grads: dict[int, torch.Tensor] = {}
         for t, piece in recv.items():

@@ -1,0 +1,142 @@
+"""Tracing a step: every rank's actions in one Chrome trace, the prediction beside them, and
+the summary; the traced steps train like one process."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import rannc_fx
+from rannc_fx.__main__ import main as cli
+from rannc_fx.config import Config
+from rannc_fx.models import gpt_example
+from rannc_fx.plan import Plan
+from rannc_fx.runtime.lowering import lower_plan
+from rannc_fx.runtime.tracefile import matching_start, summarize
+
+from .dist_utils import run_ranks
+
+LOCAL = 4  # samples per rank
+STEPS = 4
+TRACED = (2, 3)
+
+
+def _train(rank: int, world: int, out: str, cfg: dict[str, Any]) -> tuple[str, list[float]]:
+    torch.manual_seed(0)
+    model, args, kwargs = gpt_example(batch=LOCAL * world)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
+    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, trace_dir=out,
+                    trace_steps=f"{TRACED[0]}-{TRACED[-1]}", **cfg)
+    cut = lambda t: t[rank * LOCAL : (rank + 1) * LOCAL]  # noqa: E731
+    cm = rannc_fx.compile(model, opt, config, example_args=tuple(cut(a) for a in args),
+                          example_kwargs={k: cut(v) for k, v in kwargs.items()})
+    losses = []
+    for step in range(STEPS):
+        torch.manual_seed(step + 1)
+        _, gargs, gkwargs = gpt_example(batch=LOCAL * world)
+        loss = cm(*(cut(a) for a in gargs), **{k: cut(v) for k, v in gkwargs.items()})["loss"]
+        want = ref(*gargs, **gkwargs)["loss"]
+        assert_close(loss, want, rtol=1e-5, atol=1e-5)
+        for lo, o in ((loss, opt), (want, ref_opt)):
+            lo.backward()
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    return cm.plan.to_json(), losses
+
+
+def _label(a: Any) -> str:
+    return a.kind.value + ("" if a.microbatch is None else str(a.microbatch))
+
+
+@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
+def traced(request, tmp_path_factory) -> tuple[dict[str, Any], Plan, Path, str]:
+    out = tmp_path_factory.mktemp(f"trace_{request.param}")
+    cfg = dict(replicas=(2, 1), micro_batches=2, schedule=request.param)
+    results = run_ranks(_train, 3, str(out), cfg, timeout_s=30.0, wall_s=120.0)
+    plan = Plan.from_json(results[0][0])
+    path = out / "trace.json"
+    return json.loads(path.read_text()), plan, path, request.param
+
+
+def _measured(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == 0]
+
+
+def test_every_action_of_the_schedule_appears_once_per_step_on_its_rank(traced):
+    trace, plan, _, schedule = traced
+    # a step with its loss in the call's 1F1B list, or GPipe's (the backward deferred)
+    lowered = lower_plan(plan, schedule)[1]
+    events = _measured(trace)
+    for step in TRACED:
+        for st in plan.stages:
+            for rank in st.ranks:
+                ran = [e["name"] for e in sorted(events, key=lambda e: e["ts"])
+                       if e["tid"] == rank and e["args"]["step"] == step
+                       and e["cat"] in ("compute", "post")
+                       or e["tid"] == rank and e["args"]["step"] == step
+                       and e["args"].get("kind") in ("GATHER", "REDUCE")]
+                assert ran == [_label(a) for a in lowered[st.index]], (step, rank)
+                assert all(e["args"]["stage"] == st.index for e in events if e["tid"] == rank)
+                optimizer = [e for e in events if e["tid"] == rank and e["args"]["step"] == step
+                             and e["cat"] == "optimizer"]
+                assert len(optimizer) == 1
+    assert {e["args"]["step"] for e in events} == set(TRACED)  # steps 1 and 4 untraced
+
+
+def test_events_on_one_rank_never_overlap(traced):
+    trace, plan, _, _ = traced
+    for rank in range(plan.world_size):
+        mine = sorted((e for e in _measured(trace) if e["tid"] == rank), key=lambda e: e["ts"])
+        assert len(mine) > 10
+        for a, b in zip(mine, mine[1:], strict=False):
+            assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, (a["name"], b["name"])
+
+
+def test_a_receive_never_ends_before_its_matching_send_starts(traced):
+    trace, _, _, _ = traced
+    meta = trace["otherData"]["rannc_fx"]
+    slack_us = max(meta["clock"]["uncertainty_ns"].values()) / 1e3
+    events = _measured(trace)
+    waits = [e for e in events if e["cat"] == "wait"]
+    assert {e["args"]["match"] for e in waits} >= {"SEND_F", "SEND_B"}
+    for step in TRACED:
+        rows: dict[int, list[dict[str, Any]]] = {}
+        for e in events:
+            if e["args"]["step"] == step:
+                rows.setdefault(e["tid"], []).append(e)
+        for rank, evs in rows.items():
+            for e in evs:
+                if e["cat"] != "wait":
+                    continue
+                sent = matching_start(e, rank, rows)
+                assert sent is not None, e
+                assert e["ts"] + e["dur"] >= sent - slack_us, (e, sent)
+
+
+def test_the_prediction_and_the_summary_sit_beside_the_measurement(traced, capsys):
+    trace, plan, path, _ = traced
+    predicted = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
+    assert {e["tid"] for e in predicted} == {st.index for st in plan.stages}
+    assert {e["args"]["step"] for e in predicted} == set(TRACED)
+    s = summarize(trace)
+    assert s.steps == TRACED and s.unmatched == 0
+    assert s.predicted_ms is not None and s.predicted_ms > 0 and s.step_ms > 0
+    for st in s.stages:
+        assert sum(st.measured.values()) == pytest.approx(1.0, abs=1e-6)
+        assert st.predicted is not None
+        assert sum(st.predicted.values()) == pytest.approx(1.0, abs=1e-6)
+        assert st.measured["busy"] > 0
+    assert cli(["trace", "summary", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"steps {TRACED[0]}-{TRACED[-1]}" in printed and "predicted" in printed
+    for st in plan.stages:
+        assert f"\n{st.index:<6}{','.join(map(str, st.ranks)):<8}" in printed
