@@ -71,13 +71,23 @@ def _parser() -> argparse.ArgumentParser:
                       help="per-device memory in GiB (default: the device's)")
     plan.add_argument("--tracer", choices=("auto", "fx", "export"), default=None)
     plan.add_argument("--out", default="plan.json", help="where to write the plan JSON")
-    plan.add_argument("-v", "--verbose", action="store_true", help="log each pass")
+    talk = plan.add_mutually_exclusive_group()
+    talk.add_argument("-q", "--quiet", action="store_true",
+                      help="print only the plan and warnings (by default each planning pass "
+                           "logs one line to stderr, and progress while it runs long)")
+    talk.add_argument("-v", "--verbose", action="store_true",
+                      help="also log debug details (DPs run, ops without a backward, what "
+                           "torch.export printed)")
     trace = sub.add_parser("trace", help="read a trace written with Config.trace_dir")
     what = trace.add_subparsers(dest="trace_command", required=True)
     summary = what.add_parser("summary", help="busy, bubble and communication per stage, "
                               "measured and predicted")
     summary.add_argument("file", help="the trace.json a traced run wrote")
     return p
+
+
+def _level(args: argparse.Namespace) -> int:
+    return logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
 
 
 def _trace_summary(path: str) -> int:
@@ -98,8 +108,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "trace":
         return _trace_summary(args.file)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(message)s")
+    # rannc_fx's logger alone, so that -v does not turn on torch's own debug logging; the
+    # level is put back so that main() called from Python leaves logging as it found it
+    logging.basicConfig(format="%(message)s")  # a stderr handler, unless logging has one
+    log = logging.getLogger("rannc_fx")
+    before = log.level
+    log.setLevel(_level(args))
+    try:
+        return _plan(args)
+    finally:
+        log.setLevel(before)
+
+
+def _plan(args: argparse.Namespace) -> int:
     factory = _load_factory(args.factory)
     with torch.device("meta") if args.meta else nullcontext():
         made = factory(**_factory_kwargs(args.arg))

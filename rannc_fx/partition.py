@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,11 +14,9 @@ from .device import DeviceSpec
 from .driver import Analysis, analyze, build_plan, plan_model, split_stages
 from .passes.capture import CapturedGraph
 from .plan import Plan
+from .progress import note
 
 __all__ = ["Analysis", "Partitioned", "analyze", "build_plan", "partition"]
-
-log = logging.getLogger("rannc_fx")
-
 
 @dataclass
 class Partitioned:
@@ -68,8 +65,9 @@ def partition(
         config=cfg, global_batch=global_batch, optimizer=optimizer,
     )  # fmt: skip
     stages = split_stages(planned, cfg)
-    log.info("partitioned in %.2f s total\n%s", time.perf_counter() - planned.started,
-             planned.plan.summary())
+    # the plan's table is print(parted)'s, not the log's: the line count stays one per pass
+    note("partitioned %s in %.2f s total", planned.captured.model_name,
+         time.perf_counter() - planned.started)
     return Partitioned(plan=planned.plan, stages=stages, captured=planned.captured)
 
 

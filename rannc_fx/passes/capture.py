@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import sys
-import time
 import traceback
 from types import TracebackType
 from typing import Any, Literal
@@ -24,6 +23,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..progress import Progress
 from .capture_check import GraphMismatch, check_capture
 from .capture_graph import CapturedGraph, CaptureError, batch_size_of
 from .capture_trace import opaque_modules, trace_export, trace_fx
@@ -62,12 +62,37 @@ def capture_pass(
     micro-batch size.
     """
     kwargs = dict(kwargs or {})
-    args = tuple(args)
-    name = type(model).__name__
-    t0 = time.perf_counter()
+    with Progress("capture", doing="tracing with torch.fx") as p:
+        captured, notes, warn = _capture(model, tuple(args), kwargs, tracer, leaf_modules,
+                                         batch_dim, p)
+        captured.model_name = type(model).__name__
+        p.done(
+            "captured %s with %s: %d nodes in %.2f s%s",
+            captured.model_name,
+            "torch.fx" if captured.tracer == "fx" else "torch.export",
+            captured.num_nodes,
+            p.seconds,
+            "".join(f"; {n}" for n in notes),
+            level=logging.WARNING if warn else logging.INFO,
+        )
+    return captured
+
+
+def _capture(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tracer: Literal["auto", "fx", "export"],
+    leaf_modules: tuple[str, ...],
+    batch_dim: int,
+    p: Progress,
+) -> tuple[CapturedGraph, list[str], bool]:
+    """(the graph, notes for the log line, whether they are a warning); ``p.doing`` says
+    which step runs, for the progress lines of a long capture."""
     errors: dict[str, BaseException] = {}
     captured: CapturedGraph | None = None
     opaque: list[tuple[str, str]] = []
+    notes: list[str] = []
     if tracer in ("auto", "fx"):
         try:
             captured = trace_fx(model, args, kwargs, leaf_modules, batch_dim)
@@ -77,12 +102,14 @@ def capture_pass(
         except Exception as e:  # torch.fx raises anything the model's code raises on a Proxy
             errors["torch.fx"] = e
     if captured is not None and (tracer == "fx" or not opaque):
+        p.doing = "checking torch.fx's graph against the model"
         captured = _checked(captured, model, args, kwargs, errors)
         if captured is None and tracer == "fx":
             raise CaptureError(_failure_message(model, errors, tracer)) from errors["torch.fx"]
     if tracer == "export" or (tracer == "auto" and (captured is None or opaque)):
         if tracer == "export" and leaf_modules:
-            log.info("leaf_modules %s are ignored by torch.export", list(leaf_modules))
+            notes.append(f"leaf_modules {list(leaf_modules)} are ignored by torch.export")
+        p.doing = "tracing with torch.export"
         # torch.export prints the partial graph of a failure to stderr; keep it for debugging.
         printed = io.StringIO()
         try:
@@ -97,33 +124,27 @@ def capture_pass(
             if captured is None and isinstance(e, CaptureError) and not mismatch:
                 raise  # already says what to do
     if captured is not None and opaque and "torch.export" in errors:
+        p.doing = "checking torch.fx's graph against the model"
         captured = _checked(captured, model, args, kwargs, errors)  # the opaque graph is all we have
     if captured is None:
         raise CaptureError(_failure_message(model, errors, tracer)) from errors.get(
             "torch.export", errors.get("torch.fx")
         )
-    note = ""
+    warn = False
     if isinstance(errors.get("torch.fx"), GraphMismatch):
-        note = (
-            f"; torch.fx's graph differed from the model on the example inputs "
+        warn = True
+        notes.append(
+            f"torch.fx's graph differed from the model on the example inputs "
             f"({errors['torch.fx']}), so torch.export captured it"
         )
     if opaque and "torch.export" in errors:
-        note = (
-            f"; kept {', '.join(f'{n} ({c})' for n, c in opaque)} as one node each (torch.fx "
+        warn = True
+        notes.append(
+            f"kept {', '.join(f'{n} ({c})' for n, c in opaque)} as one node each (torch.fx "
             f"does not trace into torch.nn modules and torch.export failed: "
             f"{_first_line(errors['torch.export'])}), so no stage boundary can fall inside"
         )
-    captured.model_name = name
-    (log.warning if note else log.info)(
-        "captured %s with %s: %d nodes in %.2f s%s",
-        name,
-        "torch.fx" if captured.tracer == "fx" else "torch.export",
-        captured.num_nodes,
-        time.perf_counter() - t0,
-        note,
-    )
-    return captured
+    return captured, notes, warn
 
 
 def _checked(captured: CapturedGraph, model: nn.Module, args: tuple[Any, ...],

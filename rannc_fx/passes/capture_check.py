@@ -17,7 +17,6 @@ random state are the user's again.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -26,11 +25,10 @@ from torch import fx, nn
 from torch.fx.node import _get_qualified_name
 from torch.utils import _pytree as pytree
 
+from ..progress import note
 from .capture_graph import CapturedGraph, same_constant
 
 __all__ = ["GraphMismatch", "check_capture"]
-
-log = logging.getLogger("rannc_fx")
 
 # The graph calls the model's own modules and ops in the model's order, so outputs agree
 # bitwise except where a kernel is nondeterministic (atomics on GPUs); a traced branch the
@@ -67,7 +65,7 @@ def check_capture(
             # copied: an output may be a buffer that restart() writes back into
             expected = _copies(model(*_copies(args), **_copies(kwargs)))
         except Exception as e:
-            log.info(
+            note(
                 "could not check torch.fx's graph of %s against the model: the model raised "
                 "%s on the example inputs%s", type(model).__name__, _first_line(e),
                 " on the meta device" if on_meta else "",

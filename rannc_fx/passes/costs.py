@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from operator import attrgetter
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from ..plan import ValueSpec
+from ..progress import note
 from .capture import CapturedGraph
 from .group import BlockGraph
 from .optcost import SizeCurve
@@ -18,8 +18,6 @@ from .profile import Profile
 from .search import CostTable
 
 __all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
-
-log = logging.getLogger("rannc_fx")
 
 _FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes")
 
@@ -168,6 +166,6 @@ def build_cost_table(
         accumulate_s=_per_tensor(nb, grad_uses, grads, accumulate),
         out=out if out.any() else None,
     )
-    log.info("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
-             time.perf_counter() - t0)
+    note("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
+         time.perf_counter() - t0)
     return table

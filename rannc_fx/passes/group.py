@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import heapq
 import inspect
-import logging
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -44,6 +43,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import fx, nn
 
 from ..plan import ValueSpec
+from ..progress import note
 from .capture import CapturedGraph
 from .profile import Profile
 
@@ -60,8 +60,6 @@ __all__ = [
     "recomputed_values",
     "written_state",
 ]
-
-log = logging.getLogger("rannc_fx")
 
 CALL_OPS = ("call_function", "call_method", "call_module")
 
@@ -752,6 +750,6 @@ def group_pass(
         params=tuple(tuple(p) for p in block_params(captured, blocks, values)),
         boundary=tuple(tuple(v) for v in crossing_values(gm, block_of, len(blocks), recomputed)),
     )
-    log.info("grouped %d nodes into %d blocks in %.2f s", len(position), len(blocks),
-             time.perf_counter() - t0)
+    note("grouped %d nodes into %d blocks in %.2f s", len(position), len(blocks),
+         time.perf_counter() - t0)
     return out

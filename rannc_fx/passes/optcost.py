@@ -20,7 +20,7 @@ measured at a few sizes and read per tensor by ``costs`` into per-block-range su
 from __future__ import annotations
 
 import inspect
-import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..device import DeviceSpec
+from ..progress import note
 from .opcost import time_call
 
 __all__ = [
@@ -40,8 +41,6 @@ __all__ = [
     "optimizer_curve",
     "parameter_costs",
 ]
-
-log = logging.getLogger("rannc_fx")
 
 # Sizes (elements) timed: many small tensors give the fixed cost per tensor; 1 MiB and 16 MiB
 # in fp32 the per-byte cost. Each size is timed over 16 MiB of tensors, as a step streams a
@@ -91,10 +90,14 @@ def parameter_costs(
     Under ``compile()`` every rank measures at once, so that ranks sharing a host's memory
     bandwidth (CPU processes) are timed as they will run: side by side.
     """
-    return ParameterCosts(
+    t0 = time.perf_counter()
+    costs = ParameterCosts(
         optimizer_curve(optimizer, device, spec, optimizer_state_factor),
         accumulate_curve(device, spec),
     )
+    note("costed the optimizer step and gradient accumulation per tensor in %.2f s: %s; %s",
+         time.perf_counter() - t0, costs.optimizer.describe(), costs.accumulate.describe())
+    return costs
 
 
 def analytic_curve(bytes_per_byte: float, spec: DeviceSpec, what: str) -> SizeCurve:
@@ -136,7 +139,7 @@ def measure(
         with torch.no_grad():
             return _curve(run, _elem(dtype), f"measured {name} on {device}")
     except Exception as e:  # any optimizer that cannot be rebuilt from its defaults
-        log.info("optimizer %s not measured (%s); its step is estimated", name, e)
+        note("optimizer %s not measured (%s); its step is estimated", name, e)
         return None
 
 
@@ -148,9 +151,7 @@ def optimizer_curve(
 ) -> SizeCurve:
     """Measured when there is an optimizer and a device to measure on, else analytic."""
     curve = measure(optimizer, device) if optimizer is not None and device is not None else None
-    curve = curve or analytic_curve(3 + 2 * optimizer_state_factor, spec, "optimizer step")
-    log.info("optimizer step per tensor: %s", curve.describe())
-    return curve
+    return curve or analytic_curve(3 + 2 * optimizer_state_factor, spec, "optimizer step")
 
 
 def accumulate_curve(
@@ -171,9 +172,7 @@ def accumulate_curve(
 
         return time_call(add, device, repeats)
 
-    curve = _curve(run, _elem(dtype), f"measured add_ on {device}")
-    log.info("gradient accumulation per tensor: %s", curve.describe())
-    return curve
+    return _curve(run, _elem(dtype), f"measured add_ on {device}")
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

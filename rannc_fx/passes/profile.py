@@ -13,8 +13,6 @@ buffers excluded). A graph input that some node saves is charged to that node.
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,14 +25,13 @@ from torch.utils import _pytree as pytree
 
 from ..device import DeviceSpec
 from ..plan import ValueSpec
+from ..progress import Progress
 from .capture import CapturedGraph
 from .noderun import NodeRunner, as_leaf, home_device, measure_device
 from .opcache import CostCache, op_key
 from .opcost import OpCost, storage_id, tensors
 
 __all__ = ["NodeCost", "Profile", "profile_pass"]
-
-log = logging.getLogger("rannc_fx")
 
 _FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes")
 
@@ -119,7 +116,6 @@ def profile_pass(
     ``"analytic"`` counts FLOPs and bytes on fake tensors and prices them with ``device_spec``,
     so a meta-device model works. The graph and the model's state are left as they were.
     """
-    t0 = time.perf_counter()
     gm = captured.gm
     sizes = tuple(sorted(set(batch_sizes)))
     if not sizes or sizes[0] < 1:
@@ -130,7 +126,8 @@ def profile_pass(
         home=home_device(gm, flat_inputs),
     )
     cache = CostCache(cache_dir, device=runner.device_name, cost_model=cost_model)
-    stats = _Stats()
+    calls = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+    stats = _Stats(progress=Progress("profile", total=calls * len(sizes)))
     per_size = []
     with runner.session():
         for s in sizes:
@@ -139,10 +136,11 @@ def profile_pass(
     cache.save()
     spec = device_spec if runner.analytic else None
     nodes = {name: _node_cost([p[name] for p in per_size], spec) for name in per_size[0]}
-    log.info(
-        "profiled %d nodes at %d size(s) (%d measured, %d from cache, %d distinct ops) in %.2f s",
-        len(nodes), len(sizes), stats.measured, stats.hits, len(stats.keys),
-        time.perf_counter() - t0,
+    stats.progress.done(
+        "profiled %d nodes at %d size(s) (%d measured, %d from cache, %d distinct ops; %s) "
+        "in %.2f s", len(nodes), len(sizes), stats.measured, stats.hits, len(stats.keys),
+        f"analytic costs for {device_spec.name}" if runner.analytic
+        else f"measured on {runner.device_name}", stats.progress.seconds,
     )
     return Profile(
         batch_sizes=sizes, cost_model=cost_model,
@@ -177,9 +175,18 @@ def _input_batch(
 
 @dataclass
 class _Stats:
+    progress: Progress
     measured: int = 0
     hits: int = 0
     keys: set[str] = field(default_factory=set)
+
+    def count(self, *, hit: bool) -> None:
+        if hit:
+            self.hits += 1
+        else:
+            self.measured += 1
+        self.progress.update(self.hits + self.measured, "ops (%d measured, %d from cache)",
+                             self.measured, self.hits)
 
 
 @dataclass
@@ -262,13 +269,13 @@ def _profile_node(
     key = op_key(node, runner.gm, args, kwargs, runner.module_memo)
     stats.keys.add(key)
     cost = cache.get(key)
+    hit = cost is not None
     if cost is not None:
-        stats.hits += 1
         out = runner.run(call)
     else:
-        stats.measured += 1
         out, cost = runner.profile(call)
         cache.put(key, cost)
+    stats.count(hit=hit)
     env[node] = pytree.tree_map_only(torch.Tensor, as_leaf, out)
     ins, outs = call.inputs(), tensors(out)
     ledger.made(node.name, outs, ins)

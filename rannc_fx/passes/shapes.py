@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
 from ..plan import ValueSpec
+from ..progress import Progress
 from .capture import CapturedGraph, batch_size_of
 
 __all__ = ["SAMPLE_COUNTS", "dtype_itemsize", "infer_values_pass", "inputs_for_samples"]
@@ -78,12 +78,12 @@ def infer_values_pass(
     affine in it), since micro-batching would then change its meaning. A tensor whose samples'
     rows alternate along the batch dimension is marked ``interleaved`` (see ValueSpec).
     """
-    t0 = time.perf_counter()
     gm = captured.gm
     batch = batch_size_of(flat_inputs, batch_dim)
     on_meta = any(t.device.type == "meta" for t in _state(gm))
     mode = FakeTensorMode()
-    prop = _FakeProp(gm, mode)
+    p = Progress("shapes", total=len(gm.graph.nodes) * len(SAMPLE_COUNTS))
+    prop = _FakeProp(gm, mode, p)
 
     def values_at(samples: int) -> dict[str, Any]:
         resized = inputs_for_samples(flat_inputs, batch, samples, batch_dim=batch_dim, fake=True)
@@ -108,11 +108,19 @@ def infer_values_pass(
                 update={"interleaved": True, "interleave": blocks}
             )
     batched = sum(1 for v in specs.values() if v.batch_dim is not None)
-    log.info(
-        "inferred %d values (%d batched tensors) at %s samples in %.2f s",
-        len(specs), batched, ", ".join(map(str, SAMPLE_COUNTS)), time.perf_counter() - t0,
+    p.done(
+        "inferred %d values (%d batched tensors) at %s samples%s in %.2f s",
+        len(specs), batched, ", ".join(map(str, SAMPLE_COUNTS)), _under_autocast(), p.seconds,
     )
     return specs
+
+
+def _under_autocast() -> str:
+    """Which autocast is on, for the log line: ``compile()`` runs this pass again under each
+    autocast state (``amp``), and those lines must not read as the planning one repeated."""
+    on = [f"{d}: {str(torch.get_autocast_dtype(d)).removeprefix('torch.')}"
+          for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    return f" under autocast({', '.join(on)})" if on else ""
 
 
 # -- propagation -------------------------------------------------------------------------------
@@ -170,10 +178,11 @@ def _why_failed(e: _NodeFailed, values_at: Callable[[int], Any], batch: int,
 class _FakeProp(fx.Interpreter):
     """Runs the graph on fake tensors; parameters and buffers become fakes, never touched."""
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, progress: Progress):
         super().__init__(gm, garbage_collect_values=True)
         self.extra_traceback = False  # our errors name the node already
         self.mode = mode
+        self.progress, self.propagated = progress, 0
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._values: dict[str, Any] = {}
         self._samples = 0
@@ -199,6 +208,8 @@ class _FakeProp(fx.Interpreter):
         except Exception as e:
             raise _NodeFailed(n, self._samples, _op_name(n, self.module), e) from e
         self._values[n.name] = out
+        self.propagated += 1
+        self.progress.update(self.propagated, "nodes propagated")
         return out
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:

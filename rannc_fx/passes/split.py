@@ -24,7 +24,6 @@ captured graph bit for bit.
 from __future__ import annotations
 
 import functools
-import logging
 import operator
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from ..plan import Plan, Stage, ValueSpec
+from ..progress import note
 from .capture import CapturedGraph
 from .group import CALL_OPS, recomputed_values, written_state
 
@@ -46,8 +46,6 @@ __all__ = [
     "split_pass",
     "stage_interfaces",
 ]
-
-log = logging.getLogger("rannc_fx")
 
 # node.meta keys of the staged copy
 _STAGE = "rannc_stage"  # stage index of a call node
@@ -394,8 +392,8 @@ def split_pass(
         assert isinstance(sub, fx.GraphModule)
         stages.append(_stage_module(sub, captured, st, staged.recomputed))
     check_written_state(captured, stages)
-    log.info("split %d nodes into %d stages (%d cut values) in %.2f s", len(node_stage), num,
-             len(ifaces[0].cut_values) if ifaces else 0, time.perf_counter() - t0)
+    note("split %d nodes into %d stages (%d cut values) in %.2f s", len(node_stage), num,
+         len(ifaces[0].cut_values) if ifaces else 0, time.perf_counter() - t0)
     return stages
 
 

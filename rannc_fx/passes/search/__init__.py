@@ -24,13 +24,14 @@ from .model import (
     needed_sizes,
     samples_per_replica,
 )
-from .scan import search_pass
+from .scan import SearchProgress, search_pass
 
 __all__ = [
     "SCHEDULES",
     "CostTable",
     "Evaluation",
     "NoFeasiblePlan",
+    "SearchProgress",
     "SearchResult",
     "SearchSpace",
     "StageChoice",

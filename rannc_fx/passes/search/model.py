@@ -210,6 +210,7 @@ class SearchResult:
     evaluation: Evaluation
     seconds: float = 0.0  # wall time of the search
     schedule: str = "gpipe"
+    dps: int = 0  # dynamic programs it ran (how hard the search worked)
 
 
 def samples_per_replica(global_batch: int, micro_batches: int, replicas: int) -> int:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,9 +62,13 @@ from .model import (
     _check,
 )
 
-__all__ = ["search_pass"]
+__all__ = ["SearchProgress", "search_pass"]
 
 logger = logging.getLogger("rannc_fx")
+
+# (steps done, steps in all, DPs run, best step so far in s): a step is the bounds or the scan
+# of one micro-batch count under one schedule. Plain numbers, so the caller decides how to say it.
+SearchProgress = Callable[[int, int, int, float], None]
 
 
 def _key(step: float, stages: tuple[StageChoice, ...], m: int, schedule: str
@@ -94,12 +99,26 @@ class _Best:
 class _Run:
     """What every DP of one search shares: the space, the states, the incumbent."""
 
-    def __init__(self, table: CostTable, space: SearchSpace) -> None:
+    def __init__(self, table: CostTable, space: SearchSpace,
+                 progress: SearchProgress | None = None) -> None:
         self.space, self.B = space, table.num_blocks
         self.states = kernel.build_states(space)
         self.cands = Candidates(table, space, self.states)
         self.best = _Best()
         self.most_stages = layers.max_depth(space, self.B)
+        self.progress = progress
+        schedules = 2 if "1f1b" in space.schedules else 1
+        self.steps, self.total = 0, 2 * schedules * len(set(space.micro_batches))
+
+    def ran(self, dps: int) -> None:
+        """Count DPs (and tell the caller: one DP can take seconds on a large table)."""
+        self.best.dps += dps
+        self.step(0)
+
+    def step(self, n: int = 1) -> None:
+        self.steps += n
+        if self.progress is not None:
+            self.progress(self.steps, self.total, self.best.dps, self.best.step)
 
     def label(self, m: int, alike: bool) -> str:
         """The schedule to report for a 1F1B plan (``alike``: GPipe runs it the same); a
@@ -161,7 +180,7 @@ class _Flat:
         else:
             w, hi = e.t, self.lo[:-1] + np.bincount(e.end[ok], minlength=B + 1)
         D, shifted = kernel.forward(e, w, st, B, hi=hi)
-        self.run.best.dps += 1
+        self.run.ran(1)
         if not np.isfinite(D[B, st.final]):
             return math.inf, math.inf
         return self.offer(kernel.backtrack(e, w, shifted, st, B, hi=hi))
@@ -199,7 +218,7 @@ class _Layered:
             return np.where(e.valid(a, b, n), e.t[a:b, None], np.inf)
 
         V = layers.forward(e, weights, L, B)
-        run.best.dps += 1
+        run.ran(1)
         if not np.isfinite(V[B, L.final]):
             return math.inf, math.inf
         path = layers.backtrack(e, weights, V, L, B)
@@ -283,7 +302,7 @@ def _first_flat(run: _Run, m: int) -> tuple[float, np.ndarray, float] | None:
     p.offer(kernel.backtrack(e, e.t, shifted, st, B))
     bot, shifted = kernel.forward(e, e.u, st, B, bottleneck=True)
     p.offer(kernel.backtrack(e, e.u, shifted, st, B, bottleneck=True))
-    run.best.dps += 2
+    run.ran(2)
     u_min = float(bot[B, st.final])
     return float(pre[B, st.final]) + u_min, pre, u_min
 
@@ -297,44 +316,50 @@ def _first_1f1b(run: _Run, ff: OneFOneB) -> tuple[float, np.ndarray, float] | No
     run.offer_exact(ff, kernel.backtrack(e, e.t, shifted, st, B))
     bot, shifted = kernel.forward(e, e.u, st, B, bottleneck=True)
     run.offer_exact(ff, kernel.backtrack(e, e.u, shifted, st, B, bottleneck=True))
-    run.best.dps += 2
+    run.ran(2)
     u_min = float(bot[B, st.final])
     return float(pre[B, st.final]) + u_min, pre, u_min
 
 
-def search_pass(table: CostTable, space: SearchSpace) -> SearchResult:
-    """The plan with the least predicted step time whose stages fit the memory budget."""
+def search_pass(
+    table: CostTable, space: SearchSpace, *, progress: SearchProgress | None = None
+) -> SearchResult:
+    """The plan with the least predicted step time whose stages fit the memory budget.
+
+    ``progress`` is called after every DP and every step (see ``SearchProgress``), for the
+    caller's progress lines; the driver logs the search's line from the result.
+    """
     t0 = time.perf_counter()
     _check(table, space)
-    run, ms = _Run(table, space), sorted(set(space.micro_batches))
+    run, ms = _Run(table, space, progress), sorted(set(space.micro_batches))
     flat: list[tuple[float, int, np.ndarray, float]] = []
     for m in ms:  # per m: the least sum, the least bottleneck, and their plans
         if (got := _first_flat(run, m)) is not None:
             flat.append((got[0], m, got[1], got[2]))
+        run.step(1 if got is not None else 2)  # no plan at this m: nothing to scan either
     # 1F1B where a stage's position matters: its relaxed plans are incumbents for the scans
     layered: list[tuple[float, int, np.ndarray, float]] = []
     for m in ms if "1f1b" in space.schedules else []:
         # only where a stage that can still win does not fit at n = m as it is
         ff = run.cands.one_f_one_b(m, run.best.step, gains_only=True)
-        if ff is not None and ff.depth() > 1 and (got := _first_1f1b(run, ff)) is not None:
+        got = _first_1f1b(run, ff) if ff is not None and ff.depth() > 1 else None
+        if got is not None:
             layered.append((got[0], m, got[1], got[2]))
+        run.step(1 if got is not None else 2)
     for lower, m, pre, u_min in sorted(flat, key=lambda x: (x[0], x[1])):
         if lower < run.best.step and (e := run.cands.gpipe(m)) is not None:
             e = e.take(np.flatnonzero(e.t + e.u < run.best.step))  # step >= any stage's t + u
             _scan_flat(_Flat(run, e, m), pre, u_min)
+        run.step()
     for lower, m, pre, u_min in sorted(layered, key=lambda x: (x[0], x[1])):
         if lower < run.best.step and (ff := run.cands.one_f_one_b(m, run.best.step)) is not None:
             _scan_layered(_Layered(run, ff), pre, u_min)
+        run.step()
     best = run.best
     if not best.stages:
         raise no_plan(table, space)
     result = SearchResult(best.m, best.stages,
                           evaluate(table, space, best.stages, best.m, best.schedule),
-                          time.perf_counter() - t0, best.schedule)
-    logger.info(
-        "searched %d blocks x %d ranks x %d micro-batch counts in %.1f s: %d stages, m=%d, "
-        "%s, %d recomputing, predicted %.1f ms", run.B, space.world_size, len(ms),
-        result.seconds, len(best.stages), best.m, best.schedule,
-        sum(s.recompute for s in best.stages), 1e3 * result.evaluation.step_s)
+                          time.perf_counter() - t0, best.schedule, best.dps)
     logger.debug("search ran %d DPs", best.dps)
     return result
