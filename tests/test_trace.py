@@ -140,3 +140,28 @@ def test_the_prediction_and_the_summary_sit_beside_the_measurement(traced, capsy
     assert f"steps {TRACED[0]}-{TRACED[-1]}" in printed and "predicted" in printed
     for st in plan.stages:
         assert f"\n{st.index:<6}{','.join(map(str, st.ranks)):<8}" in printed
+
+
+def _alone(rank: int, world: int, out: str) -> tuple[list[str], bool]:
+    import logging
+
+    from rannc_fx.models import mlp_example
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("rannc_fx").addHandler(handler)
+    model, (x, y), _ = mlp_example(batch=LOCAL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cm = rannc_fx.compile(model, opt, Config(profile_cache_dir=None, profile_repeats=1,
+                                             trace_dir=out, trace_steps="1-2"),
+                          example_args=(x, y))
+    for _ in range(3):
+        cm(x, y).backward()
+        opt.step()
+    return said, (Path(out) / "trace.json").exists()
+
+
+def test_a_one_rank_plan_says_it_has_no_schedule_to_trace(tmp_path):
+    said, written = run_ranks(_alone, 1, str(tmp_path), timeout_s=30.0)[0]
+    assert any("no schedule to trace" in m for m in said) and not written

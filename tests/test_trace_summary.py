@@ -1,0 +1,84 @@
+"""The trace summary's arithmetic on hand-made traces, and the trace options (no processes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from rannc_fx.__main__ import main as cli
+from rannc_fx.config import Config
+from rannc_fx.runtime.tracefile import build_trace, format_summary, summarize
+
+MS = 1_000_000  # ns
+
+
+def _ev(name: str, cat: str, start_ms: float, end_ms: float, **args: Any) -> dict[str, Any]:
+    return {"name": name, "cat": cat, "start": int(start_ms * MS), "end": int(end_ms * MS),
+            "step": 1, **args}
+
+
+def _trace(offset_ms: float = 0.0) -> dict[str, Any]:
+    """Rank 0 computes F0 over [0, 6] ms and posts its send at 6; rank 1 waits over [1, 10]
+    and computes over [10, 14]. Rank 1's clock runs ``offset_ms`` ahead of rank 0's."""
+    off = offset_ms
+    rank0 = {"rank": 0, "stage": 0, "replica": 0, "starts": {1: 0},
+             "events": [_ev("F0", "compute", 0, 6, kind="F", microbatch=0),
+                        _ev("SEND_F0", "post", 6, 7, kind="SEND_F", microbatch=0, to=[1])]}
+    rank1 = {"rank": 1, "stage": 1, "replica": 0, "starts": {1: int(off * MS)},
+             "events": [_ev("wait SEND_F0", "wait", 1 + off, 10 + off, microbatch=0,
+                            peers=[0], match="SEND_F"),
+                        _ev("F0", "compute", 10 + off, 14 + off, kind="F", microbatch=0)]}
+    clock = {"method": "test", "offset_ns": {0: 0, 1: int(off * MS)},
+             "uncertainty_ns": {0: 0, 1: 20_000}}
+    return build_trace([rank0, rank1], clock, {})
+
+
+@pytest.mark.parametrize("offset_ms", [0.0, 250.0])
+def test_a_wait_is_bubble_until_the_send_starts_then_communication(offset_ms):
+    s = summarize(_trace(offset_ms))
+    assert s.steps == (1,) and s.step_ms == pytest.approx(14.0)
+    assert s.predicted_ms is None and s.unmatched == 0
+    assert s.clock_uncertainty_us == pytest.approx(20.0)
+    first, second = s.stages
+    # rank 0: busy 6 of 14 ms, posting 1 ms is communication, the rest in no event
+    assert first.measured == pytest.approx(
+        {"busy": 6 / 14, "bubble": 0.0, "comm": 1 / 14, "other": 7 / 14})
+    # rank 1 waits from 1 to 10: the send started at 6 (bubble 5 ms), then 4 ms in flight
+    assert second.measured == pytest.approx(
+        {"busy": 4 / 14, "bubble": 5 / 14, "comm": 4 / 14, "other": 1 / 14})
+
+
+def test_a_wait_whose_send_is_missing_is_counted_and_said():
+    trace = _trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("name") != "SEND_F0"]
+    s = summarize(trace)
+    assert s.unmatched == 1
+    assert s.stages[1].measured["bubble"] == 0.0
+    assert "1 wait(s) without a matching action" in format_summary(s)
+
+
+def test_the_summary_reads_from_a_saved_file(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(_trace()))
+    assert cli(["trace", "summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rannc_fx trace: step 1, step 14.00 ms measured")
+    assert "within +-20 us" in out
+    bad = tmp_path / "other.json"
+    bad.write_text("{}")
+    assert cli(["trace", "summary", str(bad)]) == 2
+    assert "not a rannc_fx trace" in capsys.readouterr().err
+
+
+def test_trace_steps_read_as_a_range_and_bad_ones_name_the_way_out():
+    assert Config(trace_steps="3").traced_steps == range(3, 4)
+    assert Config(trace_steps=" 2 - 5 ").traced_steps == range(2, 6)
+    assert Config.from_env(environ={"RANNC_FX_TRACE_STEPS": "4"}).traced_steps == range(4, 5)
+    assert str(Config.from_env(environ={"RANNC_FX_TRACE_DIR": "/tmp/t"}).trace_dir) == "/tmp/t"
+    with pytest.raises(ValidationError, match="FIRST-LAST"):
+        Config(trace_steps="5-2")
+    with pytest.raises(ValidationError, match="trace_steps"):
+        Config(trace_steps="three")
