@@ -57,14 +57,15 @@ def _label(a: Any) -> str:
     return a.kind.value + ("" if a.microbatch is None else str(a.microbatch))
 
 
-@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
+@pytest.fixture(scope="module", params=["gpipe", "1f1b", "gpipe+recompute"])
 def traced(request, tmp_path_factory) -> tuple[dict[str, Any], Plan, Path, str]:
     out = tmp_path_factory.mktemp(f"trace_{request.param}")
-    cfg = dict(replicas=(2, 1), micro_batches=2, schedule=request.param)
+    schedule, _, recompute = request.param.partition("+")
+    cfg = dict(replicas=(2, 1), micro_batches=2, schedule=schedule, recompute=bool(recompute))
     results = run_ranks(_train, 3, str(out), cfg, timeout_s=30.0, wall_s=120.0)
     plan = Plan.from_json(results[0][0])
     path = out / "trace.json"
-    return json.loads(path.read_text()), plan, path, request.param
+    return json.loads(path.read_text()), plan, path, schedule
 
 
 def _measured(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -85,6 +86,7 @@ def test_every_action_of_the_schedule_appears_once_per_step_on_its_rank(traced):
                        or e["tid"] == rank and e["args"]["step"] == step
                        and e["args"].get("kind") in ("GATHER", "REDUCE")]
                 assert ran == [_label(a) for a in lowered[st.index]], (step, rank)
+                assert ("R0" in ran) == st.recompute
                 assert all(e["args"]["stage"] == st.index for e in events if e["tid"] == rank)
                 optimizer = [e for e in events if e["tid"] == rank and e["args"]["step"] == step
                              and e["cat"] == "optimizer"]
