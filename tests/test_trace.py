@@ -167,3 +167,27 @@ def _alone(rank: int, world: int, out: str) -> tuple[list[str], bool]:
 def test_a_one_rank_plan_says_it_has_no_schedule_to_trace(tmp_path):
     said, written = run_ranks(_alone, 1, str(tmp_path), timeout_s=30.0)[0]
     assert any("no schedule to trace" in m for m in said) and not written
+
+
+
+def test_a_run_that_ends_before_its_traced_steps_says_so_at_exit(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .dist_utils import free_port
+
+    script = Path(__file__).parent / "scripts" / "trace_short.py"
+    port, procs = free_port(), []
+    for rank in range(2):  # real processes: the warning comes from an atexit hook
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
+                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    done = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    for out, err, code in done:
+        assert code == 0 and out == "ran\n", err
+    said = [err.count("no trace written") for _, err, _ in done]
+    assert said == [1, 0]  # rank 0 only
+    assert "the run ended at step 2, before step 4" in done[0][1]
+    assert not (tmp_path / "trace.json").exists()

@@ -28,6 +28,7 @@ it does not see the optimizer, and writes ``trace_dir/trace.json``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import time
@@ -68,6 +69,9 @@ class Recorder:
         self.clock: dict[str, Any] = {}
         self._open: int | None = None  # start of the optimizer step in progress
         self.path: Path | None = None
+        if rank == 0:
+            log.info("tracing steps %s into %s", _steps_text(steps), self.out_dir)
+            atexit.register(self._unwritten)
 
     # -- the clock -----------------------------------------------------------------------------
     def now(self) -> int:
@@ -153,6 +157,20 @@ class Recorder:
         self.path.write_text(json.dumps(trace))
         log.info("trace of steps %s written to %s", _steps_text(self.steps), self.path)
         print(format_summary(summarize(trace)) + f"\ntrace: {self.path}", flush=True)
+
+
+    def _unwritten(self) -> None:
+        """At exit, on rank 0: say why a requested trace is missing (no collective now)."""
+        if self.done:
+            return
+        why = (
+            f"the run ended at step {self.step}, before step {self.steps[-1]}"
+            if self.step < self.steps[-1]
+            else "the last traced step was followed by no optimizer.step() rannc_fx saw "
+            "(compile(model, optimizer)) and no further call"
+        )
+        log.warning("rannc_fx: no trace written to %s: %s; trace steps the run reaches "
+                    "(Config.trace_steps, now %r)", self.out_dir, why, _steps_text(self.steps))
 
 
 def _steps_text(steps: range) -> str:

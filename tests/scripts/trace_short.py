@@ -1,0 +1,24 @@
+"""Two steps of a run asked to trace steps 3-4: at exit rank 0 says no trace was written.
+
+Run by tests/test_trace.py as two processes with torchrun's variables; argv[1] is the
+trace directory."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+import rannc_fx
+from rannc_fx.models import mlp_example
+
+torch.set_num_threads(1)
+logging.basicConfig()
+model, (x, y), _ = mlp_example(batch=4)
+cfg = rannc_fx.Config(profile_cache_dir=None, profile_repeats=1, replicas=(1, 1),
+                      micro_batches=2, trace_dir=sys.argv[1], trace_steps="3-4")
+cm = rannc_fx.compile(model, None, cfg, example_args=(x, y))
+for _ in range(2):
+    cm(x, y).backward()
+print("ran", flush=True)
