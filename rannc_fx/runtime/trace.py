@@ -151,10 +151,15 @@ class Recorder:
             parts = [self.part()]
         if self.rank != 0:
             return
-        trace = build_trace(parts, self.clock, self.plans)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.out_dir / "trace.json"
-        self.path.write_text(json.dumps(trace))
+        try:
+            trace = build_trace(parts, self.clock, self.plans)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            path = self.out_dir / "trace.json"
+            path.write_text(json.dumps(trace))
+        except (OSError, ValueError) as e:  # a trace that cannot be written must not stop training
+            log.warning("rannc_fx: could not write the trace to %s: %s", self.out_dir, e)
+            return
+        self.path = path
         log.info("trace of steps %s written to %s", _steps_text(self.steps), self.path)
         print(format_summary(summarize(trace)) + f"\ntrace: {self.path}", flush=True)
 
