@@ -1,10 +1,14 @@
-"""Infer every value's per-sample shape, batch dimension and integer formula (fake tensors)."""
+"""Infer every value's per-sample shape, batch dimension and integer formula (fake tensors).
+
+    shapes_fit     a ValueSpec fitted to a value seen at several sample counts
+    shapes_layout  which batched tensors interleave their samples' rows, and how
+    shapes         ``infer_values_pass``: the graph run on fake tensors at ``SAMPLE_COUNTS``
+"""
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +19,8 @@ from torch.utils import _pytree as pytree
 from ..plan import ValueSpec
 from ..progress import Progress
 from .capture import CapturedGraph, batch_size_of
+from .shapes_fit import _spec
+from .shapes_layout import _interleaves, _op_name
 
 __all__ = ["SAMPLE_COUNTS", "dtype_itemsize", "infer_values_pass", "inputs_for_samples"]
 
@@ -23,14 +29,6 @@ log = logging.getLogger("rannc_fx")
 # Shape propagation runs at these sample counts: two fit a line, the third checks it. No 1:
 # size-1 dimensions broadcast, so they hide which dimension is the batch.
 SAMPLE_COUNTS = (2, 3, 5)
-
-# Ops that reinterpret the row-major order of their input; they keep samples contiguous only
-# if the batch dimension stays outermost among the dimensions they merge or split.
-_RESHAPES = frozenset(
-    {"view", "reshape", "_unsafe_view", "view_copy", "_reshape_alias", "flatten", "unflatten",
-     "view_as", "reshape_as"}
-)
-_CONCATS = frozenset({"cat", "concat", "concatenate"})
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -244,165 +242,3 @@ class _FakeProp(fx.Interpreter):
             lambda t: self.mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t,
             out,
         )
-
-
-# -- fitting -----------------------------------------------------------------------------------
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
-
-
-def _spec(name: str, vals: list[Any], samples: Sequence[int]) -> ValueSpec:
-    v0 = vals[0]
-    if isinstance(v0, torch.Tensor):
-        bd, shape = _fit_shape(name, [tuple(v.shape) for v in vals], samples)
-        return ValueSpec(
-            name=name, kind="tensor", dtype=str(v0.dtype).removeprefix("torch."), shape=shape,
-            batch_dim=bd, requires_grad=v0.requires_grad,
-        )
-    if _is_int(v0):
-        return ValueSpec(name=name, kind="int", int_coeffs=(_fit_int(name, [int(v) for v in vals], samples),))
-    if isinstance(v0, (tuple, list)) and v0 and all(
-        isinstance(v, (tuple, list)) and len(v) == len(v0) and all(_is_int(x) for x in v) for v in vals
-    ):
-        coeffs = tuple(
-            _fit_int(f"{name}[{i}]", [int(v[i]) for v in vals], samples) for i in range(len(v0))
-        )
-        return ValueSpec(name=name, kind="ints", int_coeffs=coeffs)
-    if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v0)):
-        if any(not _equal(v, v0) for v in vals[1:]):
-            raise ValueError(
-                f"node {name} is {vals[0]!r}, {vals[1]!r}, {vals[2]!r} at "
-                f"{', '.join(map(str, samples))} samples: a non-integer that depends on the sample "
-                "count changes meaning under micro-batching; compute it from tensors instead"
-            )
-    return ValueSpec(name=name, kind="constant")
-
-
-def _equal(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:
-        return a is b
-
-
-def _fit_shape(
-    name: str, shapes: list[tuple[int, ...]], samples: Sequence[int]
-) -> tuple[int | None, tuple[int, ...]]:
-    seen = ", ".join(f"{list(s)} at {n}" for s, n in zip(shapes, samples, strict=True))
-    if len({len(s) for s in shapes}) != 1:
-        raise ValueError(f"node {name} changes rank with the sample count ({seen})")
-    varying = [d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1]
-    if not varying:
-        return None, shapes[0]
-    if len(varying) > 1:
-        raise ValueError(
-            f"node {name} has several dimensions {varying} that grow with the sample count "
-            f"({seen}; e.g. a batch x batch similarity matrix): micro-batches cannot hold a "
-            "slice of it; compute it outside the model or per sample"
-        )
-    d = varying[0]
-    rows = shapes[0][d] // samples[0]
-    if rows < 1 or any(s[d] != rows * n for s, n in zip(shapes, samples, strict=True)):
-        raise ValueError(
-            f"node {name} has dimension {d} that grows with the sample count but not in "
-            f"proportion to it ({seen}): a micro-batch would not hold whole samples (e.g. a "
-            "fixed row concatenated to the batch); keep per-sample data along the batch dimension"
-        )
-    shape = list(shapes[0])
-    shape[d] = rows
-    return d, tuple(shape)
-
-
-def _fit_int(name: str, vals: list[int], samples: Sequence[int]) -> tuple[int, int]:
-    (v0, v1, v2), (s0, s1, s2) = vals, samples
-    if (v1 - v0) % (s1 - s0) == 0:
-        a = (v1 - v0) // (s1 - s0)
-        c = v0 - a * s0
-        if v2 == a * s2 + c:
-            return a, c
-    raise ValueError(
-        f"integer {name} is {v0}, {v1}, {v2} at {s0}, {s1}, {s2} samples: not a * samples + c, "
-        "so no micro-batch size can be planned for it; compute it from tensor sizes that are"
-    )
-
-
-# -- layout ------------------------------------------------------------------------------------
-
-
-def _op_name(n: fx.Node, gm: nn.Module) -> str:
-    if n.op == "call_module":
-        return type(gm.get_submodule(str(n.target))).__name__.lower()
-    if n.op == "call_method":
-        return str(n.target)
-    packet = getattr(n.target, "overloadpacket", None)
-    return getattr(packet or n.target, "__name__", str(n.target))
-
-
-def _interleaves(
-    n: fx.Node, specs: dict[str, ValueSpec], gm: nn.Module
-) -> tuple[bool, int | None]:
-    """Whether ``n``'s output has rows of different samples alternating along the batch dim,
-    and if so its layout: the number of sample-major blocks (``ValueSpec.interleave``), or
-    None where the layout is not one this function can name.
-
-    A reshape that moves rows in front of the batch dimension on one side only interleaves
-    (``(seq, batch, h) -> (seq * batch, h)``: ``seq`` blocks), or undoes an interleaving of its
-    input (the view back to ``(seq, batch, h)``); concatenating k batched tensors along the
-    batch dimension (k blocks) and tiling it with ``repeat`` (one block per copy) interleave;
-    any other op inherits it from its batched inputs.
-    """
-    no: tuple[bool, int | None] = (False, None)
-    out = specs.get(n.name)
-    if out is None or out.kind != "tensor" or out.batch_dim is None:
-        return no
-    rows = out.shape[out.batch_dim]
-    op = _op_name(n, gm)
-    batched_in = [
-        specs[a.name] for a in n.all_input_nodes
-        if a.name in specs and specs[a.name].kind == "tensor" and specs[a.name].batch_dim is not None
-    ]
-    inter_in = [v for v in batched_in if v.interleaved]
-    blocks_in = {v.interleave for v in inter_in}
-    inherited = (True, _fits(blocks_in.pop(), rows)) if len(blocks_in) == 1 else (
-        (True, None) if inter_in else no
-    )
-    if op in _RESHAPES and n.args and isinstance(n.args[0], fx.Node):
-        src = specs.get(n.args[0].name)
-        if src is None or src.kind != "tensor" or src.batch_dim is None:
-            return inherited
-        before_in = math.prod(src.shape[: src.batch_dim])
-        before_out = math.prod(out.shape[: out.batch_dim])
-        if before_in == before_out:  # merges or splits after the batch dim: blocks stay
-            return (True, _fits(src.interleave, rows)) if src.interleaved else no
-        if src.interleaved:
-            return no  # a view back (to ``(seq, batch, h)``) undoes the interleaving
-        # rows in front of the batch dim merged into it: before_in / before_out blocks
-        ok = before_in > before_out and before_in % before_out == 0
-        return True, _fits(before_in // before_out, rows) if ok else None
-    if op in _CONCATS and n.args and isinstance(n.args[0], (list, tuple)):
-        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
-        parts = [specs.get(a.name) for a in n.args[0] if isinstance(a, fx.Node)]
-        joined = [p for p in parts if p is not None and p.kind == "tensor" and p.batch_dim is not None]
-        if isinstance(dim, int) and dim % len(out.shape) == out.batch_dim and len(joined) > 1:
-            plain = len(joined) == len(parts) and not any(p.interleaved for p in joined) and len(
-                {p.shape[p.batch_dim] for p in joined if p.batch_dim is not None}
-            ) == 1
-            return True, _fits(len(joined), rows) if plain else None
-    elif op == "repeat" and len(n.args) > 1:
-        reps = n.args[1:] if isinstance(n.args[1], int) else n.args[1]
-        if isinstance(reps, (list, tuple)) and len(reps) == len(out.shape):
-            factor = reps[out.batch_dim]
-            if isinstance(factor, int) and factor > 1:
-                src = specs.get(n.args[0].name) if isinstance(n.args[0], fx.Node) else None
-                inner = 1 if src is not None and not src.interleaved else (
-                    src.interleave if src is not None else None
-                )
-                return True, _fits(factor * inner, rows) if inner is not None else None
-    return inherited
-
-
-def _fits(blocks: int | None, rows: int) -> int | None:
-    """``blocks`` where it is a layout of ``rows`` rows per sample, else None (unknown)."""
-    return blocks if blocks is not None and blocks >= 2 and rows % blocks == 0 else None
