@@ -37,11 +37,12 @@ value
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .device import DeviceSpec
@@ -56,9 +57,16 @@ __all__ = [
     "SharedParam",
     "Stage",
     "ValueSpec",
+    "dtype_itemsize",
+    "loss_output",
 ]
 
 FORMAT_VERSION = 2  # 2: schedule and per-stage recompute
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name such as ``"float32"`` (the plan's dtype strings)."""
+    return int(getattr(torch, dtype).itemsize)
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -132,10 +140,6 @@ class ValueSpec(BaseModel):
     def nbytes_for(self, samples: int) -> int:
         if self.kind != "tensor":
             return 8 * len(self.int_coeffs)
-        import math
-
-        from .passes.shapes import dtype_itemsize
-
         return math.prod(self.shape_for(samples)) * dtype_itemsize(self.dtype or "float32")
 
 
@@ -417,7 +421,3 @@ def loss_output(outputs: list[ValueSpec]) -> int | None:
         return None
     return carry[0] if all(d == 1 for d in outputs[carry[0]].shape) else None
 
-
-def dump_plan(plan: Plan) -> str:
-    """Plan JSON with sorted keys, for golden-file diffs."""
-    return json.dumps(json.loads(plan.to_json()), indent=1, sort_keys=True)

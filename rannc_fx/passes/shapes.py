@@ -16,7 +16,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
-from ..plan import ValueSpec
+from ..plan import ValueSpec, dtype_itemsize
 from ..progress import Progress
 from .capture import CapturedGraph, batch_size_of
 from .shapes_fit import _spec
@@ -29,11 +29,6 @@ log = logging.getLogger("rannc_fx")
 # Shape propagation runs at these sample counts: two fit a line, the third checks it. No 1:
 # size-1 dimensions broadcast, so they hide which dimension is the batch.
 SAMPLE_COUNTS = (2, 3, 5)
-
-
-def dtype_itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype name such as ``"float32"``."""
-    return getattr(torch, dtype).itemsize
 
 
 def inputs_for_samples(
