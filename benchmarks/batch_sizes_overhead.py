@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/batch_sizes_overhead.py
 
 Since ``runtime/batches.py``, each call first agrees with the other ranks on the local batch
-sizes and autocast states (one all-reduce of four integers) and looks up the executor for
+sizes and autocast states (one all-gather of two integers a rank) and looks up the executor for
 that size. This script times the same compiled model four ways, interleaved step by step
 after ``--warmup`` rounds:
 

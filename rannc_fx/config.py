@@ -115,9 +115,9 @@ class Config(BaseModel):
     check_batches: bool = Field(
         default=True,
         description="agree on the ranks' local batch sizes and autocast states at each call "
-        "(one all-reduce of four integers), so unequal ones fail on every rank at once; False "
-        "skips it when every rank is known to pass equal batches (a rank that does not then "
-        "leaves the others waiting until timeout_s)",
+        "(one all-gather of two integers a rank), so unequal ones fail on every rank at once; "
+        "False skips it when every rank is known to pass equal batches (a rank that does not "
+        "then leaves the others waiting until timeout_s)",
     )
     trace_dir: Path | None = Field(
         default=None,

@@ -118,7 +118,7 @@ def test_a_node_that_dies_ends_the_other_with_an_error_naming_it(tmp_path):
     assert codes[0] != 0 and codes[1] != 0, "\n".join(logs)
     # rank 0 waits in step 1's first exchange with rank 1 (the batch sizes every call agrees
     # on) when rank 1 goes
-    assert "CommError: rank 0: all-reduce of the local batch sizes" in logs[0], logs[0]
+    assert "CommError: rank 0: all-gather of the local batch sizes" in logs[0], logs[0]
     assert "a rank died" in logs[0]
     assert "exitcode  : 3" in logs[1]
     assert wall < 30.0 + timeout

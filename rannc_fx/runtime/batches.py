@@ -11,7 +11,7 @@ The same goes for the autocast state a call runs under: ``retype`` (given by
 ``rannc_fx.compile``, see ``rannc_fx/amp.py``) gives the plan with its cut values and outputs
 in that state's dtypes, and the executor for (size, state) is kept likewise.
 
-With more than one rank each call first all-reduces the ranks' local batch sizes (and
+With more than one rank each call first all-gathers the ranks' local batch sizes (and
 autocast states): every rank then picks the same executor, and unequal local batches are
 refused on every rank at once instead of leaving the ranks that passed the plan's size
 waiting for a peer that raised. That costs one collective's latency per call, before the
@@ -21,6 +21,7 @@ first message (every message's size depends on the batch size, so it cannot over
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,34 +124,36 @@ class BatchSizes:
         return planned
 
     def _agree(self, local: int, state: str | None) -> None:
-        """One MAX all-reduce of (size, -size, state, -state): equal on every rank exactly
-        when the maxima and minima agree. (An all-reduce of four integers costs a step of
-        83 ms 0.9 % on 2 gloo ranks; an all-gather of the same 4.5 %.) Only when they differ
-        do the ranks gather each one's values, to say which rank passed what."""
-        code = _STATES.index(state) if state in _STATES else len(_STATES)
-        mine = torch.tensor([local, -local, code, -code], dtype=torch.int64, device=self.device)
+        """One all-gather of (size, state) per rank; every rank then sees every rank's.
+
+        It is the cheapest collective that agrees (gloo, 2 ranks, a 42 ms step: +1.0 to
+        +3.5 % against +2.8 to +5.0 % for an all-reduce of four integers, measured
+        interleaved), and a mismatch needs no second exchange to say who passed what."""
+        world = self.plan.world_size
+        mine = torch.tensor([local, _state_code(state)], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(2 * world, dtype=torch.int64, device=self.device)
         try:
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            dist.all_gather_single(everyone, mine)
         except RuntimeError as e:
             raise CommError(
-                f"rank {dist.get_rank()}: all-reduce of the local batch sizes at the start of a "
+                f"rank {dist.get_rank()}: all-gather of the local batch sizes at the start of a "
                 f"call failed: {e}; a rank died or stopped calling the model (every rank calls "
                 "it every step): check the other ranks' logs"
             ) from e
-        high, low, high_code, low_code = (int(v) for v in mine.tolist())
-        if high == -low and high_code == -low_code:
+        rows = [tuple(r) for r in everyone.view(world, 2).tolist()]
+        if all(r == rows[0] for r in rows):
             return
-        everyone: list[Any] = [None] * self.plan.world_size
-        dist.all_gather_object(everyone, (local, state))
-        if high != -low:
-            shown = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(everyone))
+        if any(n != rows[0][0] for n, _ in rows):
+            shown = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(rows))
             raise ValueError(
                 f"the ranks passed local batches of different sizes ({shown}); every rank must "
                 "pass the same number of samples per call: a DistributedSampler gives every "
                 "rank the same count (it pads), and DataLoader(drop_last=True) drops a "
                 "smaller last batch"
             )
-        shown = ", ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
+        names = {_state_code(state): state, **{_state_code(s): s for s in _STATES}}
+        shown = ", ".join(f"rank {r}: {names.get(c, 'another dtype')}"
+                          for r, (_, c) in enumerate(rows))
         raise ValueError(
             f"the ranks call the model under different autocast states ({shown}); enter the "
             "same torch.autocast(...) on every rank"
@@ -158,3 +161,10 @@ class BatchSizes:
 
 
 _STATES: list[str | None] = [None, "bfloat16", "float16"]
+
+
+def _state_code(state: str | None) -> int:
+    """An autocast state as an integer, equal on two ranks exactly when the states are."""
+    if state is None:
+        return 0
+    return int(hashlib.sha256(state.encode()).hexdigest()[:15], 16)
