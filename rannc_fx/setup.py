@@ -14,6 +14,7 @@ optimizer to the parameters it still holds.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from .passes.shapes import infer_values_pass
 from .placement import InitFn, Placement, free_others, place_stage
 from .plan import Plan
 from .probe import measure_link
+from .progress import note
 from .runtime import BatchSizes
 from .runtime.comm import CommError, agree
 
@@ -67,6 +69,7 @@ def set_up_rank(
     """Plan (rank 0) or receive the plan, split, place this rank's stage and build its
     executors; the rest of ``model`` is freed."""
     cfg = config
+    started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     planned = given is None and rank == 0
     home = _device_of(model)  # where the model's tensors are: the graph is captured there
@@ -149,6 +152,8 @@ def set_up_rank(
         retype=amp.retype if amp is not None else _planned_only(planned_amp),
         check=cfg.check_batches,
     )  # fmt: skip
+    note("compiled %s for %d rank(s) in %.2f s total (plan, split, placement)",
+         captured.model_name, world, time.perf_counter() - started)
     return Ready(cfg, captured, stage, plan, placement, names, batches)
 
 def _plan_here(
