@@ -82,3 +82,28 @@ def test_trace_steps_read_as_a_range_and_bad_ones_name_the_way_out():
         Config(trace_steps="5-2")
     with pytest.raises(ValidationError, match="trace_steps"):
         Config(trace_steps="three")
+
+
+def test_a_trace_rank_0_cannot_write_is_a_warning_not_a_failed_step(tmp_path, caplog):
+    import torch
+
+    from rannc_fx.runtime.trace import Recorder
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # trace_dir names a file: mkdir fails
+    rec = Recorder(range(1, 2), blocked / "trace", rank=0, world=1, stage=0, replica=0,
+                   device=torch.device("cpu"))
+    rec.clock = {"offset_ns": {0: 0}}  # one rank: nothing to align
+    rec.begin_call(grad=True)
+    with rec.span("F0", "compute", kind="F", microbatch=0):
+        pass
+    rec._before_step()
+    rec._after_step()  # the last traced step's optimizer.step(): writes
+    assert rec.done and rec.path is None
+    assert any("could not write the trace" in r.getMessage() for r in caplog.records)
+    ok = Recorder(range(1, 2), tmp_path / "ok", rank=0, world=1, stage=0, replica=0,
+                  device=torch.device("cpu"))
+    ok.clock = {"offset_ns": {0: 0}}
+    ok.begin_call(grad=True)
+    ok.begin_call(grad=False)  # no optimizer seen: the next call ends the last traced step
+    assert ok.path == tmp_path / "ok" / "trace.json" and ok.path.exists()
