@@ -24,31 +24,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_common import GPT, environment, interleave, make_batch, median_ratio, summarize  # noqa: E402
+from overhead_common import Compiled, overhead_main, overhead_parser  # noqa: E402
+from runtime_common import interleave, median_ratio, summarize  # noqa: E402
 
-import rannc_fx  # noqa: E402
 from rannc_fx.runtime.executor import StageExecutor  # noqa: E402
 from rannc_fx.runtime.trace import Recorder  # noqa: E402
-
-SIZES = {  # name: (vocab, d_model, heads, layers, seq, local batch)
-    "small": (1024, 128, 4, 4, 32, 8),
-    "medium": (1024, 256, 4, 8, 32, 16),
-}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "medium"],
-                   help="models: " + "; ".join(f"{k}={v}" for k, v in SIZES.items()))
-    p.add_argument("--micro-batches", type=int, default=4, help="forced (default: 4)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default: 5)")
-    p.add_argument("--steps", type=int, default=100, help="timed rounds (default: 100)")
-    return p.parse_args(argv)
 
 
 def _untraced_run(executor: StageExecutor) -> Any:
@@ -61,83 +44,58 @@ def _untraced_run(executor: StageExecutor) -> Any:
 
 
 def run(name: str, args: argparse.Namespace) -> None:
-    vocab, d, heads, layers, seq, batch = SIZES[name]
-    torch.manual_seed(0)
-    model = GPT(vocab, d, heads, layers, seq)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ids, labels = make_batch(vocab, batch, seq, seed=rank)
-    cfg = rannc_fx.Config(replicas=(1,) * world, micro_batches=args.micro_batches,
-                          profile_cache_dir=None, profile_repeats=1)
-    cm = rannc_fx.compile(model, opt, cfg, example_args=(ids,), example_kwargs={"labels": labels})
-    ex = cm._executor
-    assert isinstance(ex, StageExecutor) and cm._batches is not None
+    gpt = Compiled(name, args.micro_batches)
+    cm, ex, batches = gpt.cm, gpt.cm._executor, gpt.cm._batches
+    assert isinstance(ex, StageExecutor) and batches is not None
     hooked_run, hooked_wait = ex._run, ex.runner._wait
     plain_run = _untraced_run(ex)
-    recorder = Recorder(range(1, 1 << 30), Path("unused"), rank=rank, world=world,
+    recorder = Recorder(range(1, 1 << 30), Path("unused"), rank=ex.rank, world=ex.plan.world_size,
                         stage=ex.stage.index, replica=ex.replica, device=ex.device)
-
-    def step() -> None:
-        cm(ids, labels=labels).backward()
-        opt.step()
-        opt.zero_grad()
-
-    def off() -> None:
-        step()
+    recorder.clock = {"offset_ns": {}}  # no alignment: it would be a collective per contender
 
     def no_hooks() -> None:
         ex._run = plain_run  # type: ignore[method-assign]
         ex.runner._wait = lambda pending, match, i: pending.wait()  # type: ignore[method-assign]
         try:
-            step()
+            gpt.step()
         finally:
             ex._run, ex.runner._wait = hooked_run, hooked_wait  # type: ignore[method-assign]
 
     def recording() -> None:
         cm._trace = recorder
-        cm._batches.set_trace(recorder)  # type: ignore[union-attr]
+        batches.set_trace(recorder)
         try:
-            step()
-        finally:
+            gpt.step()
+        finally:  # drop what it recorded; the next step records afresh
             recorder.events.clear()
             recorder.starts.clear()
             recorder.plans.clear()
             recorder.on = False
             cm._trace = None
             ex.set_trace(None)
-            cm._batches.trace = None  # type: ignore[union-attr]
+            batches.trace = None
 
-    recorder.clock = {"offset_ns": {}}  # no alignment: it would be a collective per contender
-    wall, cpu = interleave(
-        {"off": off, "no hooks": no_hooks, "again": no_hooks, "recording": recording},
+    wall, _ = interleave(
+        {"off": gpt.step, "no hooks": no_hooks, "again": no_hooks, "recording": recording},
         warmup=args.warmup, steps=args.steps, sync=dist.barrier,
     )
-    if rank == 0:
+    recorder.done = True  # never meant to write: no "no trace written" at exit
+    if ex.rank == 0:
         w = {k: summarize(v)["median"] * 1e3 for k, v in wall.items()}
-        shape = cm.plan.summary().splitlines()[0].removeprefix("rannc_fx plan: ")
 
         def vs(k: str) -> str:
             return f"{100 * (median_ratio(wall[k], wall['no hooks']) - 1):+.2f} %"
 
-        print(f"| {name} | {shape} | {w['no hooks']:.2f} | {w['off']:.2f} | {vs('off')} | "
+        print(f"| {name} | {gpt.shape} | {w['no hooks']:.2f} | {w['off']:.2f} | {vs('off')} | "
               f"{vs('again')} | {w['recording']:.2f} | {vs('recording')} |", flush=True)
 
 
 def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    if dist.get_rank() == 0:
-        print("| model | plan | no hooks ms | off ms | off vs no hooks | A/A: no hooks again | "
-              "recording ms | recording vs no hooks |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name in args.sizes:
-        run(name, args)
-    if dist.get_rank() == 0:
-        print("\n" + "\n".join(environment()))
-        print("- command: torchrun --nproc-per-node", dist.get_world_size(),
-              "benchmarks/trace_overhead.py", " ".join(sys.argv[1:]))
-    dist.destroy_process_group()
+    args = overhead_parser(__doc__, steps=100).parse_args()
+    overhead_main(args, "trace_overhead.py", [
+        "model", "plan", "no hooks ms", "off ms", "off vs no hooks", "A/A: no hooks again",
+        "recording ms", "recording vs no hooks",
+    ], run)  # fmt: skip
 
 
 if __name__ == "__main__":
