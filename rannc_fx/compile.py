@@ -162,8 +162,7 @@ class CompiledModel(nn.Module):
             )
         rec = self._trace
         with nullcontext() if rec is None else rec.span(
-            "clip_grad_norm_", "collective", kind="clip",
-            peers=[r for r in range(rec.world) if r != rec.rank], match="clip",
+            "clip_grad_norm_", "collective", kind="clip", peers=rec.others, match="clip",
         ):  # fmt: skip
             return clip_grad_norm(
                 self._last or self._executor, max_norm, norm_type,

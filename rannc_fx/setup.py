@@ -38,6 +38,7 @@ from .probe import measure_link
 from .progress import note
 from .runtime import BatchSizes
 from .runtime.comm import CommError, agree
+from .runtime.executor import device_of
 
 __all__ = ["Ready", "set_up_rank"]
 
@@ -72,7 +73,7 @@ def set_up_rank(
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     planned = given is None and rank == 0
-    home = _device_of(model)  # where the model's tensors are: the graph is captured there
+    home = device_of(model)  # where the model's tensors are: the graph is captured there
     analytic = _analytic(home, device, cfg)
     if home.type == "meta":
         args, kwargs = torch.utils._pytree.tree_map_only(
@@ -290,8 +291,3 @@ def _prune_optimizer(optimizer: torch.optim.Optimizer, stage: fx.GraphModule) ->
         if id(p) not in keep:
             del optimizer.state[p]
 
-
-def _device_of(model: nn.Module) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")

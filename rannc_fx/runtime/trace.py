@@ -73,6 +73,11 @@ class Recorder:
             log.info("tracing steps %s into %s", _steps_text(steps), self.out_dir)
             atexit.register(self._unwritten)
 
+    @property
+    def others(self) -> list[int]:
+        """Every rank but this one: the peers of a collective over the world."""
+        return [r for r in range(self.world) if r != self.rank]
+
     # -- the clock -----------------------------------------------------------------------------
     def now(self) -> int:
         if self.sync:

@@ -236,7 +236,7 @@ def matching_start(e: Mapping[str, Any], rank: int,
     peers, match = args.get("peers") or [], args.get("match")
     if not peers or match is None:
         return None
-    latest = None
+    starts = []
     for p in peers:
         found = [
             x["ts"] for x in rows.get(p, [])
@@ -247,8 +247,8 @@ def matching_start(e: Mapping[str, Any], rank: int,
         ]  # fmt: skip
         if not found:
             return None
-        latest = max(found[0], latest) if latest is not None else found[0]
-    return latest
+        starts.append(found[0])
+    return max(starts)
 
 
 def _bubble(e: Mapping[str, Any], rank: int,
