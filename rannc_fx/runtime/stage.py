@@ -108,6 +108,9 @@ class StageRunner:
         self.sends_grads = any(t.src == rank for ts in routes.grads for t in ts)
         self.kept = outputs.kept
         self.trace: Recorder | None = None  # set by the executor when tracing
+        # storages the step writes in place while sends may still be in flight: a buffer the
+        # forward updates (BufferSync restores it before the next micro-batch)
+        self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
 
     # -- messages --------------------------------------------------------------------------------
     def _messages(
@@ -124,12 +127,22 @@ class StageRunner:
             label = f"{what} {t.value!r} of micro-batch {t.microbatch}"
             if t.src == me:
                 piece = take(source(t), spec, t.src_rows(spec) if t.batched else None)
-                msgs.append(Message("send", piece.contiguous(), t.dst, label))
+                msgs.append(Message("send", self._sendable(piece), t.dst, label))
             else:
                 buf = torch.empty(piece_shape(spec, t), dtype=dtype_of(spec), device=self.device)
                 recv[t] = buf
                 msgs.append(Message("recv", buf, t.src, label))
         return msgs, recv
+
+    def _sendable(self, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` as a send may hold it until the step ends: contiguous, and a copy when it
+        shares storage with a buffer. An in-place op on a buffer returns the buffer itself
+        (``add_ = aten.add_(count, 1)`` in an exported graph), so such a cut value would be
+        sent from the buffer's storage while the next micro-batch's restore overwrites it,
+        and the consumer would read either value."""
+        if piece.untyped_storage().data_ptr() in self._written:
+            return piece.clone(memory_format=torch.contiguous_format)
+        return piece.contiguous()
 
     def scatter(self, step: StepState, _: int | None = None) -> None:
         """Every micro-batch's graph inputs at once; owners never wait on anything first."""
