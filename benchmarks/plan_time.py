@@ -11,14 +11,22 @@ the passes' own timings, and "other" is what ``partition`` spends between them.
 
     python benchmarks/plan_time.py --layers 96 --hidden 2048 --world-size 32 --seq 128 \\
         --global-batch 256 --device v100-32gb
+    python benchmarks/plan_time.py --workload bert-256        # one of WORKLOADS
+    python benchmarks/plan_time.py --suite --out results.md   # every workload, one process each
+
+``--suite`` runs each workload of ``WORKLOADS`` in its own process (nothing cached between
+them), one after another, and prints one table: each row with the 1-minute load average at
+its start and end, and the ratio of the 256-layer to the 32-layer BERT-large.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -35,6 +43,24 @@ PHASES = ("capture", "shapes", "profile", "group", "costs", "search", "split")
 _FIRST_WORD = {"captured": "capture", "inferred": "shapes", "profiled": "profile",
                "grouped": "group", "cost": "costs", "searched": "search", "split": "split"}
 _SECONDS = re.compile(r" in ([0-9.]+) s\b")
+
+# The workloads planning time is judged on: HF BertForPreTraining on the meta device.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "bert-32": dict(layers=32, hidden=1024, heads=16, seq=512, global_batch=256,
+                    world_size=32, device="v100-32gb"),
+    "bert-256": dict(layers=256, hidden=1024, heads=16, seq=512, global_batch=256,
+                     world_size=32, device="v100-32gb"),
+    "bert-512": dict(layers=512, hidden=1024, heads=16, seq=512, global_batch=256,
+                     world_size=32, device="v100-32gb"),
+    "bert-100b": dict(layers=128, hidden=8192, heads=64, seq=512, global_batch=1024,
+                      world_size=1024, device="a100-80gb"),
+    "bert-256-b8": dict(layers=256, hidden=1024, heads=16, seq=512, global_batch=8,
+                        world_size=32, device="v100-32gb"),
+    "bert-4.9b": dict(layers=96, hidden=2048, heads=32, seq=128, global_batch=64,
+                      world_size=8, device="v100-32gb"),
+    "bert-1024": dict(layers=1024, hidden=1024, heads=16, seq=512, global_batch=256,
+                      world_size=64, device="v100-32gb"),
+}
 
 
 class PhaseTimes(logging.Handler):
@@ -81,15 +107,18 @@ def bert(layers: int, hidden: int, *, heads: int, seq: int, dtype: str = "float3
     return model, (ids,), kwargs, built
 
 
-def environment(device: str) -> str:
+def environment(device: str | None) -> str:
     import numpy
     import transformers
 
-    spec = DeviceSpec.preset(device)
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}, numpy "
+    text = (f"torch {torch.__version__}, transformers {transformers.__version__}, numpy "
             f"{numpy.__version__}, Python {platform.python_version()}, {platform.machine()}, "
-            f"{torch.get_num_threads()} torch threads; cost model: analytic against `{device}` "
-            f"({spec.memory_bytes / GiB:.0f} GiB, links {spec.interconnect_bandwidth / 1e9:g} GB/s)")
+            f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs")
+    if device is None:
+        return text + "; cost model: analytic against each workload's device preset"
+    spec = DeviceSpec.preset(device)
+    return (text + f"; cost model: analytic against `{device}` ({spec.memory_bytes / GiB:.0f} "
+            f"GiB, links {spec.interconnect_bandwidth / 1e9:g} GB/s)")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -111,7 +140,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-blocks", type=int, nargs="+", default=[Config().max_blocks],
                    help="block counts to plan with (one partition call each)")
     p.add_argument("--out", default=None, help="append a markdown section to this file")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                   help="take layers, hidden, heads, seq, batch, world size and device from "
+                        "this preset (it overrides those flags)")
+    p.add_argument("--suite", action="store_true",
+                   help="run every preset in WORKLOADS, each in its own process, and print "
+                        "one table with the load average of each run")
     a = p.parse_args(argv)
+    if a.suite:
+        suite(a.out)
+        return
+    if a.workload:
+        for k, v in WORKLOADS[a.workload].items():
+            setattr(a, k, v)
 
     rows, summaries = [], []
     for max_blocks in a.max_blocks:
@@ -160,6 +201,45 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{a.optimizer_state_factor}.\n\n{table}\n\n")
             for text in summaries:
                 f.write("```\n" + text + "\n```\n\n")
+
+
+def suite(out: str | None) -> None:
+    """Each workload in a fresh process; rows with the load average at start and end."""
+    head = ("| workload | load start / end | " + " | ".join(f"{ph} s" for ph in PHASES)
+            + " | other s | partition() s | plan |\n|---|---|" + "---:|" * (len(PHASES) + 2)
+            + "---|")
+    rows, totals, summaries = [], {}, []
+    for name in WORKLOADS:
+        start = os.getloadavg()[0]
+        done = subprocess.run([sys.executable, __file__, "--workload", name],
+                              capture_output=True, text=True, check=False)
+        end = os.getloadavg()[0]
+        row = next((line for line in done.stdout.splitlines() if line.startswith("| ")
+                    and not line.startswith("| layers")), None)
+        if row is None:
+            print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
+            rows.append(f"| {name} | {start:.2f} / {end:.2f} | failed (exit {done.returncode}) |")
+            continue
+        lines = done.stdout.splitlines()
+        at = lines.index(row)
+        plan_lines = [line for line in lines[at + 1:] if not line.startswith("|")]
+        summaries.append(f"{name}:\n```\n" + "\n".join(plan_lines) + "\n```")
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        phases, other, total, plan = cells[6:6 + len(PHASES)], cells[-4], cells[-3], cells[-1]
+        totals[name] = float(total.strip("*"))
+        rows.append(f"| {name} | {start:.2f} / {end:.2f} | " + " | ".join(phases)
+                    + f" | {other} | {total} | {plan} |")
+        print(rows[-1], flush=True)
+    table = "\n".join([head, *rows])
+    if "bert-256" in totals and "bert-32" in totals:
+        table += (f"\n\ntime(256 layers) / time(32 layers) = "
+                  f"{totals['bert-256'] / totals['bert-32']:.2f}")
+    print(table)
+    if out:
+        with open(out, "a") as f:
+            f.write("Command:\n\n    python benchmarks/plan_time.py --suite\n\n"
+                    f"{environment(None)}\n\n{table}\n\n" + "\n\n".join(summaries)
+                    + "\n\n")
 
 
 if __name__ == "__main__":

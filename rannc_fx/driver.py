@@ -24,7 +24,7 @@ from .passes.group import BlockGraph, group_pass
 from .passes.optcost import ParameterCosts, parameter_costs
 from .passes.profile import Profile, profile_pass
 from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
-from .passes.shapes import infer_values_pass
+from .passes.shapes import shapes_pass
 from .passes.split import split_pass
 from .plan import (
     Plan,
@@ -159,7 +159,8 @@ def analyze(
         tracer=cfg.tracer, leaf_modules=cfg.leaf_modules, batch_dim=cfg.batch_dim,
     )
     flat = captured.flatten_inputs(tuple(example_args), kwargs)
-    values = infer_values_pass(captured, flat, batch_dim=cfg.batch_dim)
+    shapes = shapes_pass(captured, flat, batch_dim=cfg.batch_dim)
+    values = shapes.specs
     batch = global_batch or _batch_size(captured, values, flat, cfg.batch_dim)
 
     spec, run_device, cost_model = _resolve_device(model, device, cfg)
@@ -181,6 +182,7 @@ def analyze(
         device=run_device,
         cache_dir=cfg.profile_cache_dir,
         repeats=cfg.profile_repeats,
+        formulas=shapes.formulas,
     )
     blocks = group_pass(captured, profile, values, max_blocks=cfg.max_blocks)
     if cfg.debug:

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ..progress import Progress
 from .capture_check import GraphMismatch, check_capture
-from .capture_graph import CapturedGraph, CaptureError, batch_size_of
+from .capture_graph import CapturedGraph, CaptureError, autocast_state, batch_size_of
 from .capture_trace import opaque_modules, trace_export, trace_fx
 
 __all__ = [
@@ -66,6 +66,7 @@ def capture_pass(
         captured, notes, warn = _capture(model, tuple(args), kwargs, tracer, leaf_modules,
                                          batch_dim, p)
         captured.model_name = type(model).__name__
+        captured.autocast = autocast_state()
         p.done(
             "captured %s with %s: %d nodes in %.2f s%s",
             captured.model_name,

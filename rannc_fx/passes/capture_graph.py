@@ -11,7 +11,10 @@ from torch import fx, nn
 from torch.fx.node import _get_qualified_name
 from torch.utils import _pytree as pytree
 
-__all__ = ["CaptureError", "CapturedGraph", "batch_size_of", "build_captured", "same_constant"]
+__all__ = [
+    "CaptureError", "CapturedGraph", "autocast_state", "batch_size_of", "build_captured", "inputs_for_samples",
+    "same_constant",
+]
 
 
 class CaptureError(RuntimeError):
@@ -57,6 +60,8 @@ class CapturedGraph:
     batch_dim: int = 0
     model_name: str = ""
     checked: Literal["values", "shapes"] | None = None
+    # the autocast state the capture ran under: torch.export's values hold its dtypes
+    autocast: tuple[tuple[str, str], ...] = ()
 
     def flatten_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
@@ -122,6 +127,12 @@ class CapturedGraph:
         return len(self.gm.graph.nodes)
 
 
+def autocast_state() -> tuple[tuple[str, str], ...]:
+    """(device type, dtype) of every autocast now in force: ``(("cpu", "bfloat16"),)``."""
+    return tuple((d, str(torch.get_autocast_dtype(d)).removeprefix("torch."))
+                 for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
 def batch_size_of(flat_inputs: list[Any], batch_dim: int = 0) -> int:
     """The example's batch size: ``batch_dim``'s size in the first input tensor that has it."""
     for t in flat_inputs:
@@ -131,6 +142,34 @@ def batch_size_of(flat_inputs: list[Any], batch_dim: int = 0) -> int:
         f"no input tensor has a dimension {batch_dim} to split into samples; pass batched "
         "tensors or set Config(batch_dim=...)"
     )
+
+
+def inputs_for_samples(
+    flat_inputs: list[torch.Tensor], batch: int, samples: int, *, batch_dim: int = 0, fake: bool = False
+) -> list[torch.Tensor]:
+    """The model's flat inputs resized from ``batch`` to ``samples`` along ``batch_dim``.
+
+    Tensors whose ``batch_dim`` size is ``batch`` are the batched ones: real inputs are sliced
+    (or tiled when ``samples > batch``); with ``fake=True`` they become meta tensors of the new
+    shape. Other inputs pass unchanged.
+    """
+    out = []
+    for t in flat_inputs:
+        if not isinstance(t, torch.Tensor) or t.dim() <= batch_dim or t.shape[batch_dim] != batch:
+            out.append(t)
+            continue
+        if fake or t.device.type == "meta":
+            shape = list(t.shape)
+            shape[batch_dim] = samples
+            out.append(torch.empty(shape, dtype=t.dtype, device="meta"))
+            continue
+        reps = -(-samples // batch)
+        if reps > 1:
+            tile = [1] * t.dim()
+            tile[batch_dim] = reps
+            t = t.repeat(*tile)
+        out.append(t.narrow(batch_dim, 0, samples).clone())
+    return out
 
 
 def build_captured(gm: fx.GraphModule, model: nn.Module, tracer: Literal["fx", "export"],

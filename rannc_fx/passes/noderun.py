@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.func import functional_call
 
+from .capture_graph import inputs_for_samples
 from .opcache import device_name, qualname
 from .opcost import (
     OpCall,
@@ -42,7 +43,6 @@ from .opcost import (
     run_op,
     storage_id,
 )
-from .shapes import inputs_for_samples
 
 __all__ = ["NodeRunner", "as_leaf", "home_device", "measure_device"]
 
@@ -212,6 +212,17 @@ class NodeRunner:
 
     def run(self, call: OpCall) -> Any:
         return _robust(run_op, call, self._warn)
+
+    def run_with_inputs(self, call: OpCall, *, grad: bool = True) -> tuple[Any, list[torch.Tensor]]:
+        """Run the op once; its outputs and the input tensors it ran on (clones where it
+        writes to them), so that an output's storage can be matched to the input it views."""
+
+        def run(c: OpCall) -> tuple[Any, list[torch.Tensor]]:
+            fn, bound = c.bind()
+            with torch.set_grad_enabled(grad):
+                return fn(), bound
+
+        return _robust(run, call, self._warn)
 
     def _warn(self, what: str) -> None:
         if what not in self.warned:

@@ -28,7 +28,7 @@ __all__ = ["CostCache", "device_name", "op_key", "qualname"]
 
 log = logging.getLogger("rannc_fx")
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: OpCost.views
 
 
 def qualname(obj: Any) -> str:

@@ -8,6 +8,8 @@ pass can charge every saved storage to the node that made it exactly once::
     saved_internal   bytes of saved storages the op made and did not return
     saved_inputs     positions of input tensors whose storage autograd saved
     saved_outputs    positions of output tensors whose storage autograd saved
+    views            per output tensor, the position of the input whose storage it shares
+                     (a view, or the input an in-place op returns), else None
 
 Storages of parameters and buffers (``OpCall.excluded``) are never counted as saved.
 """
@@ -108,6 +110,7 @@ class OpCost:
     saved_internal: int = 0
     saved_inputs: tuple[int, ...] = ()
     saved_outputs: tuple[int, ...] = ()
+    views: tuple[int | None, ...] = ()
 
     def times(self, spec: DeviceSpec | None) -> tuple[float, float]:
         """(forward, backward) seconds; with ``spec``, from the roofline of FLOPs and bytes."""
@@ -126,7 +129,7 @@ class OpCost:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> OpCost:
         d = dict(d)
-        for k in ("saved_inputs", "saved_outputs"):
+        for k in ("saved_inputs", "saved_outputs", "views"):
             if k in d:
                 d[k] = tuple(d[k])
         return cls(**d)
@@ -256,6 +259,7 @@ class _Run:
     workspace: int
     moved: int
     saved: tuple[int, tuple[int, ...], tuple[int, ...]]
+    views: tuple[int | None, ...]
 
 
 def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
@@ -271,7 +275,11 @@ def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
     outs = tensors(out)
     out_bytes = sum(t.numel() * t.element_size() for t in outs)
     workspace = max(tracker.peak, cuda.peak if cuda else 0, out_bytes)
-    return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded))
+    first: dict[int, int] = {}
+    for i, t in enumerate(bound):
+        first.setdefault(storage_id(t), i)
+    views = tuple(first.get(storage_id(t)) for t in outs)
+    return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views)
 
 
 def run_op(call: OpCall) -> Any:
@@ -351,7 +359,7 @@ def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple
     internal, ins, outs = first.saved
     return out, OpCost(
         fwd_s=fwd_s, bwd_s=bwd_s, workspace=first.workspace,
-        saved_internal=internal, saved_inputs=ins, saved_outputs=outs,
+        saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
     )
 
 
@@ -374,6 +382,6 @@ def count_op(call: OpCall) -> tuple[Any, OpCost]:
         fwd_flops=fwd_fc.get_total_flops(), bwd_flops=bwd_flops,
         fwd_bytes=first.moved, bwd_bytes=bwd_bytes, dtype=_dtype(call, first.out),
         workspace=first.workspace,
-        saved_internal=internal, saved_inputs=ins, saved_outputs=outs,
+        saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
     )
 

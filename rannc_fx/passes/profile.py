@@ -1,9 +1,13 @@
 """Per-node forward/backward time and memory, measured on the device or from an analytic model.
 
-The pass runs the captured graph node by node at every profiled micro-batch size, so each
-node sees its real inputs (real tensors on the training device, or fake ones for the analytic
-model), and profiles each node alone (see ``opcost``). Nodes with the same cost key
-(``opcache.op_key``) are profiled once, and costs persist on disk across plans.
+With the analytic model and the shape pass's formulas (``shapes_symbolic``), nothing runs per
+node: each distinct op signature is counted once per profiled size on fake tensors built from
+the formulas, and a walk over the nodes looks costs up and charges saved storages. Otherwise
+(measured costs, or a graph whose sizes are no formulas) the pass runs the captured graph node
+by node at every profiled micro-batch size, so each node sees its real inputs (real tensors on
+the training device, or fake ones), and profiles each node alone (see ``opcost``). Either way
+nodes with the same cost key (``opcache.op_key``) are profiled once, and costs persist on disk
+across plans.
 
 Saved bytes are charged per storage, once, to the node that made the storage: a ReLU output
 that the ReLU and the next Linear both save counts once, at the ReLU. So summing
@@ -30,6 +34,7 @@ from .capture import CapturedGraph
 from .noderun import NodeRunner, as_leaf, home_device, measure_device
 from .opcache import CostCache, op_key
 from .opcost import OpCost, storage_id, tensors
+from .shapes_symbolic import Label, SymbolicValues
 
 __all__ = ["NodeCost", "Profile", "profile_pass"]
 
@@ -107,6 +112,7 @@ def profile_pass(
     cache_dir: Path | None = None,
     repeats: int = 3,
     batch_dim: int = 0,
+    formulas: SymbolicValues | None = None,
 ) -> Profile:
     """Profile every call node of ``captured.gm`` at each size in ``batch_sizes``.
 
@@ -114,7 +120,9 @@ def profile_pass(
     the placeholders' ValueSpecs in ``values`` (else ``batch_dim`` and the first input's size).
     ``cost_model="measured"`` times each op on ``device`` (default: where the parameters are);
     ``"analytic"`` counts FLOPs and bytes on fake tensors and prices them with ``device_spec``,
-    so a meta-device model works. The graph and the model's state are left as they were.
+    so a meta-device model works; with ``formulas`` (``shapes_pass``) it counts each distinct
+    op signature once per size instead of running the graph. The graph and the model's state
+    are left as they were.
     """
     gm = captured.gm
     sizes = tuple(sorted(set(batch_sizes)))
@@ -130,9 +138,13 @@ def profile_pass(
     stats = _Stats(progress=Progress("profile", total=calls * len(sizes)))
     per_size = []
     with runner.session():
-        for s in sizes:
-            inputs = runner.inputs(list(flat_inputs), batch, s, bdim)
-            per_size.append(_walk(gm, inputs, runner, cache, stats, s))
+        if formulas is not None and runner.analytic:
+            known: dict[tuple[str, int], OpCost] = {}
+            per_size = [_walk_formulas(gm, formulas, runner, cache, stats, s, known) for s in sizes]
+        else:
+            for s in sizes:
+                inputs = runner.inputs(list(flat_inputs), batch, s, bdim)
+                per_size.append(_walk(gm, inputs, runner, cache, stats, s))
     cache.save()
     spec = device_spec if runner.analytic else None
     nodes = {name: _node_cost([p[name] for p in per_size], spec) for name in per_size[0]}
@@ -259,6 +271,93 @@ def _walk(
         for done in frees.get(node, ()):
             env.pop(done, None)
     return {name: (c, ledger.charged.get(name, 0)) for name, c in costs.items()}
+
+
+@dataclass
+class _RefLedger:
+    """``_SavedLedger`` without tensors: a storage is the tensor (``Label``) that made it, an
+    output that views an input (``OpCost.views``) lives in that input's storage, and bytes
+    come from the formulas at this size."""
+
+    formulas: SymbolicValues
+    samples: int
+    storage: dict[Label, Label] = field(default_factory=dict)  # tensor -> the one that made its storage
+    owner: dict[Label, str | None] = field(default_factory=dict)
+    kept: set[Label] = field(default_factory=set)
+    charged: dict[str, int] = field(default_factory=dict)
+
+    def of(self, ref: Label) -> Label:
+        return ref if self.formulas.is_state(ref) else self.storage[ref]
+
+    def made(self, node: str, count: int, ins: list[Label], views: tuple[int | None, ...],
+             *, owned: bool = True) -> list[Label]:
+        """Storages of ``node``'s ``count`` output tensors: an input's where the output views
+        it, else a new one, charged to ``node`` when ``owned`` (a graph input's is not)."""
+        outs = []
+        for i in range(count):
+            view = views[i] if i < len(views) else None
+            storage = ins[view] if view is not None and view < len(ins) else (node, i)
+            if storage == (node, i):
+                self.owner[storage] = node if owned else None
+            self.storage[(node, i)] = storage
+            outs.append(storage)
+        return outs
+
+    def keep(self, storage: Label, saver: str) -> None:
+        if self.formulas.is_state(storage) or storage in self.kept:
+            return
+        self.kept.add(storage)
+        who = self.owner.get(storage) or saver
+        self.charged[who] = self.charged.get(who, 0) + self.formulas.nbytes_at(storage, self.samples)
+
+
+def _walk_formulas(
+    gm: fx.GraphModule, formulas: SymbolicValues, runner: NodeRunner, cache: CostCache,
+    stats: _Stats, samples: int, known: dict[tuple[str, int], OpCost],
+) -> dict[str, _Row]:
+    """Every call node's cost at ``samples`` samples, counting each distinct signature once."""
+    ledger = _RefLedger(formulas, samples)
+    costs: dict[str, OpCost] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            ledger.made(node.name, len(formulas.requires_grad[node.name]), [], (), owned=False)
+        elif node.op not in ("get_attr", "output"):
+            sig = formulas.signatures[node.name]
+            cost = known.get((sig, samples))
+            if cost is None:
+                try:
+                    cost = _count_signature(node, formulas, runner, cache, stats, samples)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"profiling node {node.name!r} ({node.format_node()}) at {samples} "
+                        f"sample(s) failed: {type(e).__name__}: {e}"
+                    ) from e
+                known[(sig, samples)] = cost
+            else:
+                stats.count(hit=True)
+            costs[node.name] = cost
+            ins = [ledger.of(r) for r in formulas.inputs_of(node)]
+            outs = ledger.made(node.name, len(formulas.requires_grad[node.name]), ins, cost.views)
+            for pos in cost.saved_outputs:
+                ledger.keep(outs[pos], node.name)
+            for pos in cost.saved_inputs:
+                ledger.keep(ins[pos], node.name)
+            ledger.charged[node.name] = ledger.charged.get(node.name, 0) + cost.saved_internal
+    return {name: (c, ledger.charged.get(name, 0)) for name, c in costs.items()}
+
+
+def _count_signature(node: fx.Node, formulas: SymbolicValues, runner: NodeRunner,
+                     cache: CostCache, stats: _Stats, samples: int) -> OpCost:
+    """The cost of ``node``'s signature at ``samples`` samples: the cache's, else counted."""
+    args, kwargs = formulas.fake_args(node, samples, runner)
+    key = op_key(node, runner.gm, args, kwargs, runner.module_memo)
+    stats.keys.add(key)
+    cost = cache.get(key)
+    stats.count(hit=cost is not None)
+    if cost is None:
+        _, cost = runner.profile(runner.call(node, args, kwargs))
+        cache.put(key, cost)
+    return cost
 
 
 def _profile_node(

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..plan import ValueSpec, dtype_itemsize
 from ..progress import Progress
 from .capture import CapturedGraph, batch_size_of
+from .capture_graph import autocast_state, inputs_for_samples
+from .noderun import NodeRunner, home_device
 from .shapes_fit import _spec
 from .shapes_layout import _interleaves, _op_name
+from .shapes_symbolic import NoFormulas, SymbolicValues, batch_symbols
 
-__all__ = ["SAMPLE_COUNTS", "dtype_itemsize", "infer_values_pass", "inputs_for_samples"]
+__all__ = ["SAMPLE_COUNTS", "Shapes", "dtype_itemsize", "infer_values_pass", "shapes_pass"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -31,51 +37,128 @@ log = logging.getLogger("rannc_fx")
 SAMPLE_COUNTS = (2, 3, 5)
 
 
-def inputs_for_samples(
-    flat_inputs: list[torch.Tensor], batch: int, samples: int, *, batch_dim: int = 0, fake: bool = False
-) -> list[torch.Tensor]:
-    """The model's flat inputs resized from ``batch`` to ``samples`` along ``batch_dim``.
+@dataclass
+class Shapes:
+    """What the shape pass found: every value's ValueSpec and, where the graph's sizes are
+    formulas in the sample count, those formulas (the profile costs each distinct op from
+    them); ``formulas`` is None where the pass fell back to propagating at several sizes."""
 
-    Tensors whose ``batch_dim`` size is ``batch`` are the batched ones: real inputs are sliced
-    (or tiled when ``samples > batch``); with ``fake=True`` they become meta tensors of the new
-    shape. Other inputs pass unchanged.
-    """
-    out = []
-    for t in flat_inputs:
-        if not isinstance(t, torch.Tensor) or t.dim() <= batch_dim or t.shape[batch_dim] != batch:
-            out.append(t)
-            continue
-        if fake or t.device.type == "meta":
-            shape = list(t.shape)
-            shape[batch_dim] = samples
-            out.append(torch.empty(shape, dtype=t.dtype, device="meta"))
-            continue
-        reps = -(-samples // batch)
-        if reps > 1:
-            tile = [1] * t.dim()
-            tile[batch_dim] = reps
-            t = t.repeat(*tile)
-        out.append(t.narrow(batch_dim, 0, samples).clone())
-    return out
+    specs: dict[str, ValueSpec]
+    formulas: SymbolicValues | None
 
 
 def infer_values_pass(
     captured: CapturedGraph, flat_inputs: list[torch.Tensor], *, batch_dim: int = 0
 ) -> dict[str, ValueSpec]:
-    """ValueSpec of every placeholder and call node, from shape propagation at 2-3 batch sizes.
+    """ValueSpec of every placeholder and call node (``shapes_pass(...).specs``)."""
+    return shapes_pass(captured, flat_inputs, batch_dim=batch_dim).specs
 
-    No real compute runs (FakeTensorMode), so a meta-device model works; the one exception is
-    a leaf module whose Python branches on tensor values (``nn.TransformerEncoder`` checks its
-    mask), which runs on zeros with copies of its real parameters. Raises ValueError naming
+
+def shapes_pass(
+    captured: CapturedGraph, flat_inputs: list[torch.Tensor], *, batch_dim: int = 0
+) -> Shapes:
+    """ValueSpec of every placeholder and call node, from the sizes as formulas in the sample
+    count: torch.export's symbolic values where the capture has them, else one FakeTensor run
+    with a symbolic batch dimension.
+
+    No real compute runs (FakeTensorMode), so a meta-device model works. Where the sizes are
+    not formulas in the sample count alone (a leaf module whose Python branches on tensor
+    values, a size tied to the example's batch), the graph runs at each of ``SAMPLE_COUNTS``
+    instead, on fake tensors (a leaf that reads tensor values runs on zeros with copies of its
+    real parameters), and that run names what cannot be micro-batched. Raises ValueError naming
     the node when a value's size is not proportional to the sample count (or an integer not
     affine in it), since micro-batching would then change its meaning. A tensor whose samples'
     rows alternate along the batch dimension is marked ``interleaved`` (see ValueSpec).
     """
     gm = captured.gm
+    p = Progress("shapes", total=len(gm.graph.nodes) * len(SAMPLE_COUNTS))
+    formulas: SymbolicValues | None
+    try:
+        formulas = _formulas(captured, flat_inputs, batch_dim, p)
+        specs = {name: _spec(name, [formulas.value_at(name, s) for s in SAMPLE_COUNTS], SAMPLE_COUNTS)
+                 for name in _valued(gm)}
+        how = f"as formulas in the sample count ({formulas.source})"
+    except Exception as e:  # not formulas: the run at several sizes says what and where
+        log.debug("shapes: no formulas in the sample count (%s: %s); propagating at %s samples",
+                  type(e).__name__, e, ", ".join(map(str, SAMPLE_COUNTS)))
+        formulas = None
+        specs = _propagated(captured, flat_inputs, batch_dim, p)
+        how = f"at {', '.join(map(str, SAMPLE_COUNTS))} samples"
+    for n in gm.graph.nodes:
+        inter, blocks = _interleaves(n, specs, gm)
+        if inter:
+            specs[n.name] = specs[n.name].model_copy(
+                update={"interleaved": True, "interleave": blocks}
+            )
+    batched = sum(1 for v in specs.values() if v.batch_dim is not None)
+    p.done("inferred %d values (%d batched tensors) %s%s in %.2f s",
+           len(specs), batched, how, _under_autocast(), p.seconds)
+    return Shapes(specs, formulas)
+
+
+def _valued(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes
+            if n.op in ("placeholder", "call_function", "call_method", "call_module")]
+
+
+def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
+              p: Progress) -> SymbolicValues:
+    """torch.export's symbolic values where they hold for this autocast state, else one run."""
+    gm = captured.gm
+    batch = batch_size_of(flat_inputs, batch_dim)
+    names = set(_valued(gm))
+    meta = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.name in names}
+    if captured.tracer == "export" and captured.autocast == autocast_state() and all(
+        v is not None for v in meta.values()
+    ):
+        vals, source, hint = meta, "torch.export's", batch
+    else:
+        hint = max(batch, 2)
+        vals, source = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, p), "one run"
+    placeholders = [vals[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
+    syms = batch_symbols(placeholders, batch_dim, lambda i: _batched(flat_inputs[i], batch, batch_dim))
+    runner = NodeRunner(gm, "analytic", None, 1, home=home_device(gm, flat_inputs))
+    return SymbolicValues(gm, vals, syms, hint=hint, flat_inputs=flat_inputs, runner=runner,
+                          source=source)
+
+
+def _batched(t: Any, batch: int, batch_dim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == batch
+
+
+def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
+                  batch: int, hint: int, p: Progress) -> dict[str, Any]:
+    """Every node's value from one FakeTensor run whose batch dimension is a symbol."""
+    gm = captured.gm
+    on_meta = any(t.device.type == "meta" for t in _state(gm))
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    sym = env.create_symbol(hint, source=ConstantSource("samples"), dynamic_dim=DimDynamic.DYNAMIC)
+    samples = env.create_symintnode(sym, hint=hint)
+    fakes = []
+    for t in flat_inputs:
+        if _batched(t, batch, batch_dim):
+            shape: list[Any] = list(t.shape)
+            shape[batch_dim] = samples
+            with mode:
+                f = torch.empty(shape, dtype=t.dtype, device="meta" if on_meta else t.device)
+            fakes.append(f.requires_grad_(t.requires_grad))
+        else:
+            fakes.append(_fake_input(mode, t, t, on_meta))
+    vals = _FakeProp(gm, mode, p).values_at(hint, fakes)
+    fixed = env.replacements.get(sym)
+    if fixed is not None and not fixed.free_symbols:
+        raise NoFormulas(f"the graph fixes the sample count at {fixed}")
+    return {name: vals[name] for name in _valued(gm)}
+
+
+def _propagated(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
+                p: Progress) -> dict[str, ValueSpec]:
+    """The specs fitted to runs at each of ``SAMPLE_COUNTS`` (with concrete fake tensors)."""
+    gm = captured.gm
     batch = batch_size_of(flat_inputs, batch_dim)
     on_meta = any(t.device.type == "meta" for t in _state(gm))
     mode = FakeTensorMode()
-    p = Progress("shapes", total=len(gm.graph.nodes) * len(SAMPLE_COUNTS))
     prop = _FakeProp(gm, mode, p)
 
     def values_at(samples: int) -> dict[str, Any]:
@@ -90,22 +173,7 @@ def infer_values_pass(
         except _NodeFailed as e:
             why = _why_failed(e, values_at, batch, captured, on_meta)
             raise ValueError(f"{e}; {why}") from e.__cause__
-    specs = {}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "call_function", "call_method", "call_module"):
-            specs[n.name] = _spec(n.name, [r[n.name] for r in runs], SAMPLE_COUNTS)
-    for n in gm.graph.nodes:
-        inter, blocks = _interleaves(n, specs, gm)
-        if inter:
-            specs[n.name] = specs[n.name].model_copy(
-                update={"interleaved": True, "interleave": blocks}
-            )
-    batched = sum(1 for v in specs.values() if v.batch_dim is not None)
-    p.done(
-        "inferred %d values (%d batched tensors) at %s samples%s in %.2f s",
-        len(specs), batched, ", ".join(map(str, SAMPLE_COUNTS)), _under_autocast(), p.seconds,
-    )
-    return specs
+    return {name: _spec(name, [r[name] for r in runs], SAMPLE_COUNTS) for name in _valued(gm)}
 
 
 def _under_autocast() -> str:

@@ -15,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..plan import ValueSpec
+from .shapes_symbolic import Leaf
 
 __all__: list[str] = []  # private to infer_values_pass, which calls _spec
 
@@ -25,7 +26,7 @@ def _is_int(x: Any) -> bool:
 
 def _spec(name: str, vals: list[Any], samples: Sequence[int]) -> ValueSpec:
     v0 = vals[0]
-    if isinstance(v0, torch.Tensor):
+    if isinstance(v0, torch.Tensor | Leaf):
         bd, shape = _fit_shape(name, [tuple(v.shape) for v in vals], samples)
         return ValueSpec(
             name=name, kind="tensor", dtype=str(v0.dtype).removeprefix("torch."), shape=shape,
@@ -40,7 +41,7 @@ def _spec(name: str, vals: list[Any], samples: Sequence[int]) -> ValueSpec:
             _fit_int(f"{name}[{i}]", [int(v[i]) for v in vals], samples) for i in range(len(v0))
         )
         return ValueSpec(name=name, kind="ints", int_coeffs=coeffs)
-    if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v0)):
+    if not any(isinstance(x, torch.Tensor | Leaf) for x in pytree.tree_leaves(v0)):
         if any(not _equal(v, v0) for v in vals[1:]):
             raise ValueError(
                 f"node {name} is {vals[0]!r}, {vals[1]!r}, {vals[2]!r} at "
