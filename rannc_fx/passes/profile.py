@@ -17,24 +17,22 @@ buffers excluded). A graph input that some node saves is charged to that node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
 
 from ..device import DeviceSpec
 from ..plan import ValueSpec
 from ..progress import Progress
 from .capture import CapturedGraph
-from .noderun import NodeRunner, as_leaf, home_device, measure_device
-from .opcache import CostCache, op_key
-from .opcost import OpCost, storage_id, tensors
-from .shapes_symbolic import Label, SymbolicValues
+from .noderun import NodeRunner, home_device, measure_device
+from .opcache import CostCache
+from .opcost import OpCost
+from .profile_walk import Row, WalkStats, walk_formulas, walk_run
+from .shapes_symbolic import SymbolicValues
 
 __all__ = ["NodeCost", "Profile", "profile_pass"]
 
@@ -135,16 +133,16 @@ def profile_pass(
     )
     cache = CostCache(cache_dir, device=runner.device_name, cost_model=cost_model)
     calls = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
-    stats = _Stats(progress=Progress("profile", total=calls * len(sizes)))
+    stats = WalkStats(progress=Progress("profile", total=calls * len(sizes)))
     per_size = []
     with runner.session():
         if formulas is not None and runner.analytic:
             known: dict[tuple[str, int], OpCost] = {}
-            per_size = [_walk_formulas(gm, formulas, runner, cache, stats, s, known) for s in sizes]
+            per_size = [walk_formulas(gm, formulas, runner, cache, stats, s, known) for s in sizes]
         else:
             for s in sizes:
                 inputs = runner.inputs(list(flat_inputs), batch, s, bdim)
-                per_size.append(_walk(gm, inputs, runner, cache, stats, s))
+                per_size.append(walk_run(gm, inputs, runner, cache, stats, s))
     cache.save()
     spec = device_spec if runner.analytic else None
     nodes = {name: _node_cost([p[name] for p in per_size], spec) for name in per_size[0]}
@@ -182,211 +180,8 @@ def _input_batch(
     )
 
 
-# -- the walk --------------------------------------------------------------------------------
 
-
-@dataclass
-class _Stats:
-    progress: Progress
-    measured: int = 0
-    hits: int = 0
-    keys: set[str] = field(default_factory=set)
-
-    def count(self, *, hit: bool) -> None:
-        if hit:
-            self.hits += 1
-        else:
-            self.measured += 1
-        self.progress.update(self.hits + self.measured, "ops (%d measured, %d from cache)",
-                             self.measured, self.hits)
-
-
-@dataclass
-class _SavedLedger:
-    """Which storages autograd keeps, charged once each to the node that made them."""
-
-    excluded: frozenset[int]
-    owner: dict[int, tuple[StorageWeakRef, str | None]] = field(default_factory=dict)
-    kept: dict[int, StorageWeakRef] = field(default_factory=dict)
-    charged: dict[str, int] = field(default_factory=dict)
-
-    def made(self, node: str | None, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-        in_ids = {storage_id(t) for t in ins}
-        for t in outs:
-            sid = storage_id(t)
-            if sid not in in_ids and sid not in self.excluded:
-                self.owner[sid] = (StorageWeakRef(t.untyped_storage()), node)
-
-    def keep(self, t: torch.Tensor, saver: str) -> None:
-        sid = storage_id(t)
-        if sid in self.excluded or (sid in self.kept and not self.kept[sid].expired()):
-            return
-        st = t.untyped_storage()
-        self.kept[sid] = StorageWeakRef(st)
-        ref, node = self.owner.get(sid, (None, None))
-        who = node if ref is not None and not ref.expired() and node is not None else saver
-        self.charged[who] = self.charged.get(who, 0) + st.nbytes()
-
-
-def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """Node -> the values no later node reads, to free after it runs."""
-    seen: set[fx.Node] = set()
-    out: dict[fx.Node, list[fx.Node]] = {}
-    for node in reversed(graph.nodes):
-        for inp in node.all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                out.setdefault(node, []).append(inp)
-    return out
-
-
-_Row = tuple[OpCost, int]  # the op's cost and the bytes of saved storages charged to the node
-
-
-def _walk(
-    gm: fx.GraphModule, inputs: list[Any], runner: NodeRunner, cache: CostCache, stats: _Stats,
-    samples: int,
-) -> dict[str, _Row]:
-    """Run the graph node by node once, profiling (or looking up) every call node."""
-    env: dict[fx.Node, Any] = {}
-    ledger = _SavedLedger(runner.excluded)
-    costs: dict[str, OpCost] = {}
-    it = iter(inputs)
-    frees = _last_uses(gm.graph)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(it)
-            ledger.made(None, tensors(env[node]), [])
-        elif node.op == "get_attr":
-            env[node] = runner.attr(str(node.target))
-        elif node.op != "output":
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            try:
-                costs[node.name] = _profile_node(node, args, kwargs, env, runner, cache, stats, ledger)
-            except Exception as e:
-                raise RuntimeError(
-                    f"profiling node {node.name!r} ({node.format_node()}) at {samples} sample(s) "
-                    f"failed: {type(e).__name__}: {e}"
-                ) from e
-        for done in frees.get(node, ()):
-            env.pop(done, None)
-    return {name: (c, ledger.charged.get(name, 0)) for name, c in costs.items()}
-
-
-@dataclass
-class _RefLedger:
-    """``_SavedLedger`` without tensors: a storage is the tensor (``Label``) that made it, an
-    output that views an input (``OpCost.views``) lives in that input's storage, and bytes
-    come from the formulas at this size."""
-
-    formulas: SymbolicValues
-    samples: int
-    storage: dict[Label, Label] = field(default_factory=dict)  # tensor -> the one that made its storage
-    owner: dict[Label, str | None] = field(default_factory=dict)
-    kept: set[Label] = field(default_factory=set)
-    charged: dict[str, int] = field(default_factory=dict)
-
-    def of(self, ref: Label) -> Label:
-        return ref if self.formulas.is_state(ref) else self.storage[ref]
-
-    def made(self, node: str, count: int, ins: list[Label], views: tuple[int | None, ...],
-             *, owned: bool = True) -> list[Label]:
-        """Storages of ``node``'s ``count`` output tensors: an input's where the output views
-        it, else a new one, charged to ``node`` when ``owned`` (a graph input's is not)."""
-        outs = []
-        for i in range(count):
-            view = views[i] if i < len(views) else None
-            storage = ins[view] if view is not None and view < len(ins) else (node, i)
-            if storage == (node, i):
-                self.owner[storage] = node if owned else None
-            self.storage[(node, i)] = storage
-            outs.append(storage)
-        return outs
-
-    def keep(self, storage: Label, saver: str) -> None:
-        if self.formulas.is_state(storage) or storage in self.kept:
-            return
-        self.kept.add(storage)
-        who = self.owner.get(storage) or saver
-        self.charged[who] = self.charged.get(who, 0) + self.formulas.nbytes_at(storage, self.samples)
-
-
-def _walk_formulas(
-    gm: fx.GraphModule, formulas: SymbolicValues, runner: NodeRunner, cache: CostCache,
-    stats: _Stats, samples: int, known: dict[tuple[str, int], OpCost],
-) -> dict[str, _Row]:
-    """Every call node's cost at ``samples`` samples, counting each distinct signature once."""
-    ledger = _RefLedger(formulas, samples)
-    costs: dict[str, OpCost] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            ledger.made(node.name, len(formulas.requires_grad[node.name]), [], (), owned=False)
-        elif node.op not in ("get_attr", "output"):
-            sig = formulas.signatures[node.name]
-            cost = known.get((sig, samples))
-            if cost is None:
-                try:
-                    cost = _count_signature(node, formulas, runner, cache, stats, samples)
-                except Exception as e:
-                    raise RuntimeError(
-                        f"profiling node {node.name!r} ({node.format_node()}) at {samples} "
-                        f"sample(s) failed: {type(e).__name__}: {e}"
-                    ) from e
-                known[(sig, samples)] = cost
-            else:
-                stats.count(hit=True)
-            costs[node.name] = cost
-            ins = [ledger.of(r) for r in formulas.inputs_of(node)]
-            outs = ledger.made(node.name, len(formulas.requires_grad[node.name]), ins, cost.views)
-            for pos in cost.saved_outputs:
-                ledger.keep(outs[pos], node.name)
-            for pos in cost.saved_inputs:
-                ledger.keep(ins[pos], node.name)
-            ledger.charged[node.name] = ledger.charged.get(node.name, 0) + cost.saved_internal
-    return {name: (c, ledger.charged.get(name, 0)) for name, c in costs.items()}
-
-
-def _count_signature(node: fx.Node, formulas: SymbolicValues, runner: NodeRunner,
-                     cache: CostCache, stats: _Stats, samples: int) -> OpCost:
-    """The cost of ``node``'s signature at ``samples`` samples: the cache's, else counted."""
-    args, kwargs = formulas.fake_args(node, samples, runner)
-    key = op_key(node, runner.gm, args, kwargs, runner.module_memo)
-    stats.keys.add(key)
-    cost = cache.get(key)
-    stats.count(hit=cost is not None)
-    if cost is None:
-        _, cost = runner.profile(runner.call(node, args, kwargs))
-        cache.put(key, cost)
-    return cost
-
-
-def _profile_node(
-    node: fx.Node, args: Any, kwargs: Any, env: dict[fx.Node, Any], runner: NodeRunner,
-    cache: CostCache, stats: _Stats, ledger: _SavedLedger,
-) -> OpCost:
-    call = runner.call(node, args, kwargs)
-    key = op_key(node, runner.gm, args, kwargs, runner.module_memo)
-    stats.keys.add(key)
-    cost = cache.get(key)
-    hit = cost is not None
-    if cost is not None:
-        out = runner.run(call)
-    else:
-        out, cost = runner.profile(call)
-        cache.put(key, cost)
-    stats.count(hit=hit)
-    env[node] = pytree.tree_map_only(torch.Tensor, as_leaf, out)
-    ins, outs = call.inputs(), tensors(out)
-    ledger.made(node.name, outs, ins)
-    for pos in cost.saved_outputs:
-        ledger.keep(outs[pos], node.name)
-    for pos in cost.saved_inputs:
-        ledger.keep(ins[pos], node.name)
-    ledger.charged[node.name] = ledger.charged.get(node.name, 0) + cost.saved_internal
-    return cost
-
-
-def _node_cost(rows: list[_Row], spec: DeviceSpec | None) -> NodeCost:
+def _node_cost(rows: list[Row], spec: DeviceSpec | None) -> NodeCost:
     times = [c.times(spec) for c, _ in rows]
     return NodeCost(
         fwd_s=tuple(f for f, _ in times),
