@@ -61,16 +61,18 @@ def _equal(a: Any, b: Any) -> bool:
 def _fit_shape(
     name: str, shapes: list[tuple[int, ...]], samples: Sequence[int]
 ) -> tuple[int | None, tuple[int, ...]]:
-    seen = ", ".join(f"{list(s)} at {n}" for s, n in zip(shapes, samples, strict=True))
+    def seen() -> str:  # for the messages only: formatting every node's shapes costs seconds
+        return ", ".join(f"{list(s)} at {n}" for s, n in zip(shapes, samples, strict=True))
+
     if len({len(s) for s in shapes}) != 1:
-        raise ValueError(f"node {name} changes rank with the sample count ({seen})")
+        raise ValueError(f"node {name} changes rank with the sample count ({seen()})")
     varying = [d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1]
     if not varying:
         return None, shapes[0]
     if len(varying) > 1:
         raise ValueError(
             f"node {name} has several dimensions {varying} that grow with the sample count "
-            f"({seen}; e.g. a batch x batch similarity matrix): micro-batches cannot hold a "
+            f"({seen()}; e.g. a batch x batch similarity matrix): micro-batches cannot hold a "
             "slice of it; compute it outside the model or per sample"
         )
     d = varying[0]
@@ -78,7 +80,7 @@ def _fit_shape(
     if rows < 1 or any(s[d] != rows * n for s, n in zip(shapes, samples, strict=True)):
         raise ValueError(
             f"node {name} has dimension {d} that grows with the sample count but not in "
-            f"proportion to it ({seen}): a micro-batch would not hold whole samples (e.g. a "
+            f"proportion to it ({seen()}): a micro-batch would not hold whole samples (e.g. a "
             "fixed row concatenated to the batch); keep per-sample data along the batch dimension"
         )
     shape = list(shapes[0])
