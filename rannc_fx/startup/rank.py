@@ -24,21 +24,20 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from ..config import Config
+from ..device import DeviceSpec, device_of
+from ..passes.capture import CapturedGraph, batch_size_of, capture_pass, retarget_device_pass
+from ..passes.optcost import ParameterCosts, parameter_costs
+from ..passes.shapes import infer_values_pass
+from ..plan import Plan
+from ..planner import Planned, plan_model, split_stages
+from ..progress import note
+from ..runtime import BatchSizes
+from ..runtime.comm import CommError, agree
+from ..state.checkpoint import StateNames
 from .amp import AmpSpecs, amp_state, autocast_as
-from .checkpoint import StateNames
-from .config import Config
-from .device import DeviceSpec
-from .driver import Planned, plan_model, split_stages
-from .passes.capture import CapturedGraph, batch_size_of, capture_pass, retarget_device_pass
-from .passes.optcost import ParameterCosts, parameter_costs
-from .passes.shapes import infer_values_pass
 from .placement import InitFn, Placement, free_others, place_stage
-from .plan import Plan
 from .probe import measure_link
-from .progress import note
-from .runtime import BatchSizes
-from .runtime.comm import CommError, agree
-from .runtime.executor import device_of
 
 __all__ = ["Ready", "set_up_rank"]
 
@@ -120,7 +119,7 @@ def set_up_rank(
         plan = _broadcast_plan(plan if planned else None, rank, world)
     else:
         plan = _load_given(given, captured, world)
-    stages = split_stages(Planned(plan, captured, values, 0.0), cfg)
+    stages = split_stages(captured, values, plan, debug=cfg.debug)
     stage = stages[plan.stage_of_rank(rank).index]
     amp = None
     if home.type != "meta":  # the other autocast states' dtypes, while the model is whole

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .passes.opcost import median_seconds
-from .runtime.comm import CommError, all_reduce_flat
+from ..passes.opcost import median_seconds
+from ..runtime.comm import CommError, all_reduce_flat
 
 __all__ = ["Link", "measure_link"]
 
