@@ -192,7 +192,7 @@ class CompiledModel(nn.Module):
             self.model, self._optimizer, args, kwargs, config=self.config, device=self.device,
             given=self._given, init=self._init,
         )  # fmt: skip
-        self.config, self._captured, self.stage = ready.config, ready.captured, ready.stage
+        self._captured, self.stage = ready.captured, ready.stage
         self.placement, self._names, self._batches = ready.placement, ready.names, ready.batches
         self._executor = ready.batches.default
         self.model = None  # drops the full model; `stage` holds the parameters that remain

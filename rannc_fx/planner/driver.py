@@ -22,7 +22,7 @@ from ..passes.search import CostTable, SearchResult, SearchSpace, search_pass
 from ..passes.split import split_pass
 from ..plan import Plan, ValueSpec
 from ..progress import Progress
-from .analyze import analyze
+from .analyze import Target, analyze
 from .build import build_plan
 
 __all__ = ["Planned", "plan_model", "run_search", "split_stages"]
@@ -46,7 +46,7 @@ def plan_model(
     example_kwargs: dict[str, Any] | None = None,
     *,
     world_size: int,
-    device: DeviceSpec | str | torch.device | None = None,
+    device: DeviceSpec | str | torch.device | Target | None = None,
     config: Config | None = None,
     global_batch: int | None = None,
     optimizer: torch.optim.Optimizer | None = None,
