@@ -260,7 +260,7 @@ def _gpipe_need(base: GPT, ids: torch.Tensor, labels: torch.Tensor, world: int,
     every rank gets the figure)."""
     import dataclasses
 
-    from rannc_fx.driver import analyze
+    from rannc_fx.planner.analyze import analyze
 
     out: list[Any] = [None]
     if dist.get_rank() == 0:

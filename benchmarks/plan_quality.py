@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from rannc_fx import Config, DeviceSpec
-from rannc_fx.partition import Analysis, analyze
 from rannc_fx.passes.search import (
     Evaluation,
     NoFeasiblePlan,
@@ -51,6 +50,7 @@ from rannc_fx.passes.search import (
     samples_per_replica,
     search_pass,
 )
+from rannc_fx.planner.analyze import Analysis, analyze
 
 GiB = 1024**3
 

@@ -7,7 +7,7 @@ Two sources of cost tables:
   head), or any ``--table module:function`` of that signature. Each row also scores the best
   even split (equal blocks and replicas per stage) with the same cost model.
 * ``--model bert``: HF ``BertForPreTraining`` built on the meta device for each layer count
-  and world size, run through ``rannc_fx.partition.analyze`` (capture, shapes, profile, group,
+  and world size, run through ``rannc_fx.planner.analyze`` (capture, shapes, profile, group,
   costs: each pass's own time is reported) and then ``search_pass`` on ``a.table``/``a.space``.
 
     python benchmarks/search_time.py --blocks 12 96 192 --sweep-world-sizes 2 64 --out t.md
@@ -223,7 +223,7 @@ def run_bert(a: argparse.Namespace) -> list[str]:
     from plan_time import PhaseTimes, bert
 
     from rannc_fx import Config
-    from rannc_fx.partition import analyze
+    from rannc_fx.planner.analyze import analyze
 
     grid = [(h, L, W) for h in a.hidden for W in a.world_sizes for L in a.layers]
     grid += [(h, L, W) for h in a.hidden for L in a.sweep_layers for W in a.sweep_world_sizes

@@ -5,13 +5,13 @@
     print(parted.plan.summary())
 """
 
-from .amp import GradScaler
-from .checkpoint import get_state_dict, set_state_dict
 from .compile import CompiledModel, compile
 from .config import Config
 from .device import DeviceSpec
 from .partition import Partitioned, partition
 from .plan import Plan
+from .startup.amp import GradScaler
+from .state import get_state_dict, set_state_dict
 
 __all__ = [
     "CompiledModel",

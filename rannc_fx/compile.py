@@ -6,11 +6,11 @@
 
 Each rank runs its stage on its own device (``cuda:LOCAL_RANK`` when CUDA is available, else
 the CPU; ``Config.device`` overrides). The model may be built on the CPU or on the meta
-device; each rank moves or materializes only its stage's tensors (``placement.py``).
+device; each rank moves or materializes only its stage's tensors (``startup/placement.py``).
 ``compile(..., example_args=...)`` plans at once (so a checkpoint can be loaded before the
 first step); otherwise the first call plans.
 
-The first call's work (plan, split, place, executors) is ``setup.py``'s; later calls go to
+The first call's work (plan, split, place, executors) is ``startup/``'s; later calls go to
 the executor for their batch size and autocast state (``runtime/batches.py``).
 """
 
@@ -25,15 +25,15 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .checkpoint import StateNames, load_local
 from .config import Config
 from .passes.capture import CapturedGraph
-from .placement import InitFn, Placement, rank_device
 from .plan import Plan
 from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
 from .runtime.comm import agree, init_distributed
 from .runtime.trace import Recorder
-from .setup import set_up_rank
+from .startup import set_up_rank
+from .startup.placement import InitFn, Placement, rank_device
+from .state import StateNames, load_local
 
 __all__ = ["CompiledModel", "compile"]
 
@@ -192,7 +192,7 @@ class CompiledModel(nn.Module):
             self.model, self._optimizer, args, kwargs, config=self.config, device=self.device,
             given=self._given, init=self._init,
         )  # fmt: skip
-        self.config, self._captured, self.stage = ready.config, ready.captured, ready.stage
+        self._captured, self.stage = ready.captured, ready.stage
         self.placement, self._names, self._batches = ready.placement, ready.names, ready.batches
         self._executor = ready.batches.default
         self.model = None  # drops the full model; `stage` holds the parameters that remain

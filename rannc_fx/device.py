@@ -1,4 +1,5 @@
-"""Describe the hardware a plan is made for: memory, compute and link speeds."""
+"""Describe the hardware a plan is made for (memory, compute and link speeds), and say where a
+module's tensors are."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["DeviceSpec", "GiB"]
+__all__ = ["DeviceSpec", "GiB", "device_of"]
 
 GiB = 1024**3
 
@@ -125,3 +126,14 @@ class DeviceSpec(BaseModel):
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype name, falling back to float32's rate."""
         return self.peak_flops.get(dtype, self.peak_flops.get("float32", max(self.peak_flops.values())))
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where ``module``'s tensors are: the meta device if any parameter or buffer is there
+    (nothing on it can be measured or run), else the first one's device, else the CPU."""
+    first = None
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type == "meta":
+            return t.device
+        first = first or t.device
+    return first or torch.device("cpu")

@@ -11,12 +11,12 @@ from torch import fx, nn
 
 from .config import Config
 from .device import DeviceSpec
-from .driver import Analysis, analyze, build_plan, plan_model, split_stages
 from .passes.capture import CapturedGraph
 from .plan import Plan
+from .planner import plan_model, split_stages
 from .progress import note
 
-__all__ = ["Analysis", "Partitioned", "analyze", "build_plan", "partition"]
+__all__ = ["Partitioned", "partition"]
 
 @dataclass
 class Partitioned:
@@ -64,7 +64,7 @@ def partition(
         model, example_args, example_kwargs, world_size=world_size, device=device,
         config=cfg, global_batch=global_batch, optimizer=optimizer,
     )  # fmt: skip
-    stages = split_stages(planned, cfg)
+    stages = split_stages(planned.captured, planned.values, planned.plan, debug=cfg.debug)
     # the plan's table is print(parted)'s, not the log's: the line count stays one per pass
     note("partitioned %s in %.2f s total", planned.captured.model_name,
          time.perf_counter() - planned.started)

@@ -406,9 +406,49 @@ class Plan(BaseModel):
     # -- for people ------------------------------------------------------------------------
     def summary(self) -> str:
         """A table: one row per stage, with predicted time and memory against the budget."""
-        from .summary import summarize  # display lives apart from the IR
-
-        return summarize(self)
+        head = (
+            f"rannc_fx plan: {len(self.stages)} stage(s) on {self.world_size} rank(s), "
+            f"{self.micro_batches} micro-batch(es) of {self.global_batch // self.micro_batches}"
+            f"{'+' if self.global_batch % self.micro_batches else ''} samples, "
+            f"schedule {self.schedule}, device {self.device.name} ({self.cost_model} costs)"
+        )
+        cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
+                "recompute", "in flight", "comm ms", "accum ms", "allred ms", "optim ms",
+                "memory", "of budget")
+        rows = []
+        for st in self.stages:
+            nparam = st.memory.params
+            rows.append((
+                str(st.index),
+                f"{st.first_block}-{st.end_block - 1}",
+                str(st.num_nodes),
+                _human_bytes(nparam),
+                str(st.replicas),
+                str(st.samples),
+                f"{st.fwd_ms:.2f}",
+                f"{st.bwd_ms:.2f}",
+                "yes" if st.recompute else "no",
+                str(self.in_flight(st.index)),
+                f"{st.comm_ms:.2f}",
+                f"{st.accumulate_ms:.2f}",
+                f"{st.allreduce_ms:.2f}",
+                f"{st.optimizer_ms:.2f}",
+                _human_bytes(st.memory.total),
+                f"{100 * st.memory.total / self.memory_budget:.0f}%",
+            ))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
+        body = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+        tail = [
+            f"predicted step time {self.predicted_step_ms:.2f} ms"
+            + (f" (schedule simulated: {self.simulated_step_ms:.2f} ms)"
+               if self.simulated_step_ms is not None else "")
+            + "; memory budget "
+            f"{_human_bytes(self.memory_budget)} per device; {len(self.cut_values)} cut value(s)",
+        ]
+        for sp in self.shared_params:
+            tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
+        return "\n".join([head, line, "-" * len(line), *body, *tail])
 
 
 def loss_output(outputs: list[ValueSpec]) -> int | None:
@@ -421,3 +461,9 @@ def loss_output(outputs: list[ValueSpec]) -> int | None:
         return None
     return carry[0] if all(d == 1 for d in outputs[carry[0]].shape) else None
 
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

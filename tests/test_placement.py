@@ -15,7 +15,7 @@ from torch import nn
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import TransformerLM, gpt_example
-from rannc_fx.placement import rank_device
+from rannc_fx.startup.placement import rank_device
 
 from .dist_utils import run_ranks
 

@@ -16,7 +16,7 @@ executor  StageExecutor: interprets the lowered schedule
 alone     the one-rank, one-micro-batch fast path (same interface)
 clip      the whole model's gradient norm and clipping, each parameter counted once
 
-It imports only the plan, the config and itself; ``rannc_fx.compile`` builds it.
+It imports only the plan, the config, the device and itself; ``rannc_fx.compile`` builds it.
 """
 
 from .alone import AloneExecutor, build_executor

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..device import device_of
 from ..plan import Plan
 from . import routing
 from .checks import (
@@ -24,7 +25,7 @@ from .checks import (
     input_shapes,
 )
 from .comm import Groups
-from .executor import StageExecutor, device_of
+from .executor import StageExecutor
 from .pieces import dtype_of, ints_value
 
 __all__ = ["AloneExecutor", "build_executor", "runs_alone"]

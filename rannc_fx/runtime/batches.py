@@ -8,7 +8,7 @@ gets at least one sample of each. One executor is made per size, the first time 
 and kept (the plan's own stays the one ``model.plan`` shows).
 
 The same goes for the autocast state a call runs under: ``retype`` (given by
-``rannc_fx.compile``, see ``rannc_fx/amp.py``) gives the plan with its cut values and outputs
+``rannc_fx.compile``, see ``rannc_fx/startup/amp.py``) gives the plan with its cut values and outputs
 in that state's dtypes, and the executor for (size, state) is kept likewise.
 
 With more than one rank each call first all-gathers the ranks' local batch sizes (and

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import fx
 
 from ..config import Config
+from ..device import device_of
 from ..plan import Plan
 from . import routing
 from .bridge import Bridge
@@ -52,7 +53,7 @@ from .simulate import plan_durations, simulate
 from .stage import StageRunner, StepState
 from .trace import Recorder
 
-__all__ = ["Mode", "StageExecutor", "device_of"]
+__all__ = ["Mode", "StageExecutor"]
 
 _FORWARD_KINDS = {Kind.SCATTER, Kind.RECV_F, Kind.F, Kind.SEND_F, Kind.GATHER}
 
@@ -337,9 +338,3 @@ def _action_peers(
 
 def _is_one(g: torch.Tensor) -> bool:
     return g.numel() == 1 and bool(g.item() == 1)
-
-
-def device_of(module: torch.nn.Module) -> torch.device:
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device
-    return torch.device("cpu")

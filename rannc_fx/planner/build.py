@@ -3,16 +3,12 @@ values, outputs, shared parameters, and the simulated step of the schedule the r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .passes.capture import CapturedGraph
-from .passes.search import SearchResult
-from .passes.split import stage_interfaces
-from .plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
-from .runtime.simulate import simulate_plan
-
-if TYPE_CHECKING:
-    from .driver import Analysis
+from ..passes.capture import CapturedGraph
+from ..passes.search import SearchResult
+from ..passes.split import stage_interfaces
+from ..plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
+from ..runtime.simulate import simulate_plan
+from .analyze import Analysis
 
 __all__ = ["build_plan"]
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .passes.opcost import median_seconds
-from .runtime.comm import CommError, all_reduce_flat
+from ..device import DeviceSpec
+from ..passes.opcost import median_seconds
+from ..runtime.comm import CommError, all_reduce_flat
 
 __all__ = ["Link", "measure_link"]
 
@@ -34,6 +35,14 @@ class Link:
     bandwidth: float  # bytes/s one way
     latency: float  # seconds per message
     allreduce_bandwidth: float  # bytes/s of a ring all-reduce's traffic, reduction included
+
+    def applied_to(self, spec: DeviceSpec) -> DeviceSpec:
+        """``spec`` with these figures as its link."""
+        return spec.model_copy(update={
+            "interconnect_bandwidth": self.bandwidth,
+            "interconnect_latency": self.latency,
+            "allreduce_bandwidth": self.allreduce_bandwidth,
+        })  # fmt: skip
 
 
 def measure_link(

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from .passes.capture import CapturedGraph
-from .passes.shapes import infer_values_pass
-from .plan import Plan
+from ..passes.capture import CapturedGraph
+from ..passes.shapes import infer_values_pass
+from ..plan import Plan
 
 __all__ = ["AmpSpecs", "GradScaler", "amp_state", "autocast_as"]
 

@@ -5,7 +5,8 @@ Planning measures the link between ranks (unless ``Config.link_bandwidth`` and
 accumulation per tensor size, then captures the model on every rank; rank 0 alone profiles
 (timing the user's optimizer too) and searches (the others wait) and broadcasts the plan as
 JSON. A meta-device model, or one whose tensors are not on the rank's device, is planned
-with the analytic cost model for the rank's device. Each rank then splits the graph, infers
+with the analytic cost model for the rank's device (``planner.pick_target``); the measured link
+goes into that device's spec. Each rank then splits the graph, infers
 the dtypes of the other autocast states while the model is whole (``amp.py``), places its own
 stage (``placement.py``), frees every other parameter and buffer of the model, and prunes the
 optimizer to the parameters it still holds.
@@ -24,21 +25,19 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from ..config import Config
+from ..device import DeviceSpec, device_of
+from ..passes.capture import CapturedGraph, batch_size_of, retarget_device_pass
+from ..passes.optcost import ParameterCosts, parameter_costs
+from ..plan import Plan
+from ..planner import Planned, Target, capture_model, pick_target, plan_model, split_stages
+from ..progress import note
+from ..runtime import BatchSizes
+from ..runtime.comm import CommError, agree
+from ..state.checkpoint import StateNames
 from .amp import AmpSpecs, amp_state, autocast_as
-from .checkpoint import StateNames
-from .config import Config
-from .device import DeviceSpec
-from .driver import Planned, plan_model, split_stages
-from .passes.capture import CapturedGraph, batch_size_of, capture_pass, retarget_device_pass
-from .passes.optcost import ParameterCosts, parameter_costs
-from .passes.shapes import infer_values_pass
 from .placement import InitFn, Placement, free_others, place_stage
-from .plan import Plan
 from .probe import measure_link
-from .progress import note
-from .runtime import BatchSizes
-from .runtime.comm import CommError, agree
-from .runtime.executor import device_of
 
 __all__ = ["Ready", "set_up_rank"]
 
@@ -47,7 +46,6 @@ __all__ = ["Ready", "set_up_rank"]
 class Ready:
     """What the first call leaves on this rank."""
 
-    config: Config  # with the measured link figures
     captured: CapturedGraph
     stage: fx.GraphModule
     plan: Plan
@@ -74,53 +72,33 @@ def set_up_rank(
     rank, world = dist.get_rank(), dist.get_world_size()
     planned = given is None and rank == 0
     home = device_of(model)  # where the model's tensors are: the graph is captured there
-    analytic = _analytic(home, device, cfg)
-    if home.type == "meta":
-        args, kwargs = torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: t.to("meta"), (args, kwargs)
-        )
-    links = (cfg.link_bandwidth, cfg.link_latency, cfg.allreduce_bandwidth)
-    if given is None and world > 1 and None in links:
-        link = measure_link(device)  # every rank takes part
-        if link is not None:
-            measured = {
-                "link_bandwidth": link.bandwidth,
-                "link_latency": link.latency,
-                "allreduce_bandwidth": link.allreduce_bandwidth,
-            }
-            unset = {k: v for k, v in measured.items() if getattr(cfg, k) is None}
-            cfg = cfg.model_copy(update=unset)  # what the user gave stays
+    target = _target(home, device, cfg, world) if given is None else None
     param_costs = None
-    if given is None and world > 1 and not analytic:
+    if target is not None and world > 1 and target.measure_on is not None:
         # every rank at once: ranks that share a host's memory bandwidth step side by side
         dist.barrier()
         param_costs = parameter_costs(
-            optimizer, device, DeviceSpec.of(device),
-            cfg.optimizer_state_factor,
+            optimizer, target.measure_on, target.spec, cfg.optimizer_state_factor,
         )  # fmt: skip
     amp_type = home.type if home.type != "meta" else device.type
     planned_amp = cfg.autocast_dtype or amp_state(amp_type)
     with _untouched(model), autocast_as(amp_type, planned_amp):
         if planned:
+            assert target is not None
             try:
-                here = _plan_here(model, optimizer, args, kwargs, world, cfg, device, param_costs, analytic)
+                here = _plan_here(model, optimizer, args, kwargs, world, cfg, target, param_costs)
                 plan, captured, values = here.plan, here.captured, here.values
             except Exception as e:
                 _broadcast_plan(e, rank, world)  # the others must hear of it, not time out
                 raise
         else:
-            captured = capture_pass(
-                model, args, kwargs, tracer=cfg.tracer, leaf_modules=cfg.leaf_modules,
-                batch_dim=cfg.batch_dim,
-            )  # fmt: skip
-            values = infer_values_pass(
-                captured, captured.flatten_inputs(args, kwargs), batch_dim=cfg.batch_dim
-            )
+            cap = capture_model(model, args, kwargs, cfg)
+            captured, values = cap.graph, cap.values
     if given is None:
         plan = _broadcast_plan(plan if planned else None, rank, world)
     else:
         plan = _load_given(given, captured, world)
-    stages = split_stages(Planned(plan, captured, values, 0.0), cfg)
+    stages = split_stages(captured, values, plan, debug=cfg.debug)
     stage = stages[plan.stage_of_rank(rank).index]
     amp = None
     if home.type != "meta":  # the other autocast states' dtypes, while the model is whole
@@ -155,20 +133,30 @@ def set_up_rank(
     )  # fmt: skip
     note("compiled %s for %d rank(s) in %.2f s total (plan, split, placement)",
          captured.model_name, world, time.perf_counter() - started)
-    return Ready(cfg, captured, stage, plan, placement, names, batches)
+    return Ready(captured, stage, plan, placement, names, batches)
 
 def _plan_here(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple[Any, ...],
-    kwargs: dict[str, Any], world: int, cfg: Config, device: torch.device,
-    param_costs: ParameterCosts | None, analytic: bool,
+    kwargs: dict[str, Any], world: int, cfg: Config, target: Target,
+    param_costs: ParameterCosts | None,
 ) -> Planned:
     """Rank 0: capture, profile and search for the global batch of all ranks."""
     local = batch_size_of(list(_leaves(args, kwargs)), cfg.batch_dim)
     return plan_model(
         model, args, kwargs, world_size=world, config=cfg, global_batch=local * world,
-        optimizer=optimizer, param_costs=param_costs,
-        device=DeviceSpec.of(device) if analytic else None,
+        optimizer=optimizer, param_costs=param_costs, device=target,
     )  # fmt: skip
+
+
+def _target(home: torch.device, device: torch.device, cfg: Config, world: int) -> Target:
+    """What rank 0 plans for: this rank's device, with the link measured between the ranks
+    (every rank takes part) unless ``Config`` gives every figure."""
+    spec = DeviceSpec.of(device)
+    if world > 1 and None in (cfg.link_bandwidth, cfg.link_latency, cfg.allreduce_bandwidth):
+        link = measure_link(device)
+        if link is not None:
+            spec = link.applied_to(spec)  # Config's figures, where set, still win
+    return pick_target(home, device, cfg, spec=spec)
 
 
 def _load_given(given: Plan | str | Path | None, captured: CapturedGraph, world: int) -> Plan:
@@ -242,22 +230,6 @@ def _untouched(model: nn.Module) -> Iterator[None]:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-
-
-def _analytic(home: torch.device, device: torch.device, cfg: Config) -> bool:
-    """Whether the plan is made with the analytic cost model for ``device``'s spec: a meta
-    model has nothing to measure, and a model elsewhere than the rank's device would be
-    measured on the wrong hardware."""
-    if cfg.cost_model != "measured":
-        return cfg.cost_model == "analytic" or home != device
-    if home != device:
-        where = "on the meta device" if home.type == "meta" else f"on {home}"
-        raise ValueError(
-            f"cost_model='measured' times the model's ops where its tensors are, but they are "
-            f"{where} and this rank runs on {device}: use cost_model='auto' (analytic here) or "
-            f"build the model on {device}"
-        )
-    return False
 
 
 def _planned_only(planned: str | None) -> Callable[[Plan, str | None], Plan]:

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from .runtime.comm import agree
+from ..device import device_of
+from ..runtime.comm import agree
+from .gather import gather_full
 
-__all__ = ["StateNames", "get_state_dict", "load_local", "set_state_dict"]
+__all__ = ["RankPart", "StateNames", "get_state_dict", "load_local", "set_state_dict"]
 
 _SHOWN = 6
 
@@ -66,6 +68,16 @@ class StateNames:
         return out
 
 
+@runtime_checkable
+class RankPart(Protocol):
+    """A model that holds only this rank's part (``CompiledModel``): it names its tensors
+    under the original model's keys, and the other ranks take part in loading."""
+
+    device: torch.device
+
+    def state_names(self) -> StateNames: ...
+
+
 def get_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -80,8 +92,6 @@ def get_state_dict(
     msd = {k: t.detach() for k, t in names.local.items()}
     osd = _optim_flat(optimizer, names) if optimizer is not None else {}
     if full:
-        from .gather import gather_full
-
         return gather_full(msd, osd, device)
     return msd, osd
 
@@ -153,18 +163,13 @@ def _mark_loaded(model: nn.Module, tensors: list[torch.Tensor]) -> None:
 
 
 def _is_compiled(model: nn.Module) -> bool:
-    from .compile import CompiledModel
-
-    return isinstance(model, CompiledModel)
+    return isinstance(model, RankPart)
 
 
 def _view(model: nn.Module) -> tuple[StateNames, torch.device]:
-    from .compile import CompiledModel
-
-    if isinstance(model, CompiledModel):
+    if isinstance(model, RankPart):
         return model.state_names(), model.device
-    first = next(iter([*model.parameters(), *model.buffers()]), None)
-    return StateNames.of(model), first.device if first is not None else torch.device("cpu")
+    return StateNames.of(model), device_of(model)
 
 
 def _tensors(names: StateNames) -> list[tuple[torch.Tensor, list[str]]]:

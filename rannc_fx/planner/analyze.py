@@ -1,5 +1,23 @@
-"""The one driver of the compiler: capture -> shapes -> profile -> group -> costs -> search ->
-plan -> split. ``partition()`` (offline) and ``compile()`` (training) both plan through it.
+"""Everything before the search: capture -> shapes -> profile -> group -> costs, and the
+search space. ``driver.plan_model`` runs it, then the search and ``build_plan``.
+
+``capture_model`` is the one entry to capture and shape inference: rank 0 plans from it and
+every other rank of ``compile()`` calls it at start-up to split the same graph by the plan it
+receives. A meta-device model computes on meta: its example inputs are moved there first
+(shapes are all capture and shape inference use).
+
+The costs are for a ``Target``: the device's figures and the one rule that picks the cost
+model (``pick_target``), for ``partition()`` and ``compile()`` alike:
+
+    measured   the model's tensors are on the device the plan is for: each op is timed there
+    analytic   a meta-device model (nothing to time), a model elsewhere than that device (it
+               would be timed on the wrong hardware), a ``DeviceSpec`` or preset name (no
+               device at all), or ``Config.cost_model="analytic"``: FLOPs and bytes priced
+               with the spec
+
+``partition()`` picks for the ``device`` it is given (default: where the model is);
+``compile()`` picks for the rank's device, with the link figures it measured between ranks
+in the spec. ``Config``'s link figures, where set, win over both.
 """
 
 from __future__ import annotations
@@ -12,102 +30,51 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils import _pytree as pytree
 
-from .build import build_plan
-from .config import Config
-from .device import DeviceSpec
-from .passes.capture import CapturedGraph, capture_pass
-from .passes.costs import build_cost_table
-from .passes.group import BlockGraph, group_pass
-from .passes.optcost import ParameterCosts, parameter_costs
-from .passes.profile import Profile, profile_pass
-from .passes.search import CostTable, SearchResult, SearchSpace, needed_sizes, search_pass
-from .passes.shapes import shapes_pass
-from .passes.split import split_pass
-from .plan import (
-    Plan,
-    ValueSpec,
-    loss_output,
-)
-from .progress import Progress
+from ..config import Config
+from ..device import DeviceSpec, device_of
+from ..passes.capture import CapturedGraph, capture_pass
+from ..passes.costs import build_cost_table
+from ..passes.group import BlockGraph, group_pass
+from ..passes.optcost import ParameterCosts, parameter_costs
+from ..passes.profile import Profile, profile_pass
+from ..passes.search import CostTable, SearchSpace, needed_sizes
+from ..passes.shapes import shapes_pass
+from ..passes.shapes_symbolic import SymbolicValues
+from ..plan import ValueSpec, loss_output
 
-__all__ = ["Analysis", "Planned", "analyze", "build_plan", "plan_model", "run_search", "split_stages"]
+__all__ = ["Analysis", "Captured", "Target", "analyze", "capture_model", "pick_target"]
 
 log = logging.getLogger("rannc_fx")
 
 
 @dataclass
-class Planned:
-    """A plan with the captured graph and value specs it was made from (what ``split`` needs)."""
+class Captured:
+    """A captured graph, the example inputs it was captured on, every value's spec and, where
+    the graph's sizes are formulas in the sample count, those formulas (the profile's)."""
 
-    plan: Plan
-    captured: CapturedGraph
+    graph: CapturedGraph
+    inputs: list[Any]  # the example batch, flat, as the graph takes it (on meta for meta models)
     values: dict[str, ValueSpec]
-    started: float
+    formulas: SymbolicValues | None = None
 
 
-def plan_model(
-    model: nn.Module,
-    example_args: tuple[Any, ...],
-    example_kwargs: dict[str, Any] | None = None,
-    *,
-    world_size: int,
-    device: DeviceSpec | str | torch.device | None = None,
-    config: Config | None = None,
-    global_batch: int | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    param_costs: ParameterCosts | None = None,
-) -> Planned:
-    """Every pass up to the plan: ``analyze``, then the search and ``build_plan``."""
-    a = analyze(
-        model, example_args, example_kwargs, world_size=world_size, device=device,
-        config=config, global_batch=global_batch, optimizer=optimizer, param_costs=param_costs,
+def capture_model(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config
+) -> Captured:
+    """``capture_pass`` then ``shapes_pass`` on one example batch, as ``config`` says."""
+    args, kwargs = tuple(args), dict(kwargs)
+    if device_of(model).type == "meta":
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    graph = capture_pass(
+        model, args, kwargs,
+        tracer=config.tracer, leaf_modules=config.leaf_modules, batch_dim=config.batch_dim,
     )  # fmt: skip
-    t0 = time.perf_counter()
-    result = run_search(a.table, a.space)
-    p = Progress("plan")
-    plan = build_plan(a, result, search_seconds=time.perf_counter() - t0)
-    p.done(
-        "built the plan in %.2f s: %d stages on %d ranks, %d cut value(s), %d shared parameter(s), "
-        "predicted step %.2f ms (schedule simulated: %.2f ms)", p.seconds, len(plan.stages),
-        plan.world_size, len(plan.cut_values), len(plan.shared_params), plan.predicted_step_ms,
-        plan.simulated_step_ms or plan.predicted_step_ms,
-    )  # fmt: skip
-    return Planned(plan, a.captured, a.values, a.started)
-
-
-def run_search(table: CostTable, space: SearchSpace) -> SearchResult:
-    """``search_pass`` with its progress lines and its one line (the kernel logs no INFO: it
-    imports no torch, so it cannot tell rank 0 from the others)."""
-    p = Progress("search")
-
-    def progress(done: int, total: int, dps: int, best: float) -> None:
-        p.update(done, "bounds and scans, %d DPs, best step so far %s", dps,
-                 f"{1e3 * best:.1f} ms" if math.isfinite(best) else "none", total=total)
-
-    result = search_pass(table, space, progress=progress)
-    p.done(
-        "searched %d blocks x %d ranks x %d micro-batch counts in %.2f s (%d DPs): %d stages "
-        "(replicas %s), m=%d, %s, %d recomputing, predicted %.1f ms", table.num_blocks,
-        space.world_size, len(set(space.micro_batches)), p.seconds, result.dps,
-        len(result.stages), "/".join(str(s.replicas) for s in result.stages),
-        result.micro_batches, result.schedule, sum(s.recompute for s in result.stages),
-        1e3 * result.evaluation.step_s,
-    )  # fmt: skip
-    return result
-
-
-def split_stages(planned: Planned, config: Config | None = None) -> list[fx.GraphModule]:
-    """One GraphModule per stage (``Config.debug`` logs each one's code)."""
-    plan = planned.plan
-    stages = split_pass(planned.captured, plan, values=planned.values)
-    if config is not None and config.debug:
-        for st, gm in zip(plan.stages, stages, strict=True):
-            log.info("stage %d (blocks %d-%d):\n%s", st.index, st.first_block,
-                     st.end_block - 1, gm.print_readable(print_output=False))
-    return stages
+    inputs = graph.flatten_inputs(args, kwargs)
+    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim)
+    return Captured(graph, inputs, shapes.specs, shapes.formulas)
 
 
 @dataclass
@@ -132,7 +99,7 @@ def analyze(
     example_kwargs: dict[str, Any] | None = None,
     *,
     world_size: int,
-    device: DeviceSpec | str | torch.device | None = None,
+    device: DeviceSpec | str | torch.device | Target | None = None,
     config: Config | None = None,
     global_batch: int | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -140,30 +107,22 @@ def analyze(
 ) -> Analysis:
     """Run capture, shapes, profile, group and costs: the inputs of the search.
 
+    ``device`` is what ``pick_target`` picks the spec and cost model for (``partition()``'s
+    argument), or a ``Target`` already picked (``compile()``: the rank's device, with the
+    measured link in its spec).
     ``param_costs`` (optimizer step and gradient accumulation per tensor) are measured here
     unless given (``compile()`` measures them on every rank at once).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one device")
     cfg = Config.from_env(config)
-    kwargs = dict(example_kwargs or {})
     t0 = time.perf_counter()
-    if any(p.device.type == "meta" for p in model.parameters()):
-        # a meta model computes on meta: bring real example inputs along (shapes are all we use)
-        example_args, kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.to("meta"), (tuple(example_args), kwargs)
-        )
-
-    captured = capture_pass(
-        model, tuple(example_args), kwargs,
-        tracer=cfg.tracer, leaf_modules=cfg.leaf_modules, batch_dim=cfg.batch_dim,
-    )
-    flat = captured.flatten_inputs(tuple(example_args), kwargs)
-    shapes = shapes_pass(captured, flat, batch_dim=cfg.batch_dim)
-    values = shapes.specs
+    cap = capture_model(model, example_args, example_kwargs or {}, cfg)
+    captured, flat, values = cap.graph, cap.inputs, cap.values
     batch = global_batch or _batch_size(captured, values, flat, cfg.batch_dim)
 
-    spec, run_device, cost_model = _resolve_device(model, device, cfg)
+    target = device if isinstance(device, Target) else pick_target(device_of(model), device, cfg)
+    spec, run_device, cost_model = target.spec, target.measure_on, target.cost_model
     budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
     loss = loss_output([values[n] for n in captured.output_names])
     space = _search_space(cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec,
@@ -182,7 +141,7 @@ def analyze(
         device=run_device,
         cache_dir=cfg.profile_cache_dir,
         repeats=cfg.profile_repeats,
-        formulas=shapes.formulas,
+        formulas=cap.formulas,
     )
     blocks = group_pass(captured, profile, values, max_blocks=cfg.max_blocks)
     if cfg.debug:
@@ -190,8 +149,7 @@ def analyze(
         for b, nodes in enumerate(blocks.blocks):
             log.info("block %d: %s", b, " ".join(nodes))
     if param_costs is None:
-        measure_on = run_device if cost_model == "measured" else None
-        param_costs = parameter_costs(optimizer, measure_on, spec, cfg.optimizer_state_factor)
+        param_costs = parameter_costs(optimizer, run_device, spec, cfg.optimizer_state_factor)
     table = build_cost_table(
         captured, blocks, profile, values, sizes=sizes,
         optimizer=param_costs.optimizer, accumulate=param_costs.accumulate,
@@ -199,7 +157,7 @@ def analyze(
     return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0)
 
 
-# -- helpers ---------------------------------------------------------------------------------
+# -- the target and helpers ------------------------------------------------------------------
 
 
 def _batch_size(
@@ -215,45 +173,70 @@ def _batch_size(
     )
 
 
-def _resolve_device(
-    model: nn.Module, device: DeviceSpec | str | torch.device | None, cfg: Config
-) -> tuple[DeviceSpec, torch.device | None, Literal["measured", "analytic"]]:
-    """(spec, device to measure on or None, cost model)."""
-    on_meta = any(p.device.type == "meta" for p in model.parameters())
+@dataclass(frozen=True)
+class Target:
+    """The spec a plan is made for, and the device its op costs are timed on (None: analytic)."""
+
+    spec: DeviceSpec
+    measure_on: torch.device | None
+
+    @property
+    def cost_model(self) -> Literal["measured", "analytic"]:
+        return "analytic" if self.measure_on is None else "measured"
+
+
+def pick_target(
+    home: torch.device,
+    device: DeviceSpec | str | torch.device | None,
+    config: Config,
+    *,
+    spec: DeviceSpec | None = None,
+) -> Target:
+    """The target for a model whose tensors are on ``home`` (``device_of(model)``).
+
+    ``device``: a ``DeviceSpec`` or preset name (analytic), a torch device, or None (``home``).
+    ``spec``: that torch device's figures when the caller knows them better than
+    ``DeviceSpec.of`` does (``compile()`` measured the link).
+    """
+    run: torch.device | None = None
     if isinstance(device, DeviceSpec) or (isinstance(device, str) and device in DeviceSpec.presets()):
         spec = device if isinstance(device, DeviceSpec) else DeviceSpec.preset(device)
-        run: torch.device | None = None
     else:
-        if device is None:
-            p = next(model.parameters(), None)
-            run = p.device if p is not None else torch.device("cpu")
-        else:
-            run = torch.device(device)
+        run = _indexed(torch.device(device) if device is not None else home)
         if run.type == "meta":
             raise ValueError(
                 "the model's parameters are on the meta device, so nothing can be measured; "
                 f"pass device=<a preset: {', '.join(DeviceSpec.presets())}> or a DeviceSpec "
                 "to plan it with the analytic cost model"
             )
-        spec = DeviceSpec.of(run)
+        spec = spec or DeviceSpec.of(run)
     links = {
-        "interconnect_bandwidth": cfg.link_bandwidth,
-        "interconnect_latency": cfg.link_latency,
-        "allreduce_bandwidth": cfg.allreduce_bandwidth,
+        "interconnect_bandwidth": config.link_bandwidth,
+        "interconnect_latency": config.link_latency,
+        "allreduce_bandwidth": config.allreduce_bandwidth,
     }
     spec = spec.model_copy(update={k: v for k, v in links.items() if v is not None})
-    cost_model: Literal["measured", "analytic"]
-    if cfg.cost_model == "auto":
-        cost_model = "analytic" if (on_meta or run is None) else "measured"
-    else:
-        cost_model = cfg.cost_model
-    if cost_model == "measured" and (on_meta or run is None):
+    elsewhere = run is None or _indexed(home) != run  # a meta home is always elsewhere
+    if config.cost_model == "measured" and elsewhere:
+        why = (
+            "they are on the meta device" if home.type == "meta"
+            else f"device={spec.name!r} is a spec, not a device" if run is None
+            else f"they are on {home} and the plan is for {run}"
+        )  # fmt: skip
+        fix = f" or build the model on {run}" if run is not None else ""
         raise ValueError(
-            "cost_model='measured' needs a real device and real weights; "
-            + ("the model is on the meta device" if on_meta else f"device={spec.name!r} is a spec")
-            + ": use cost_model='analytic' (or 'auto')"
+            f"cost_model='measured' times the model's ops where its tensors are, but {why}: "
+            f"use cost_model='auto' (analytic here){fix}"
         )
-    return spec, run, cost_model
+    measured = config.cost_model != "analytic" and not elsewhere
+    return Target(spec, run if measured else None)
+
+
+def _indexed(dev: torch.device) -> torch.device:
+    """``cuda`` as the ``cuda:N`` it means now, so that equal devices compare equal."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _search_space(

@@ -1,0 +1,29 @@
+"""Planning, one front door: a model and its example batch in, a plan and its stages out.
+
+    analyze   capture_model (capture and shapes: every rank of compile() calls it), then
+              profile -> group -> costs: the search's inputs, for the Target that
+              pick_target picks (the device's figures, the one cost-model rule)
+    build     the Plan from the search's result (stages, cut values, simulated step)
+    driver    plan_model (analyze, search, build) and split_stages: what partition() and
+              compile() call
+
+The passes themselves live in ``rannc_fx.passes``; this package runs them in order.
+"""
+
+from .analyze import Analysis, Captured, Target, analyze, capture_model, pick_target
+from .build import build_plan
+from .driver import Planned, plan_model, run_search, split_stages
+
+__all__ = [
+    "Analysis",
+    "Captured",
+    "Planned",
+    "Target",
+    "analyze",
+    "build_plan",
+    "capture_model",
+    "pick_target",
+    "plan_model",
+    "run_search",
+    "split_stages",
+]

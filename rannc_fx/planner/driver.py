@@ -1,0 +1,103 @@
+"""The one driver of the compiler: capture -> shapes -> profile -> group -> costs -> search ->
+plan -> split. ``partition()`` (offline) and ``compile()`` (training, on rank 0) both plan
+through ``plan_model``; every rank splits through ``split_stages``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..config import Config
+from ..device import DeviceSpec
+from ..passes.capture import CapturedGraph
+from ..passes.optcost import ParameterCosts
+from ..passes.search import CostTable, SearchResult, SearchSpace, search_pass
+from ..passes.split import split_pass
+from ..plan import Plan, ValueSpec
+from ..progress import Progress
+from .analyze import Target, analyze
+from .build import build_plan
+
+__all__ = ["Planned", "plan_model", "run_search", "split_stages"]
+
+log = logging.getLogger("rannc_fx")
+
+
+@dataclass
+class Planned:
+    """A plan with the captured graph and value specs it was made from (what ``split`` needs)."""
+
+    plan: Plan
+    captured: CapturedGraph
+    values: dict[str, ValueSpec]
+    started: float
+
+
+def plan_model(
+    model: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    world_size: int,
+    device: DeviceSpec | str | torch.device | Target | None = None,
+    config: Config | None = None,
+    global_batch: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    param_costs: ParameterCosts | None = None,
+) -> Planned:
+    """Every pass up to the plan: ``analyze``, then the search and ``build_plan``."""
+    a = analyze(
+        model, example_args, example_kwargs, world_size=world_size, device=device,
+        config=config, global_batch=global_batch, optimizer=optimizer, param_costs=param_costs,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    result = run_search(a.table, a.space)
+    p = Progress("plan")
+    plan = build_plan(a, result, search_seconds=time.perf_counter() - t0)
+    p.done(
+        "built the plan in %.2f s: %d stages on %d ranks, %d cut value(s), %d shared parameter(s), "
+        "predicted step %.2f ms (schedule simulated: %.2f ms)", p.seconds, len(plan.stages),
+        plan.world_size, len(plan.cut_values), len(plan.shared_params), plan.predicted_step_ms,
+        plan.simulated_step_ms or plan.predicted_step_ms,
+    )  # fmt: skip
+    return Planned(plan, a.captured, a.values, a.started)
+
+
+def run_search(table: CostTable, space: SearchSpace) -> SearchResult:
+    """``search_pass`` with its progress lines and its one line (the kernel logs no INFO: it
+    imports no torch, so it cannot tell rank 0 from the others)."""
+    p = Progress("search")
+
+    def progress(done: int, total: int, dps: int, best: float) -> None:
+        p.update(done, "bounds and scans, %d DPs, best step so far %s", dps,
+                 f"{1e3 * best:.1f} ms" if math.isfinite(best) else "none", total=total)
+
+    result = search_pass(table, space, progress=progress)
+    p.done(
+        "searched %d blocks x %d ranks x %d micro-batch counts in %.2f s (%d DPs): %d stages "
+        "(replicas %s), m=%d, %s, %d recomputing, predicted %.1f ms", table.num_blocks,
+        space.world_size, len(set(space.micro_batches)), p.seconds, result.dps,
+        len(result.stages), "/".join(str(s.replicas) for s in result.stages),
+        result.micro_batches, result.schedule, sum(s.recompute for s in result.stages),
+        1e3 * result.evaluation.step_s,
+    )  # fmt: skip
+    return result
+
+
+def split_stages(
+    captured: CapturedGraph, values: dict[str, ValueSpec], plan: Plan, *, debug: bool = False
+) -> list[fx.GraphModule]:
+    """One GraphModule per stage of ``plan`` (``debug`` logs each one's code)."""
+    stages = split_pass(captured, plan, values=values)
+    if debug:
+        for st, gm in zip(plan.stages, stages, strict=True):
+            log.info("stage %d (blocks %d-%d):\n%s", st.index, st.first_block,
+                     st.end_block - 1, gm.print_readable(print_output=False))
+    return stages

@@ -1,0 +1,11 @@
+"""What one rank does at its first call: plan or receive the plan, split, place its stage.
+
+    rank       set_up_rank: the first call's steps in order, and what it leaves (Ready)
+    probe      the link between ranks, measured before planning
+    amp        the cut values' dtypes under each autocast state; GradScaler
+    placement  this rank's stage on its device: move or materialize, free the rest
+"""
+
+from .rank import Ready, set_up_rank
+
+__all__ = ["Ready", "set_up_rank"]
