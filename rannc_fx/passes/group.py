@@ -182,12 +182,12 @@ def group_pass(
         raise ValueError(f"max_blocks={max_blocks}: need at least one block")
     t0 = time.perf_counter()
     gm = captured.gm
-    groups = atomic_groups(gm, values)
+    recomputed = recomputed_values(gm, values)
+    groups = atomic_groups(gm, values, free=recomputed)
     if not groups:
         raise ValueError("the captured graph has no call nodes to group")
     position = {name: g for g, names in enumerate(groups) for name in names}
     samples = profile.batch_sizes[_representative(profile)]
-    recomputed = recomputed_values(gm, values)
     cut = _cut_bytes(gm, position, len(groups), values, recomputed, samples)
     starts = coarsen(_group_compute(profile, groups), cut, max_blocks)
     ends = [*starts[1:], len(groups)]
@@ -195,7 +195,8 @@ def group_pass(
     block_of = {name: b for b, names in enumerate(blocks) for name in names}
     out = BlockGraph(
         blocks=tuple(blocks),
-        params=tuple(tuple(p) for p in block_params(captured, blocks, values)),
+        params=tuple(tuple(p) for p in block_params(captured, blocks, values,
+                                                     recomputed=recomputed)),
         boundary=tuple(tuple(v) for v in crossing_values(gm, block_of, len(blocks), recomputed)),
     )
     note("grouped %d nodes into %d blocks in %.2f s", len(position), len(blocks),

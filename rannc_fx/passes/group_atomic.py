@@ -82,13 +82,18 @@ def _anchors(nodes: list[fx.Node], index: dict[fx.Node, int],
     return out
 
 
-def atomic_groups(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> list[list[str]]:
-    """The atomic groups of the call nodes, in topological (chain) order, node order inside."""
+def atomic_groups(gm: fx.GraphModule, values: dict[str, ValueSpec], *,
+                  free: frozenset[str] | None = None) -> list[list[str]]:
+    """The atomic groups of the call nodes, in topological (chain) order, node order inside.
+
+    ``free``: ``recomputed_values`` of the graph, if the caller has them already.
+    """
     nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
     index = {n: i for i, n in enumerate(nodes)}
     uf = _UnionFind(len(nodes))
-    _union_atomic(gm, nodes, index, values, uf)
-    free = recomputed_values(gm, values)
+    if free is None:
+        free = recomputed_values(gm, values)
+    _union_atomic(gm, nodes, index, values, uf, free)
     groups = _ordered_groups(nodes, index, uf, {index[n] for n in nodes if n.name in free})
     # a group of recomputed values only (dead code: nothing reads it) would be an empty block:
     # it joins the next group (it orders nothing, so any place is valid)
@@ -109,8 +114,7 @@ def atomic_groups(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> list[list
 
 
 def _union_atomic(gm: fx.GraphModule, nodes: list[fx.Node], index: dict[fx.Node, int],
-                  values: dict[str, ValueSpec], uf: _UnionFind) -> None:
-    free = recomputed_values(gm, values)
+                  values: dict[str, ValueSpec], uf: _UnionFind, free: frozenset[str]) -> None:
     param_only = _param_only(nodes, index, values, free)
     # readers of each alias class (keyed by its base value; a parameter, buffer or constant
     # by the tensor, whichever get_attr node or module reads it), in node order

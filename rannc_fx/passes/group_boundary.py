@@ -82,8 +82,7 @@ def recompute_chain(node: fx.Node, recomputed: frozenset[str] | set[str],
             continue
         seen[n] = None
         stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
+    return sorted(seen)  # fx nodes compare by their place in the graph (O(chain), not O(graph))
 
 
 # -- what crosses a cut ----------------------------------------------------------------------
@@ -127,15 +126,17 @@ def _cut_bytes(gm: fx.GraphModule, position: dict[str, int], num: int,
 
 
 def block_params(captured: CapturedGraph, blocks: Sequence[Sequence[str]],
-                 values: dict[str, ValueSpec]) -> list[list[str]]:
+                 values: dict[str, ValueSpec], *, recomputed: frozenset[str] | None = None
+                 ) -> list[list[str]]:
     """Per block, the canonical names of the parameters, buffers and tensor constants it reads.
 
     A block that reads a recomputed value made in another block also reads what recomputing
-    it reads.
+    it reads. ``recomputed``: ``recomputed_values`` of the graph, if the caller has them.
     """
     gm = captured.gm
     canon = _canonical_names(captured)
-    recomputed = recomputed_values(gm, values)
+    if recomputed is None:
+        recomputed = recomputed_values(gm, values)
     by_name = {n.name: n for n in gm.graph.nodes}
     block_of = {name: b for b, names in enumerate(blocks) for name in names}
     out: list[list[str]] = []

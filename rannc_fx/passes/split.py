@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.passes.split_module import split_module
 
 from ..plan import Plan, Stage, ValueSpec
@@ -65,12 +66,13 @@ class _StagedCopy:
     """The captured graph copied in stage order, recomputed values rebuilt in each reader."""
 
     def __init__(self, captured: CapturedGraph, node_stage: dict[str, int],
-                 values: dict[str, ValueSpec], ifaces: list[StageInterface]) -> None:
+                 values: dict[str, ValueSpec], ifaces: list[StageInterface],
+                 recomputed: frozenset[str]) -> None:
         self.gm = captured.gm
         self.node_stage = node_stage
         self.values = values
         self.ifaces = ifaces
-        self.recomputed = recomputed_values(self.gm, values)
+        self.recomputed = recomputed
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.local: dict[tuple[int, fx.Node], Any] = {}
@@ -205,10 +207,8 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
         str(n.target): operator.attrgetter(str(n.target))(captured.gm)
         for n in g.nodes if n.op in ("get_attr", "call_module")
     }
-    gm = fx.GraphModule(root, g, class_name=f"stage_{s}")
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    g.lint()
+    return fx.GraphModule(root, g, class_name=f"stage_{s}")  # generates and compiles its code
 
 
 def _drop_unused(g: fx.Graph, removable: Callable[[fx.Node], bool]) -> None:
@@ -253,7 +253,8 @@ def split_pass(
         values = _values_from_plan(captured, plan)
     num = len(plan.stages)
     node_stage = plan.node_stage()
-    ifaces = stage_interfaces(captured, node_stage, values, num)
+    recomputed = recomputed_values(captured.gm, values)
+    ifaces = stage_interfaces(captured, node_stage, values, num, recomputed=recomputed)
     for st, iface in zip(plan.stages, ifaces, strict=True):
         if (st.inputs, st.outputs) != (iface.inputs, iface.outputs):
             raise ValueError(
@@ -261,12 +262,15 @@ def split_pass(
                 f"{list(st.outputs)}, but on this graph it takes {list(iface.inputs)} and returns "
                 f"{list(iface.outputs)}: the plan was made for another graph; make it again"
             )
-    staged = _StagedCopy(captured, node_stage, values, ifaces)
+    staged = _StagedCopy(captured, node_stage, values, ifaces, recomputed)
     graph = staged.build()
-    parts = split_module(
-        fx.GraphModule(captured.gm, graph), captured.gm, lambda n: int(n.meta[_STAGE]),
-        keep_original_node_name=True,
-    )
+    # Only the graphs of split_module's modules (its input, each partition, the top) are read:
+    # lazy modules never generate and compile their code, two thirds of the split's time.
+    with _use_lazy_graph_module(True):
+        parts = split_module(
+            _make_graph_module(captured.gm, graph), captured.gm, lambda n: int(n.meta[_STAGE]),
+            keep_original_node_name=True,
+        )
     stages = []
     for st in plan.stages:
         sub = parts.get_submodule(f"submod_{st.index}")

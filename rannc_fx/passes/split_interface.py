@@ -58,7 +58,8 @@ def _local_reads(node: fx.Node, s: int, node_stage: dict[str, int],
 
 
 def stage_interfaces(
-    captured: CapturedGraph, node_stage: dict[str, int], values: dict[str, ValueSpec], num_stages: int
+    captured: CapturedGraph, node_stage: dict[str, int], values: dict[str, ValueSpec], num_stages: int,
+    *, recomputed: frozenset[str] | None = None,
 ) -> list[StageInterface]:
     """Each stage's inputs and outputs, and the cut values between stages.
 
@@ -67,9 +68,11 @@ def stage_interfaces(
     output leaves it produces (leaf order; a graph input returned as is comes from stage 0).
     Recomputed values (sizes, data-free values) are never cut values; a stage that rebuilds a
     size needs a batched tensor input to count its samples, or this raises ValueError.
+    ``recomputed``: ``recomputed_values`` of the graph, if the caller has them already.
     """
     gm = captured.gm
-    recomputed = recomputed_values(gm, values)
+    if recomputed is None:
+        recomputed = recomputed_values(gm, values)
     reads: list[dict[str, None]] = [{} for _ in range(num_stages)]
     cuts: dict[str, tuple[int, dict[int, None]]] = {}
     sizes: list[dict[str, None]] = [{} for _ in range(num_stages)]

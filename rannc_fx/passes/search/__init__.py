@@ -5,6 +5,8 @@ The search imports numpy only (no torch); its modules, in the order a search use
     model       the cost model (its docstring has the formulas), the types
     evaluate    one plan's step time and per-stage costs under it
     candidates  every stage of one micro-batch count, costed; 1F1B's in-flight limits
+    windows     range minima: stages that differ only in consecutive replica counts and
+                share a weight read one window of a DP row
     kernel      the DP over the block chain (a stage's weight is one number)
     layers      the 1F1B DP (a stage's weight depends on its position from the end)
     scan        ``search_pass``: the exact optimum by a threshold scan over the bottleneck

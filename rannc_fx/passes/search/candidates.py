@@ -136,6 +136,26 @@ class Candidates:
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
         self._terms: dict[tuple[int, int], StageTerms] = {}
         self._fixed: np.ndarray | None = None
+        self.live = self._live()
+
+    def _live(self) -> np.ndarray:
+        """The stages (indices into iu, ju) that may fit at some size, ascending.
+
+        With every activation, cut, workspace and output size nonnegative, a stage's memory
+        (``model.stage_memory``) is at least fl(fl(params + fl(grads * factor)) + grads): the
+        gradients are held at its peak, and rounding is monotone. A stage above the budget by
+        that alone fits nowhere; at 1024 ranks most long stages are such, and the (stages x
+        replica counts) arrays below then skip them.
+        """
+        t, sp = self.table, self.space
+        every = np.arange(len(self.iu))
+        parts = [t.act, t.cut, t.workspace] + ([] if t.out is None else [t.out])
+        if not (all(bool(np.all(np.asarray(x) >= 0)) for x in parts)
+                and sp.output_bytes >= 0):
+            return every
+        params = np.asarray(t.param_bytes, float)[self.iu, self.ju]
+        least = params + self.grad * sp.optimizer_state_factor + self.grad
+        return every[~(least > sp.memory_budget)]
 
     def terms(self, k: int, m: int) -> StageTerms:
         """The cost model's terms of every stage [i, j) at size index k with m micro-batches."""
@@ -182,7 +202,8 @@ class Candidates:
         reps = self.replicas(m)
         if not len(reps):
             return None
-        sp, P = self.space, len(self.iu)
+        sp, rows = self.space, self.live
+        P = len(rows)
         T, M, RHO = np.empty((P, len(reps))), np.empty((P, len(reps))), np.empty(
             (P, len(reps)), bool)
         done: dict[int, int] = {}  # size index -> a column already holding its t and memory
@@ -191,7 +212,7 @@ class Candidates:
             if k in done:
                 T[:, c], M[:, c], RHO[:, c] = T[:, done[k]], M[:, done[k]], RHO[:, done[k]]
                 continue
-            done[k], terms = c, self.terms(k, m)
+            done[k], terms = c, self.terms(k, m).take(rows)
             if sp.recompute is not None:
                 RHO[:, c] = sp.recompute
                 T[:, c], M[:, c] = terms.time(sp.recompute), terms.memory(m, sp.recompute)
@@ -201,7 +222,7 @@ class Candidates:
             RHO[:, c], M[:, c] = rho, np.where(rho, mem1, mem0)
             T[:, c] = np.where(rho, terms.time(True), terms.time(False))
         keep = np.flatnonzero(M.ravel() <= sp.memory_budget)
-        return self._edges(keep, reps, T, self._u(m, T, reps), M, RHO)
+        return self._edges(keep, reps, T, self._u(m, T, reps, rows), M, RHO, rows)
 
     def least_memory(self, m: int, n: int) -> Edges | None:
         """Every stage with its least memory (over the allowed variants) at n in flight."""
@@ -240,14 +261,16 @@ class Candidates:
             return None
         sp, R, allowed = self.space, len(reps), [int(v) for v in self.variants()]
         ks = [self.size(m, r) for r in reps.tolist()]
+        live = self.live  # the others fit nowhere: they never make an edge
+        by_k = {k: self.terms(k, m).take(live) for k in dict.fromkeys(ks)}
         # no variant beats the first allowed one's t + u: only stages that can still win
-        t_first = np.stack([self.terms(k, m).time(bool(allowed[0])) for k in ks], axis=1)
-        can_win = t_first + self._u(m, t_first, reps) < below
+        t_first = np.stack([by_k[k].time(bool(allowed[0])) for k in ks], axis=1)
+        can_win = t_first + self._u(m, t_first, reps, live) < below
         if gains_only:
-            full = np.stack([self.terms(k, m).memory(m, bool(allowed[0])) for k in ks], axis=1)
+            full = np.stack([by_k[k].memory(m, bool(allowed[0])) for k in ks], axis=1)
             if not (can_win & (full > sp.memory_budget)).any():
                 return None
-        rows = np.flatnonzero(can_win.any(axis=1))
+        rows = live[can_win.any(axis=1)]
         T, FIT = np.zeros((len(rows), R, 2)), np.full((len(rows), R, 2), -1, np.int64)
         done: dict[int, int] = {}  # size index -> a column already holding its figures
         for c, k in enumerate(ks):

@@ -78,15 +78,15 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
     L = layers.build_layers(sp, min(m, layers.max_depth(sp, B)))
     n = np.minimum(L.depth, m)[None, :]
 
-    def weights(a: int, b: int) -> np.ndarray:
-        at = (where[0][a:b], where[1][a:b])
+    def weights(idx: np.ndarray) -> np.ndarray:
+        at = (where[0][idx], where[1][idx])
         fixed, grads, act, cuts, cout, ws = (
             stacked[f][at][:, None] for f in ("fixed", "grads", "act", "cuts", "cout", "ws"))
         return np.min([stage_memory(fixed, grads, act, cuts, cout, ws, n, m, v)
                        for v in cands.variants()], axis=0)
 
     V = layers.forward(layers.Entries.chain(e.start, e.end, e.reps), weights, L, B,
-                       bottleneck=True)
+                       bottleneck=True, keys=(where[0],))  # a stage's weights: its size
     return float(V[B, L.final])
 
 

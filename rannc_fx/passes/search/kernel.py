@@ -7,9 +7,11 @@ to block ``end`` that uses ``reps`` ranks; the state counts what the stages so f
 * (stages so far, ranks used) with a forced stage count,
 * stages so far with forced replica counts.
 
-One DP is O(E * Z) vectorised operations (E edges, Z states) in chunks that stay in cache. A
-stage's weight here is one number per edge; ``layers`` extends the states with the stage's
-position from the end, where a 1F1B stage's weight depends on it.
+One DP is O(E * Z) vectorised operations (E edges, Z states) in chunks that stay in cache;
+where the states shift, edges that differ only in consecutive replica counts and share their
+weight read one window of a row (``windows``), so E counts such runs. A stage's weight here
+is one number per edge; ``layers`` extends the states with the stage's position from the end,
+where a 1F1B stage's weight depends on it.
 
 With nothing forced, the state before a stage of r replicas that ends in state z is z - r:
 the rows an edge reads, ``D[i][src[r]]``, are then D's row i shifted right by r, read through
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import SearchSpace
+from .windows import RangeMin, Runs, runs_and_tables
 
 __all__ = ["Edges", "States", "backtrack", "backward", "build_states", "forward", "groups",
            "through_bound"]
@@ -47,6 +50,10 @@ class States:
     dst: np.ndarray
     replicas: tuple[int, ...]
     shift: bool = False  # src[r, z] = z - r (and dst[r, z] = z + r) wherever it is defined
+    # states as blocks of ``width``: src[r] of (block b, n) is (prev[b], n - r) where n >= r
+    # (None: no such layout, with forced replicas)
+    prev: np.ndarray | None = None
+    width: int = 0
 
 
 def build_states(space: SearchSpace) -> States:
@@ -71,7 +78,11 @@ def build_states(space: SearchSpace) -> States:
     for r in range(W + 1):
         ok = src[r] < Z
         dst[r, src[r][ok]] = np.flatnonzero(ok)
-    return States(Z, final, src, dst, reps, shift=space.replicas is None and not space.stages)
+    if space.replicas is not None:
+        return States(Z, final, src, dst, reps)
+    # block s: s stages so far (forced count), reading block s - 1; or the one block
+    prev = np.arange(-1, Z // (W + 1) - 1) if space.stages else np.zeros(1, np.int64)
+    return States(Z, final, src, dst, reps, shift=not space.stages, prev=prev, width=W + 1)
 
 
 class _Rows:
@@ -169,6 +180,10 @@ def forward(e: Edges, w: np.ndarray, states: States, num_blocks: int, *,
     first = np.full(Z, np.inf)
     first[0] = -np.inf if bottleneck else 0.0
     rows.set(0, first)
+    windows = _windows(e, w, states, B, hi)
+    if windows is not None:
+        _forward_runs(rows, w, *windows, B, bottleneck=bottleneck)
+        return rows.D, rows.rows
     buf = _scratch(states)
     for j in range(1, B + 1):
         a, b = lo[j], hi[j]
@@ -176,6 +191,38 @@ def forward(e: Edges, w: np.ndarray, states: States, num_blocks: int, *,
             rows.set(j, _min_rows(rows, e.start[a:b], e.reps[a:b], w[a:b], buf,
                                   bottleneck=bottleneck))
     return rows.D, rows.rows
+
+
+def _windows(e: Edges, w: np.ndarray, states: States, num_blocks: int, hi: np.ndarray
+             ) -> tuple[Runs, RangeMin] | None:
+    """The runs of the edges the DP reads (each end block's first ``hi`` edges, finite
+    weights) and the sparse tables they read, if the states have the layout and the tables
+    fit in ``_TABLES`` elements; else None (one shifted row per edge)."""
+    if states.prev is None:
+        return None
+    idx = np.flatnonzero((np.arange(len(w)) < hi[e.end]) & (w < np.inf))
+    return runs_and_tables(idx, e.end, e.start, e.reps, (w,), num_blocks, states.prev,
+                           states.width)
+
+
+def _forward_runs(rows: _Rows, w: np.ndarray, runs: Runs, tables: RangeMin, num_blocks: int,
+                  *, bottleneck: bool) -> None:
+    """``forward``'s loop over runs of edges: each reads its window, then adds its weight."""
+    Z = rows.states.size
+    op = np.maximum if bottleneck else np.add
+    tables.set(0, rows.D[0, :Z])
+    wr, step = w[runs.first], max(1, _CHUNK // Z)
+    for j in range(1, num_blocks + 1):
+        a, b = int(runs.groups[j]), int(runs.groups[j + 1])
+        if a < b:
+            acc = np.full(Z, np.inf)
+            for c in range(a, b, step):
+                d = min(c + step, b)
+                got = tables.window(runs, c, d).reshape(d - c, Z)
+                op(got, wr[c:d, None], out=got)
+                np.minimum(acc, got.min(axis=0), out=acc)
+            rows.set(j, acc)
+        tables.set(j, rows.D[j, :Z])  # every row: a ring slot may hold an older one
 
 
 def backtrack(e: Edges, w: np.ndarray, shifted: np.ndarray, states: States,

@@ -13,8 +13,9 @@ and since S never grows with U:
 
 So the scan bisects the sorted candidate values of U, lower half first (S is often flat for a
 long way), and drops a range once its bound reaches the best step found so far. Before it,
-per m: a min-sum DP (S_inf, and a plan), a bottleneck DP (U_min, the least max u, and a
-plan), then, for an m whose S_inf + U_min is below the best step, one DP with every stage
+per m (the most micro-batches first): a min-sum DP (S_inf, and a plan), a bottleneck DP
+(U_min, the least max u, and a plan) over the stages whose S_inf + u is within the best step
+(an m none of whose plans can beat it is skipped, exactly as the bound would skip it), then, for an m whose S_inf + U_min is below the best step, one DP with every stage
 whose u can still win (it often settles the m), and a backward min-sum DP that bounds each
 stage by the least ``sum t + max(u, U_min)`` of a plan through it; the scan's DPs see only the
 stages whose bound is below the best step.
@@ -32,7 +33,9 @@ dropped before a scan (a plan's step is at least any of its stages' t + u).
 
 Cost. With E <= W * B * (B + 1) / 2 stages that fit and Z states (W + 1 when nothing is forced),
 one DP is O(E * Z) vectorised operations; a layered one O(E' * D * Z) over the E' surviving
-variants. Measured counts are in benchmarks/results/search_time_cpu_202611.md. Reproducible:
+variants. Where the states shift, E and E' count runs of consecutive replica counts with the
+same weight (``windows``): at 1024 ranks 49 k runs for 1.6 M stages. Measured counts are in
+benchmarks/results/search_time_cpu_202611.md. Reproducible:
 the same inputs give the same plan; of the plans the search compares, equal steps go to fewer
 stages, then fewer micro-batches, then GPipe, then the lexicographically smaller stages (and
 within a DP to the earliest candidate stage). A 1F1B plan whose stages would all run alike
@@ -214,10 +217,10 @@ class _Layered:
         e = self.e.take(np.flatnonzero(self.e.u < U if strict else self.e.u <= U))
         n = np.minimum(L.depth, m)
 
-        def weights(a: int, b: int) -> np.ndarray:
-            return np.where(e.valid(a, b, n), e.t[a:b, None], np.inf)
+        def weights(idx: np.ndarray) -> np.ndarray:
+            return np.where(e.valid(idx, n), e.t[idx, None], np.inf)
 
-        V = layers.forward(e, weights, L, B)
+        V = layers.forward(e, weights, L, B, keys=(e.t, e.lo, e.fit))
         run.ran(1)
         if not np.isfinite(V[B, L.final]):
             return math.inf, math.inf
@@ -290,6 +293,31 @@ def _scan_layered(p: _Layered, pre: np.ndarray, u_min: float) -> None:
     _bisect(p, best, _candidates(p, u_min, u_top, best.step), s_top)
 
 
+def _least_bottleneck(run: _Run, e: kernel.Edges, s_inf: float, *, prune: bool
+                      ) -> tuple[float, list[int]]:
+    """U_min, the least max u over plans of the edges, and such a plan (edge indices);
+    (inf, []) when every plan's step exceeds the incumbent's.
+
+    With ``prune`` (each plan offered costs at least its edges' t and u), a plan through an
+    edge has a step of at least fl(S_inf + u) (rounding is monotone), so the DP sees only the
+    edges where that is within the best step: its values up to their largest u, hence U_min
+    and the plan it backtracks, are those of the DP over every edge; when no plan is left,
+    every one of this m loses to the incumbent (whose step only falls), so the m is skipped
+    as the bound S_inf + U_min would skip it.
+    """
+    B, st = run.B, run.states
+    keep = np.flatnonzero(s_inf + e.u <= run.best.step) if prune else np.arange(len(e.u))
+    if not len(keep):
+        return math.inf, []
+    kept = e.take(keep) if len(keep) < len(e.u) else e
+    bot, shifted = kernel.forward(kept, kept.u, st, B, bottleneck=True)
+    run.ran(1)
+    if not np.isfinite(bot[B, st.final]):
+        return math.inf, []
+    path = kernel.backtrack(kept, kept.u, shifted, st, B, bottleneck=True)
+    return float(bot[B, st.final]), keep[path].tolist()
+
+
 def _first_flat(run: _Run, m: int) -> tuple[float, np.ndarray, float] | None:
     """The least sum and the least bottleneck of one m, their plans offered: (bound, S, U)."""
     e = run.cands.gpipe(m)
@@ -299,26 +327,30 @@ def _first_flat(run: _Run, m: int) -> tuple[float, np.ndarray, float] | None:
     pre, shifted = kernel.forward(e, e.t, st, B)
     if not np.isfinite(pre[B, st.final]):
         return None
+    run.ran(1)
     p.offer(kernel.backtrack(e, e.t, shifted, st, B))
-    bot, shifted = kernel.forward(e, e.u, st, B, bottleneck=True)
-    p.offer(kernel.backtrack(e, e.u, shifted, st, B, bottleneck=True))
-    run.ran(2)
-    u_min = float(bot[B, st.final])
-    return float(pre[B, st.final]) + u_min, pre, u_min
+    s_inf = float(pre[B, st.final])
+    # only 1F1B searched: a plan is offered at its 1F1B cost, which may be below its edges'
+    u_min, path = _least_bottleneck(run, e, s_inf, prune="gpipe" in run.space.schedules)
+    if path:
+        p.offer(path)
+    return s_inf + u_min, pre, u_min
 
 
 def _first_1f1b(run: _Run, ff: OneFOneB) -> tuple[float, np.ndarray, float] | None:
-    """As ``_first_flat`` on the relaxed edges: bounds, and their plans offered if they fit."""
+    """As ``_first_flat`` on the relaxed edges: bounds, and their plans offered if they fit
+    (at their true cost, never below the relaxed edges')."""
     e, B, st = ff.edges, run.B, run.states
     pre, shifted = kernel.forward(e, e.t, st, B)
     if not np.isfinite(pre[B, st.final]):
         return None
+    run.ran(1)
     run.offer_exact(ff, kernel.backtrack(e, e.t, shifted, st, B))
-    bot, shifted = kernel.forward(e, e.u, st, B, bottleneck=True)
-    run.offer_exact(ff, kernel.backtrack(e, e.u, shifted, st, B, bottleneck=True))
-    run.ran(2)
-    u_min = float(bot[B, st.final])
-    return float(pre[B, st.final]) + u_min, pre, u_min
+    s_inf = float(pre[B, st.final])
+    u_min, path = _least_bottleneck(run, e, s_inf, prune=True)
+    if path:
+        run.offer_exact(ff, path)
+    return s_inf + u_min, pre, u_min
 
 
 def search_pass(
@@ -333,15 +365,18 @@ def search_pass(
     _check(table, space)
     run, ms = _Run(table, space, progress), sorted(set(space.micro_batches))
     flat: list[tuple[float, int, np.ndarray, float]] = []
-    for m in ms:  # per m: the least sum, the least bottleneck, and their plans
+    # per m: the least sum, the least bottleneck, and their plans; the most micro-batches
+    # first, whose plans are often best at scale and prune the others' bottleneck DPs
+    for m in ms[::-1]:
         if (got := _first_flat(run, m)) is not None:
             flat.append((got[0], m, got[1], got[2]))
         run.step(1 if got is not None else 2)  # no plan at this m: nothing to scan either
     # 1F1B where a stage's position matters: its relaxed plans are incumbents for the scans
     layered: list[tuple[float, int, np.ndarray, float]] = []
     for m in ms if "1f1b" in space.schedules else []:
-        # only where a stage that can still win does not fit at n = m as it is
-        ff = run.cands.one_f_one_b(m, run.best.step, gains_only=True)
+        # only where a stage that can still win does not fit at n = m as it is; never at
+        # m = 1, where n = min(1, d) = m at every position
+        ff = run.cands.one_f_one_b(m, run.best.step, gains_only=True) if m > 1 else None
         got = _first_1f1b(run, ff) if ff is not None and ff.depth() > 1 else None
         if got is not None:
             layered.append((got[0], m, got[1], got[2]))
