@@ -49,7 +49,7 @@ def dump(path: Path, argv: Sequence[str]) -> None:
     import plan_time  # the model and the flags of the end-to-end benchmark
 
     from rannc_fx import Config
-    from rannc_fx.driver import analyze
+    from rannc_fx.planner.analyze import analyze
 
     p = argparse.ArgumentParser()
     for flag, kind, default in (("--layers", int, 96), ("--hidden", int, 2048),
