@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import logging
+import time
 from typing import Any
 
 import torch
@@ -10,9 +12,13 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from .capture_copy import RepeatError
 from .capture_graph import CapturedGraph, CaptureError, batch_size_of, build_captured
+from .capture_repeat import RepeatedCapture
 
 __all__ = ["opaque_modules", "trace_export", "trace_fx"]
+
+log = logging.getLogger("rannc_fx")
 
 # Nodes that only check what export saw (device, layout, input guards) and pin the graph to it.
 _CHECK_ONLY_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
@@ -111,9 +117,14 @@ def opaque_modules(captured: CapturedGraph, leaf_modules: tuple[str, ...]) -> li
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 batch_dim: int) -> CapturedGraph:
+                 batch_dim: int, *, repeated: bool = True) -> CapturedGraph:
     """``model(*args, **kwargs)`` exported by non-strict torch.export (ATen level), with the
-    batch dimension of every batched input dynamic."""
+    batch dimension of every batched input dynamic.
+
+    With ``repeated``, each kind of repeated submodule (the layers of an encoder) is traced
+    once and its nodes copied for the others (``capture_repeat``): the same graph, in time
+    that grows with the kinds of layers rather than their number.
+    """
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch = batch_size_of(leaves, batch_dim)
 
@@ -131,8 +142,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         k: pytree.tree_map(lambda x: {batch_dim: torch.export.Dim.AUTO} if batched(x) else None, v)
         for k, v in bound.arguments.items()
     }
-    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
-    root = ep.module()
+    ep, root = _export(model, args, kwargs, dynamic, repeated)
     graph = root.graph
     graph._codegen = fx.graph.CodeGen()
 
@@ -183,3 +193,33 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     return build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves, out_idx,
                           consts, batch_dim)
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
+            repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule]:
+    """The exported program and its module, repeated submodules traced once where they can be."""
+    keep: set[str] = set()
+    while repeated:
+        t0 = time.perf_counter()
+        rep = RepeatedCapture(model, keep=set(keep))
+        try:
+            with rep:
+                ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+            root = ep.module()
+            copies = rep.expand(root)
+            if copies:
+                log.debug("capture: %d kind(s) of repeated module traced once, %d calls copied, "
+                          "in %.2f s", len(rep.templates), copies, time.perf_counter() - t0)
+            return ep, root
+        except Exception as e:
+            if rep.unshell - keep:  # a shell had to run its own forward: keep those modules
+                log.debug("capture: %s; exporting again", e)
+                keep |= rep.unshell
+                continue
+            if not rep.kinds and not isinstance(e, RepeatError):
+                raise  # nothing was stood in for: the model does not export
+            log.debug("capture: tracing repeated modules once failed (%s: %s); exporting each",
+                      type(e).__name__, e)
+            break
+    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    return ep, ep.module()
