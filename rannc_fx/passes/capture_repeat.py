@@ -47,15 +47,21 @@ _templates_by_call: dict[int, _Template] = {}  # what the fake implementation an
 _call_ids = itertools.count()
 
 
-@torch.library.custom_op("rannc_fx::repeated_call", mutates_args=())
-def _repeated_call(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
-    raise RuntimeError("rannc_fx::repeated_call stands for a module during capture; it never runs")
+# Defined without autograd: the op never runs, and an autograd wrapper would cost more than
+# the rest of a stand-in call.
+torch.library.define("rannc_fx::repeated_call", "(Tensor[] inputs, int call) -> Tensor[]")
 
 
-@_repeated_call.register_fake
+@torch.library.register_fake("rannc_fx::repeated_call")
 def _(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
-    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            for t in _templates_by_call[call].outputs]
+    out = []
+    for t in _templates_by_call[call].outputs:
+        # empty_like hits fake tensor's cache; empty_strided with SymInt sizes is slow
+        new = torch.empty_like(t)
+        if [_sym_key(s) for s in new.stride()] != [_sym_key(s) for s in t.stride()]:
+            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        out.append(new)
+    return out
 
 
 @dataclass

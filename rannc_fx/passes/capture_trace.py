@@ -142,16 +142,16 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         k: pytree.tree_map(lambda x: {batch_dim: torch.export.Dim.AUTO} if batched(x) else None, v)
         for k, v in bound.arguments.items()
     }
-    ep, root = _export(model, args, kwargs, dynamic, repeated)
-    graph = root.graph
+    ep, gm = _export(model, args, kwargs, dynamic, repeated)
+    graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
 
     # Guards and metadata checks pin the graph to the example's devices; drop them.
     for n in list(graph.nodes):
         if (n.op == "call_module" and n.target == "_guards_fn") or n.target in _CHECK_ONLY_TARGETS:
             graph.erase_node(n)
-    if hasattr(root, "_guards_fn"):
-        delattr(root, "_guards_fn")
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
 
     # Export placeholders follow its own in_spec, where None is a leaf; match by key path.
     ep_spec = ep.call_spec.in_spec
@@ -190,14 +190,14 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     out_idx = [i for i, x in enumerate(out_leaves) if isinstance(x, fx.Node)]
     consts = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, fx.Node)}
     out_node.args = (tuple(out_leaves[i] for i in out_idx),)
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     return build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves, out_idx,
                           consts, batch_dim)
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
             repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule]:
-    """The exported program and its module, repeated submodules traced once where they can be."""
+    """The exported program and its graph module, repeated submodules traced once where they
+    can be. (The module is made before the copies: making it compiles the graph's code.)"""
     keep: set[str] = set()
     while repeated:
         t0 = time.perf_counter()
@@ -206,11 +206,12 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
             with rep:
                 ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
             root = ep.module()
-            copies = rep.expand(root)
+            gm = fx.GraphModule(root, root.graph, class_name=type(model).__name__)
+            copies = rep.expand(gm)
             if copies:
                 log.debug("capture: %d kind(s) of repeated module traced once, %d calls copied, "
                           "in %.2f s", len(rep.templates), copies, time.perf_counter() - t0)
-            return ep, root
+            return ep, gm
         except Exception as e:
             if rep.unshell - keep:  # a shell had to run its own forward: keep those modules
                 log.debug("capture: %s; exporting again", e)
@@ -222,4 +223,5 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
                       type(e).__name__, e)
             break
     ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
-    return ep, ep.module()
+    root = ep.module()
+    return ep, fx.GraphModule(root, root.graph, class_name=type(model).__name__)
