@@ -204,3 +204,42 @@ def test_calls_with_other_inputs_are_traced(caplog: pytest.LogCaptureFixture) ->
     assert copied and "1 calls copied" in caplog.text
     assert "traced on its own" in caplog.text
     _check_same(plain, fast, model, args, {})
+
+
+class NormBlock(nn.Module):
+    """Batch norm in training mode updates its running statistics: a buffer written in place."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.fc(x))
+
+
+def test_blocks_that_update_buffers(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), *[NormBlock(16) for _ in range(3)], nn.Linear(16, 2))
+    args = (torch.randn(8, 16),)
+    plain, fast, _ = _capture(model, args, {}, caplog)
+    assert _rows(fast.gm) == _rows(plain.gm)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    outs_a = plain.gm(*args)
+    stats_a = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    outs_b = fast.gm(*args)
+    torch.testing.assert_close(outs_b, outs_a)
+    torch.testing.assert_close(model.state_dict(), stats_a)
+
+
+def test_global_hook_turns_the_shortcut_off(caplog: pytest.LogCaptureFixture) -> None:
+    model = _stack()
+    args = (torch.randn(4, 5, 16),)
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        plain, fast, copied = _capture(model, args, {}, caplog)
+    finally:
+        handle.remove()
+    assert not copied
+    assert _rows(fast.gm) == _rows(plain.gm)

@@ -3,6 +3,10 @@ computes what the model does, else torch.export.
 
     capture_graph  CapturedGraph: the flat graph, its pytree specs, the model's own tensors
     capture_trace  torch.fx and torch.export, each to a CapturedGraph
+    capture_repeat torch.export with each kind of repeated submodule traced once
+    capture_same   which submodules are of one kind
+    capture_shell  later members of a kind as empty shells while export runs
+    capture_copy   a traced member's nodes copied for the others
     capture_check  a torch.fx graph against the model, on the example inputs
     capture        ``capture_pass``: which tracer, and what to say when none works
 """

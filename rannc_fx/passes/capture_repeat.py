@@ -192,6 +192,7 @@ class RepeatedCapture:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         # before the call: an op that returns its input (x.to(x.dtype)) moves x's proxy
         in_nodes = [_proxy_node(x, tracer) for x in tensors]
+        own_nodes = {_proxy_node(t, tracer) for t in (*module.parameters(), *module.buffers())}
         with watch_reads(module, kind.watched) as read:
             before = _state(module)
             out = forward(*args, **kwargs)
@@ -219,7 +220,7 @@ class RepeatedCapture:
             f"its forward reads {sorted(read)}, which differ between members" if read
             else "its forward changes the module" if changed
             else "an input is no value of the graph" if None in in_nodes
-            else _why_not(region, tensors, outputs, out_leaves, module)
+            else _why_not(region, tensors, outputs, out_leaves, module, own_nodes)
         )
         if t.why_not:
             log.debug("capture: %s traced call by call: %s", kind.members[i], t.why_not)
@@ -323,9 +324,11 @@ def _state(module: nn.Module) -> list[Any]:
 
 
 def _why_not(region: list[fx.Node], inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-             out_leaves: list[Any], module: nn.Module) -> str:
-    """Why the template's nodes cannot stand for later calls, or ''."""
-    made = set(region)
+             out_leaves: list[Any], module: nn.Module, own_nodes: set[fx.Node | None]) -> str:
+    """Why the template's nodes cannot stand for later calls, or ''. ``own_nodes`` are the
+    graph values of the module's tensors before the call."""
+    # A copy may write what it makes and its own module's tensors (batch norm's statistics)
+    made = set(region) | own_nodes
     for n in region:
         if n.op != "call_function":
             return f"it traced a {n.op} node ({n.name})"
@@ -333,7 +336,8 @@ def _why_not(region: list[fx.Node], inputs: list[torch.Tensor], outputs: list[to
         if isinstance(target, torch._ops.HigherOrderOperator):
             return f"it traced {target}"
         if isinstance(target, torch._ops.OpOverload):
-            for arg, value in zip(target._schema.arguments, n.args, strict=False):
+            for i, arg in enumerate(target._schema.arguments):
+                value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
                 written = arg.alias_info is not None and arg.alias_info.is_write
                 if written and isinstance(value, fx.Node) and value not in made:
                     return f"{n.name} ({target}) writes to {value.name}, made outside it"

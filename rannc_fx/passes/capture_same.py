@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 __all__ = ["Kind", "find_kinds", "watch_reads"]
 
@@ -49,7 +50,11 @@ class Kind:
 
 
 def find_kinds(model: nn.Module) -> list[Kind]:
-    """The kinds of ``model``'s outermost repeated submodules (two or more members each)."""
+    """The kinds of ``model``'s outermost repeated submodules (two or more members each);
+    none while a global module hook is set (it would run for a stand-in, not inside it)."""
+    if any(getattr(nn_module, f"_global_{h}", None) for h in (
+        "forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")):
+        return []
     signatures: dict[int, Hashable | None] = {}
     plain: dict[int, dict[tuple[str, str], Any]] = {}
     _signature(model, signatures, plain)
