@@ -64,14 +64,15 @@ def find_kinds(model: nn.Module) -> list[Kind]:
         if name and sig is not None and next(m.children(), None) is not None:
             counts[sig] = counts.get(sig, 0) + 1
     groups: dict[Hashable, Kind] = {}
-    chosen: list[str] = []
+    chosen: set[str] = set()
     for name, m in model.named_modules():
         sig = signatures[id(m)]
         if not name or sig is None or counts.get(sig, 0) < 2:
             continue
-        if any(name.startswith(c + ".") for c in chosen):
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in chosen for i in range(1, len(parts))):
             continue  # inside a module that is itself repeated
-        chosen.append(name)
+        chosen.add(name)
         kind = groups.setdefault(sig, Kind([], []))
         kind.members.append(name)
         kind.modules.append(m)

@@ -84,7 +84,7 @@ def add_tensors(graph: fx.Graph, root: nn.Module, model: nn.Module,
             if path is None:
                 continue
             _register(root, model, name, params.get(name), buffers.get(name))
-            node = graph.get_attr(name)
+            node = graph.create_node("get_attr", name)  # registered above
             # the traced member's tensor has the same metadata: share its fake value
             twin = by_name.get(shelled[path] + name[len(path):])
             if twin is not None:
