@@ -243,3 +243,19 @@ def test_global_hook_turns_the_shortcut_off(caplog: pytest.LogCaptureFixture) ->
         handle.remove()
     assert not copied
     assert _rows(fast.gm) == _rows(plain.gm)
+
+
+def test_gpt2_layers_scaled_by_their_index_are_traced_each(caplog: pytest.LogCaptureFixture) -> None:
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        vocab_size=128, n_positions=32, n_embd=32, n_layer=3, n_head=2, use_cache=False,
+        scale_attn_by_inverse_layer_idx=True,  # each layer's `scaling` is 1 / (index + 1)
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (4, 8))
+    plain, fast, copied = _capture(model, (ids,), {"labels": ids}, caplog)
+    assert not copied and "'scaling')]" in caplog.text
+    _check_same(plain, fast, model, (ids,), {"labels": ids})

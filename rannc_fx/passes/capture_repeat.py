@@ -11,12 +11,15 @@ calls through a stand-in ``forward``:
                             inputs have the template's metadata (symbolic shapes, dtypes,
                             aliasing) and its plain arguments are equal; else the real forward
 
-``expand`` then replaces each stand-in node by a copy of the template's nodes reading the
-call's inputs and its own module's parameters, so the graph holds the same ops in the same
-order as a plain export. A template that mutates what it did not create, aliases an input,
-reads a watched attribute or changes its module traces its kind call by call instead;
-anything ``expand`` does not find as recorded raises ``RepeatError``, and the caller
-exports again without stand-ins.
+The later members of a kind are empty shells while export runs (``capture_shell``), so that
+their tensors are not lifted. ``expand`` then replaces each stand-in node by a copy of the
+template's nodes reading the call's inputs and its own module's tensors (``capture_copy``),
+so the graph holds the same ops in the same order as a plain export. A template that writes
+what it did not make (other than its own tensors), returns a view of an input, reads a
+watched attribute or changes its module traces its kind call by call instead (a shell asked
+to do so raises RepeatError, and the caller exports again with that kind's members whole);
+anything ``expand`` does not find as recorded raises RepeatError, and the caller exports
+again without stand-ins.
 """
 
 from __future__ import annotations
@@ -134,7 +137,11 @@ class RepeatedCapture:
                 else:
                     m.forward = _StandIn(self, k, i, m.forward)
                     self._patched.append(m)
-        self._exit.enter_context(shells(self.model, list(self.shelled), forwards))
+        try:
+            self._exit.enter_context(shells(self.model, list(self.shelled), forwards))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
@@ -144,10 +151,6 @@ class RepeatedCapture:
             del m.forward
         for call in self.calls:
             _templates_by_call.pop(call, None)
-
-    @property
-    def stand_ins(self) -> int:
-        return len(self.calls)
 
     # -- during the trace --------------------------------------------------------------------
 

@@ -93,8 +93,9 @@ def _signature(m: nn.Module, out: dict[int, Hashable | None],
     if id(m) in out:
         return out[id(m)]
     mine: dict[tuple[str, str], Any] = {}
-    parts: list[Any] = [type(m), m.training, "forward" in vars(m)]
-    ok = not any(getattr(m, h, None) for h in _HOOKS)
+    parts: list[Any] = [type(m), m.training]
+    # an instance's own forward is not its class's code (and capture replaces it for a while)
+    ok = "forward" not in vars(m) and not any(getattr(m, h, None) for h in _HOOKS)
     for name, value in sorted(vars(m).items(), key=lambda kv: kv[0]):
         if name in _MODULE_INTERNALS:
             continue
