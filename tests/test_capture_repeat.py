@@ -259,3 +259,27 @@ def test_gpt2_layers_scaled_by_their_index_are_traced_each(caplog: pytest.LogCap
     plain, fast, copied = _capture(model, (ids,), {"labels": ids}, caplog)
     assert not copied and "'scaling')]" in caplog.text
     _check_same(plain, fast, model, (ids,), {"labels": ids})
+
+
+class Recorded(Stack):
+    """Hooks added during the call on every block's sublayer (as transformers records outputs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seen: list[torch.Tensor] = []
+        handles = [m.register_forward_hook(lambda m, i, o: seen.append(o))
+                   for m in self.modules() if isinstance(m, nn.LayerNorm)]
+        try:
+            out = super().forward(x)
+        finally:
+            for h in handles:
+                h.remove()
+        return out + sum(s.sum() for s in seen)
+
+
+def test_hooks_added_during_the_call(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = Recorded([Block(16) for _ in range(3)])
+    args = (torch.randn(4, 5, 16),)
+    plain, fast, copied = _capture(model, args, {}, caplog)
+    assert not copied and "a hook is set inside it" in caplog.text
+    _check_same(plain, fast, model, args, {})

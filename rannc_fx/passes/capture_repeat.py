@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .capture_copy import RepeatError, TemplateCopier
-from .capture_same import Kind, find_kinds, watch_reads
+from .capture_same import Kind, find_kinds, hooked_inside, watch_reads
 from .capture_shell import add_tensors, can_shell, shells
 
 __all__ = ["RepeatedCapture"]
@@ -165,6 +165,7 @@ class RepeatedCapture:
         template = self.templates.get(k)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         why = ("it is called first" if template is None else template.why_not
+               or ("a hook is set inside it" if hooked_inside(kind.modules[i]) else "")
                or ("" if _call_key(leaves, spec) == template.call_key
                    else f"its inputs differ from {kind.members[template.member]}'s"))
         if why and forward is None:
@@ -196,6 +197,7 @@ class RepeatedCapture:
         # before the call: an op that returns its input (x.to(x.dtype)) moves x's proxy
         in_nodes = [_proxy_node(x, tracer) for x in tensors]
         own_nodes = {_proxy_node(t, tracer) for t in (*module.parameters(), *module.buffers())}
+        hooked = hooked_inside(module)
         with watch_reads(module, kind.watched) as read:
             before = _state(module)
             out = forward(*args, **kwargs)
@@ -220,7 +222,8 @@ class RepeatedCapture:
         t = _Template(kind, i, key, out_spec, marked, outputs, len(region), len(set(in_nodes)))
         self.templates[k] = t
         t.why_not = (
-            f"its forward reads {sorted(read)}, which differ between members" if read
+            "a hook is set inside it" if hooked or hooked_inside(module)
+            else f"its forward reads {sorted(read)}, which differ between members" if read
             else "its forward changes the module" if changed
             else "an input is no value of the graph" if None in in_nodes
             else _why_not(region, tensors, outputs, out_leaves, module, own_nodes)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-__all__ = ["Kind", "find_kinds", "watch_reads"]
+__all__ = ["Kind", "find_kinds", "hooked_inside", "watch_reads"]
 
 # nn.Module's own bookkeeping in ``__dict__``: compared below on their own terms, not as attributes.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()).keys())
@@ -52,8 +52,7 @@ class Kind:
 def find_kinds(model: nn.Module) -> list[Kind]:
     """The kinds of ``model``'s outermost repeated submodules (two or more members each);
     none while a global module hook is set (it would run for a stand-in, not inside it)."""
-    if any(getattr(nn_module, f"_global_{h}", None) for h in (
-        "forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")):
+    if _global_hooks():
         return []
     signatures: dict[int, Hashable | None] = {}
     plain: dict[int, dict[tuple[str, str], Any]] = {}
@@ -81,6 +80,18 @@ def find_kinds(model: nn.Module) -> list[Kind]:
         values = [plain[id(m)] for m in kind.modules]
         kind.watched = {key for key in values[0] if any(v[key] != values[0][key] for v in values)}
     return kinds
+
+
+def hooked_inside(module: nn.Module) -> bool:
+    """Whether a hook would run inside ``module``'s forward (one may be added during a call,
+    as transformers does to record each layer's outputs): on a submodule, or a global one."""
+    return _global_hooks() or any(
+        getattr(m, h, None) for m in module.modules() if m is not module for h in _HOOKS)
+
+
+def _global_hooks() -> bool:
+    return any(getattr(nn_module, f"_global_{h}", None) for h in (
+        "forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks"))
 
 
 def _signature(m: nn.Module, out: dict[int, Hashable | None],
