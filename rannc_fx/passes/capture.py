@@ -70,6 +70,9 @@ def capture_pass(
         captured, notes, warn = _capture(model, tuple(args), kwargs, tracer, leaf_modules,
                                          batch_dim, p)
         captured.model_name = type(model).__name__
+        if captured.copied_calls:
+            notes.insert(0, f"{captured.copied_calls} calls of repeated modules copied from "
+                            "the first of their kind")
         p.done(
             "captured %s with %s: %d nodes in %.2f s%s",
             captured.model_name,

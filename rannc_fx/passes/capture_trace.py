@@ -142,7 +142,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         k: pytree.tree_map(lambda x: {batch_dim: torch.export.Dim.AUTO} if batched(x) else None, v)
         for k, v in bound.arguments.items()
     }
-    ep, gm = _export(model, args, kwargs, dynamic, repeated)
+    ep, gm, copied = _export(model, args, kwargs, dynamic, repeated)
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
 
@@ -190,14 +190,17 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     out_idx = [i for i, x in enumerate(out_leaves) if isinstance(x, fx.Node)]
     consts = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, fx.Node)}
     out_node.args = (tuple(out_leaves[i] for i in out_idx),)
-    return build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves, out_idx,
-                          consts, batch_dim)
+    captured = build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves,
+                              out_idx, consts, batch_dim)
+    captured.copied_calls = copied
+    return captured
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
-            repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule]:
-    """The exported program and its graph module, repeated submodules traced once where they
-    can be. (The module is made before the copies: making it compiles the graph's code.)"""
+            repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule, int]:
+    """The exported program, its graph module, and how many calls of repeated submodules were
+    copied rather than traced. (The module is made before the copies: making it compiles the
+    graph's code.)"""
     keep: set[str] = set()
     while repeated:
         t0 = time.perf_counter()
@@ -211,7 +214,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
             if copies:
                 log.debug("capture: %d kind(s) of repeated module traced once, %d calls copied, "
                           "in %.2f s", len(rep.templates), copies, time.perf_counter() - t0)
-            return ep, gm
+            return ep, gm, copies
         except Exception as e:
             if rep.unshell - keep:  # a shell had to run its own forward: keep those modules
                 log.debug("capture: %s; exporting again", e)
@@ -224,4 +227,4 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
             break
     ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
     root = ep.module()
-    return ep, fx.GraphModule(root, root.graph, class_name=type(model).__name__)
+    return ep, fx.GraphModule(root, root.graph, class_name=type(model).__name__), 0
