@@ -280,6 +280,10 @@ class RepeatedCapture:
             t = call.template
             key = id(t)
             copier.copy(node, t, call.member, regions[key], inputs[key], outputs[key])
+        for sub in root.modules():  # export moves grad-mode regions into submodules
+            if sub is not root and isinstance(sub, fx.GraphModule) and any(
+                    n.target is torch.ops.rannc_fx.repeated_call.default for n in sub.graph.nodes):
+                raise RepeatError("a stand-in is inside a nested graph")
         for n in graph.nodes:
             for tag in (_REGION, _INPUT, _OUTPUT):
                 n.meta.pop(tag, None)
