@@ -283,3 +283,38 @@ def test_hooks_added_during_the_call(caplog: pytest.LogCaptureFixture) -> None:
     plain, fast, copied = _capture(model, args, {}, caplog)
     assert not copied and "a hook is set inside it" in caplog.text
     _check_same(plain, fast, model, args, {})
+
+
+class Log:
+    """A Python object the blocks write to: a side effect no copy would make."""
+
+    def __init__(self) -> None:
+        self.items: list[torch.Tensor] = []
+
+
+class Logged(Block):
+    def forward(self, x: torch.Tensor, log: Log) -> torch.Tensor:  # type: ignore[override]
+        y, _ = super().forward(x)
+        log.items.append(y * 2)
+        return y
+
+
+class Logging(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Logged(16) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        log = Log()
+        for block in self.blocks:
+            x = block(x, log)
+        return x.sum() + sum(s.sum() for s in log.items)
+
+
+def test_argument_that_is_not_data(caplog: pytest.LogCaptureFixture) -> None:
+    model = Logging()
+    args = (torch.randn(4, 5, 16),)
+    plain, fast, copied = _capture(model, args, {}, caplog)
+    assert not copied and "neither a tensor nor plain data" in caplog.text
+    _check_same(plain, fast, model, args, {})

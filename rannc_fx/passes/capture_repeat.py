@@ -222,7 +222,8 @@ class RepeatedCapture:
         t = _Template(kind, i, key, out_spec, marked, outputs, len(region), len(set(in_nodes)))
         self.templates[k] = t
         t.why_not = (
-            "a hook is set inside it" if hooked or hooked_inside(module)
+            "an argument is neither a tensor nor plain data" if key is None
+            else "a hook is set inside it" if hooked or hooked_inside(module)
             else f"its forward reads {sorted(read)}, which differ between members" if read
             else "its forward changes the module" if changed
             else "an input is no value of the graph" if None in in_nodes
@@ -302,7 +303,8 @@ class _StandIn:
 
 def _call_key(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
     """What a call's graph depends on besides the module: its inputs' metadata and plain values,
-    which inputs are the same tensor, grad mode and autocast."""
+    which inputs are the same tensor, grad mode and autocast; None when an input is neither a
+    tensor nor plain data."""
     first: dict[int, int] = {}
     storages: dict[StorageWeakRef, int] = {}
     parts: list[Any] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
@@ -317,8 +319,8 @@ def _call_key(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
                 type(x), first.setdefault(id(x), i), storages.setdefault(storage, i)))
         elif x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
             parts.append(("v", type(x), x))
-        else:  # a SymInt, a cache object: its identity or state may shape the graph
-            parts.append(("id", id(x)))
+        else:  # a SymInt, a cache object: the call may change it or depend on its state
+            return None
     return tuple(parts)
 
 
