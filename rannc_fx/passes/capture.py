@@ -3,6 +3,10 @@ computes what the model does, else torch.export.
 
     capture_graph  CapturedGraph: the flat graph, its pytree specs, the model's own tensors
     capture_trace  torch.fx and torch.export, each to a CapturedGraph
+    capture_repeat torch.export with each kind of repeated submodule traced once
+    capture_same   which submodules are of one kind
+    capture_shell  later members of a kind as empty shells while export runs
+    capture_copy   a traced member's nodes copied for the others
     capture_check  a torch.fx graph against the model, on the example inputs
     capture        ``capture_pass``: which tracer, and what to say when none works
 """
@@ -67,6 +71,9 @@ def capture_pass(
                                          batch_dim, p)
         captured.model_name = type(model).__name__
         captured.autocast = autocast_state()
+        if captured.copied_calls:
+            notes.insert(0, f"{captured.copied_calls} calls of repeated modules copied from "
+                            "the first of their kind")
         p.done(
             "captured %s with %s: %d nodes in %.2f s%s",
             captured.model_name,

@@ -41,6 +41,9 @@ class CapturedGraph:
     The graph is captured in the model's current mode (``model.training``): torch.export bakes
     dropout's and batch norm's training flag into the ops.
 
+    ``copied_calls`` counts the calls of repeated submodules whose nodes torch.export did not
+    trace but ``capture_repeat`` copied from the first call of their kind.
+
     ``checked`` says how a torch.fx graph was compared with the model on the example inputs
     (``"values"``; ``"shapes"`` and dtypes only on the meta device); ``None`` when it was not
     (torch.export runs the model's own code, so its graphs are not compared).
@@ -62,6 +65,7 @@ class CapturedGraph:
     checked: Literal["values", "shapes"] | None = None
     # the autocast state the capture ran under: torch.export's values hold its dtypes
     autocast: tuple[tuple[str, str], ...] = ()
+    copied_calls: int = 0  # calls of repeated submodules copied from a first one (export)
 
     def flatten_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None

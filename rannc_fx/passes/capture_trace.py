@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import logging
+import time
 from typing import Any
 
 import torch
@@ -10,9 +12,13 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from .capture_copy import RepeatError
 from .capture_graph import CapturedGraph, CaptureError, batch_size_of, build_captured
+from .capture_repeat import RepeatedCapture
 
 __all__ = ["opaque_modules", "trace_export", "trace_fx"]
+
+log = logging.getLogger("rannc_fx")
 
 # Nodes that only check what export saw (device, layout, input guards) and pin the graph to it.
 _CHECK_ONLY_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
@@ -111,9 +117,14 @@ def opaque_modules(captured: CapturedGraph, leaf_modules: tuple[str, ...]) -> li
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 batch_dim: int) -> CapturedGraph:
+                 batch_dim: int, *, repeated: bool = True) -> CapturedGraph:
     """``model(*args, **kwargs)`` exported by non-strict torch.export (ATen level), with the
-    batch dimension of every batched input dynamic."""
+    batch dimension of every batched input dynamic.
+
+    With ``repeated``, each kind of repeated submodule (the layers of an encoder) is traced
+    once and its nodes copied for the others (``capture_repeat``): the same graph, in time
+    that grows with the kinds of layers rather than their number.
+    """
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch = batch_size_of(leaves, batch_dim)
 
@@ -131,17 +142,16 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         k: pytree.tree_map(lambda x: {batch_dim: torch.export.Dim.AUTO} if batched(x) else None, v)
         for k, v in bound.arguments.items()
     }
-    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
-    root = ep.module()
-    graph = root.graph
+    ep, gm, copied = _export(model, args, kwargs, dynamic, repeated)
+    graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
 
     # Guards and metadata checks pin the graph to the example's devices; drop them.
     for n in list(graph.nodes):
         if (n.op == "call_module" and n.target == "_guards_fn") or n.target in _CHECK_ONLY_TARGETS:
             graph.erase_node(n)
-    if hasattr(root, "_guards_fn"):
-        delattr(root, "_guards_fn")
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
 
     # Export placeholders follow its own in_spec, where None is a leaf; match by key path.
     ep_spec = ep.call_spec.in_spec
@@ -180,6 +190,41 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     out_idx = [i for i, x in enumerate(out_leaves) if isinstance(x, fx.Node)]
     consts = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, fx.Node)}
     out_node.args = (tuple(out_leaves[i] for i in out_idx),)
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
-    return build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves, out_idx,
-                          consts, batch_dim)
+    captured = build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves,
+                              out_idx, consts, batch_dim)
+    captured.copied_calls = copied
+    return captured
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
+            repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule, int]:
+    """The exported program, its graph module, and how many calls of repeated submodules were
+    copied rather than traced. (The module is made before the copies: making it compiles the
+    graph's code.)"""
+    keep: set[str] = set()
+    while repeated:
+        t0 = time.perf_counter()
+        rep = RepeatedCapture(model, keep=set(keep))
+        try:
+            with rep:
+                ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+            root = ep.module()
+            gm = fx.GraphModule(root, root.graph, class_name=type(model).__name__)
+            copies = rep.expand(gm)
+            if copies:
+                log.debug("capture: %d kind(s) of repeated module traced once, %d calls copied, "
+                          "in %.2f s", len(rep.templates), copies, time.perf_counter() - t0)
+            return ep, gm, copies
+        except Exception as e:
+            if rep.unshell - keep:  # a shell had to run its own forward: keep those modules
+                log.debug("capture: %s; exporting again", e)
+                keep |= rep.unshell
+                continue
+            if not rep.kinds and not isinstance(e, RepeatError):
+                raise  # nothing was stood in for: the model does not export
+            log.debug("capture: tracing repeated modules once failed (%s: %s); exporting each",
+                      type(e).__name__, e)
+            break
+    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    root = ep.module()
+    return ep, fx.GraphModule(root, root.graph, class_name=type(model).__name__), 0
