@@ -19,18 +19,33 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
-if TYPE_CHECKING:
-    from .capture_repeat import _Template
+from .capture_same import Kind
 
-__all__ = ["RepeatError", "TemplateCopier"]
+__all__ = ["RepeatError", "Template", "TemplateCopier"]
 
 _STACK = "nn_module_stack"
 _STACK_KEY = "L__self__"  # torch.export's key of a module path in ``nn_module_stack``
+
+
+@dataclass
+class Template:
+    """The first call of a kind, as traced."""
+
+    kind: Kind
+    member: int
+    call_key: Any
+    out_spec: pytree.TreeSpec
+    out_leaves: list[Any]  # non-tensor leaves as returned; _Made / _Passed for tensors
+    outputs: list[torch.Tensor]  # the tensors it made
+    regions: int  # nodes the call added
+    inputs: int  # distinct graph nodes it read as inputs
+    why_not: str = ""  # why later calls must trace for themselves
 
 
 class RepeatError(RuntimeError):
@@ -58,7 +73,7 @@ class TemplateCopier:
         self.getattrs = {str(n.target): n for n in graph.nodes if n.op == "get_attr"}
         self.plans: dict[int, _Plan] = {}
 
-    def copy(self, stand_in: fx.Node, template: _Template, member: int, region: list[fx.Node],
+    def copy(self, stand_in: fx.Node, template: Template, member: int, region: list[fx.Node],
              inputs: dict[fx.Node, int], outputs: dict[int, fx.Node]) -> None:
         """Put a copy of ``region`` for module ``member`` of the kind in place of ``stand_in``."""
         kind = template.kind
@@ -101,7 +116,7 @@ class TemplateCopier:
             self.graph.erase_node(user)
         self.graph.erase_node(stand_in)
 
-    def _plan(self, template: _Template, region: list[fx.Node], inputs: dict[fx.Node, int]) -> _Plan:
+    def _plan(self, template: Template, region: list[fx.Node], inputs: dict[fx.Node, int]) -> _Plan:
         plan = self.plans.get(id(template))
         if plan is not None:
             return plan

@@ -37,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from .capture_copy import RepeatError, TemplateCopier
+from .capture_copy import RepeatError, Template, TemplateCopier
 from .capture_same import Kind, find_kinds, hooked_inside, watch_reads
 from .capture_shell import add_tensors, can_shell, shells
 
@@ -46,7 +46,7 @@ __all__ = ["RepeatedCapture"]
 log = logging.getLogger("rannc_fx")
 
 _REGION, _INPUT, _OUTPUT = "rannc_repeat_region", "rannc_repeat_input", "rannc_repeat_output"
-_templates_by_call: dict[int, _Template] = {}  # what the fake implementation answers, per call
+_templates_by_call: dict[int, Template] = {}  # what the fake implementation answers, per call
 _call_ids = itertools.count()
 
 
@@ -67,21 +67,6 @@ def _(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
     return out
 
 
-@dataclass
-class _Template:
-    """The first call of a kind, as traced."""
-
-    kind: Kind
-    member: int
-    call_key: Any
-    out_spec: pytree.TreeSpec
-    out_leaves: list[Any]  # non-tensor leaves as returned; _Made / _Passed for tensors
-    outputs: list[torch.Tensor]  # the tensors it made
-    regions: int  # nodes the call added
-    inputs: int  # distinct graph nodes it read as inputs
-    why_not: str = ""  # why later calls must trace for themselves
-
-
 @dataclass(frozen=True)
 class _Made:
     """An output leaf: the stand-in's ``index``-th output."""
@@ -98,7 +83,7 @@ class _Passed:
 
 @dataclass
 class _Call:
-    template: _Template
+    template: Template
     member: int
 
 
@@ -115,7 +100,7 @@ class RepeatedCapture:
     model: nn.Module
     keep: set[str] = field(default_factory=set)
     kinds: list[Kind] = field(default_factory=list)
-    templates: dict[int, _Template] = field(default_factory=dict)  # by kind index
+    templates: dict[int, Template] = field(default_factory=dict)  # by kind index
     calls: dict[int, _Call] = field(default_factory=dict)  # by call id
     shelled: dict[str, str] = field(default_factory=dict)  # shell path -> traced member's
     unshell: set[str] = field(default_factory=set)
@@ -219,7 +204,7 @@ class RepeatedCapture:
                 outputs.append(x)
             else:
                 marked.append(x)
-        t = _Template(kind, i, key, out_spec, marked, outputs, len(region), len(set(in_nodes)))
+        t = Template(kind, i, key, out_spec, marked, outputs, len(region), len(set(in_nodes)))
         self.templates[k] = t
         t.why_not = (
             "an argument is neither a tensor nor plain data" if key is None
