@@ -11,10 +11,11 @@ The same goes for the autocast state a call runs under: ``retype`` (given by
 ``rannc_fx.compile``, see ``rannc_fx/startup/amp.py``) gives the plan with its cut values and outputs
 in that state's dtypes, and the executor for (size, state) is kept likewise.
 
-With more than one rank each call first all-gathers the ranks' local batch sizes (and
-autocast states): every rank then picks the same executor, and unequal local batches are
-refused on every rank at once instead of leaving the ranks that passed the plan's size
-waiting for a peer that raised. That costs one collective's latency per call, before the
+With more than one rank each call first all-gathers the ranks' local batch sizes, autocast
+states and the first input (if any) whose shape is not the plan's for that size: every rank
+then picks the same executor, and unequal local batches, or an input of another sequence
+length on any rank, are refused on every rank at once instead of leaving the ranks that
+passed the plan's shapes waiting for a peer that raised. That costs one collective's latency per call, before the
 first message (every message's size depends on the batch size, so it cannot overlap them);
 ``Config(check_batches=False)`` skips it for a job whose ranks always pass equal batches.
 """
@@ -78,6 +79,8 @@ class BatchSizes:
             for i, spec in enumerate(plan.inputs)
             if spec.kind == "tensor" and spec.batch_dim is not None
         ]
+        # an input's shape travels in the agreement as (index, rank, dims): this many dims
+        self._dims = max((len(s.shape) for s in plan.inputs if s.kind == "tensor"), default=0)
 
     def for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
         """The executor for the batch ``flat_inputs`` holds (the same on every rank)."""
@@ -88,9 +91,9 @@ class BatchSizes:
             if rec is not None and rec.on:
                 with rec.span("agree", "collective", kind="agree", peers=rec.others,
                               match="agree"):
-                    self._agree(local, state)
+                    self._agree(local, state, flat_inputs)
             else:
-                self._agree(local, state)
+                self._agree(local, state, flat_inputs)
         key = (local * world, state)
         found = self._by_key.get(key)
         if found is None:
@@ -123,15 +126,31 @@ class BatchSizes:
                 return int(t.shape[dim]) // rows
         return planned
 
-    def _agree(self, local: int, state: str | None) -> None:
-        """One all-gather of (size, state) per rank; every rank then sees every rank's.
+    def _odd_input(self, flat: Sequence[Any], local: int) -> list[int]:
+        """(index, rank, dims...) of this rank's first input whose shape is not the plan's for
+        ``local`` samples (rank -1: not a tensor), or index -1: every input as planned."""
+        for j, spec in enumerate(self.plan.inputs):
+            if spec.kind != "tensor":
+                continue
+            t = flat[j] if j < len(flat) else None
+            if not isinstance(t, torch.Tensor):
+                return [j, -1] + [-1] * self._dims
+            if tuple(t.shape) != spec.shape_for(local):
+                dims = list(t.shape)[: self._dims]
+                return [j, t.dim()] + dims + [-1] * (self._dims - len(dims))
+        return [-1, -1] + [-1] * self._dims
+
+    def _agree(self, local: int, state: str | None, flat: Sequence[Any]) -> None:
+        """One all-gather of (size, state, the odd input) per rank; every rank then sees
+        every rank's.
 
         It is the cheapest collective that agrees (gloo, 2 ranks, 40-48 ms steps: +1.0 and
         +3.5 % against +2.8 and +5.0 % for an all-reduce of four integers, measured
         interleaved), and a mismatch needs no second exchange to say who passed what."""
         world = self.plan.world_size
-        mine = torch.tensor([local, _state_code(state)], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(2 * world, dtype=torch.int64, device=self.device)
+        row = [local, _state_code(state), *self._odd_input(flat, local)]
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(len(row) * world, dtype=torch.int64, device=self.device)
         try:
             dist.all_gather_single(everyone, mine)
         except RuntimeError as e:
@@ -140,23 +159,48 @@ class BatchSizes:
                 f"call failed: {e}; a rank died or stopped calling the model (every rank calls "
                 "it every step): check the other ranks' logs"
             ) from e
-        rows = [tuple(r) for r in everyone.view(world, 2).tolist()]
-        if all(r == rows[0] for r in rows):
+        rows = [tuple(r) for r in everyone.view(world, len(row)).tolist()]
+        if all(r == rows[0] for r in rows) and rows[0][2] == -1:
             return
-        if any(n != rows[0][0] for n, _ in rows):
-            shown = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(rows))
+        if any(r[0] != rows[0][0] for r in rows):
+            shown = ", ".join(f"rank {i}: {r[0]}" for i, r in enumerate(rows))
             raise ValueError(
                 f"the ranks passed local batches of different sizes ({shown}); every rank must "
                 "pass the same number of samples per call: a DistributedSampler gives every "
                 "rank the same count (it pads), and DataLoader(drop_last=True) drops a "
                 "smaller last batch"
             )
-        names = {_state_code(state): state, **{_state_code(s): s for s in _STATES}}
-        shown = ", ".join(f"rank {r}: {names.get(c, 'another dtype')}"
-                          for r, (_, c) in enumerate(rows))
+        if any(r[1] != rows[0][1] for r in rows):
+            names = {_state_code(state): state, **{_state_code(s): s for s in _STATES}}
+            shown = ", ".join(f"rank {i}: {names.get(r[1], 'another dtype')}"
+                              for i, r in enumerate(rows))
+            raise ValueError(
+                f"the ranks call the model under different autocast states ({shown}); enter "
+                "the same torch.autocast(...) on every rank"
+            )
+        self._refuse_shapes(rows, local)
+
+    def _refuse_shapes(self, rows: list[tuple[int, ...]], local: int) -> None:
+        """Every rank's odd input, named, with the plan's shapes and the ways out."""
+        specs = self.plan.inputs
+
+        def said(r: tuple[int, ...]) -> str:
+            j, rank, dims = r[2], r[3], r[4:]
+            if j == -1:
+                return "as planned"
+            if rank == -1:
+                return f"input {j} ({specs[j].name!r}) is missing or not a tensor"
+            shape = tuple(dims[: min(rank, self._dims)]) + (("...",) if rank > self._dims else ())
+            return f"input {j} ({specs[j].name!r}) has shape {shape}"
+
+        shown = "; ".join(f"rank {i}: {said(r)}" for i, r in enumerate(rows))
+        odd = {r[2] for r in rows if r[2] != -1}
+        want = ", ".join(f"{specs[j].name!r} {specs[j].shape_for(local)}" for j in sorted(odd))
         raise ValueError(
-            f"the ranks call the model under different autocast states ({shown}); enter the "
-            "same torch.autocast(...) on every rank"
+            f"the ranks' inputs do not all have the shapes the plan was made for ({shown}); "
+            f"with {local} samples per rank it expects {want} on every rank: pad every rank's "
+            "batch to the planned length (only the batch dimension may change between calls), "
+            "or plan with an example of the length you train with"
         )
 
 
