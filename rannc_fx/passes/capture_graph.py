@@ -12,8 +12,8 @@ from torch.fx.node import _get_qualified_name
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "CaptureError", "CapturedGraph", "autocast_state", "batch_size_of", "build_captured", "inputs_for_samples",
-    "same_constant",
+    "CaptureError", "CapturedGraph", "autocast_state", "batch_size_of", "build_captured",
+    "inputs_for_samples", "is_batched", "same_constant",
 ]
 
 
@@ -148,6 +148,11 @@ def batch_size_of(flat_inputs: list[Any], batch_dim: int = 0) -> int:
     )
 
 
+def is_batched(x: Any, batch: int, batch_dim: int = 0) -> bool:
+    """Whether ``x`` is a tensor whose ``batch_dim`` holds the example's ``batch`` samples."""
+    return isinstance(x, torch.Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch
+
+
 def inputs_for_samples(
     flat_inputs: list[torch.Tensor], batch: int, samples: int, *, batch_dim: int = 0, fake: bool = False
 ) -> list[torch.Tensor]:
@@ -159,7 +164,7 @@ def inputs_for_samples(
     """
     out = []
     for t in flat_inputs:
-        if not isinstance(t, torch.Tensor) or t.dim() <= batch_dim or t.shape[batch_dim] != batch:
+        if not is_batched(t, batch, batch_dim):
             out.append(t)
             continue
         if fake or t.device.type == "meta":

@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from .capture_copy import RepeatError
-from .capture_graph import CapturedGraph, CaptureError, batch_size_of, build_captured
+from .capture_graph import CapturedGraph, CaptureError, batch_size_of, build_captured, is_batched
 from .capture_repeat import RepeatedCapture
 
 __all__ = ["opaque_modules", "trace_export", "trace_fx"]
@@ -129,7 +129,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     batch = batch_size_of(leaves, batch_dim)
 
     def batched(x: Any) -> bool:
-        return isinstance(x, torch.Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch
+        return is_batched(x, batch, batch_dim)
 
     if batch < 2:
         raise CaptureError(

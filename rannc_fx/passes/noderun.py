@@ -210,19 +210,8 @@ class NodeRunner:
         assert dev is not None
         return _robust(lambda c: measure_op(c, device=dev, repeats=reps), call, self._warn)
 
-    def run(self, call: OpCall) -> Any:
-        return _robust(run_op, call, self._warn)
-
-    def run_with_inputs(self, call: OpCall, *, grad: bool = True) -> tuple[Any, list[torch.Tensor]]:
-        """Run the op once; its outputs and the input tensors it ran on (clones where it
-        writes to them), so that an output's storage can be matched to the input it views."""
-
-        def run(c: OpCall) -> tuple[Any, list[torch.Tensor]]:
-            fn, bound = c.bind()
-            with torch.set_grad_enabled(grad):
-                return fn(), bound
-
-        return _robust(run, call, self._warn)
+    def run(self, call: OpCall, *, grad: bool = True) -> Any:
+        return _robust(lambda c: run_op(c, grad=grad), call, self._warn)
 
     def _warn(self, what: str) -> None:
         if what not in self.warned:

@@ -282,9 +282,10 @@ def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
     return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views)
 
 
-def run_op(call: OpCall) -> Any:
-    """Run the op once for its outputs alone, as training would (grad mode decides kernels)."""
-    with torch.enable_grad():
+def run_op(call: OpCall, *, grad: bool = True) -> Any:
+    """Run the op once for its outputs alone, as training would (grad mode decides kernels),
+    or with ``grad=False`` as a ``no_grad`` region of the graph does."""
+    with torch.set_grad_enabled(grad):
         return call.bind()[0]()
 
 

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from ..plan import ValueSpec, dtype_itemsize
 from ..progress import Progress
 from .capture import CapturedGraph, batch_size_of
-from .capture_graph import autocast_state, inputs_for_samples
+from .capture_graph import autocast_state, inputs_for_samples, is_batched
 from .noderun import NodeRunner, home_device
 from .shapes_fit import _spec
 from .shapes_layout import _interleaves, _op_name
@@ -116,14 +116,10 @@ def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_di
         hint = max(batch, 2)
         vals, source = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, p), "one run"
     placeholders = [vals[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
-    syms = batch_symbols(placeholders, batch_dim, lambda i: _batched(flat_inputs[i], batch, batch_dim))
+    syms = batch_symbols(placeholders, batch_dim, [is_batched(t, batch, batch_dim) for t in flat_inputs])
     runner = NodeRunner(gm, "analytic", None, 1, home=home_device(gm, flat_inputs))
     return SymbolicValues(gm, vals, syms, hint=hint, flat_inputs=flat_inputs, runner=runner,
                           source=source)
-
-
-def _batched(t: Any, batch: int, batch_dim: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == batch
 
 
 def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
@@ -137,7 +133,7 @@ def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batc
     samples = env.create_symintnode(sym, hint=hint)
     fakes = []
     for t in flat_inputs:
-        if _batched(t, batch, batch_dim):
+        if is_batched(t, batch, batch_dim):
             shape: list[Any] = list(t.shape)
             shape[batch_dim] = samples
             with mode:

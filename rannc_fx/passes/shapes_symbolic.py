@@ -18,8 +18,8 @@ share it cost the same at every size, and which input an output views is part of
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import sympy
@@ -92,12 +92,6 @@ class SymbolicValues:
 
     def value_at(self, name: str, samples: int) -> Any:
         """Node ``name``'s value at ``samples`` samples: tensors as :class:`Leaf`, sizes as ints."""
-        val = self.vals[name]
-        if isinstance(val, torch.Tensor):  # the common case, without a pytree walk
-            return Leaf(tuple(self.int_at(d, samples) for d in val.shape), val.dtype,
-                        self.requires_grad[name][0])
-        if isinstance(val, int | torch.SymInt):
-            return self.int_at(val, samples)
         flags = iter(self.requires_grad.get(name, ()))
 
         def at(x: Any) -> Any:
@@ -110,6 +104,9 @@ class SymbolicValues:
                 raise NoFormulas(f"node {name} is a {type(x).__name__} ({x})")
             return x
 
+        val = self.vals[name]
+        if isinstance(val, torch.Tensor | torch.SymInt | int):  # most nodes: no pytree walk
+            return at(val)
         return pytree.tree_map(at, val)
 
     def fake_args(self, node: fx.Node, samples: int, runner: NodeRunner) -> tuple[Any, Any]:
@@ -144,7 +141,8 @@ class SymbolicValues:
     # -- the walk ------------------------------------------------------------------------------
 
     def _walk(self, flat_inputs: list[Any], runner: NodeRunner) -> None:
-        """Signature, requires_grad and storages of every node; each signature runs once."""
+        """Signature and requires_grad of every node (each signature runs once), and every
+        size checked to be a formula in the sample count."""
         facts: dict[str, tuple[bool, ...]] = {}
         grad = True  # grad mode, as ``_set_grad_enabled`` nodes leave it
         it = iter(flat_inputs)
@@ -168,7 +166,7 @@ class SymbolicValues:
     def _run_once(self, node: fx.Node, runner: NodeRunner, grad: bool) -> tuple[bool, ...]:
         """Whether each output tensor requires grad, from one run at the example's size."""
         args, kwargs = self.fake_args(node, self.hint, runner)
-        out, _ = runner.run_with_inputs(runner.call(node, args, kwargs), grad=grad)
+        out = runner.run(runner.call(node, args, kwargs), grad=grad)
         flags = tuple(t.requires_grad for t in tensors(out))
         produced = tensors(self.vals.get(node.name))
         if len(produced) != len(flags):
@@ -186,7 +184,7 @@ class SymbolicValues:
     def _input_refs(self, node: fx.Node) -> list[Label]:
         def refs(n: fx.Node) -> Any:
             if n.op == "get_attr":
-                return [_Ref(_STATE_REF) for _ in tensors(_attr(self.gm, n))]
+                return [_Ref(_STATE_REF) for _ in tensors(attrgetter(str(n.target))(self.gm))]
             it = iter(range(len(tensors(self.vals[n.name]))))
             return pytree.tree_map(
                 lambda x: _Ref((n.name, next(it))) if isinstance(x, torch.Tensor) else None,
@@ -229,7 +227,7 @@ class SymbolicValues:
     def _sig(self, x: Any) -> str:
         if isinstance(x, fx.Node):
             if x.op == "get_attr":
-                return arg_sig(_attr(self.gm, x), self._modules)
+                return arg_sig(attrgetter(str(x.target))(self.gm), self._modules)
             flags = iter(self.requires_grad.get(x.name, ()))
             return self._val_sig(self.vals.get(x.name), flags)
         if isinstance(x, list | tuple):
@@ -268,18 +266,11 @@ class _Ref:
     ref: Label
 
 
-def _attr(gm: fx.GraphModule, n: fx.Node) -> Any:
-    obj: Any = gm
-    for part in str(n.target).split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def batch_symbols(vals: list[Any], batch_dim: int, batched: Callable[[int], bool]) -> frozenset[sympy.Symbol]:
-    """The symbols of the batched inputs' batch dimension (``batched(i)``: input i has one)."""
+def batch_symbols(vals: list[Any], batch_dim: int, batched: list[bool]) -> frozenset[sympy.Symbol]:
+    """The symbols of the batched inputs' batch dimension (``batched[i]``: input i has one)."""
     out: set[sympy.Symbol] = set()
-    for i, v in enumerate(vals):
-        if not batched(i) or not isinstance(v, torch.Tensor):
+    for i, (v, has) in enumerate(zip(vals, batched, strict=True)):
+        if not has or not isinstance(v, torch.Tensor):
             continue
         d = v.shape[batch_dim]
         if not isinstance(d, torch.SymInt) or not isinstance(d.node.expr, sympy.Symbol):
