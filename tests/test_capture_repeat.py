@@ -20,8 +20,6 @@ from rannc_fx.passes.capture_trace import trace_export
 
 from .hf_models import bert_example, gpt2_example, llama_example, t5_example
 
-COPIED = "calls copied"
-
 
 def _rows(gm: fx.GraphModule) -> list[tuple[str, ...]]:
     """The graph as text with node names replaced by positions."""
@@ -38,13 +36,14 @@ def _rows(gm: fx.GraphModule) -> list[tuple[str, ...]]:
 
 
 def _capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             caplog: pytest.LogCaptureFixture) -> tuple[CapturedGraph, CapturedGraph, bool]:
-    """(plain export, shortcut export, whether the shortcut copied any call)."""
+             caplog: pytest.LogCaptureFixture) -> tuple[CapturedGraph, CapturedGraph, int]:
+    """(plain export, shortcut export, how many calls the shortcut copied)."""
     plain = trace_export(model, args, kwargs, 0, repeated=False)
+    assert plain.copied_calls == 0
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="rannc_fx"):
         fast = trace_export(model, args, kwargs, 0, repeated=True)
-    return plain, fast, COPIED in caplog.text
+    return plain, fast, fast.copied_calls
 
 
 def _outputs_and_grads(captured: CapturedGraph, model: nn.Module, args: tuple[Any, ...],
@@ -95,9 +94,8 @@ def test_hf_model_graph_equals_plain_export(example: Any, caplog: pytest.LogCapt
 
 def test_copies_read_their_own_layer_and_keep_symbolic_shapes(caplog: pytest.LogCaptureFixture) -> None:
     model, args, kwargs = bert_example(layers=3)
-    with caplog.at_level(logging.DEBUG, logger="rannc_fx"):
-        fast = trace_export(model, args, kwargs, 0)
-    assert COPIED in caplog.text
+    fast = trace_export(model, args, kwargs, 0)
+    assert fast.copied_calls == 2
     weight = "bert.encoder.layer.2.attention.self.query.weight"
     (attr,) = [n for n in fast.gm.graph.nodes if n.op == "get_attr" and n.target == weight]
     (linear,) = attr.users
@@ -147,7 +145,7 @@ def test_module_list_of_identical_blocks(caplog: pytest.LogCaptureFixture) -> No
     model = _stack()
     args = (torch.randn(4, 5, 16),)
     plain, fast, copied = _capture(model, args, {}, caplog)
-    assert copied and fast.copied_calls == 3 and plain.copied_calls == 0
+    assert copied == 3
     _check_same(plain, fast, model, args, {})
 
 
@@ -156,7 +154,7 @@ def test_meta_device_model(caplog: pytest.LogCaptureFixture) -> None:
         model = _stack()
     args = (torch.randn(4, 5, 16, device="meta"),)
     plain, fast, copied = _capture(model, args, {}, caplog)
-    assert copied
+    assert copied == 3
     assert _rows(fast.gm) == _rows(plain.gm)
 
 
@@ -175,7 +173,7 @@ def test_different_shapes_and_hooks_are_not_one_kind(caplog: pytest.LogCaptureFi
     model.blocks[2].register_forward_hook(lambda m, i, o: (o[0] * 3, o[1]))
     args = (torch.randn(4, 5, 16),)
     plain, fast, copied = _capture(model, args, {}, caplog)
-    assert "1 calls copied" in caplog.text  # blocks 0 and 3 alone are alike
+    assert copied == 1  # blocks 0 and 3 alone are alike
     _check_same(plain, fast, model, args, {})
 
 
@@ -201,8 +199,69 @@ def test_calls_with_other_inputs_are_traced(caplog: pytest.LogCaptureFixture) ->
     model = Twice()
     args = (torch.randn(4, 5, 16),)
     plain, fast, copied = _capture(model, args, {}, caplog)
-    assert copied and "1 calls copied" in caplog.text
+    assert copied == 1
     assert "traced on its own" in caplog.text
+    _check_same(plain, fast, model, args, {})
+
+
+class RowsBlock(nn.Module):
+    """A size computed inside the block (``x.shape[0] * 5``): a SymInt every copy reads."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x).reshape(x.shape[0] * 5, -1).relu()
+        return y.reshape(x.shape), x
+
+
+class AccumulatingBlock(nn.Module):
+    """Writes into a tensor it was passed: its calls cannot be copies of the first."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        acc.add_(y.detach())
+        return y
+
+
+class Accumulate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([AccumulatingBlock(16) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        acc = torch.zeros_like(h)
+        for block in self.blocks:
+            h = block(h, acc)
+        return h.sum() + acc.sum()
+
+
+def test_a_size_the_first_block_computes_is_shared_by_the_copies(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = Stack([RowsBlock(16) for _ in range(4)])
+    args = (torch.randn(4, 5, 16),)
+    plain, fast, copied = _capture(model, args, {}, caplog)
+    assert copied == 3
+    _check_same(plain, fast, model, args, {})
+
+
+def test_a_block_that_writes_to_its_input_is_traced_each_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = Accumulate()
+    args = (torch.randn(4, 5, 16),)
+    plain, fast, copied = _capture(model, args, {}, caplog)
+    assert copied == 0
     _check_same(plain, fast, model, args, {})
 
 
@@ -222,7 +281,8 @@ def test_blocks_that_update_buffers(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), *[NormBlock(16) for _ in range(3)], nn.Linear(16, 2))
     args = (torch.randn(8, 16),)
-    plain, fast, _ = _capture(model, args, {}, caplog)
+    plain, fast, copied = _capture(model, args, {}, caplog)
+    assert copied == 2
     assert _rows(fast.gm) == _rows(plain.gm)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     outs_a = plain.gm(*args)

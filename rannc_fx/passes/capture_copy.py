@@ -9,9 +9,10 @@ call's inputs, the same-named tensors of its own module, and the very same every
     stand-in   y ──repeated_call([y], 7)──▶ getitem ──▶ users
     copy       y ──linear(y, layer.5.q.weight)──▶ ... ──▶ out' ──▶ users
 
-A SymInt the template computed from nothing of its own (``sym_size(input_ids, 0)``, made
-where the trace first needed it) is read from the template, not recomputed: torch.export
-makes such a node once and every later layer reads it.
+A SymInt the template computed from nothing of its own (``mul(sym_size_int_1, 5)`` for a
+``x.shape[0] * 5`` the first layer needed) is read from the template, not recomputed:
+torch.export makes such a node once, where the trace first needs it, and every later layer
+reads it.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ class RepeatError(RuntimeError):
 
 @dataclass
 class _Plan:
-    nodes: list[fx.Node]  # the template's nodes to copy, in graph order
-    shared: set[fx.Node]  # region nodes every copy reads as they are
+    nodes: list[fx.Node]  # the template's nodes to copy, in graph order (not the shared ones)
     tensors: dict[int, str]  # id of a template tensor -> its path inside the template module
 
 
@@ -129,8 +129,7 @@ class TemplateCopier:
                 own.add(n)
             elif _is_symbolic(n.meta.get("val")):
                 shared.add(n)
-        plan = self.plans[id(template)] = _Plan([n for n in region if n not in shared], shared,
-                                                tensors)
+        plan = self.plans[id(template)] = _Plan([n for n in region if n not in shared], tensors)
         return plan
 
     def _own_attr(self, a: fx.Node, plan: _Plan, mine: dict[str, torch.Tensor]) -> fx.Node:

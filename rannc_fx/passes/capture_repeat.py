@@ -38,6 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .capture_copy import RepeatError, Template, TemplateCopier
+from .capture_graph import autocast_state
 from .capture_same import Kind, find_kinds, hooked_inside, watch_reads
 from .capture_shell import add_tensors, can_shell, shells
 
@@ -293,8 +294,7 @@ def _call_key(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
     first: dict[int, int] = {}
     storages: dict[StorageWeakRef, int] = {}
     parts: list[Any] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                        torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-                        torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
+                        autocast_state()]
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             storage = StorageWeakRef(x.untyped_storage())

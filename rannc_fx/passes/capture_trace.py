@@ -208,8 +208,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
         try:
             with rep:
                 ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
-            root = ep.module()
-            gm = fx.GraphModule(root, root.graph, class_name=type(model).__name__)
+            gm = _graph_module(ep, model)
             copies = rep.expand(gm)
             if copies:
                 log.debug("capture: %d kind(s) of repeated module traced once, %d calls copied, "
@@ -226,5 +225,9 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
                       type(e).__name__, e)
             break
     ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    return ep, _graph_module(ep, model), 0
+
+
+def _graph_module(ep: torch.export.ExportedProgram, model: nn.Module) -> fx.GraphModule:
     root = ep.module()
-    return ep, fx.GraphModule(root, root.graph, class_name=type(model).__name__), 0
+    return fx.GraphModule(root, root.graph, class_name=type(model).__name__)
