@@ -20,27 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import fx
 from torch.utils import _pytree as pytree
 
+from rannc_fx.passes.capture_graph import CapturedGraph
 from rannc_fx.passes.capture_trace import trace_export
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_time import bert  # noqa: E402
-
-
-def graph_rows(gm: fx.GraphModule) -> list[tuple[str, ...]]:
-    """The graph as text with node names replaced by positions."""
-    index: dict[fx.Node, int] = {}
-    rows = []
-    for n in gm.graph.nodes:
-        index[n] = len(index)
-        args = pytree.tree_map(lambda a: f"%{index[a]}" if isinstance(a, fx.Node) else a,
-                               (n.args, n.kwargs))
-        val = n.meta.get("val")
-        shape = str(tuple(val.shape)) if isinstance(val, torch.Tensor) else repr(val)
-        rows.append((n.op, str(n.target), repr(args), shape))
-    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -54,12 +40,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="append a markdown section to this file")
     a = p.parse_args(argv)
 
-    def capture(layers: int, repeated: bool) -> tuple[float, fx.GraphModule, int]:
+    def capture(layers: int, repeated: bool) -> tuple[float, CapturedGraph]:
         model, args, kwargs, _ = bert(layers, a.hidden, heads=a.heads, seq=a.seq)
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
         t0 = time.perf_counter()
         captured = trace_export(model, args, kwargs, 0, repeated=repeated)
-        return time.perf_counter() - t0, captured.gm, captured.copied_calls
+        return time.perf_counter() - t0, captured
 
     capture(2, False)
     capture(2, True)
@@ -67,10 +53,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for i, layers in enumerate(a.layers):
         order = (False, True) if i % 2 == 0 else (True, False)
         runs = {rep: capture(layers, rep) for rep in order}
-        (plain_s, plain_gm, _), (fast_s, fast_gm, copied) = runs[False], runs[True]
-        same = graph_rows(plain_gm) == graph_rows(fast_gm)
-        rows.append(f"| {layers} | {len(plain_gm.graph.nodes)} | {plain_s:.2f} | {fast_s:.2f} "
-                    f"| {plain_s / fast_s:.1f}x | {copied} | {'yes' if same else '**no**'} |")
+        (plain_s, plain), (fast_s, fast) = runs[False], runs[True]
+        same = plain.fingerprint() == fast.fingerprint()  # ops, arguments by position, tensors
+        rows.append(f"| {layers} | {plain.num_nodes} | {plain_s:.2f} | {fast_s:.2f} "
+                    f"| {plain_s / fast_s:.1f}x | {fast.copied_calls} | {'yes' if same else '**no**'} |")
         print(rows[-1], flush=True)
     head = ("| layers | nodes | plain export s | layers traced once s | speed-up | calls copied "
             "| same graph |\n|---:|---:|---:|---:|---:|---:|---|")
