@@ -112,18 +112,19 @@ class RangeMin:
             strides=(s[0], s[1], -s[3], s[2], s[3]), writeable=False)
 
     def set(self, i: int, row: np.ndarray) -> None:
-        """Block i's DP row (layers * width states) is final: tabulate its window minima."""
+        """Block i's DP row (layers * width states) is final: tabulate its window minima.
+
+        What is never written stays infinite from the start: the pads, the layers no stage
+        reads (``prev < 0``) and each level's last ``h`` cells."""
         st, pad = self.st, self.pad
         slot = i % self.ring
         blocks = row.reshape(-1, st.shape[3] - pad)
         ok = self.prev >= 0
-        st[0, slot, :, pad:] = np.inf
         st[0, slot, ok, pad:] = blocks[self.prev[ok]]
         for lv in range(1, len(st)):
             h = 1 << (lv - 1)
             np.minimum(st[lv - 1, slot, :, :-h], st[lv - 1, slot, :, h:],
                        out=st[lv, slot, :, :-h])
-            st[lv, slot, :, -h:] = np.inf
 
     def window(self, runs: Runs, a: int, b: int) -> np.ndarray:
         """(b - a, layers, width): the window minima of runs [a, b)."""
