@@ -105,26 +105,22 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
-        self.causal: torch.Tensor
-        self.register_buffer("causal", torch.empty(seq, seq), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """This module's own tensors (the layers have theirs): also what a model built on the
         meta device is materialized with, stage by stage."""
         nn.init.normal_(self.pos, std=0.02)
-        with torch.no_grad():
-            seq = self.causal.shape[0]
-            mask = torch.full((seq, seq), float("-inf"), device=self.causal.device)
-            self.causal.copy_(torch.triu(mask, diagonal=1))
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         s = input_ids.shape[1]
         h = self.embed(input_ids) + self.pos[:s]
-        # is_causal spares the encoder a data-dependent check of the mask, so export traces it
-        h = self.encoder(h, mask=self.causal[:s, :s], is_causal=True)
+        # made for this length (slicing a (seq, seq) buffer in two dimensions would pin the
+        # length for torch.export); is_causal spares the encoder a data-dependent mask check
+        mask = nn.Transformer.generate_square_subsequent_mask(s, device=h.device, dtype=h.dtype)
+        h = self.encoder(h, mask=mask, is_causal=True)
         logits = self.head(self.norm(h))
         if labels is None:
             return logits

@@ -37,15 +37,14 @@ value
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .device import DeviceSpec
+from .values import DynamicDim, ValueSpec
 
 __all__ = [
     "FORMAT_VERSION",
@@ -56,91 +55,12 @@ __all__ = [
     "Plan",
     "SharedParam",
     "Stage",
-    "ValueSpec",
-    "dtype_itemsize",
     "loss_output",
 ]
 
-FORMAT_VERSION = 2  # 2: schedule and per-stage recompute
-
-
-def dtype_itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype name such as ``"float32"`` (the plan's dtype strings)."""
-    return int(getattr(torch, dtype).itemsize)
+FORMAT_VERSION = 3  # 2: schedule and per-stage recompute; 3: dynamic dimensions
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class ValueSpec(BaseModel):
-    """What a value is, for any number of samples, so that no rank asks another.
-
-    For a tensor with a batch dimension, ``shape`` is its shape for ONE sample:
-    ``shape[batch_dim]`` is the rows a sample contributes (1 normally, ``seq`` after a
-    ``view(B * seq, h)``). A tensor with ``batch_dim=None`` is the same for every micro-batch.
-    An integer (a size the graph computes) is ``int_coeffs = (a, c)``: ``a * samples + c``;
-    a tuple of them (a ``torch.Size``) is one pair per element.
-
-    ``interleaved`` marks a batched tensor whose rows of different samples alternate along
-    the batch dimension (a ``(seq, batch, h)`` tensor viewed as ``(seq * batch, h)``): fine
-    inside a stage, but it cannot be sliced by sample, so it never crosses a stage boundary.
-    ``interleave`` is its layout where known: the batch dimension holds ``interleave`` blocks
-    one after another, each with every sample's ``shape[batch_dim] // interleave`` rows in
-    sample order (``seq`` blocks of one row for the view above; 2 for ``cat([x, y])``)::
-
-        rows for samples a, b, c with interleave = 2:   a0 b0 c0 | a1 b1 c1
-    """
-
-    model_config = _FROZEN
-
-    name: str
-    kind: Literal["tensor", "int", "ints", "constant"]
-    dtype: str | None = None
-    shape: tuple[int, ...] = ()
-    batch_dim: int | None = None
-    int_coeffs: tuple[tuple[int, int], ...] = ()
-    requires_grad: bool = False
-    interleaved: bool = False
-    interleave: int | None = None
-
-    @model_validator(mode="after")
-    def _check_layout(self) -> ValueSpec:
-        if self.interleave is not None:
-            rows = self.shape[self.batch_dim] if self.batch_dim is not None else 0
-            if not self.interleaved or self.interleave < 2 or rows % self.interleave:
-                raise ValueError(
-                    f"value {self.name!r}: interleave={self.interleave} needs an interleaved "
-                    f"batched tensor whose {rows} rows per sample it divides (at least 2 blocks)"
-                )
-        return self
-
-    @property
-    def carries_gradient(self) -> bool:
-        """A floating tensor that requires a gradient (a loss, when it has no batch dim)."""
-        dt = self.dtype or ""
-        return (
-            self.kind == "tensor"
-            and self.requires_grad
-            and dt.startswith(("float", "bfloat", "complex"))
-        )
-
-    def shape_for(self, samples: int) -> tuple[int, ...]:
-        """The tensor's shape when it holds ``samples`` samples."""
-        if self.kind != "tensor":
-            raise ValueError(f"value {self.name!r} is a {self.kind}, not a tensor")
-        if self.batch_dim is None:
-            return self.shape
-        s = list(self.shape)
-        s[self.batch_dim] *= samples
-        return tuple(s)
-
-    def ints_for(self, samples: int) -> tuple[int, ...]:
-        """The integer(s) this value holds when its stage sees ``samples`` samples."""
-        return tuple(a * samples + c for a, c in self.int_coeffs)
-
-    def nbytes_for(self, samples: int) -> int:
-        if self.kind != "tensor":
-            return 8 * len(self.int_coeffs)
-        return math.prod(self.shape_for(samples)) * dtype_itemsize(self.dtype or "float32")
 
 
 class Block(BaseModel):
@@ -279,6 +199,8 @@ class Plan(BaseModel):
     blocks: tuple[Block, ...]
     stages: tuple[Stage, ...]
     inputs: tuple[ValueSpec, ...]
+    # input dimensions a call may pass at another size, up to the plan's (values.py)
+    dynamic_dims: tuple[DynamicDim, ...] = ()
     outputs: tuple[OutputRef, ...]
     cut_values: tuple[CutValue, ...]
     shared_params: tuple[SharedParam, ...] = ()
@@ -297,7 +219,7 @@ class Plan(BaseModel):
         if version is not None and version != FORMAT_VERSION:
             raise ValueError(
                 f"plan format version {version} is not {FORMAT_VERSION} (version 2 added the "
-                "schedule and per-stage recomputation); make the plan again with this version "
+                "schedule and per-stage recomputation, 3 dynamic dimensions); make the plan again with this version "
                 "of rannc_fx"
             )
         return data
@@ -332,6 +254,15 @@ class Plan(BaseModel):
                 f"replica counts {[s.replicas for s in self.stages]} sum to {next_rank}, "
                 f"not the world size {self.world_size}"
             )
+        for d in self.dynamic_dims:
+            spec = self.inputs[d.input] if d.input < len(self.inputs) else None
+            if spec is None or spec.kind != "tensor" or d.dim >= len(spec.shape) or spec.shape[
+                d.dim
+            ] != d.size:
+                raise ValueError(
+                    f"dynamic dimension {d.name!r} is dimension {d.dim} of input {d.input} of "
+                    f"size {d.size}, which the plan's inputs do not have"
+                )
         n = len(self.stages)
         for cv in self.cut_values:
             if not cv.consumers:
@@ -368,6 +299,20 @@ class Plan(BaseModel):
         once under the plan's schedule."""
         m = self.micro_batches
         return m if self.schedule == "gpipe" else min(m, len(self.stages) - stage)
+
+    def at_sizes(self, sizes: Mapping[str, int]) -> Plan:
+        """The plan for a call whose dynamic dimensions have ``sizes`` (name -> size): every
+        value the runtime sizes (inputs, cut values, outputs) evaluated there. The stages,
+        their costs and the schedule stay the plan's."""
+        if all(sizes[d.name] == d.size for d in self.dynamic_dims):
+            return self
+        return self.model_copy(update={
+            "inputs": tuple(s.at_sizes(sizes) for s in self.inputs),
+            "cut_values": tuple(cv.model_copy(update={"spec": cv.spec.at_sizes(sizes)})
+                                for cv in self.cut_values),
+            "outputs": tuple(r.model_copy(update={"spec": r.spec.at_sizes(sizes)})
+                             for r in self.outputs),
+        })
 
     def node_stage(self) -> dict[str, int]:
         """Node name -> stage index, for every node the blocks hold."""
@@ -446,6 +391,9 @@ class Plan(BaseModel):
             + "; memory budget "
             f"{_human_bytes(self.memory_budget)} per device; {len(self.cut_values)} cut value(s)",
         ]
+        if self.dynamic_dims:
+            tail.append("dynamic dimension(s), up to the planned size: " + ", ".join(
+                f"{d.name} <= {d.size}" for d in self.dynamic_dims))
         for sp in self.shared_params:
             tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
         return "\n".join([head, line, "-" * len(line), *body, *tail])

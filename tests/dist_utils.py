@@ -16,16 +16,8 @@ import torch
 import torch.distributed as dist
 
 from rannc_fx.device import DeviceSpec
-from rannc_fx.plan import (
-    Block,
-    CutValue,
-    MemoryEstimate,
-    OutputRef,
-    Plan,
-    SharedParam,
-    Stage,
-    ValueSpec,
-)
+from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
+from rannc_fx.values import ValueSpec
 
 __all__ = ["RankFailed", "make_plan", "run_ranks", "scalar", "tensor"]
 

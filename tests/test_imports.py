@@ -96,7 +96,7 @@ def test_no_module_imports_itself_back():
 
 
 def test_the_runtime_imports_only_the_plan_the_config_the_device_and_itself():
-    allowed = {"rannc_fx.plan", "rannc_fx.config", "rannc_fx.device"}
+    allowed = {"rannc_fx.plan", "rannc_fx.values", "rannc_fx.config", "rannc_fx.device"}
     for name, deps in import_graph().items():
         if name.startswith("rannc_fx.runtime"):
             outside = {d for d in deps if not d.startswith("rannc_fx.runtime")} - allowed

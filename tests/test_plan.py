@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rannc_fx import Config, DeviceSpec, Plan
-from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Stage, ValueSpec
+from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Stage
+from rannc_fx.values import ValueSpec
 
 MEM = MemoryEstimate(params=100, grads=100, optimizer_state=200, activations=50,
                      comm_buffers=10, workspace=5)
@@ -78,7 +79,7 @@ def test_a_version_1_plan_is_refused_not_misread():
     del old["schedule"]
     for st in old["stages"]:
         del st["recompute"]
-    with pytest.raises(ValueError, match="plan format version 1 is not 2 .*schedule.*make the "
+    with pytest.raises(ValueError, match="plan format version 1 is not 3 .*schedule.*make the "
                                          "plan again"):
         Plan.from_json(json.dumps(old))
 

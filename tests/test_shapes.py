@@ -11,8 +11,8 @@ from torch import nn
 
 from rannc_fx.passes.capture import capture_pass
 from rannc_fx.passes.shapes import infer_values_pass
-from rannc_fx.plan import ValueSpec
 from rannc_fx.runtime.pieces import interleave, sample_major
+from rannc_fx.values import ValueSpec
 
 from .conftest import zoo_example
 

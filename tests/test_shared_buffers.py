@@ -24,7 +24,8 @@ from rannc_fx.partition import partition
 from rannc_fx.passes.capture import CapturedGraph, capture_pass
 from rannc_fx.passes.group import CALL_OPS, BlockGraph, recomputed_values, written_state
 from rannc_fx.passes.split import split_pass
-from rannc_fx.plan import Plan, ValueSpec
+from rannc_fx.plan import Plan
+from rannc_fx.values import ValueSpec
 
 from .dist_utils import run_ranks
 from .test_group import value_specs

@@ -15,7 +15,8 @@ from rannc_fx.models import cnn_example, gpt_example, mlp_example
 from rannc_fx.passes.capture import CapturedGraph, capture_pass
 from rannc_fx.passes.group import BlockGraph, group_pass, recomputed_values
 from rannc_fx.passes.split import run_stages, split_pass, stage_interfaces
-from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, Stage, ValueSpec
+from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, Stage
+from rannc_fx.values import ValueSpec
 
 from .test_group import capture, prepared, synthetic_profile, value_specs
 

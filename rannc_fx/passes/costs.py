@@ -9,8 +9,8 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from ..plan import ValueSpec
 from ..progress import note
+from ..values import ValueSpec
 from .capture import CapturedGraph
 from .group import BlockGraph
 from .optcost import SizeCurve

@@ -45,8 +45,8 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from ..plan import ValueSpec
 from ..progress import note
+from ..values import ValueSpec
 from .capture import CapturedGraph
 from .group_atomic import atomic_groups
 from .group_boundary import (

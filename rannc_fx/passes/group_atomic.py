@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import fx
 
-from ..plan import ValueSpec
+from ..values import ValueSpec
 from .group_boundary import _kind, _tensors_of, recomputed_values
 from .group_ops import (
     CALL_OPS,

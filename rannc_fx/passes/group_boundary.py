@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from ..plan import ValueSpec
+from ..values import ValueSpec
 from .capture import CapturedGraph
 from .group_ops import CALL_OPS, _alias_base, _is_random, _mutated_args, _state, written_state
 

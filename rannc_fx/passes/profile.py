@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from torch import fx
 
 from ..device import DeviceSpec
-from ..plan import ValueSpec
 from ..progress import Progress
+from ..values import ValueSpec
 from .capture import CapturedGraph
 from .noderun import NodeRunner, home_device, measure_device
 from .opcache import CostCache

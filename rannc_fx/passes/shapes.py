@@ -19,8 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils import _pytree as pytree
 
-from ..plan import ValueSpec, dtype_itemsize
 from ..progress import Progress
+from ..values import ValueSpec, dtype_itemsize
 from .capture import CapturedGraph, batch_size_of
 from .capture_graph import autocast_state, inputs_for_samples, is_batched
 from .noderun import NodeRunner, home_device

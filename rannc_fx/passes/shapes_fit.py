@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..plan import ValueSpec
+from ..values import ValueSpec
 from .shapes_symbolic import Leaf
 
 __all__: list[str] = []  # private to infer_values_pass, which calls _spec

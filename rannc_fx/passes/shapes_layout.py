@@ -12,7 +12,7 @@ import math
 
 from torch import fx, nn
 
-from ..plan import ValueSpec
+from ..values import ValueSpec
 
 __all__: list[str] = []  # private to the shapes pass: _interleaves marks specs, _op_name names ops
 

@@ -38,8 +38,9 @@ from torch import fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.passes.split_module import split_module
 
-from ..plan import Plan, Stage, ValueSpec
+from ..plan import Plan, Stage
 from ..progress import note
+from ..values import ValueSpec
 from .capture import CapturedGraph
 from .group import CALL_OPS, recomputed_values, written_state
 from .split_interface import StageInterface, _sample_source, stage_interfaces

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from ..plan import ValueSpec
+from ..values import ValueSpec
 from .capture import CapturedGraph
 from .group import CALL_OPS, recomputed_values
 

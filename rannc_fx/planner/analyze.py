@@ -43,7 +43,8 @@ from ..passes.profile import Profile, profile_pass
 from ..passes.search import CostTable, SearchSpace, needed_sizes
 from ..passes.shapes import shapes_pass
 from ..passes.shapes_symbolic import SymbolicValues
-from ..plan import ValueSpec, loss_output
+from ..plan import loss_output
+from ..values import ValueSpec
 
 __all__ = ["Analysis", "Captured", "Target", "analyze", "capture_model", "pick_target"]
 

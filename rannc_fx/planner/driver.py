@@ -20,8 +20,9 @@ from ..passes.capture import CapturedGraph
 from ..passes.optcost import ParameterCosts
 from ..passes.search import CostTable, SearchResult, SearchSpace, search_pass
 from ..passes.split import split_pass
-from ..plan import Plan, ValueSpec
+from ..plan import Plan
 from ..progress import Progress
+from ..values import ValueSpec
 from .analyze import Target, analyze
 from .build import build_plan
 

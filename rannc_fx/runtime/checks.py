@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..plan import CutValue, Plan, Stage, ValueSpec
+from ..plan import CutValue, Plan, Stage
+from ..values import ValueSpec
 from . import routing
 from .pieces import dtype_of
 

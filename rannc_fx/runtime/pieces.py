@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import ValueSpec
+from ..values import ValueSpec
 from .routing import Transfer
 
 __all__ = [

@@ -34,7 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from ..plan import Plan, ValueSpec
+from ..plan import Plan
+from ..values import ValueSpec
 
 __all__ = [
     "RankRoutes",

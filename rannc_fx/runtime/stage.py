@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..plan import Plan, Stage, ValueSpec
+from ..plan import Plan, Stage
+from ..values import ValueSpec
 from . import routing
 from .buffers import BufferSync
 from .checks import check_stage_outputs
