@@ -98,6 +98,14 @@ class Config(BaseModel):
         default="auto", description="auto = measured on a real device, analytic on meta"
     )
     batch_dim: int = Field(default=0, ge=0, description="batch dimension of the inputs")
+    dynamic_dims: Literal["auto", "batch"] | tuple[str, ...] = Field(
+        default="auto",
+        description="input dimensions other than the batch's that a call may pass at any size "
+        "up to the example's (a sequence length under dynamic padding): 'auto' = every one "
+        "the model allows (torch.export keeps it a symbol), 'batch' = none (every call passes "
+        "the example's other sizes), or names 'INPUT.DIM' ('input_ids.1') of the ones to keep "
+        "(the others are pinned at the example's size)",
+    )
     profile_repeats: int = Field(default=3, ge=1, description="timed runs per profiled op")
     profile_cache_dir: Path | None = Field(
         default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))

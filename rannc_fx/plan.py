@@ -203,6 +203,9 @@ class Plan(BaseModel):
     dynamic_dims: tuple[DynamicDim, ...] = ()
     outputs: tuple[OutputRef, ...]
     cut_values: tuple[CutValue, ...]
+    # integers a stage rebuilds from its inputs' sizes (it reads them from another stage)
+    # that depend on a dynamic dimension: their formulas (split reads them; others need none)
+    sizes: tuple[ValueSpec, ...] = ()
     shared_params: tuple[SharedParam, ...] = ()
     predicted_step_ms: float
     # the executor's lowered schedule run on the plan's per-stage costs (runtime.simulate);

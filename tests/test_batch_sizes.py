@@ -105,39 +105,6 @@ def test_ranks_that_disagree_fail_on_every_rank_at_once(what, expected):
         assert re.search(expected, message), message
 
 
-def _other_lengths(rank: int, world: int, who: str) -> tuple[str, float]:
-    torch.manual_seed(0)
-    model, (ids,), kw = gpt_example(batch=PLANNED * world, layers=1)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
-                 micro_batches=2, schedule="1f1b")
-    mine = slice(rank * PLANNED, (rank + 1) * PLANNED)
-    ids, labels = ids[mine], kw["labels"][mine]
-    cm = rannc_fx.compile(model, None, cfg, example_args=(ids,), example_kwargs={"labels": labels})
-    short = who == "every" or rank == 1  # half the planned sequence length
-    try:
-        cm(ids[:, :16] if short else ids, labels=labels[:, :16] if short else labels)
-        message = "ran"
-    except ValueError as e:
-        message = str(e)
-    return message, float(cm(ids, labels=labels)["loss"])  # the next call, as planned, runs
-
-
-@pytest.mark.parametrize(
-    "who,expected",
-    [
-        ("one", r"rank 0: as planned; rank 1: input 0 \('input_ids'\) has shape \(4, 16\)"),
-        ("every", r"rank 0: input 0 \('input_ids'\) has shape \(4, 16\); rank 1: input 0"),
-    ],
-)
-def test_inputs_of_another_length_fail_on_every_rank_at_once(who, expected):
-    # wall_s below the 30 s timeout: no rank waits for the one whose input was refused
-    results = run_ranks(_other_lengths, 2, who, timeout_s=30.0, wall_s=25.0)
-    for message, loss in results:
-        assert re.search(expected, message), message
-        assert "expects 'input_ids' (4, 32)" in message and "pad every rank's batch" in message
-        assert loss == results[0][1] and loss == loss  # every rank has the same finite loss
-
-
 def test_a_batch_too_small_for_the_replicas_is_refused_with_the_way_out():
     values = {"x": tensor("x", (1, 4)), "h": tensor("h", (1, 4), requires_grad=True),
               "y": tensor("y", (1,)), "loss": scalar("loss")}

@@ -205,14 +205,15 @@ def test_calls_with_other_inputs_are_traced(caplog: pytest.LogCaptureFixture) ->
 
 
 class RowsBlock(nn.Module):
-    """A size computed inside the block (``x.shape[0] * 5``): a SymInt every copy reads."""
+    """A size computed inside the block (``x.shape[0] * x.shape[1]``): a SymInt every copy
+    reads."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = self.fc(x).reshape(x.shape[0] * 5, -1).relu()
+        y = self.fc(x).reshape(x.shape[0] * x.shape[1], -1).relu()
         return y.reshape(x.shape), x
 
 

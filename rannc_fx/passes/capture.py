@@ -51,6 +51,7 @@ def capture_pass(
     tracer: Literal["auto", "fx", "export"] = "auto",
     leaf_modules: tuple[str, ...] = (),
     batch_dim: int = 0,
+    dynamic: bool = True,
 ) -> CapturedGraph:
     """``model(*args, **kwargs)`` as a CapturedGraph.
 
@@ -63,12 +64,13 @@ def capture_pass(
     ``leaf_modules`` (class names) are kept as single ``call_module`` nodes by torch.fx;
     torch.export always traces through them. With torch.export the batch dimension of every
     input whose ``batch_dim`` has the example's batch size is dynamic, so the graph runs at any
-    micro-batch size.
+    micro-batch size; with ``dynamic``, so is every other input dimension the model allows
+    (``trace_export``).
     """
     kwargs = dict(kwargs or {})
     with Progress("capture", doing="tracing with torch.fx") as p:
         captured, notes, warn = _capture(model, tuple(args), kwargs, tracer, leaf_modules,
-                                         batch_dim, p)
+                                         batch_dim, dynamic, p)
         captured.model_name = type(model).__name__
         captured.autocast = autocast_state()
         if captured.copied_calls:
@@ -93,6 +95,7 @@ def _capture(
     tracer: Literal["auto", "fx", "export"],
     leaf_modules: tuple[str, ...],
     batch_dim: int,
+    dynamic: bool,
     p: Progress,
 ) -> tuple[CapturedGraph, list[str], bool]:
     """(the graph, notes for the log line, whether they are a warning); ``p.doing`` says
@@ -122,7 +125,7 @@ def _capture(
         printed = io.StringIO()
         try:
             with contextlib.redirect_stderr(printed):
-                exported = trace_export(model, args, kwargs, batch_dim)
+                exported = trace_export(model, args, kwargs, batch_dim, dynamic=dynamic)
             sys.stderr.write(printed.getvalue())
             captured, opaque = exported, []
         except Exception as e:

@@ -117,9 +117,15 @@ def opaque_modules(captured: CapturedGraph, leaf_modules: tuple[str, ...]) -> li
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 batch_dim: int, *, repeated: bool = True) -> CapturedGraph:
+                 batch_dim: int, *, repeated: bool = True, dynamic: bool = True) -> CapturedGraph:
     """``model(*args, **kwargs)`` exported by non-strict torch.export (ATen level), with the
     batch dimension of every batched input dynamic.
+
+    With ``dynamic``, every other dimension of the tensor inputs (of size 2 or more) is
+    ``Dim.AUTO`` too: export keeps it a symbol where the model allows any size (a sequence
+    length) and makes it a constant where the model's code ties it to the example's (a
+    fixed-size table, a reshape to a number). Where that export fails, only the batch
+    dimension is dynamic.
 
     With ``repeated``, each kind of repeated submodule (the layers of an encoder) is traced
     once and its nodes copied for the others (``capture_repeat``): the same graph, in time
@@ -138,11 +144,28 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "example batch"
         )
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    dynamic = {
-        k: pytree.tree_map(lambda x: {batch_dim: torch.export.Dim.AUTO} if batched(x) else None, v)
-        for k, v in bound.arguments.items()
-    }
-    ep, gm, copied = _export(model, args, kwargs, dynamic, repeated)
+
+    def dims(x: Any, others: bool) -> dict[int, Any] | None:
+        if not isinstance(x, torch.Tensor):
+            return None
+        out = {d: torch.export.Dim.AUTO for d in range(x.dim())
+               if others and d != batch_dim and x.shape[d] >= 2}
+        if batched(x):
+            out[batch_dim] = torch.export.Dim.AUTO
+        return out or None
+
+    def spec(others: bool) -> dict[str, Any]:
+        return {k: pytree.tree_map(lambda x: dims(x, others), v) for k, v in bound.arguments.items()}
+
+    try:
+        ep, gm, copied = _export(model, args, kwargs, spec(dynamic), repeated)
+    except Exception as e:
+        if not dynamic:
+            raise
+        ep, gm, copied = _export(model, args, kwargs, spec(False), repeated)
+        log.info("capture: torch.export with the inputs' other dimensions dynamic failed "
+                 "(%s: %s), so only the batch dimension is: every call passes the example's "
+                 "other sizes", type(e).__name__, str(e).strip().split("\n")[0])
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
 

@@ -26,7 +26,7 @@ from .capture_graph import autocast_state, inputs_for_samples, is_batched
 from .noderun import NodeRunner, home_device
 from .shapes_fit import _spec
 from .shapes_layout import _interleaves, _op_name
-from .shapes_symbolic import NoFormulas, SymbolicValues, batch_symbols
+from .shapes_symbolic import NoFormulas, SymbolicValues, batch_symbols, size_symbols
 
 __all__ = ["SAMPLE_COUNTS", "Shapes", "dtype_itemsize", "infer_values_pass", "shapes_pass"]
 
@@ -55,7 +55,8 @@ def infer_values_pass(
 
 
 def shapes_pass(
-    captured: CapturedGraph, flat_inputs: list[torch.Tensor], *, batch_dim: int = 0
+    captured: CapturedGraph, flat_inputs: list[torch.Tensor], *, batch_dim: int = 0,
+    dynamic: bool = True,
 ) -> Shapes:
     """ValueSpec of every placeholder and call node, from the sizes as formulas in the sample
     count: torch.export's symbolic values where the capture has them, else one FakeTensor run
@@ -69,12 +70,16 @@ def shapes_pass(
     the node when a value's size is not proportional to the sample count (or an integer not
     affine in it), since micro-batching would then change its meaning. A tensor whose samples'
     rows alternate along the batch dimension is marked ``interleaved`` (see ValueSpec).
+
+    The specs hold every size at the example's; ``formulas`` holds them in the inputs' sizes:
+    the sample count and, with ``dynamic``, the inputs' other dimensions that the capture
+    kept symbolic (torch.export's; one run makes them symbols for a torch.fx graph).
     """
     gm = captured.gm
     p = Progress("shapes", total=len(gm.graph.nodes) * len(SAMPLE_COUNTS))
     formulas: SymbolicValues | None
     try:
-        formulas = _formulas(captured, flat_inputs, batch_dim, p)
+        formulas = _formulas(captured, flat_inputs, batch_dim, dynamic, p)
         specs = {name: _spec(name, [formulas.value_at(name, s) for s in SAMPLE_COUNTS], SAMPLE_COUNTS)
                  for name in _valued(gm)}
         how = f"as formulas in the sample count ({formulas.source})"
@@ -102,8 +107,9 @@ def _valued(gm: fx.GraphModule) -> list[str]:
 
 
 def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
-              p: Progress) -> SymbolicValues:
-    """torch.export's symbolic values where they hold for this autocast state, else one run."""
+              dynamic: bool, p: Progress) -> SymbolicValues:
+    """torch.export's symbolic values where they hold for this autocast state, else one run
+    (with the inputs' other dimensions symbolic too where ``dynamic`` and that run works)."""
     gm = captured.gm
     batch = batch_size_of(flat_inputs, batch_dim)
     names = set(_valued(gm))
@@ -114,35 +120,53 @@ def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_di
         vals, source, hint = meta, "torch.export's", batch
     else:
         hint = max(batch, 2)
-        vals, source = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, p), "one run"
+        try:
+            vals = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, dynamic, p)
+        except Exception as e:
+            if not dynamic:
+                raise
+            log.debug("shapes: the run with the inputs' other dimensions symbolic failed (%s: "
+                      "%s); only the batch dimension is", type(e).__name__, e)
+            vals = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, False, p)
+        source = "one run"
     placeholders = [vals[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
     syms = batch_symbols(placeholders, batch_dim, [is_batched(t, batch, batch_dim) for t in flat_inputs])
+    sizes = size_symbols(placeholders, flat_inputs, syms) if dynamic else {}
     runner = NodeRunner(gm, "analytic", None, 1, home=home_device(gm, flat_inputs))
     return SymbolicValues(gm, vals, syms, hint=hint, flat_inputs=flat_inputs, runner=runner,
-                          source=source)
+                          source=source, sizes=sizes)
 
 
 def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
-                  batch: int, hint: int, p: Progress) -> dict[str, Any]:
-    """Every node's value from one FakeTensor run whose batch dimension is a symbol."""
+                  batch: int, hint: int, dynamic: bool, p: Progress) -> dict[str, Any]:
+    """Every node's value from one FakeTensor run whose batch dimension is a symbol (and,
+    with ``dynamic``, every other input dimension of size 2 or more: each its own symbol)."""
     gm = captured.gm
     on_meta = any(t.device.type == "meta" for t in _state(gm))
-    env = ShapeEnv()
+    env = ShapeEnv(duck_shape=False)  # equal sizes are not the same dimension
     mode = FakeTensorMode(shape_env=env)
-    sym = env.create_symbol(hint, source=ConstantSource("samples"), dynamic_dim=DimDynamic.DYNAMIC)
-    samples = env.create_symintnode(sym, hint=hint)
+
+    def symbol(size: int, name: str) -> Any:
+        sym = env.create_symbol(size, source=ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return env.create_symintnode(sym, hint=size)
+
+    samples = symbol(hint, "samples")
     fakes = []
-    for t in flat_inputs:
-        if is_batched(t, batch, batch_dim):
-            shape: list[Any] = list(t.shape)
-            shape[batch_dim] = samples
+    for i, t in enumerate(flat_inputs):
+        if isinstance(t, torch.Tensor) and (dynamic or is_batched(t, batch, batch_dim)):
+            shape: list[Any] = [
+                symbol(n, f"input{i}_{d}") if dynamic and n >= 2 and d != batch_dim else n
+                for d, n in enumerate(t.shape)
+            ]
+            if is_batched(t, batch, batch_dim):
+                shape[batch_dim] = samples
             with mode:
                 f = torch.empty(shape, dtype=t.dtype, device="meta" if on_meta else t.device)
             fakes.append(f.requires_grad_(t.requires_grad))
         else:
             fakes.append(_fake_input(mode, t, t, on_meta))
     vals = _FakeProp(gm, mode, p).values_at(hint, fakes)
-    fixed = env.replacements.get(sym)
+    fixed = env.replacements.get(samples.node.expr)
     if fixed is not None and not fixed.free_symbols:
         raise NoFormulas(f"the graph fixes the sample count at {fixed}")
     return {name: vals[name] for name in _valued(gm)}

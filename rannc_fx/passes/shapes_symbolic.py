@@ -31,7 +31,7 @@ from .noderun import NodeRunner
 from .opcache import arg_sig, module_sig, qualname
 from .opcost import differentiable, tensors
 
-__all__ = ["Label", "Leaf", "NoFormulas", "SymbolicValues", "batch_symbols"]
+__all__ = ["Label", "Leaf", "NoFormulas", "SymbolicValues", "batch_symbols", "size_symbols"]
 
 Label = tuple[str, int]  # a tensor: (the node that made it, which of its output leaves)
 _STATE_REF: Label = ("<state>", 0)  # parameters, buffers and constants: never an activation
@@ -56,12 +56,19 @@ class SymbolicValues:
 
     ``vals`` maps node names to what propagation produced (fake tensors with SymInt sizes,
     SymInts, tuples of them, constants); ``batch`` are the symbols of the inputs' batch
-    dimension, each standing for the sample count. Built by walking the graph once.
+    dimension, each standing for the sample count; ``sizes`` the symbols of the inputs' other
+    dynamic dimensions (a sequence length), each with the example's size and where it is
+    read (input index, dimension): costs and memory are evaluated at the example's sizes.
+    Built by walking the graph once.
     """
 
     def __init__(self, gm: fx.GraphModule, vals: dict[str, Any], batch: frozenset[sympy.Symbol],
-                 *, hint: int, flat_inputs: list[Any], runner: NodeRunner, source: str) -> None:
+                 *, hint: int, flat_inputs: list[Any], runner: NodeRunner, source: str,
+                 sizes: dict[sympy.Symbol, tuple[int, int, int]] | None = None) -> None:
         self.gm, self.vals, self.batch, self.hint, self.source = gm, vals, batch, hint, source
+        self.sizes = dict(sizes or {})
+        self._fixed = {sym: size for sym, (size, _, _) in self.sizes.items()}
+        self._known = self.batch | frozenset(self.sizes)
         self._ints: dict[tuple[Any, int], int] = {}
         self._texts: dict[Any, str] = {}
         self.signatures: dict[str, str] = {}
@@ -74,21 +81,29 @@ class SymbolicValues:
     # -- evaluating formulas -------------------------------------------------------------------
 
     def int_at(self, x: Any, samples: int) -> int:
-        """An int, or a SymInt's formula evaluated at ``samples`` samples."""
+        """An int, or a SymInt's formula evaluated at ``samples`` samples (and the example's
+        size of every other dynamic dimension)."""
         if not isinstance(x, torch.SymInt):
             return int(x)
-        expr = x.node.expr
-        key = (expr, samples)
+        key = (x.node.expr, samples)
         if key not in self._ints:
-            free = expr.free_symbols
-            if not free <= self.batch:
-                expr = x.node.shape_env.replace(expr)
-                free = expr.free_symbols
-                if not free <= self.batch:
-                    raise NoFormulas(f"size {expr} depends on {sorted(map(str, free - self.batch))}, "
-                                     "not on the sample count alone")
-            self._ints[key] = int(expr.xreplace(dict.fromkeys(free, samples)))
+            expr = self.expr(x)
+            subs = {sym: samples if sym in self.batch else self._fixed[sym]
+                    for sym in expr.free_symbols}
+            self._ints[key] = int(expr.xreplace(subs))
         return self._ints[key]
+
+    def expr(self, x: torch.SymInt) -> sympy.Expr:
+        """A SymInt's formula in the inputs' symbols (NoFormulas where it has others: a size
+        that depends on tensor values)."""
+        expr = x.node.expr
+        if not expr.free_symbols <= self._known:
+            expr = x.node.shape_env.replace(expr)
+            extra = expr.free_symbols - self._known
+            if extra:
+                raise NoFormulas(f"size {expr} depends on {sorted(map(str, extra))}, not on the "
+                                 "inputs' sizes alone")
+        return expr
 
     def value_at(self, name: str, samples: int) -> Any:
         """Node ``name``'s value at ``samples`` samples: tensors as :class:`Leaf`, sizes as ints."""
@@ -264,6 +279,24 @@ class SymbolicValues:
 @dataclass(frozen=True)
 class _Ref:
     ref: Label
+
+
+def size_symbols(vals: list[Any], flat_inputs: list[Any],
+                 batch: frozenset[sympy.Symbol]) -> dict[sympy.Symbol, tuple[int, int, int]]:
+    """The symbols of the inputs' dimensions other than the batch's: each with the example's
+    size and the first (input index, dimension) that has it. A dimension whose size is a
+    constant (the capture pinned it) or another formula has none of its own."""
+    out: dict[sympy.Symbol, tuple[int, int, int]] = {}
+    for i, (v, t) in enumerate(zip(vals, flat_inputs, strict=True)):
+        if not isinstance(v, torch.Tensor) or not isinstance(t, torch.Tensor):
+            continue
+        for d, size in enumerate(v.shape):
+            if not isinstance(size, torch.SymInt):
+                continue
+            expr = size.node.shape_env.replace(size.node.expr)
+            if isinstance(expr, sympy.Symbol) and expr not in batch and expr not in out:
+                out[expr] = (int(t.shape[d]), i, d)
+    return out
 
 
 def batch_symbols(vals: list[Any], batch_dim: int, batched: list[bool]) -> frozenset[sympy.Symbol]:

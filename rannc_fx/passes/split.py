@@ -40,10 +40,10 @@ from torch.fx.passes.split_module import split_module
 
 from ..plan import Plan, Stage
 from ..progress import note
-from ..values import ValueSpec
+from ..values import SAMPLES, Formula, ValueSpec
 from .capture import CapturedGraph
 from .group import CALL_OPS, recomputed_values, written_state
-from .split_interface import StageInterface, _sample_source, stage_interfaces
+from .split_interface import StageInterface, _sample_source, dimension_source, stage_interfaces
 
 __all__ = [
     "StageInterface",
@@ -78,6 +78,7 @@ class _StagedCopy:
         self.env: dict[fx.Node, fx.Node] = {}
         self.local: dict[tuple[int, fx.Node], Any] = {}
         self.samples: dict[int, fx.Node] = {}
+        self.dim_sizes: dict[tuple[int, str], fx.Node] = {}
 
     def build(self) -> fx.Graph:
         g = self.graph
@@ -120,9 +121,15 @@ class _StagedCopy:
         return self.local[key]
 
     def _affine(self, spec: ValueSpec, s: int) -> Any:
-        """``a * samples + c`` (a torch.Size of them for ``ints``) in stage ``s``."""
+        """``a * samples + c`` (a torch.Size of them for ``ints``) in stage ``s``; its formulas
+        where it depends on a dynamic dimension."""
         g = self.graph
         parts: list[Any] = []
+        if spec.formulas:
+            parts = [self._polynomial(f, s) for f in spec.formulas]
+            if spec.kind == "int":
+                return parts[0]
+            return self._tag(g.call_function(torch.Size, (parts,)), s)
         for a, c in spec.int_coeffs:
             if a == 0:
                 parts.append(c)
@@ -136,6 +143,28 @@ class _StagedCopy:
         if spec.kind == "int":
             return parts[0]
         return self._tag(g.call_function(torch.Size, (parts,)), s)
+
+    def _polynomial(self, formula: Formula, s: int) -> Any:
+        """``formula`` computed in stage ``s`` from its inputs' sizes."""
+        g = self.graph
+        total: Any = None
+        for coeff, names in formula:
+            term: Any = coeff
+            for name in names:
+                size = self._sample_count(s) if name == SAMPLES else self._dim_size(name, s)
+                term = size if term == 1 else self._tag(g.call_function(operator.mul, (term, size)), s)
+            total = term if total is None else self._tag(g.call_function(operator.add, (total, term)), s)
+        return 0 if total is None else total
+
+    def _dim_size(self, name: str, s: int) -> fx.Node:
+        key = (s, name)
+        if key not in self.dim_sizes:
+            found = dimension_source(self.ifaces[s].inputs, self.values, name)
+            assert found is not None, "build_plan pins a dimension no input of the stage has"
+            value, d = found
+            x = self.env[next(n for n in self.env if n.name == value)]
+            self.dim_sizes[key] = self._tag(self.graph.call_method("size", (x, d)), s)
+        return self.dim_sizes[key]
 
     def _sample_count(self, s: int) -> fx.Node:
         if s not in self.samples:
@@ -252,6 +281,9 @@ def split_pass(
     t0 = time.perf_counter()
     if values is None:
         values = _values_from_plan(captured, plan)
+    # what the plan sizes (inputs, cut values, rebuilt integers) with its formulas
+    values = {**values, **{v.name: v for v in (*plan.inputs, *plan.sizes)},
+              **{cv.name: cv.spec for cv in plan.cut_values}}
     num = len(plan.stages)
     node_stage = plan.node_stage()
     recomputed = recomputed_values(captured.gm, values)

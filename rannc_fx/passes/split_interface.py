@@ -8,6 +8,7 @@ a stage that rebuilds a size counts its samples on its first batched tensor inpu
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import fx
@@ -16,7 +17,7 @@ from ..values import ValueSpec
 from .capture import CapturedGraph
 from .group import CALL_OPS, recomputed_values
 
-__all__ = ["StageInterface", "stage_interfaces"]
+__all__ = ["StageInterface", "dimension_source", "stage_interfaces"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class StageInterface:
     inputs: tuple[str, ...]  # graph-input placeholders and cut values, in placeholder order
     outputs: tuple[str, ...]  # values the stage returns: cut values and model outputs, in order
     cut_values: tuple[tuple[str, int, tuple[int, ...]], ...]  # (value, producer, consumers)
+    sizes: tuple[str, ...] = ()  # integers it rebuilds from its inputs' sizes (read elsewhere)
 
 
 def _stage_of(node_stage: dict[str, int], node: fx.Node, num_stages: int) -> int:
@@ -129,11 +131,24 @@ def stage_interfaces(
                 f"{ins} is a tensor with a batch dimension to count samples from; move the "
                 "stage boundary so the stage receives an activation"
             )
-        out.append(StageInterface(tuple(ins), tuple(outs), ()))
+        out.append(StageInterface(tuple(ins), tuple(outs), (), tuple(sizes[s])))
     cut_values = tuple(
         (c, cuts[c][0], tuple(sorted(cuts[c][1]))) for c in cut_list
     )
-    return [StageInterface(i.inputs, i.outputs, cut_values) for i in out]
+    return [StageInterface(i.inputs, i.outputs, cut_values, i.sizes) for i in out]
+
+
+def dimension_source(inputs: Sequence[str], values: Mapping[str, ValueSpec],
+                     name: str) -> tuple[str, int] | None:
+    """The first input (and its dimension) whose size is the dynamic dimension ``name``
+    itself: where a stage reads that size to rebuild an integer in it."""
+    exact = ((1, (name,)),)
+    for value in inputs:
+        spec = values[value]
+        for d, f in enumerate(spec.formulas if spec.kind == "tensor" else ()):
+            if f == exact:
+                return value, d
+    return None
 
 
 def _sample_source(inputs: list[str] | tuple[str, ...], values: dict[str, ValueSpec]) -> str | None:

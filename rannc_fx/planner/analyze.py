@@ -72,9 +72,11 @@ def capture_model(
     graph = capture_pass(
         model, args, kwargs,
         tracer=config.tracer, leaf_modules=config.leaf_modules, batch_dim=config.batch_dim,
+        dynamic=config.dynamic_dims != "batch",
     )  # fmt: skip
     inputs = graph.flatten_inputs(args, kwargs)
-    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim)
+    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim,
+                         dynamic=config.dynamic_dims != "batch")
     return Captured(graph, inputs, shapes.specs, shapes.formulas)
 
 
@@ -92,6 +94,7 @@ class Analysis:
     cost_model: Literal["measured", "analytic"]
     config: Config
     started: float
+    formulas: SymbolicValues | None = None
 
 
 def analyze(
@@ -155,7 +158,8 @@ def analyze(
         captured, blocks, profile, values, sizes=sizes,
         optimizer=param_costs.optimizer, accumulate=param_costs.accumulate,
     )
-    return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0)
+    return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0,
+                    cap.formulas)
 
 
 # -- the target and helpers ------------------------------------------------------------------

@@ -3,12 +3,19 @@ values, outputs, shared parameters, and the simulated step of the schedule the r
 
 from __future__ import annotations
 
+import logging
+
 from ..passes.capture import CapturedGraph
 from ..passes.search import SearchResult
+from ..passes.shapes_dynamic import Dynamic, dynamic_pass
 from ..passes.split import stage_interfaces
+from ..passes.split_interface import StageInterface, dimension_source
 from ..plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
 from ..runtime.simulate import simulate_plan
+from ..values import SAMPLES
 from .analyze import Analysis
+
+log = logging.getLogger("rannc_fx")
 
 __all__ = ["build_plan"]
 
@@ -25,6 +32,9 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             for name in blocks.blocks[b]:
                 node_stage[name] = s
     ifaces = stage_interfaces(captured, node_stage, values, len(result.stages))
+    dynamic = _dynamic(a, ifaces)
+    values = {**values, **dynamic.specs}  # the values the runtime sizes, with their formulas
+    rebuilt = dict.fromkeys(n for i in ifaces for n in i.sizes)
 
     param_bytes = _param_bytes(captured)
     plan_blocks = []
@@ -101,14 +111,39 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         blocks=tuple(plan_blocks),
         stages=tuple(stages),
         inputs=tuple(values[n] for n in captured.input_names),
+        dynamic_dims=dynamic.dims,
         outputs=outputs,
         cut_values=cut_values,
+        sizes=tuple(values[n] for n in rebuilt if values[n].formulas),
         shared_params=shared,
         predicted_step_ms=ms * result.evaluation.step_s,
         search_seconds=search_seconds,
     )
     simulated = simulate_plan(plan).makespan
     return plan.model_copy(update={"simulated_step_ms": ms * simulated})
+
+
+def _dynamic(a: Analysis, ifaces: list[StageInterface]) -> Dynamic:
+    """``dynamic_pass`` over every value the runtime or a stage sizes: inputs, cut values,
+    outputs, and the integers stages rebuild; a dimension that a stage rebuilding an integer
+    cannot read from its own inputs is pinned."""
+    captured = a.captured
+    cuts = [name for name, _, _ in ifaces[0].cut_values] if ifaces else []
+    rebuilt = list(dict.fromkeys(n for i in ifaces for n in i.sizes))
+    sized = [*captured.input_names, *cuts, *captured.output_names, *rebuilt]
+    wanted = a.config.dynamic_dims
+    while True:
+        dynamic = dynamic_pass(a.formulas, a.values, sized, captured.input_names, wanted=wanted)
+        specs = {**a.values, **dynamic.specs}
+        unread = {
+            name for i in ifaces for n in i.sizes for f in specs[n].formulas for _, names in f
+            for name in names if name != SAMPLES and dimension_source(i.inputs, specs, name) is None
+        }
+        if not unread:
+            return dynamic
+        log.info("plan: %s pinned at the example's size: a stage rebuilds a size in it but "
+                 "none of its inputs has that dimension", ", ".join(sorted(unread)))
+        wanted = tuple(d.name for d in dynamic.dims if d.name not in unread) or "batch"
 
 
 def _param_bytes(captured: CapturedGraph) -> dict[str, int]:

@@ -11,13 +11,19 @@ The same goes for the autocast state a call runs under: ``retype`` (given by
 ``rannc_fx.compile``, see ``rannc_fx/startup/amp.py``) gives the plan with its cut values and outputs
 in that state's dtypes, and the executor for (size, state) is kept likewise.
 
+The same goes for the sizes of the plan's dynamic dimensions (``Plan.dynamic_dims``: a
+sequence length under dynamic padding): a call of another length up to the planned one runs
+on ``plan.at_sizes(...)``, every message sized for it, with its own executor (the most
+recent ``KEPT`` kept).
+
 With more than one rank each call first all-gathers the ranks' local batch sizes, autocast
-states and the first input (if any) whose shape is not the plan's for that size: every rank
-then picks the same executor, and unequal local batches, or an input of another sequence
-length on any rank, are refused on every rank at once instead of leaving the ranks that
-passed the plan's shapes waiting for a peer that raised. That costs one collective's latency per call, before the
-first message (every message's size depends on the batch size, so it cannot overlap them);
-``Config(check_batches=False)`` skips it for a job whose ranks always pass equal batches.
+states, dynamic sizes and the first input (if any) whose shape is not the plan's for them:
+every rank then picks the same executor, and unequal local batches or lengths, a length over
+the plan's, or an input of another shape on any rank, are refused on every rank at once
+instead of leaving the ranks that passed good shapes waiting for a peer that raised. That
+costs one collective's latency per call, before the first message (every message's size
+depends on these sizes, so it cannot overlap them); ``Config(check_batches=False)`` skips it
+for a job whose ranks always pass equal batches.
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ from .comm import CommError
 from .executor import StageExecutor
 from .trace import Recorder
 
-__all__ = ["BatchSizes", "rebatched"]
+__all__ = ["KEPT", "BatchSizes", "rebatched"]
 
 Executor = StageExecutor | AloneExecutor
+KEPT = 32  # executors kept for sizes other than the plan's (dynamic padding makes many)
 
 
 def rebatched(plan: Plan, global_batch: int) -> Plan:
@@ -70,35 +77,36 @@ class BatchSizes:
         self.module, self.device, self.timeout_s = module, device, timeout_s
         self.default: Executor = build_executor(plan, module, device=device, timeout_s=timeout_s)
         self.plan, self.state, self.retype, self.check = plan, state, retype, check
-        self._by_key: dict[tuple[int, str | None], Executor] = {
-            (plan.global_batch, planned): self.default
+        self._planned_sizes = tuple(d.size for d in plan.dynamic_dims)
+        self._planned_key = (plan.global_batch, planned, self._planned_sizes)
+        self._by_key: dict[tuple[int, str | None, tuple[int, ...]], Executor] = {
+            self._planned_key: self.default
         }
         self.trace: Recorder | None = None
-        self._batched = [
-            (i, spec.batch_dim, spec.shape[spec.batch_dim])
-            for i, spec in enumerate(plan.inputs)
-            if spec.kind == "tensor" and spec.batch_dim is not None
-        ]
         # an input's shape travels in the agreement as (index, rank, dims): this many dims
         self._dims = max((len(s.shape) for s in plan.inputs if s.kind == "tensor"), default=0)
 
     def for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
         """The executor for the batch ``flat_inputs`` holds (the same on every rank)."""
-        local, state = self._local_size(flat_inputs), self.state()
+        sizes, state = self._sizes(flat_inputs), self.state()
+        plan = self.plan.at_sizes(self._named(sizes)) if sizes != self._planned_sizes else self.plan
+        local = self._local_size(plan, flat_inputs)
         world = self.plan.world_size
         if world > 1 and self.check:
             rec = self.trace
             if rec is not None and rec.on:
                 with rec.span("agree", "collective", kind="agree", peers=rec.others,
                               match="agree"):
-                    self._agree(local, state, flat_inputs)
+                    self._agree(local, state, sizes, plan, flat_inputs)
             else:
-                self._agree(local, state, flat_inputs)
-        key = (local * world, state)
-        found = self._by_key.get(key)
+                self._agree(local, state, sizes, plan, flat_inputs)
+        else:
+            self._check_sizes([sizes])
+        key = (local * world, state, sizes)
+        found = self._by_key.pop(key, None)
         if found is None:
             groups = getattr(self.default, "groups", None)
-            plan = self.retype(self.plan, key[1])
+            plan = self.retype(plan, state)
             if key[0] != plan.global_batch:
                 plan = rebatched(plan, key[0])
             found = build_executor(
@@ -106,7 +114,10 @@ class BatchSizes:
             )
             if isinstance(found, StageExecutor):
                 found.set_trace(self.trace)
-            self._by_key[key] = found
+            others = [k for k in self._by_key if k != self._planned_key]
+            if len(others) >= KEPT:
+                del self._by_key[others[0]]  # the least recently used
+        self._by_key[key] = found  # last: most recently used
         return found
 
     def set_trace(self, rec: Recorder) -> None:
@@ -116,20 +127,61 @@ class BatchSizes:
             if isinstance(ex, StageExecutor):
                 ex.set_trace(rec)
 
-    def _local_size(self, flat: Sequence[Any]) -> int:
+    def _sizes(self, flat: Sequence[Any]) -> tuple[int, ...]:
+        """This call's size of each dynamic dimension; the plan's where no input has it (then
+        the input checks explain what is wrong)."""
+        out = []
+        for d in self.plan.dynamic_dims:
+            t = flat[d.input] if d.input < len(flat) else None
+            ok = isinstance(t, torch.Tensor) and t.dim() > d.dim
+            out.append(int(t.shape[d.dim]) if ok else d.size)  # type: ignore[union-attr]
+        return tuple(out)
+
+    def _named(self, sizes: tuple[int, ...]) -> dict[str, int]:
+        return {d.name: n for d, n in zip(self.plan.dynamic_dims, sizes, strict=True)}
+
+    def _local_size(self, plan: Plan, flat: Sequence[Any]) -> int:
         """Samples in this call's local batch; the plan's when no input says otherwise (then
         the executor's input checks explain what is wrong)."""
-        planned = self.plan.global_batch // self.plan.world_size
-        for i, dim, rows in self._batched:
+        for i, spec in enumerate(plan.inputs):
+            dim = spec.batch_dim
+            if spec.kind != "tensor" or dim is None:
+                continue
+            rows = spec.shape[dim]
             t = flat[i] if i < len(flat) else None
             if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] % rows == 0:
                 return int(t.shape[dim]) // rows
-        return planned
+        return self.plan.global_batch // self.plan.world_size
 
-    def _odd_input(self, flat: Sequence[Any], local: int) -> list[int]:
-        """(index, rank, dims...) of this rank's first input whose shape is not the plan's for
+    def _check_sizes(self, rows: list[tuple[int, ...]]) -> None:
+        """Refuse dynamic sizes outside the plan's range, or unequal over the ranks (``rows``:
+        each rank's sizes)."""
+        dims = self.plan.dynamic_dims
+        for j, d in enumerate(dims):
+            seen = [r[j] for r in rows]
+            by_rank = ", ".join(f"rank {i}: {n}" for i, n in enumerate(seen))
+            where = f"input {d.input} ({self.plan.inputs[d.input].name!r}) dimension {d.dim}"
+            if any(n > d.size or n < 2 for n in seen):
+                said = (f"{seen[0]}" + (" on every rank" if len(seen) > 1 else "")
+                        if all(n == seen[0] for n in seen) else f"({by_rank})")
+                raise ValueError(
+                    f"{where} ({d.name}) is {said}, outside the "
+                    f"sizes 2..{d.size} the plan covers (it was made for {d.size}, its largest); "
+                    f"plan with an example of the longest length you train with, or pad or "
+                    f"truncate every batch to at most {d.size}"
+                )
+            if any(n != seen[0] for n in seen):
+                raise ValueError(
+                    f"the ranks passed {where} ({d.name}) of different sizes ({by_rank}); every "
+                    "rank must pass the same length in one call: pad every rank's batch to one "
+                    "length (e.g. the longest over the ranks, or bucket by length with the same "
+                    "bucket on every rank)"
+                )
+
+    def _odd_input(self, plan: Plan, flat: Sequence[Any], local: int) -> list[int]:
+        """(index, rank, dims...) of this rank's first input whose shape is not ``plan``'s for
         ``local`` samples (rank -1: not a tensor), or index -1: every input as planned."""
-        for j, spec in enumerate(self.plan.inputs):
+        for j, spec in enumerate(plan.inputs):
             if spec.kind != "tensor":
                 continue
             t = flat[j] if j < len(flat) else None
@@ -140,15 +192,17 @@ class BatchSizes:
                 return [j, t.dim()] + dims + [-1] * (self._dims - len(dims))
         return [-1, -1] + [-1] * self._dims
 
-    def _agree(self, local: int, state: str | None, flat: Sequence[Any]) -> None:
-        """One all-gather of (size, state, the odd input) per rank; every rank then sees
-        every rank's.
+    def _agree(self, local: int, state: str | None, sizes: tuple[int, ...], plan: Plan,
+               flat: Sequence[Any]) -> None:
+        """One all-gather of (size, state, dynamic sizes, the odd input) per rank; every rank
+        then sees every rank's.
 
         It is the cheapest collective that agrees (gloo, 2 ranks, 40-48 ms steps: +1.0 and
         +3.5 % against +2.8 and +5.0 % for an all-reduce of four integers, measured
         interleaved), and a mismatch needs no second exchange to say who passed what."""
         world = self.plan.world_size
-        row = [local, _state_code(state), *self._odd_input(flat, local)]
+        k = len(sizes)
+        row = [local, _state_code(state), *sizes, *self._odd_input(plan, flat, local)]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         everyone = torch.empty(len(row) * world, dtype=torch.int64, device=self.device)
         try:
@@ -160,7 +214,9 @@ class BatchSizes:
                 "it every step): check the other ranks' logs"
             ) from e
         rows = [tuple(r) for r in everyone.view(world, len(row)).tolist()]
-        if all(r == rows[0] for r in rows) and rows[0][2] == -1:
+        if all(r == rows[0] for r in rows) and rows[0][2 + k] == -1 and (
+            not k or sizes == self._planned_sizes
+        ):
             return
         if any(r[0] != rows[0][0] for r in rows):
             shown = ", ".join(f"rank {i}: {r[0]}" for i, r in enumerate(rows))
@@ -178,11 +234,13 @@ class BatchSizes:
                 f"the ranks call the model under different autocast states ({shown}); enter "
                 "the same torch.autocast(...) on every rank"
             )
-        self._refuse_shapes(rows, local)
+        self._check_sizes([r[2 : 2 + k] for r in rows])
+        if rows[0][2 + k] != -1 or any(r[2 + k] != -1 for r in rows):
+            self._refuse_shapes([r[:2] + r[2 + k :] for r in rows], local, plan)
 
-    def _refuse_shapes(self, rows: list[tuple[int, ...]], local: int) -> None:
+    def _refuse_shapes(self, rows: list[tuple[int, ...]], local: int, plan: Plan) -> None:
         """Every rank's odd input, named, with the plan's shapes and the ways out."""
-        specs = self.plan.inputs
+        specs = plan.inputs
 
         def said(r: tuple[int, ...]) -> str:
             j, rank, dims = r[2], r[3], r[4:]
@@ -196,11 +254,14 @@ class BatchSizes:
         shown = "; ".join(f"rank {i}: {said(r)}" for i, r in enumerate(rows))
         odd = {r[2] for r in rows if r[2] != -1}
         want = ", ".join(f"{specs[j].name!r} {specs[j].shape_for(local)}" for j in sorted(odd))
+        dims = self.plan.dynamic_dims
+        may = ("the batch dimension and " + ", ".join(d.name for d in dims) + " (up to the "
+               "planned size)") if dims else "only the batch dimension"
         raise ValueError(
             f"the ranks' inputs do not all have the shapes the plan was made for ({shown}); "
             f"with {local} samples per rank it expects {want} on every rank: pad every rank's "
-            "batch to the planned length (only the batch dimension may change between calls), "
-            "or plan with an example of the length you train with"
+            f"batch to the planned shape ({may} may change between calls), or plan with an "
+            "example of the shapes you train with"
         )
 
 
