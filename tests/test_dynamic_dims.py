@@ -162,3 +162,29 @@ def test_the_stages_run_every_length_up_to_the_plan_s_like_the_model(stages):
             spec = cv.spec
             if spec.batch_dim is not None and spec.formulas:
                 assert length in spec.shape_for(3) or 3 * length in spec.shape_for(3)
+
+
+class _Fixed(torch.nn.Module):
+    """A token input of any length, and features the code adds to a fixed (8, 6) table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.table = torch.nn.Parameter(torch.zeros(8, 6))
+        self.head = torch.nn.Linear(48, 1)
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).mean(1).sum() + self.head((feats + self.table).flatten(1)).sum()
+
+
+def test_the_log_says_which_dimensions_are_dynamic_and_which_the_code_fixes(caplog):
+    ids, feats = torch.randint(0, 50, (4, 10)), torch.randn(4, 8, 6)
+    model = _Fixed()
+    with caplog.at_level("INFO", logger="rannc_fx"):
+        part = rannc_fx.partition(model, (ids, feats), world_size=1,
+                                  config=Config(**CFG, tracer="export"))
+    assert [d.name for d in part.plan.dynamic_dims] == ["ids.1"]
+    line = next(r.getMessage() for r in caplog.records if "dynamic dimension" in r.getMessage())
+    assert line.endswith("dynamic dimension(s) ids.1 <= 10; static (the model's code fixes "
+                         "them): feats.1 = 8, feats.2 = 6"), line
+    assert_close(part(ids[:, :3], feats), model(ids[:, :3], feats))  # another length runs

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from ..values import SAMPLES, DynamicDim, Formula, ValueSpec
@@ -95,11 +96,31 @@ def dynamic_pass(
         for sym, (size, i, d) in formulas.sizes.items() if sym in keep and names[sym] in used
     )
     out.specs = {name: values[name].model_copy(update={"formulas": fs}) for name, fs in found.items()}
-    if out.dims or out.pinned:
-        log.info("shapes: dynamic dimension(s) %s%s",
+    static = _static_dims(formulas, values, input_names, set(names.values()))
+    if out.dims or out.pinned or static:
+        log.info("shapes: dynamic dimension(s) %s%s%s",
                  ", ".join(f"{d.name} <= {d.size}" for d in out.dims) or "none",
                  "".join(f"; {n} pinned at the example's size ({why})"
-                         for n, why in sorted(out.pinned.items())))
+                         for n, why in sorted(out.pinned.items())),
+                 f"; static (the model's code fixes them): {', '.join(static)}" if static else "")
+    return out
+
+
+def _static_dims(formulas: SymbolicValues, values: dict[str, ValueSpec], input_names: list[str],
+                 dynamic: set[str]) -> list[str]:
+    """The inputs' other dimensions of size 2 or more that are no symbol of their own (the
+    capture made them constants), as ``name = size``; those that another's symbol sizes
+    (an attention mask's length) are not listed."""
+    out = []
+    for name in input_names:
+        spec, val = values[name], formulas.vals.get(name)
+        if spec.kind != "tensor" or not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            if d != spec.batch_dim and is_concrete_int(size) and int(size) >= 2 and (
+                f"{name}.{d}" not in dynamic
+            ):
+                out.append(f"{name}.{d} = {int(size)}")
     return out
 
 
