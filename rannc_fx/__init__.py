@@ -10,6 +10,7 @@ from .config import Config
 from .device import DeviceSpec
 from .partition import Partitioned, partition
 from .plan import Plan
+from .runtime import PeerFailed
 from .startup.amp import GradScaler
 from .state import get_state_dict, set_state_dict
 
@@ -19,6 +20,7 @@ __all__ = [
     "DeviceSpec",
     "GradScaler",
     "Partitioned",
+    "PeerFailed",
     "Plan",
     "compile",
     "get_state_dict",

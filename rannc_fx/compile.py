@@ -139,10 +139,14 @@ class CompiledModel(nn.Module):
             self._check_initialized()
         if self._trace is not None:
             self._trace.begin_call(torch.is_grad_enabled())
-        flat = self._captured.flatten_inputs(args, kwargs)
         assert self._batches is not None
-        executor = self._last = self._batches.for_inputs(flat)
-        return self._captured.unflatten_outputs(executor.forward(flat))
+        try:
+            flat = self._captured.flatten_inputs(args, kwargs)
+            executor = self._last = self._batches.for_inputs(flat)
+            return self._captured.unflatten_outputs(executor.forward(flat))
+        except Exception as e:  # tell the other ranks (runtime/failures.py), unless they know
+            self._batches.failed(e, "in its call")
+            raise
 
     def clip_grad_norm_(
         self,

@@ -439,7 +439,7 @@ CASES = {
 
 
 def _setup(
-    rank: int, case: Case, plan: Plan
+    rank: int, case: Case, plan: Plan, timeout_s: float = 10.0
 ) -> tuple[nn.Module, nn.Module, fx.GraphModule, StageExecutor]:
     torch.manual_seed(0)
     net = case.net()
@@ -448,7 +448,7 @@ def _setup(
     gm = fx.symbolic_trace(case.stages[st.index](net))
     for name, p in gm.named_parameters():
         assert p is net.get_parameter(name)  # the stage trains the model's own parameters
-    return net, ref, gm, StageExecutor(plan, gm, timeout_s=10.0)
+    return net, ref, gm, StageExecutor(plan, gm, timeout_s=timeout_s)
 
 
 def _local(plan: Plan, rank: int, flat: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -606,9 +606,9 @@ def _loss_collectives(rank: int, world: int, name: str, replicas: tuple[int, ...
     _, ref, _, ex = _setup(rank, case, plan)
     calls: list[tuple[int, ...]] = []
 
-    def spy(tensors, group, *, what, ranks=()):
+    def spy(tensors, group, *, what, ranks=(), **kw):
         calls.append(tuple(ranks))
-        return all_reduce_flat(tensors, group, what=what, ranks=ranks)
+        return all_reduce_flat(tensors, group, what=what, ranks=ranks, **kw)
 
     outputs_module.all_reduce_flat = spy  # this forked worker's copy of the module
     flat = case.data(plan.global_batch, torch.Generator().manual_seed(2))
@@ -721,7 +721,7 @@ def test_eval_and_misuse_errors():
 def _silent_peer(rank: int, world: int) -> str:
     case = CASES["mlp2"]
     plan = case.plan(LOCAL * world, 1, (1, 1))
-    _, _, _, ex = _setup(rank, case, plan)
+    _, _, _, ex = _setup(rank, case, plan, timeout_s=1.5)  # the runtime's own groups' timeout
     if rank == 0:
         time.sleep(3.0)  # never runs its stage: rank 1 waits for its cut value in vain
         return ""
@@ -732,7 +732,7 @@ def _silent_peer(rank: int, world: int) -> str:
 
 
 def test_timeout_names_the_peer_and_the_operation():
-    msg = run_ranks(_silent_peer, 2, timeout_s=1.5)[1]
+    msg = run_ranks(_silent_peer, 2, timeout_s=30)[1]
     # rank 1 waits first for the labels rank 0 holds, then for the cut value h
     assert "rank 1: recv of input 'y' of micro-batch 0 from rank 0 failed" in msg, msg
     assert "Timed out" in msg and "check its log" in msg

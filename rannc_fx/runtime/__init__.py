@@ -24,6 +24,7 @@ from .batches import BatchSizes, rebatched
 from .clip import clip_grad_norm
 from .comm import CommError, Groups, build_groups, init_distributed
 from .executor import StageExecutor
+from .failures import PeerFailed
 from .lowering import Topology, format_lowered, lower, topology_of
 from .schedule import (
     Action,
@@ -44,6 +45,7 @@ __all__ = [
     "CommError",
     "Groups",
     "Kind",
+    "PeerFailed",
     "ScheduleError",
     "Simulation",
     "StageExecutor",

@@ -38,8 +38,9 @@ from torch import fx
 
 from ..plan import Plan
 from .alone import AloneExecutor, build_executor
-from .comm import CommError
+from .comm import CommError, abort_groups, build_groups
 from .executor import StageExecutor
+from .failures import PeerFailed, raised_everywhere
 from .trace import Recorder
 
 __all__ = ["KEPT", "BatchSizes", "rebatched"]
@@ -83,23 +84,67 @@ class BatchSizes:
             self._planned_key: self.default
         }
         self.trace: Recorder | None = None
+        self._broken = False  # the agreement raised PeerFailed: recover at the next call
         # an input's shape travels in the agreement as (index, rank, dims): this many dims
         self._dims = max((len(s.shape) for s in plan.inputs if s.kind == "tensor"), default=0)
 
     def for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
         """The executor for the batch ``flat_inputs`` holds (the same on every rank)."""
+        self._recover()
+        return self._for_inputs(flat_inputs)
+
+    def failed(self, e: Exception, during: str) -> None:
+        """A call raised outside the executor (its inputs' structure, the agreement, its
+        outputs): tell the other ranks unless every rank raised it, and start over next call."""
+        self._broken = True
+        groups = getattr(self.default, "groups", None)
+        if groups is not None and groups.board is not None:
+            ex = self.default
+            groups.board.post(ex.rank, ex.stage.index, e, during)
+
+    def _recover(self) -> None:
+        """After a call that raised here, fresh groups and executors for every rank.
+
+        Every rank raised in the call a failure ended (its own error, or ``PeerFailed``), so
+        every rank comes here once, at its next call, and makes the groups again with the
+        others (``new_group`` is collective); the old groups, which may hold that step's
+        messages, are aborted. The board's count is read between the new groups and a
+        barrier on them, so it covers every failure of the ended call and none of the next."""
+        old = self.default
+        groups = getattr(old, "groups", None)
+        failed = self._broken or any(getattr(ex, "failed", False) for ex in self._by_key.values())
+        if not failed or groups is None or groups.board is None:
+            return
+        fresh = build_groups(self.plan, timeout_s=self.timeout_s or groups.timeout_s)
+        assert fresh.board is not None and fresh.world is not None
+        fresh.board.seen = fresh.board.count()
+        dist.barrier(group=fresh.world)
+        abort_groups(groups)
+        self.default = build_executor(self.plan, self.module, device=self.device,
+                                      timeout_s=self.timeout_s, groups=fresh)
+        if isinstance(self.default, StageExecutor):
+            self.default.set_trace(self.trace)
+        self._by_key = {self._planned_key: self.default}
+        self._broken = False
+
+    def _for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
         sizes, state = self._sizes(flat_inputs), self.state()
         plan = self.plan.at_sizes(self._named(sizes)) if sizes != self._planned_sizes else self.plan
         local = self._local_size(plan, flat_inputs)
         world = self.plan.world_size
-        if world > 1 and self.check:
+        agreed = world > 1 and self.check
+        if agreed:
             rec = self.trace
-            if rec is not None and rec.on:
-                with rec.span("agree", "collective", kind="agree", peers=rec.others,
-                              match="agree"):
+            try:
+                if rec is not None and rec.on:
+                    with rec.span("agree", "collective", kind="agree", peers=rec.others,
+                                  match="agree"):
+                        self._agree(local, state, sizes, plan, flat_inputs)
+                else:
                     self._agree(local, state, sizes, plan, flat_inputs)
-            else:
-                self._agree(local, state, sizes, plan, flat_inputs)
+            except ValueError as e:  # a refusal every rank makes from every rank's rows
+                raised_everywhere(e)
+                raise
         else:
             self._check_sizes([sizes])
         key = (local * world, state, sizes)
@@ -108,7 +153,12 @@ class BatchSizes:
             groups = getattr(self.default, "groups", None)
             plan = self.retype(plan, state)
             if key[0] != plan.global_batch:
-                plan = rebatched(plan, key[0])
+                try:
+                    plan = rebatched(plan, key[0])
+                except ValueError as e:
+                    if agreed:
+                        raised_everywhere(e)
+                    raise
             found = build_executor(
                 plan, self.module, device=self.device, timeout_s=self.timeout_s, groups=groups
             )
@@ -205,14 +255,27 @@ class BatchSizes:
         row = [local, _state_code(state), *sizes, *self._odd_input(plan, flat, local)]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         everyone = torch.empty(len(row) * world, dtype=torch.int64, device=self.device)
-        try:
-            dist.all_gather_single(everyone, mine)
-        except RuntimeError as e:
-            raise CommError(
+        groups = getattr(self.default, "groups", None)
+
+        def failed(e: RuntimeError) -> CommError:
+            return CommError(
                 f"rank {dist.get_rank()}: all-gather of the local batch sizes at the start of a "
                 f"call failed: {e}; a rank died or stopped calling the model (every rank calls "
                 "it every step): check the other ranks' logs"
-            ) from e
+            )
+
+        try:
+            if groups is not None and groups.board is not None and mine.device.type == "cpu":
+                work = dist.all_gather_single(everyone, mine, group=groups.world, async_op=True)
+                groups.board.wait([work], "agreeing on this call's batch",
+                                  timeout_s=groups.timeout_s, on_error=failed)
+            else:
+                dist.all_gather_single(everyone, mine,
+                                       group=groups.world if groups is not None else None)
+        except (CommError, PeerFailed):
+            raise
+        except RuntimeError as e:
+            raise failed(e) from e
         rows = [tuple(r) for r in everyone.view(world, len(row)).tolist()]
         if all(r == rows[0] for r in rows) and rows[0][2 + k] == -1 and (
             not k or sizes == self._planned_sizes

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import all_reduce_flat
+from .comm import Groups, all_reduce_flat
 
 __all__ = ["BufferSync"]
 
@@ -54,7 +54,9 @@ class BufferSync:
         group: dist.ProcessGroup | None,
         ranks: Sequence[int],
         recompute: bool = False,
+        groups: Groups | None = None,
     ):
+        self.groups = groups  # for the failure board while all-reducing
         self.module = module
         self.recompute = recompute
         self.micro_batches = micro_batches
@@ -120,7 +122,8 @@ class BufferSync:
         floats = [n for n in self._names if n in self._acc]
         vals = [self._acc[n] for n in floats]
         if self.group is not None and vals:
-            vals = all_reduce_flat(vals, self.group, what="updated buffers", ranks=self.ranks)
+            vals = all_reduce_flat(vals, self.group, what="updated buffers", ranks=self.ranks,
+                                   groups=self.groups)
         for n, v in zip(floats, vals, strict=True):
             _write(self._buffers[n], v)
         for n in self._names:

@@ -2,12 +2,17 @@
 
 Every failure (a peer that died, a timeout) is raised as ``CommError`` naming this rank, the
 peer rank(s) and the operation, so a broken pipeline ends in a traceback that says who to
-look at, never a silent hang.
+look at, never a silent hang. A peer that raised inside the step is read off the failure
+board while waiting (``failures``), so that one is ``PeerFailed`` at once, not a timeout.
+The runtime's messages travel on its own groups (``Groups.world``, with ``Config.timeout_s``),
+never on the user's default group, so a step abandoned after a failure leaves nothing in
+flight there, and fresh groups replace them.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -20,6 +25,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..plan import Plan
+from .failures import Board, PeerFailed, board
 
 __all__ = [
     "CommError",
@@ -28,6 +34,7 @@ __all__ = [
     "Groups",
     "Message",
     "Pending",
+    "abort_groups",
     "all_reduce_flat",
     "backend_for",
     "build_groups",
@@ -109,6 +116,9 @@ class Groups:
     shared: list[dist.ProcessGroup | None]
     stage_ranks: list[tuple[int, ...]]
     shared_ranks: list[tuple[int, ...]]
+    world: dist.ProcessGroup | None = None  # every rank: the runtime's messages, the agreement
+    timeout_s: float = 300.0
+    board: Board | None = None  # the job's failure board (failures.py); None alone
 
 
 def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
@@ -126,9 +136,11 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
     ]
     if plan.world_size == 1:
         return Groups(
-            [None] * len(stage_ranks), [None] * len(shared_ranks), stage_ranks, shared_ranks
+            [None] * len(stage_ranks), [None] * len(shared_ranks), stage_ranks, shared_ranks,
+            timeout_s=timeout_s,
         )
     rank = dist.get_rank()
+    world = dist.new_group(list(range(plan.world_size)), timeout=timeout)
 
     def make(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         if len(ranks) < 2:
@@ -138,7 +150,18 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
 
     stage = [make(r) for r in stage_ranks]
     shared = [make(r) for r in shared_ranks]
-    return Groups(stage, shared, stage_ranks, shared_ranks)
+    return Groups(stage, shared, stage_ranks, shared_ranks, world, timeout_s, board())
+
+
+def abort_groups(groups: Groups) -> None:
+    """Abort and destroy ``groups`` (a step abandoned after a failure may have left messages
+    in flight in them); fresh ones replace them."""
+    for g in {id(g): g for g in (groups.world, *groups.stage, *groups.shared) if g}.values():
+        try:
+            g.abort()
+            dist.destroy_process_group(g)
+        except Exception:  # a group already torn down: nothing left to free
+            pass
 
 
 def check_same_plan(plan: Plan, device: torch.device | str = "cpu") -> None:
@@ -167,15 +190,26 @@ class Message(NamedTuple):
 
 
 class Pending:
-    """Posted messages; ``wait()`` finishes them or raises ``CommError`` naming the peer."""
+    """Posted messages; ``wait()`` finishes them or raises ``CommError`` naming the peer
+    (``PeerFailed`` where the board shows that a peer raised in this step)."""
 
-    def __init__(self, messages: Sequence[Message], works: Sequence[dist.Work]):
+    def __init__(self, messages: Sequence[Message], works: Sequence[dist.Work],
+                 groups: Groups | None = None):
         self.messages = list(messages)
         self.works = list(works)
+        self.groups = groups
 
     def wait(self) -> None:
         """Idempotent: a finished gloo work waited on again waits for a new message."""
         if len(self.works) == len(self.messages):
+            g = self.groups
+            on_cpu = all(m.tensor.device.type == "cpu" for m in self.messages)
+            if g is not None and g.board is not None and on_cpu:
+                for w, m in zip(self.works, self.messages, strict=True):
+                    g.board.wait([w], f"waiting to {m.op} {m.what}", timeout_s=g.timeout_s,
+                                 on_error=functools.partial(_p2p_failed, m))
+                self.works.clear()
+                return
             for w, m in zip(self.works, self.messages, strict=True):
                 try:
                     w.wait()
@@ -196,14 +230,16 @@ class Pending:
         self.works.clear()
 
 
-def post(messages: Sequence[Message]) -> Pending:
-    """Start every message in order with one ``batch_isend_irecv``; returns at once.
+def post(messages: Sequence[Message], groups: Groups | None = None) -> Pending:
+    """Start every message in order with one ``batch_isend_irecv`` on ``groups.world`` (the
+    default group without groups); returns at once.
 
     Messages between two ranks match in the order they are posted (no tags), so both
     sides must list them in the same order: the canonical order of ``routing``.
     """
     if not messages:
         return Pending([], [])
+    group = groups.world if groups is not None else None
     me = _rank()
     ops = []
     for m in messages:
@@ -212,12 +248,12 @@ def post(messages: Sequence[Message]) -> Pending:
         if not m.tensor.is_contiguous():
             raise ValueError(f"{m.what}: p2p needs a contiguous tensor")
         fn = dist.isend if m.op == "send" else dist.irecv
-        ops.append(dist.P2POp(fn, m.tensor, m.peer))
+        ops.append(dist.P2POp(fn, m.tensor, m.peer, group=group))
     try:
         works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:
         raise CommError(_p2p_error(messages[0], e)) from e
-    return Pending(messages, works)
+    return Pending(messages, works, groups)
 
 
 def all_reduce_flat(
@@ -227,12 +263,13 @@ def all_reduce_flat(
     what: str,
     ranks: Sequence[int] = (),
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    groups: Groups | None = None,
 ) -> list[torch.Tensor]:
     """All-reduce ``tensors`` (``op``, SUM by default) as one flat buffer per dtype; returns
     the reduced tensors.
 
     One collective per dtype instead of one per tensor: latency, not bandwidth, dominates
-    small stages.
+    small stages. With ``groups`` (a step's all-reduce) the wait reads the failure board.
     """
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -240,15 +277,26 @@ def all_reduce_flat(
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        try:
-            dist.all_reduce(flat, op=op, group=group)
-        except RuntimeError as e:
-            who = f"ranks {list(ranks)}" if ranks else "all ranks"
-            raise CommError(
+        who = f"ranks {list(ranks)}" if ranks else "all ranks"
+
+        def failed(e: RuntimeError, who: str = who) -> CommError:
+            return CommError(
                 f"rank {_rank()}: all-reduce of {what} among {who} failed: {e}; a rank that "
                 "died or never reached this step (it must run forward and backward too) is the "
                 "cause"
-            ) from e
+            )
+
+        try:
+            if groups is not None and groups.board is not None and flat.device.type == "cpu":
+                work = dist.all_reduce(flat, op=op, group=group, async_op=True)
+                groups.board.wait([work], f"in the all-reduce of {what}",
+                                  timeout_s=groups.timeout_s, on_error=failed)
+            else:
+                dist.all_reduce(flat, op=op, group=group)
+        except RuntimeError as e:
+            if isinstance(e, CommError | PeerFailed):
+                raise
+            raise failed(e) from e
         for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True):
             out[i] = piece.view_as(tensors[i])
     return [t for t in out if t is not None]
@@ -256,6 +304,10 @@ def all_reduce_flat(
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _p2p_failed(m: Message, e: Exception) -> CommError:
+    return CommError(_p2p_error(m, e))
 
 
 def _p2p_error(m: Message, e: Exception) -> str:

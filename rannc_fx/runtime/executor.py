@@ -133,11 +133,13 @@ class StageExecutor:
             group=self.groups.stage[self.stage.index],
             ranks=self.stage.ranks,
             recompute=self.stage.recompute,
+            groups=self.groups,
         )
         self.grads = GradSync(plan, self.stage.index, module, self.groups)
         self.runner = StageRunner(
             plan, self.stage, module, rank=self.rank, routes=self.routes, spans=spans,
             in_specs=in_specs, outputs=self.outputs, buffers=self.buffers, device=self.device,
+            groups=self.groups,
         )  # fmt: skip
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
@@ -163,6 +165,7 @@ class StageExecutor:
         self.trace: Recorder | None = None
         self._peers: dict[tuple[Kind, int | None], list[int]] = {}
         self._saved: StepState | None = None  # the step a loss.backward() may still reach
+        self.failed = False  # a call or backward raised: the groups may hold stale messages
         self._anchor = torch.zeros((), requires_grad=True)
 
     # -- a step ------------------------------------------------------------------------------------
@@ -186,8 +189,25 @@ class StageExecutor:
         ``flat_inputs`` is this rank's local batch, one entry per ``plan.inputs``. Batched
         outputs come back for the local samples (detached); outputs without a batch
         dimension are equal on every rank, and with grad enabled ``.backward()`` on the loss
-        (on every rank) finishes the step.
+        (on every rank) finishes the step. Whatever raises here is posted on the failure
+        board for the other ranks (``failures``), and this executor is ``failed``.
         """
+        try:
+            return self._forward(flat_inputs)
+        except Exception as e:
+            self._fail(e, "in its forward")
+            raise
+
+    def _fail(self, e: Exception, during: str) -> None:
+        """Give up the step: its gradients never reach ``.grad``; tell the other ranks."""
+        self.failed = True
+        self._saved = None
+        self.grads.abandon()
+        board = self.groups.board
+        if board is not None:
+            board.post(self.rank, self.stage.index, e, during)
+
+    def _forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
         self.outputs.finish_sends()
         local = check_inputs(self.plan, flat_inputs, self._in_shapes, self._local, self.device)
         self._step += 1
@@ -198,7 +218,7 @@ class StageExecutor:
                          held=mode is Mode.CALL)
         if mode is Mode.CALL:
             step.seeds = self._unit_seed()
-            self.grads.begin(every=True)
+            self.grads.begin()
         self.buffers.begin()
         if self.trace is not None:
             self.trace.ran(self.plan, self.plan.schedule if mode is Mode.CALL else "gpipe")
@@ -221,14 +241,21 @@ class StageExecutor:
 
     def backward(self, step_index: int, grads: Sequence[torch.Tensor | None]) -> None:
         """Called by the bridge with the gradients of the tied outputs: run the deferred
-        backwards, or apply the gradients the call held."""
+        backwards, or apply the gradients the call held (failures as in ``forward``)."""
         step = self._saved
-        if step is None or step.index != step_index:
+        if step is None or step.index != step_index:  # a misuse: nothing ran, nothing to tell
             raise RuntimeError(
                 f"backward for step {step_index} but the pipeline holds "
                 + ("no step" if step is None else f"step {step.index}")
                 + "; call loss.backward() once per forward, before the next forward"
             )
+        try:
+            self._backward(step, grads)
+        except Exception as e:
+            self._fail(e, "in its backward")
+            raise
+
+    def _backward(self, step: StepState, grads: Sequence[torch.Tensor | None]) -> None:
         self._saved = None
         if step.held:
             g = grads[0]

@@ -50,23 +50,26 @@ class GradSync:
         self.own = [p for i, p in unique.items() if i not in taken]
         self._stash: dict[int, torch.Tensor] = {}
         self._held: dict[int, torch.Tensor] = {}
+        self._begun = False  # a step's gradients are in .grad, the earlier ones aside
 
-    def _reduced(self) -> list[nn.Parameter]:
-        ps = [p for j, group in self.shared if self.groups.shared[j] is not None for p in group]
-        if self.groups.stage[self.stage] is not None:
-            ps.extend(self.own)
-        return ps
-
-    def begin(self, *, every: bool = False) -> None:
-        """Before a step's backwards: set aside gradients from earlier calls (accumulation),
-        so only this step's are summed over ranks. ``every``: set aside every parameter's, not
-        only the reduced ones' (the step's gradients are then held, see ``hold``)."""
+    def begin(self) -> None:
+        """Before a step's backwards: set aside every parameter's gradient from earlier calls
+        (accumulation), so only this step's are summed over ranks, and a step that fails
+        leaves ``.grad`` as it found it (``abandon``)."""
         self._stash = {}
         self._held = {}
-        for p in self.every if every else self._reduced():
+        self._begun = True
+        for p in self.every:
             if p.grad is not None:
                 self._stash[id(p)] = p.grad
                 p.grad = None
+
+    def abandon(self) -> None:
+        """A step failed: its gradients go, ``.grad`` is what the step found."""
+        if self._begun:
+            for p in self.every:
+                p.grad = self._stash.get(id(p))
+        self._stash, self._held, self._begun = {}, {}, False
 
     @property
     def every(self) -> list[nn.Parameter]:
@@ -94,7 +97,8 @@ class GradSync:
             )
         for group, ps, what, ranks in todo:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-            for p, r in zip(ps, all_reduce_flat(grads, group, what=what, ranks=ranks), strict=True):
+            reduced = all_reduce_flat(grads, group, what=what, ranks=ranks, groups=self.groups)
+            for p, r in zip(ps, reduced, strict=True):
                 p.grad = r
 
     def merge(self) -> None:
@@ -104,7 +108,7 @@ class GradSync:
             if old is not None:
                 # in place into the earlier gradient: no third copy while the step's exists
                 p.grad = old if p.grad is None else old.add_(p.grad)
-        self._stash = {}
+        self._stash, self._begun = {}, False
 
     def hold(self) -> None:
         """Keep this step's gradients aside and give ``.grad`` back as the call found it, until
@@ -114,7 +118,7 @@ class GradSync:
             if p.grad is not None:
                 self._held[id(p)] = p.grad
             p.grad = self._stash.get(id(p))
-        self._stash = {}
+        self._stash, self._begun = {}, False
 
     def apply(self, scale: torch.Tensor | None) -> None:
         """``.grad += scale * held`` (the chain rule through the loss), once."""

@@ -117,7 +117,7 @@ class Outputs:
                     piece_shape(spec, t), dtype=dtype_of(spec), device=self.device
                 )
                 msgs.append(Message("recv", buf, t.src, label))
-        post(msgs).wait()
+        post(msgs, self.groups).wait()
         results: dict[int, Any] = {}
         for ref in self.plan.outputs:
             spec = ref.spec
@@ -160,6 +160,7 @@ class Outputs:
                 group,
                 what=f"the outputs without a batch dimension (the loss) of stage {st}",
                 ranks=self.stage.ranks,
+                groups=self.groups,
             )
         results.update((r.index, v) for r, v in zip(mine, vals, strict=True))
         sends: list[Message] = []
@@ -178,9 +179,9 @@ class Outputs:
         if sends and recvs:
             # one batch, waited on before returning: NCCL could deadlock on two batches
             # that two ranks post in opposite order
-            return post(sends + recvs)
-        self.sent = post(sends) if sends else None
-        return post(recvs)
+            return post(sends + recvs, self.groups)
+        self.sent = post(sends, self.groups) if sends else None
+        return post(recvs, self.groups)
 
     def finish_sends(self) -> None:
         if self.sent is not None:

@@ -35,7 +35,7 @@ from ..values import ValueSpec
 from . import routing
 from .buffers import BufferSync
 from .checks import check_stage_outputs
-from .comm import Message, Pending, post
+from .comm import Groups, Message, Pending, post
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .routing import RankRoutes, Transfer
@@ -94,8 +94,10 @@ class StageRunner:
         outputs: Outputs,
         buffers: BufferSync,
         device: torch.device,
+        groups: Groups | None = None,
     ):
         self.plan, self.stage, self.module, self.rank = plan, stage, module, rank
+        self.groups = groups  # the messages travel on groups.world
         self.routes, self.in_specs, self.outputs = routes, in_specs, outputs
         self.buffers, self.device = buffers, device
         self.recompute = stage.recompute
@@ -151,13 +153,13 @@ class StageRunner:
             msgs, recv = self._messages(
                 self.routes.inputs[i], lambda t: step.local[t.slot], "input"
             )
-            step.inputs.append((post([x for x in msgs if x.op == "recv"]), recv))
-            step.sends.append(post([x for x in msgs if x.op == "send"]))
+            step.inputs.append((post([x for x in msgs if x.op == "recv"], self.groups), recv))
+            step.sends.append(post([x for x in msgs if x.op == "send"], self.groups))
 
     def recv_f(self, step: StepState, i: int) -> None:
         mine = [t for t in self.routes.cuts[i] if t.dst == self.rank]
         msgs, recv = self._messages(mine, None, "cut value")
-        step.cut_recv[i] = (post(msgs), recv)
+        step.cut_recv[i] = (post(msgs, self.groups), recv)
 
     def send_f(self, step: StepState, i: int) -> None:
         if not self.sends_cuts:
@@ -165,14 +167,14 @@ class StageRunner:
         outs = step.outs[i]
         mine = [t for t in self.routes.cuts[i] if t.src == self.rank]
         msgs, _ = self._messages(mine, lambda t: outs[self.out_pos[t.value]].detach(), "cut value")
-        step.sends.append(post(msgs))
+        step.sends.append(post(msgs, self.groups))
         if self.recompute or not step.grad:
             del step.outs[i]  # sent: nothing else reads them
 
     def recv_b(self, step: StepState, i: int) -> None:
         mine = [t for t in self.routes.grads[i] if t.dst == self.rank]
         msgs, recv = self._messages(mine, None, "gradient of cut value")
-        step.grad_recv[i] = (post(msgs), recv)
+        step.grad_recv[i] = (post(msgs, self.groups), recv)
 
     def send_b(self, step: StepState, i: int) -> None:
         if not self.sends_grads:
@@ -185,7 +187,7 @@ class StageRunner:
 
         mine = [t for t in self.routes.grads[i] if t.src == self.rank]
         msgs, _ = self._messages(mine, source, "gradient of cut value")
-        step.sends.append(post(msgs))
+        step.sends.append(post(msgs, self.groups))
 
     # -- compute ---------------------------------------------------------------------------------
     def _wait(self, pending: Pending, match: str, i: int) -> None:

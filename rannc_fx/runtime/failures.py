@@ -1,0 +1,192 @@
+"""When one rank fails inside a step, every rank stops at once: a board in the c10d store.
+
+A rank whose call or ``loss.backward()`` raises posts what failed (its rank, its stage, the
+exception's type and message) on the board: a counter and a message in the job's c10d store,
+which every rank reaches without its peers. Every wait of the runtime on gloo (a message, an
+all-reduce, the per-call agreement) reads the board every ``CHECK_S`` while it waits; when
+the board shows a failure the rank has not seen, it abandons its step and raises
+``PeerFailed`` naming the rank that failed, its stage and its exception. So no rank waits
+for a peer that has already failed, and none needs that peer to tell it::
+
+    rank 0   F0 ✗ IndexError ── post(rank 0, stage 0, IndexError) ──▶ store
+    rank 1   RECV_F 0 … waits, reads the board every CHECK_S ──────── PeerFailed(rank 0)
+
+An abandoned step leaves messages in flight in its communicators. So every rank that raised
+starts its next call by making fresh ones (``BatchSizes``: every rank calls ``new_group``
+again, the old groups aborted), and the next call trains as if the failed one never ran: a
+step's gradients reach ``.grad`` only once all its backwards are done.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["CHECK_S", "Board", "PeerFailed", "board", "raised_everywhere"]
+
+CHECK_S = 0.005  # how often a waiting rank reads the board (one store round trip, ~20 us)
+
+
+class PeerFailed(RuntimeError):
+    """Another rank raised inside this step; this rank abandoned its part of it."""
+
+    def __init__(self, message: str, rank: int, failures: int):
+        super().__init__(message)
+        self.rank, self.failures = rank, failures
+
+
+class Board:
+    """The job's failures in the c10d store: ``count`` and one message per failure."""
+
+    def __init__(self, store: dist.Store):
+        self.store = dist.PrefixStore("rannc_fx/failures/", store)
+        self.seen = self.count()  # the failures this rank has acted on
+
+    def count(self) -> int:
+        return int(self.store.add("count", 0))
+
+    def post(self, rank: int, stage: int, error: BaseException, during: str) -> None:
+        """Tell every rank that ``rank`` (stage ``stage``) raised ``error`` ``during`` what,
+        once per error, and none for a ``PeerFailed`` or an error ``raised_everywhere``."""
+        if isinstance(error, PeerFailed) or getattr(error, _NOTED, False):
+            return
+        text = f"rank {rank} (stage {stage}) raised {type(error).__name__} {during}: {error}"
+        n = int(self.store.add("count", 1))
+        self.store.set(str(n), text)
+        self.seen = n
+        _mark(error)
+        error.add_note(f"rannc_fx: rank {rank} told the other ranks, which stop this step too; "
+                       "the next call starts over on fresh communicators")
+
+    def news(self) -> int:
+        """The failures posted that this rank has not acted on (0: none)."""
+        return self.count() - self.seen
+
+    def raise_news(self, what: str) -> None:
+        """PeerFailed for the newest failure on the board, if this rank has not seen it."""
+        n = self.count()
+        if n > self.seen:
+            self.seen = n
+            text = self.store.get(str(n)).decode()
+            rank = int(text.split()[1])
+            raise PeerFailed(
+                f"rank {_rank()} stopped {what}: {text}. Every rank raises in this call; the "
+                "next call starts over on fresh communicators (nothing of this step reached "
+                ".grad), so skipping the batch and going on works",
+                rank, n,
+            )
+
+    def wait(self, works: Sequence[Any], what: str, *, timeout_s: float,
+             on_error: Callable[[RuntimeError], Exception]) -> None:
+        """Finish ``works`` (``dist.Work``), reading the board every ``CHECK_S`` meanwhile.
+
+        gloo's point-to-point works can be neither polled nor aborted (``is_completed``
+        stays False; ``abort`` does not wake a wait), so a waiter thread blocks in their
+        ``wait()`` and this rank waits on that thread, with a timeout to read the board. A
+        wait abandoned for a failure keeps its thread until the group's own timeout; a new
+        waiter takes over. ``on_error`` turns a work's error into the one to raise; after
+        ``timeout_s`` with neither the works done nor a failure posted, that is a timeout.
+        """
+        done = _waiter().submit(works)
+        start = time.monotonic()
+        while True:
+            try:
+                done.result(timeout=CHECK_S)
+                return
+            except TimeoutError:
+                pass
+            except RuntimeError as e:
+                self.raise_news(what)  # a peer's failure explains a broken connection best
+                raise on_error(e) from e
+            try:
+                self.raise_news(what)
+            except PeerFailed:
+                _abandon()
+                raise
+            if time.monotonic() - start > timeout_s:
+                _abandon()
+                raise on_error(RuntimeError(
+                    f"Timed out after {timeout_s:g} s (Config.timeout_s) with no failure "
+                    "posted by another rank"))
+
+
+class _Waiter:
+    """A daemon thread that runs ``wait()`` on the works it is handed, one batch at a time."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has the object but not the thread
+        self._queue: queue.SimpleQueue[tuple[Sequence[Any], Future[None]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="rannc_fx-waiter", daemon=True).start()
+
+    def submit(self, works: Sequence[Any]) -> Future[None]:
+        done: Future[None] = Future()
+        self._queue.put((works, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            works, done = self._queue.get()
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+
+
+_WAITER: list[_Waiter] = []
+
+
+def _waiter() -> _Waiter:
+    if not _WAITER or _WAITER[0].pid != os.getpid():
+        _WAITER[:] = [_Waiter()]
+    return _WAITER[0]
+
+
+def _abandon() -> None:
+    """The current waiter is stuck on works that will not finish: start another."""
+    _WAITER.clear()
+
+
+_NOTED = "_rannc_fx_noted"  # on an exception the board has, or that every rank raised
+
+
+def _mark(error: BaseException) -> None:
+    try:
+        setattr(error, _NOTED, True)
+    except AttributeError:  # an exception type that takes no attributes: post it again
+        pass
+
+
+def raised_everywhere(error: BaseException) -> BaseException:
+    """``error``, marked as raised by every rank at once (a refusal after the per-call
+    agreement): nothing to post, nothing left in flight."""
+    _mark(error)
+    return error
+
+
+_BOARD: dict[tuple[int, int], Board] = {}  # (process, store) -> its board
+
+
+def board() -> Board | None:
+    """This process's board (one per job: the default group's store); None alone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    key = (os.getpid(), id(store))
+    if key not in _BOARD:
+        _BOARD.clear()
+        _BOARD[key] = Board(store)
+    return _BOARD[key]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
