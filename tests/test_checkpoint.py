@@ -272,3 +272,33 @@ def test_parameters_saved_in_groups_with_other_settings_are_named():
     with pytest.raises(ValueError, match=r"param group 0 of this rank holds .* saved with "
                                          r"different lr \(0.01 and 0.5\)"):
         rannc_fx.set_state_dict(model, one, optim_state_dict=osd)
+
+
+def _groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def test_resumed_param_groups_are_the_saved_ones(tmp_path):
+    """Every setting of every group (lr and the rest) comes back from the checkpoint, not from
+    the optimizer it is loaded into, which was made with other settings."""
+    model, args, kwargs = _data()
+    norm = [p for n, p in model.named_parameters() if n.startswith("norm.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("norm.")]
+    opt = torch.optim.Adam([{"params": rest}, {"params": norm, "lr": 0.5}], lr=0.01, eps=1e-4)
+    _step(model, opt, args, kwargs)
+    opt.param_groups[0].update(lr=0.003, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6)
+    opt.param_groups[1].update(lr=0.2, weight_decay=0.01, betas=(0.5, 0.9))
+    saved = _groups(opt)
+    msd, osd = rannc_fx.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+
+    model2, _, _ = _data()
+    norm2 = [p for n, p in model2.named_parameters() if n.startswith("norm.")]
+    rest2 = [p for n, p in model2.named_parameters() if not n.startswith("norm.")]
+    opt2 = torch.optim.Adam([{"params": rest2}, {"params": norm2, "lr": 0.7}], lr=0.02)
+    assert _groups(opt2) != saved
+    msd2, osd2 = rannc_fx.get_state_dict(model2, opt2)
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(tmp_path))
+    rannc_fx.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    assert _groups(opt2) == saved
+    assert [len(g["params"]) for g in opt2.param_groups] == [len(rest), len(norm)]
