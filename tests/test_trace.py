@@ -170,6 +170,49 @@ def test_a_one_rank_plan_says_it_has_no_schedule_to_trace(tmp_path):
 
 
 
+AHEAD_NS = 3600 * 10**9  # rank 1's clock in the test below: an hour ahead of rank 0's
+
+
+def _clock_ahead(rank: int, world: int, out: str) -> dict[str, Any] | None:
+    import time
+    import types
+
+    import rannc_fx.runtime.trace as trace_module
+    from rannc_fx.models import mlp_example
+
+    if rank == 1:  # every time the recorder takes, on this rank only (a forked process)
+        real = time.perf_counter_ns
+        trace_module.time = types.SimpleNamespace(  # type: ignore[assignment]
+            perf_counter_ns=lambda: real() + AHEAD_NS)
+    model, (x, y), _ = mlp_example(batch=LOCAL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
+                 micro_batches=2, trace_dir=out, trace_steps="2-3")
+    cm = rannc_fx.compile(model, opt, cfg, example_args=(x, y))
+    for _ in range(3):
+        cm(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return json.loads((Path(out) / "trace.json").read_text()) if rank == 0 else None
+
+
+def test_a_rank_whose_clock_runs_ahead_is_aligned_to_rank_0(tmp_path):
+    """All ranks here share one clock, so an offset of 0 would pass with either sign: rank 1's
+    clock is put an hour ahead, and the trace must measure that and take it out."""
+    trace = run_ranks(_clock_ahead, 2, str(tmp_path), timeout_s=30.0, wall_s=120.0)[0]
+    clock = trace["otherData"]["rannc_fx"]["clock"]
+    offset, half_trip = clock["offset_ns"]["1"], clock["uncertainty_ns"]["1"]
+    assert clock["offset_ns"]["0"] == 0 and 0 < half_trip < 10**9
+    assert abs(offset - AHEAD_NS) <= half_trip, (offset, half_trip)
+    # on rank 0's clock both ranks begin each step within a second, not an hour apart
+    for step, by_rank in trace["otherData"]["rannc_fx"]["step_starts"].items():
+        assert abs(by_rank["1"] - by_rank["0"]) < 1e6, (step, by_rank)
+    events = _measured(trace)
+    assert {e["tid"] for e in events} == {0, 1}
+    assert max(e["ts"] + e["dur"] for e in events) < 60e6  # us: both steps, not an hour
+    assert summarize(trace).unmatched == 0 and summarize(trace).step_ms < 1e3
+
+
 def test_a_run_that_ends_before_its_traced_steps_says_so_at_exit(tmp_path):
     import os
     import subprocess
