@@ -132,11 +132,33 @@ def test_the_prediction_and_the_summary_sit_beside_the_measurement(traced, capsy
     s = summarize(trace)
     assert s.steps == TRACED and s.unmatched == 0
     assert s.predicted_ms is not None and s.predicted_ms > 0 and s.step_ms > 0
+    # the parts from the events themselves: busy is the compute and optimizer events of a
+    # stage's ranks over the step (first call to last event), the mean over ranks and steps
+    meta = trace["otherData"]["rannc_fx"]
+    events = _measured(trace)
     for st in s.stages:
-        assert sum(st.measured.values()) == pytest.approx(1.0, abs=1e-6)
+        busy = comm_wait = 0.0
+        for step in TRACED:
+            mine = [e for e in events if e["args"]["step"] == step]
+            begin = min(meta["step_starts"][str(step)].values())
+            span = max(e["ts"] + e["dur"] for e in mine) - begin
+            for r in st.ranks:
+                held = [e for e in mine if e["tid"] == r]
+                busy += sum(e["dur"] for e in held if e["cat"] in ("compute", "optimizer")) / span
+                comm_wait += sum(e["dur"] for e in held
+                                 if e["cat"] in ("wait", "collective", "post")) / span
+        n = len(TRACED) * len(st.ranks)
+        assert st.measured["busy"] == pytest.approx(busy / n, rel=1e-6) and busy > 0
+        assert st.measured["bubble"] + st.measured["comm"] == pytest.approx(comm_wait / n,
+                                                                            rel=1e-6)
+        # predicted busy + comm: the stage's drawn actions over the drawn step's length
         assert st.predicted is not None
-        assert sum(st.predicted.values()) == pytest.approx(1.0, abs=1e-6)
-        assert st.measured["busy"] > 0
+        drawn = [e for e in predicted if e["tid"] == st.stage and e["args"]["step"] == TRACED[0]]
+        at = min(e["ts"] for e in predicted if e["args"]["step"] == TRACED[0])
+        makespan = max(e["ts"] + e["dur"] for e in predicted
+                       if e["args"]["step"] == TRACED[0]) - at
+        assert st.predicted["busy"] + st.predicted["comm"] == pytest.approx(
+            sum(e["dur"] for e in drawn) / makespan, rel=1e-6)
     assert cli(["trace", "summary", str(path)]) == 0
     printed = capsys.readouterr().out
     assert f"steps {TRACED[0]}-{TRACED[-1]}" in printed and "predicted" in printed
