@@ -57,13 +57,13 @@ def _local(rank: int, world: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
     return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
-def _compiled(rank: int, world: int, replicas: tuple[int, ...], *, meta: bool = False
-              ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
+def _compiled(rank: int, world: int, replicas: tuple[int, ...], *, meta: bool = False,
+              make_opt: Any = None) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     if meta:
         with torch.device("meta"):
             model = TransformerLM()
-    opt = _adam(model)
+    opt = (make_opt or _adam)(model)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
                  micro_batches=2)
     largs, lkwargs = _local(rank, world, args, kwargs)
@@ -302,3 +302,49 @@ def test_resumed_param_groups_are_the_saved_ones(tmp_path):
     rannc_fx.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
     assert _groups(opt2) == saved
     assert [len(g["params"]) for g in opt2.param_groups] == [len(rest), len(norm)]
+
+
+def _sgd(model: torch.nn.Module, lr: float = 0.05) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, dampening=0.1)
+
+
+LATER_LR = 0.02  # the learning rate after STEPS steps (a schedule would set it so)
+
+
+def _sgd_reference() -> list[float]:
+    model, args, kwargs = _data()
+    opt = _sgd(model)
+    losses = [_step(model, opt, args, kwargs) for _ in range(STEPS)]
+    opt.param_groups[0]["lr"] = LATER_LR
+    return losses + [_step(model, opt, args, kwargs) for _ in range(STEPS)]
+
+
+def _sgd_save(rank: int, world: int, path: str) -> list[float]:
+    cm, opt, args, kwargs = _compiled(rank, world, (1, 1), make_opt=_sgd)
+    losses = [_step(cm, opt, args, kwargs) for _ in range(STEPS)]
+    opt.param_groups[0]["lr"] = LATER_LR
+    msd, osd = rannc_fx.get_state_dict(cm, opt)
+    assert any(k.endswith(".momentum_buffer") for k in osd)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return losses
+
+
+def _sgd_resume(rank: int, world: int, path: str) -> tuple[list[float], dict[str, Any]]:
+    # a fresh optimizer with another learning rate: the checkpoint's must win
+    cm, opt, args, kwargs = _compiled(rank, world, (2, 1), make_opt=lambda m: _sgd(m, lr=0.1))
+    msd, osd = rannc_fx.get_state_dict(cm, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    rannc_fx.set_state_dict(cm, opt, model_state_dict=msd, optim_state_dict=osd)
+    (group,) = _groups(opt)
+    return [_step(cm, opt, args, kwargs) for _ in range(STEPS)], group
+
+
+def test_sgd_with_momentum_resumes_on_another_plan(tmp_path):
+    """Another optimizer than Adam: SGD's momentum buffers and its (changed) learning rate
+    come back from a checkpoint saved on 2 ranks into 3, on the single-process trajectory."""
+    want = _sgd_reference()
+    saved = run_ranks(_sgd_save, 2, str(tmp_path), timeout_s=30.0, wall_s=120.0)
+    assert_close(torch.tensor(saved[0]), torch.tensor(want[:STEPS]), **TOL)
+    for losses, group in run_ranks(_sgd_resume, 3, str(tmp_path), timeout_s=30.0, wall_s=120.0):
+        assert group["lr"] == LATER_LR and group["momentum"] == 0.9 and group["dampening"] == 0.1
+        assert_close(torch.tensor(losses), torch.tensor(want[STEPS:]), **TOL)
