@@ -19,7 +19,8 @@ from rannc_fx.device import DeviceSpec
 from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
 from rannc_fx.values import ValueSpec
 
-__all__ = ["RankFailed", "make_plan", "run_ranks", "scalar", "tensor"]
+__all__ = ["RankFailed", "assert_moved_alike", "assert_moved_alike_in_norm", "make_plan", "run_ranks", "scalar", "snapshot",
+           "tensor"]
 
 
 class RankFailed(AssertionError):
@@ -127,6 +128,57 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def assert_moved_alike(
+    module: torch.nn.Module,
+    ref: torch.nn.Module,
+    before: dict[str, torch.Tensor],
+    *,
+    rtol: float,
+    atol: float,
+) -> float:
+    """Each parameter of ``module`` (a stage: the original names) equals ``ref``'s within the
+    tolerance, and the check could fail: some parameter of ``ref`` moved away from ``before``
+    (the values before the step or steps checked) by more than that tolerance, so a stage
+    that did not move would fail it. Returns the largest move in units of the tolerance."""
+    moved = 0.0
+    for name, p in module.named_parameters():
+        want = ref.get_parameter(name)
+        torch.testing.assert_close(p, want, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        slack = atol + rtol * want.detach().abs()
+        moved = max(moved, float(((want.detach() - before[name]).abs() / slack).max()))
+    assert moved > 1, (
+        f"the parameters moved by at most {moved:.2f} times the tolerance (rtol={rtol}, "
+        f"atol={atol}): the comparison would pass parameters that never moved"
+    )
+    return moved
+
+
+def assert_moved_alike_in_norm(
+    module: torch.nn.Module, ref: torch.nn.Module, before: dict[str, torch.Tensor], *, rel: float
+) -> float:
+    """Over all parameters of ``module`` at once: their distance from ``ref``'s is under
+    ``rel`` times the distance ``ref``'s moved from ``before`` (2-norms). For steps that round
+    differently (bfloat16 under Adam, whose normalized update turns a rounding in a tiny
+    gradient into a whole step of either sign for a few elements), where no elementwise
+    tolerance both holds and is below the step; a stage that did not move is at ``1 * moved``.
+    Returns the distance over the move."""
+    apart = moved = 0.0
+    for name, p in module.named_parameters():
+        want = ref.get_parameter(name).detach()
+        apart += float((p.detach() - want).square().sum())
+        moved += float((want - before[name]).square().sum())
+    assert moved > 0, "the reference did not move: nothing to compare"
+    ratio = (apart / moved) ** 0.5
+    assert ratio < rel, f"the parameters are {ratio:.3f} of the step away from the reference"
+    return ratio
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of ``module``'s parameters by name (``before`` of ``assert_moved_alike``)."""
+    return {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}
 
 
 # -- hand-made plans ------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example, mlp_example
 
-from .dist_utils import run_ranks
+from .dist_utils import assert_moved_alike_in_norm, run_ranks, snapshot
 
 EXACT = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)  # micro-batches round bf16 matmuls over other sums
+MOVED = 0.1  # parameters' distance from the reference over a step's move (seen: <= 0.014)
 LOCAL = 4
 EXAMPLES = {"mlp": mlp_example, "gpt": gpt_example}
 
@@ -39,6 +40,7 @@ def _switching(rank: int, world: int, name: str, planned: str | None) -> list[st
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
     planned_dtypes = sorted({str(cv.spec.dtype) for cv in cm.plan.cut_values})
     for step, amp in enumerate(["bfloat16", None, "bfloat16", None]):
+        before = snapshot(ref)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None)
         with ctx:
             out, want = cm(*largs, **lkwargs), ref(*args, **kwargs)
@@ -48,6 +50,9 @@ def _switching(rank: int, world: int, name: str, planned: str | None) -> list[st
             loss.backward()
             o.step()
             o.zero_grad()
+        # the step moved this rank's parameters as it moved the reference's (the losses'
+        # tolerance would pass a stage that stopped training)
+        assert_moved_alike_in_norm(cm.stages[0], ref, before, rel=MOVED)
     # evaluation without autocast after autocast training: the same parameters give the same loss
     cm.eval()
     ref.eval()

@@ -57,13 +57,13 @@ def _local(rank: int, world: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
     return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
-def _compiled(rank: int, world: int, replicas: tuple[int, ...], *, meta: bool = False
-              ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
+def _compiled(rank: int, world: int, replicas: tuple[int, ...], *, meta: bool = False,
+              make_opt: Any = None) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     if meta:
         with torch.device("meta"):
             model = TransformerLM()
-    opt = _adam(model)
+    opt = (make_opt or _adam)(model)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
                  micro_batches=2)
     largs, lkwargs = _local(rank, world, args, kwargs)
@@ -272,3 +272,79 @@ def test_parameters_saved_in_groups_with_other_settings_are_named():
     with pytest.raises(ValueError, match=r"param group 0 of this rank holds .* saved with "
                                          r"different lr \(0.01 and 0.5\)"):
         rannc_fx.set_state_dict(model, one, optim_state_dict=osd)
+
+
+def _groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def test_resumed_param_groups_are_the_saved_ones(tmp_path):
+    """Every setting of every group (lr and the rest) comes back from the checkpoint, not from
+    the optimizer it is loaded into, which was made with other settings."""
+    model, args, kwargs = _data()
+    norm = [p for n, p in model.named_parameters() if n.startswith("norm.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("norm.")]
+    opt = torch.optim.Adam([{"params": rest}, {"params": norm, "lr": 0.5}], lr=0.01, eps=1e-4)
+    _step(model, opt, args, kwargs)
+    opt.param_groups[0].update(lr=0.003, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6)
+    opt.param_groups[1].update(lr=0.2, weight_decay=0.01, betas=(0.5, 0.9))
+    saved = _groups(opt)
+    msd, osd = rannc_fx.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+
+    model2, _, _ = _data()
+    norm2 = [p for n, p in model2.named_parameters() if n.startswith("norm.")]
+    rest2 = [p for n, p in model2.named_parameters() if not n.startswith("norm.")]
+    opt2 = torch.optim.Adam([{"params": rest2}, {"params": norm2, "lr": 0.7}], lr=0.02)
+    assert _groups(opt2) != saved
+    msd2, osd2 = rannc_fx.get_state_dict(model2, opt2)
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(tmp_path))
+    rannc_fx.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    assert _groups(opt2) == saved
+    assert [len(g["params"]) for g in opt2.param_groups] == [len(rest), len(norm)]
+
+
+def _sgd(model: torch.nn.Module, lr: float = 0.05) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, dampening=0.1)
+
+
+LATER_LR = 0.02  # the learning rate after STEPS steps (a schedule would set it so)
+
+
+def _sgd_reference() -> list[float]:
+    model, args, kwargs = _data()
+    opt = _sgd(model)
+    losses = [_step(model, opt, args, kwargs) for _ in range(STEPS)]
+    opt.param_groups[0]["lr"] = LATER_LR
+    return losses + [_step(model, opt, args, kwargs) for _ in range(STEPS)]
+
+
+def _sgd_save(rank: int, world: int, path: str) -> list[float]:
+    cm, opt, args, kwargs = _compiled(rank, world, (1, 1), make_opt=_sgd)
+    losses = [_step(cm, opt, args, kwargs) for _ in range(STEPS)]
+    opt.param_groups[0]["lr"] = LATER_LR
+    msd, osd = rannc_fx.get_state_dict(cm, opt)
+    assert any(k.endswith(".momentum_buffer") for k in osd)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return losses
+
+
+def _sgd_resume(rank: int, world: int, path: str) -> tuple[list[float], dict[str, Any]]:
+    # a fresh optimizer with another learning rate: the checkpoint's must win
+    cm, opt, args, kwargs = _compiled(rank, world, (2, 1), make_opt=lambda m: _sgd(m, lr=0.1))
+    msd, osd = rannc_fx.get_state_dict(cm, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    rannc_fx.set_state_dict(cm, opt, model_state_dict=msd, optim_state_dict=osd)
+    (group,) = _groups(opt)
+    return [_step(cm, opt, args, kwargs) for _ in range(STEPS)], group
+
+
+def test_sgd_with_momentum_resumes_on_another_plan(tmp_path):
+    """Another optimizer than Adam: SGD's momentum buffers and its (changed) learning rate
+    come back from a checkpoint saved on 2 ranks into 3, on the single-process trajectory."""
+    want = _sgd_reference()
+    saved = run_ranks(_sgd_save, 2, str(tmp_path), timeout_s=30.0, wall_s=120.0)
+    assert_close(torch.tensor(saved[0]), torch.tensor(want[:STEPS]), **TOL)
+    for losses, group in run_ranks(_sgd_resume, 3, str(tmp_path), timeout_s=30.0, wall_s=120.0):
+        assert group["lr"] == LATER_LR and group["momentum"] == 0.9 and group["dampening"] == 0.1
+        assert_close(torch.tensor(losses), torch.tensor(want[STEPS:]), **TOL)

@@ -23,9 +23,32 @@ from .dist_utils import make_plan, run_ranks, scalar, tensor
 from .test_compile import LOCAL, TOL, _example, _local, _loss, _warm
 
 INF = math.inf
-FACTORY = {"mlp": mlp_example, "gpt": functools.partial(gpt_example, layers=1)}  # export is slow
+
+
+class TanhMLP(torch.nn.Module):
+    """Smooth layers: no gradient entry is exactly zero (ReLU's dead units give zeros), so the
+    norm of type -inf, the smallest entry, is not 0 on every stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+def tanh_example(batch: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    return TanhMLP(), (torch.randn(batch, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)), {}
+
+
+FACTORY = {"mlp": mlp_example, "gpt": functools.partial(gpt_example, layers=1),
+           "tanh": tanh_example}  # fmt: skip  (gpt: one layer, export is slow)
 # at init the mlp's gradient norms are 0.70 (p=2) and 0.40 (inf); the gpt's 9.5 and 1.24
-MAX_NORM = {"mlp": 0.1, "gpt": 0.5}
+MAX_NORM = {"mlp": 0.1, "gpt": 0.5, "tanh": 0.1}
 
 
 def _config(**cfg: Any) -> Config:
@@ -37,9 +60,11 @@ def _config(**cfg: Any) -> Config:
 
 
 def _train_clipped(
-    rank: int, world: int, name: str, cfg: dict[str, Any], norm_type: float, steps: int = 3
+    rank: int, world: int, name: str, cfg: dict[str, Any], norm_type: float, steps: int = 3,
+    foreach: bool | None = None,
 ) -> list[float]:
     g = LOCAL * world
+    seen = _record_foreach() if foreach is not None else []
     torch.manual_seed(0)
     model, args, kwargs = FACTORY[name](batch=g)
     ref = copy.deepcopy(model)
@@ -55,16 +80,37 @@ def _train_clipped(
         _loss(out).backward()
         _loss(want).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
-        assert max_norm / (ref_norm.item() + 1e-6) < 1  # the reference did clip
-        norm = cm.clip_grad_norm_(max_norm, norm_type)
-        assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        if norm_type != -INF:  # the smallest entry is below any max_norm: no clipping
+            assert max_norm / (ref_norm.item() + 1e-6) < 1  # the reference did clip
+        norm = cm.clip_grad_norm_(max_norm, norm_type, foreach=foreach)
+        # -inf's smallest entry is a near-cancelling sum: micro-batches round it by ~1e-4
+        assert_close(norm, ref_norm, rtol=1e-3 if norm_type == -INF else 1e-5, atol=0)
         norms.append(norm.item())
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
     for pname, p in cm.stages[0].named_parameters():
         assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    if foreach is not None:  # the option reached torch's norm (where the rank counts any
+        # gradient) and scaling on this rank
+        assert "clip_grads_with_norm_" in {f for f, _ in seen}
+        assert all(v is foreach for _, v in seen), seen
     return norms
+
+
+def _record_foreach() -> list[tuple[str, Any]]:
+    """(function, foreach) of each call of torch's norm and scaling in this (forked) process."""
+    seen: list[tuple[str, Any]] = []
+    for fname in ("get_total_norm", "clip_grads_with_norm_"):
+        real = getattr(torch.nn.utils, fname)
+
+        def spy(*args: Any, _real: Any = real, _name: str = fname, **kwargs: Any) -> Any:
+            foreach = kwargs["foreach"] if "foreach" in kwargs else args[-1]
+            seen.append((_name, foreach))
+            return _real(*args, **kwargs)
+
+        setattr(torch.nn.utils, fname, spy)
+    return seen
 
 
 @pytest.mark.parametrize(
@@ -82,6 +128,25 @@ def test_clips_like_one_process(name, world, cfg, norm_type):
     _warm(name)
     norms = run_ranks(_train_clipped, world, name, cfg, norm_type, timeout_s=60.0, wall_s=120.0)
     assert all(n == norms[0] for n in norms)  # bit for bit the same norm on every rank
+
+
+@pytest.mark.parametrize(
+    "name,world,cfg,norm_type,foreach",
+    [
+        # the tied embedding on both stages: counted once in a sum of absolute values
+        ("gpt", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"), 1.0, True),
+        # 0 counts the tensors with a non-zero entry (torch's vector_norm of the counts)
+        ("mlp", 3, dict(replicas=(2, 1), micro_batches=2, schedule="gpipe"), 0.0, False),
+        # -inf: the smallest entry of any stage (the largest of the negated norms)
+        ("tanh", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"), -INF, True),
+    ],
+)
+def test_other_norm_types_and_foreach_clip_like_one_process(name, world, cfg, norm_type, foreach):
+    _warm("mlp" if name == "tanh" else name)
+    norms = run_ranks(_train_clipped, world, name, cfg, norm_type, 3, foreach, timeout_s=60.0,
+                      wall_s=120.0)
+    assert all(n == norms[0] for n in norms)
+    assert min(norms[0]) > 0  # (a norm of 0 would hide the sign of -inf's reduction)
 
 
 def _refusals(rank: int, world: int, schedule: str) -> None:

@@ -202,3 +202,41 @@ def test_1f1b_needs_one_scalar_loss():
                            config=CFG.model_copy(update={"schedule": "1f1b"}))
     plan = rannc_fx.partition(TwoLosses(), (x, y), world_size=2, config=CFG).plan
     assert plan.schedule == "gpipe"  # searched: GPipe only
+
+
+def _plan_in(mib: float, **options) -> Plan:
+    """The 4-layer LM on 2 ranks of ``mib`` MiB each, analytic costs (the same on any machine)."""
+    model, args, kwargs = gpt_example(layers=4)
+    cfg = CFG.model_copy(update={"device_memory": int(mib * 2**20), "cost_model": "analytic",
+                                 **options})
+    return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
+
+
+def test_memory_margin_is_kept_free_of_the_plan():
+    """6 MiB holds the whole model twice (one stage, 2 replicas, one micro-batch); 30 % kept
+    free leaves 4.2 MiB, which that plan does not fit: the search must pick another."""
+    whole = _plan_in(6, memory_margin=0.0)
+    assert whole.memory_budget == 6 * 2**20
+    assert [st.replicas for st in whole.stages] == [2] and whole.micro_batches == 1
+    budget = int(6 * 2**20 * 0.7)
+    assert whole.stages[0].memory.total > budget  # so the margin must change the plan
+    kept = _plan_in(6, memory_margin=0.3)
+    assert kept.memory_budget == budget
+    assert all(st.memory.total <= budget for st in kept.stages)
+    assert kept.micro_batches > 1
+    assert f"memory budget {4.2:.1f} MiB" in kept.summary()
+
+
+def test_max_micro_batches_bounds_the_searched_count():
+    """With 4.2 MiB the search picks 4 micro-batches on one stage; allowed at most 2 (or 3:
+    1 and 2 are the counts up to 3 it tries for a batch of 8), it pipelines 2 stages instead."""
+    free = _plan_in(6, memory_margin=0.3)
+    assert free.micro_batches == 4 and len(free.stages) == 1
+    for most in (2, 3):
+        bounded = _plan_in(6, memory_margin=0.3, max_micro_batches=most)
+        assert bounded.micro_batches == 2, most
+        assert [st.replicas for st in bounded.stages] == [1, 1]
+        assert all(st.memory.total <= bounded.memory_budget for st in bounded.stages)
+    # one micro-batch does not fit 4.0 MiB on 2 ranks: the error names the bound's way out
+    with pytest.raises(ValueError, match=r"use more micro-batches \(2 fit"):
+        _plan_in(4, memory_margin=0.0, max_micro_batches=1)

@@ -1,5 +1,6 @@
 """Placement: each rank materializes (meta model) or keeps (CPU model) only its stage's
-tensors, initialized identically wherever a tensor lives on several ranks; tensors no init
+tensors, initialized identically wherever a tensor lives on several ranks (with the values their
+modules' resets draw, a non-persistent buffer computed where it is held); tensors no init
 touched are named before they can train; the optimizer carries over."""
 
 from __future__ import annotations
@@ -39,11 +40,8 @@ def _meta_lm(rank: int, world: int, replicas: tuple[int, ...]) -> list[str]:
                           example_args=args, example_kwargs=kwargs)
     stage = cm.stages[0]
     held = {id(t) for t in (*stage.parameters(), *stage.buffers())}
-    for t in (*stage.parameters(), *stage.buffers()):
-        assert t.device == torch.device("cpu") and torch.isfinite(t).all()
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if id(t) not in held:  # another stage's: never allocated here
-            assert t.device.type == "meta" or t.numel() == 0, name
+    assert all(t.device == torch.device("cpu") for t in (*stage.parameters(), *stage.buffers()))
+    assert _materialized_like_reset(model, held) > 0
     # the optimizer steps the materialized parameters, with its own settings
     in_opt = [id(p) for g in opt.param_groups for p in g["params"]]
     assert len(in_opt) == len(set(in_opt)) and set(in_opt) == {id(p) for p in stage.parameters()}
@@ -61,6 +59,31 @@ def _meta_lm(rank: int, world: int, replicas: tuple[int, ...]) -> list[str]:
     for k in everyone[1]:
         assert torch.equal(everyone[1][k], everyone[2][k]), k
     return sorted(values)
+
+
+def _materialized_like_reset(model: nn.Module, held: set[int]) -> int:
+    """Check that the held parameters hold what their modules' resets draw, not what
+    allocation left: LayerNorm 1 and 0, attention input biases 0, weights spread within their
+    init's bound (kaiming / xavier uniform, the position table N(0, 0.02)); the count checked."""
+    checked = 0
+    for mname, mod in model.named_modules():
+        for pname, t in mod.named_parameters(recurse=False):
+            if id(t) not in held:
+                continue
+            name, checked = f"{mname}.{pname}", checked + 1
+            assert torch.isfinite(t).all(), name
+            if isinstance(mod, nn.LayerNorm):
+                assert torch.equal(t, torch.full_like(t, 1.0 if pname == "weight" else 0.0)), name
+            elif pname == "in_proj_bias":
+                assert torch.equal(t, torch.zeros_like(t)), name
+            elif t.dim() == 2:
+                bound = (6 / sum(t.shape)) ** 0.5 if pname == "in_proj_weight" else (
+                    0.1 if pname == "pos" else t.shape[1] ** -0.5)
+                assert float(t.abs().max()) <= bound, name
+                assert float(t.std()) > bound / 8, name  # spread, not a constant
+            else:  # a Linear's bias: within its layer's bound
+                assert float(t.abs().max()) <= 1.0, name
+    return checked
 
 
 def test_a_meta_model_materializes_each_stage_alike_on_every_rank_that_holds_it():
@@ -152,6 +175,52 @@ def test_tensors_no_init_touched_are_named_before_they_train(mode, expected, wor
         assert re.search(expected, message), message
     if world == 2 and expected != "trained":
         assert all(re.search(r"rank [01]: ", m) for m in messages), messages
+
+
+class Frequencies(nn.Module):
+    """A non-persistent buffer that ``reset_parameters()`` computes (a rotary table): no
+    checkpoint holds it, so a rank that materializes it must compute it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", torch.empty(d), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.inv_freq.copy_(_inv_freq(self.inv_freq.numel(), self.inv_freq.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq
+
+
+def _inv_freq(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return 1.0 / 10000 ** (torch.arange(d, device=device) / d)
+
+
+def _computed_buffer(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    plain = _net(Frequencies(8))  # the CPU-built model: the reference
+    x = torch.randn(4, 8)
+    with torch.device("meta"):
+        model = _net(Frequencies(8))
+    cm = rannc_fx.compile(model, None, Config(**CFG, replicas=(1, 1), micro_batches=2),
+                          example_args=(x,))
+    buffers = dict(cm.stages[0].named_buffers())
+    holds = any(b is model[1].inv_freq for b in buffers.values())
+    if holds:  # computed on this rank, with the values the CPU-built model has
+        assert model[1].inv_freq.device.type == "cpu"
+        assert torch.equal(model[1].inv_freq, _inv_freq(8))
+        assert torch.equal(model[1].inv_freq, plain[1].inv_freq)
+    cm.load_state_dict(plain.state_dict())  # the parameters; the buffer is in no state dict
+    torch.testing.assert_close(cm(x), plain(x), rtol=1e-6, atol=1e-6)
+    return holds
+
+
+def test_a_non_persistent_buffer_reset_parameters_computes_is_computed_where_it_is_held():
+    held = run_ranks(_computed_buffer, 2, timeout_s=30.0, wall_s=60.0)
+    assert sorted(held) == [False, True]  # one stage holds it
 
 
 def _measured_on_meta(rank: int, world: int) -> str:

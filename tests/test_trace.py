@@ -132,11 +132,33 @@ def test_the_prediction_and_the_summary_sit_beside_the_measurement(traced, capsy
     s = summarize(trace)
     assert s.steps == TRACED and s.unmatched == 0
     assert s.predicted_ms is not None and s.predicted_ms > 0 and s.step_ms > 0
+    # the parts from the events themselves: busy is the compute and optimizer events of a
+    # stage's ranks over the step (first call to last event), the mean over ranks and steps
+    meta = trace["otherData"]["rannc_fx"]
+    events = _measured(trace)
     for st in s.stages:
-        assert sum(st.measured.values()) == pytest.approx(1.0, abs=1e-6)
+        busy = comm_wait = 0.0
+        for step in TRACED:
+            mine = [e for e in events if e["args"]["step"] == step]
+            begin = min(meta["step_starts"][str(step)].values())
+            span = max(e["ts"] + e["dur"] for e in mine) - begin
+            for r in st.ranks:
+                held = [e for e in mine if e["tid"] == r]
+                busy += sum(e["dur"] for e in held if e["cat"] in ("compute", "optimizer")) / span
+                comm_wait += sum(e["dur"] for e in held
+                                 if e["cat"] in ("wait", "collective", "post")) / span
+        n = len(TRACED) * len(st.ranks)
+        assert st.measured["busy"] == pytest.approx(busy / n, rel=1e-6) and busy > 0
+        assert st.measured["bubble"] + st.measured["comm"] == pytest.approx(comm_wait / n,
+                                                                            rel=1e-6)
+        # predicted busy + comm: the stage's drawn actions over the drawn step's length
         assert st.predicted is not None
-        assert sum(st.predicted.values()) == pytest.approx(1.0, abs=1e-6)
-        assert st.measured["busy"] > 0
+        drawn = [e for e in predicted if e["tid"] == st.stage and e["args"]["step"] == TRACED[0]]
+        at = min(e["ts"] for e in predicted if e["args"]["step"] == TRACED[0])
+        makespan = max(e["ts"] + e["dur"] for e in predicted
+                       if e["args"]["step"] == TRACED[0]) - at
+        assert st.predicted["busy"] + st.predicted["comm"] == pytest.approx(
+            sum(e["dur"] for e in drawn) / makespan, rel=1e-6)
     assert cli(["trace", "summary", str(path)]) == 0
     printed = capsys.readouterr().out
     assert f"steps {TRACED[0]}-{TRACED[-1]}" in printed and "predicted" in printed
@@ -168,6 +190,49 @@ def test_a_one_rank_plan_says_it_has_no_schedule_to_trace(tmp_path):
     said, written = run_ranks(_alone, 1, str(tmp_path), timeout_s=30.0)[0]
     assert any("no schedule to trace" in m for m in said) and not written
 
+
+
+AHEAD_NS = 3600 * 10**9  # rank 1's clock in the test below: an hour ahead of rank 0's
+
+
+def _clock_ahead(rank: int, world: int, out: str) -> dict[str, Any] | None:
+    import time
+    import types
+
+    import rannc_fx.runtime.trace as trace_module
+    from rannc_fx.models import mlp_example
+
+    if rank == 1:  # every time the recorder takes, on this rank only (a forked process)
+        real = time.perf_counter_ns
+        trace_module.time = types.SimpleNamespace(  # type: ignore[assignment]
+            perf_counter_ns=lambda: real() + AHEAD_NS)
+    model, (x, y), _ = mlp_example(batch=LOCAL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
+                 micro_batches=2, trace_dir=out, trace_steps="2-3")
+    cm = rannc_fx.compile(model, opt, cfg, example_args=(x, y))
+    for _ in range(3):
+        cm(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return json.loads((Path(out) / "trace.json").read_text()) if rank == 0 else None
+
+
+def test_a_rank_whose_clock_runs_ahead_is_aligned_to_rank_0(tmp_path):
+    """All ranks here share one clock, so an offset of 0 would pass with either sign: rank 1's
+    clock is put an hour ahead, and the trace must measure that and take it out."""
+    trace = run_ranks(_clock_ahead, 2, str(tmp_path), timeout_s=30.0, wall_s=120.0)[0]
+    clock = trace["otherData"]["rannc_fx"]["clock"]
+    offset, half_trip = clock["offset_ns"]["1"], clock["uncertainty_ns"]["1"]
+    assert clock["offset_ns"]["0"] == 0 and 0 < half_trip < 10**9
+    assert abs(offset - AHEAD_NS) <= half_trip, (offset, half_trip)
+    # on rank 0's clock both ranks begin each step within a second, not an hour apart
+    for step, by_rank in trace["otherData"]["rannc_fx"]["step_starts"].items():
+        assert abs(by_rank["1"] - by_rank["0"]) < 1e6, (step, by_rank)
+    events = _measured(trace)
+    assert {e["tid"] for e in events} == {0, 1}
+    assert max(e["ts"] + e["dur"] for e in events) < 60e6  # us: both steps, not an hour
+    assert summarize(trace).unmatched == 0 and summarize(trace).step_ms < 1e3
 
 
 def test_a_run_that_ends_before_its_traced_steps_says_so_at_exit(tmp_path):

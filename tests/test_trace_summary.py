@@ -20,9 +20,10 @@ def _ev(name: str, cat: str, start_ms: float, end_ms: float, **args: Any) -> dic
             "step": 1, **args}
 
 
-def _trace(offset_ms: float = 0.0) -> dict[str, Any]:
+def _trace(offset_ms: float = 0.0, plans: dict[int, Any] | None = None) -> dict[str, Any]:
     """Rank 0 computes F0 over [0, 6] ms and posts its send at 6; rank 1 waits over [1, 10]
-    and computes over [10, 14]. Rank 1's clock runs ``offset_ms`` ahead of rank 0's."""
+    and computes over [10, 14]. Rank 1's clock runs ``offset_ms`` ahead of rank 0's.
+    ``plans``: step -> (plan, schedule) drawn beside it as the prediction."""
     off = offset_ms
     rank0 = {"rank": 0, "stage": 0, "replica": 0, "starts": {1: 0},
              "events": [_ev("F0", "compute", 0, 6, kind="F", microbatch=0),
@@ -33,7 +34,7 @@ def _trace(offset_ms: float = 0.0) -> dict[str, Any]:
                         _ev("F0", "compute", 10 + off, 14 + off, kind="F", microbatch=0)]}
     clock = {"method": "test", "offset_ns": {0: 0, 1: int(off * MS)},
              "uncertainty_ns": {0: 0, 1: 20_000}}
-    return build_trace([rank0, rank1], clock, {})
+    return build_trace([rank0, rank1], clock, plans or {})
 
 
 @pytest.mark.parametrize("offset_ms", [0.0, 250.0])
@@ -49,6 +50,40 @@ def test_a_wait_is_bubble_until_the_send_starts_then_communication(offset_ms):
     # rank 1 waits from 1 to 10: the send started at 6 (bubble 5 ms), then 4 ms in flight
     assert second.measured == pytest.approx(
         {"busy": 4 / 14, "bubble": 5 / 14, "comm": 4 / 14, "other": 1 / 14})
+
+
+def _two_stage_plan():
+    """GPipe, 2 stages of one rank, 2 micro-batches; forward / backward / communication per
+    micro-batch 1 / 2 / 1 ms on stage 0 and 2 / 3 / 1 ms on stage 1 (half the communication
+    with each compute action, as ``plan_durations`` has it)."""
+    from tests.dist_utils import make_plan, scalar, tensor
+
+    values = {"x": tensor("x", (4,)), "h": tensor("h", (4,), requires_grad=True),
+              "loss": scalar("loss")}
+    plan = make_plan(global_batch=4, micro_batches=2, replicas=(1, 1), values=values,
+                     inputs=["x"], stage_io=[(["x"], ["h"]), (["h"], ["loss"])],
+                     outputs=["loss"])
+    costs = [dict(fwd_ms=1.0, bwd_ms=2.0, comm_ms=1.0), dict(fwd_ms=2.0, bwd_ms=3.0, comm_ms=1.0)]
+    stages = tuple(st.model_copy(update=c) for st, c in zip(plan.stages, costs, strict=True))
+    return plan.model_copy(update={"stages": stages})
+
+
+def test_the_predicted_parts_follow_from_the_plan_by_hand():
+    """Stage 0: F0 0-1.5, F1 1.5-3; stage 1: F0 1.5-4, F1 4-6.5, then its two backwards of 3.5
+    ms to 13.5; stage 0's backwards of 2.5 ms wait for theirs: 10-12.5, 13.5-16. Step 16 ms;
+    stage 0 computes 6 ms and communicates 2, stage 1 computes 10 ms and communicates 2."""
+    trace = _trace(plans={1: (_two_stage_plan(), "gpipe")})
+    s = summarize(trace)
+    assert s.predicted_ms == pytest.approx(16.0)
+    assert s.error == pytest.approx(14 / 16 - 1)
+    first, second = s.stages
+    assert first.predicted == pytest.approx({"busy": 6 / 16, "bubble": 8 / 16, "comm": 2 / 16})
+    assert second.predicted == pytest.approx({"busy": 10 / 16, "bubble": 4 / 16, "comm": 2 / 16})
+    drawn = {(e["tid"], e["name"]): (e["ts"], e["dur"]) for e in trace["traceEvents"]
+             if e.get("ph") == "X" and e["pid"] == 1}
+    assert drawn[1, "F0"] == pytest.approx((1500.0, 2500.0))  # us from the step's start
+    assert drawn[0, "F1"] == pytest.approx((1500.0, 1500.0))
+    assert max(ts + d for ts, d in drawn.values()) == pytest.approx(16000.0)
 
 
 def test_a_wait_whose_send_is_missing_is_counted_and_said():
