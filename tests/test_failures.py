@@ -156,7 +156,8 @@ def test_a_wait_ends_with_the_failure_another_rank_posts():
     t0 = time.monotonic()
     with pytest.raises(PeerFailed, match=r"rank 0 stopped waiting for h: rank 3 \(stage 1\) "
                                          r"raised IndexError in its forward: index out of range"):
-        board.wait([work], "waiting for h", timeout_s=30, on_error=RuntimeError)
+        board.wait([work], lambda i: "waiting for h", timeout_s=30,
+                   on_error=lambda i, e: RuntimeError(e))
     assert time.monotonic() - t0 < 1.0
     work.done.set()  # the abandoned wait's thread ends when the work does
     assert board.news() == 0 and other.news() == 0
@@ -167,13 +168,15 @@ def test_a_wait_returns_when_its_works_finish_and_times_out_when_nothing_does():
     works = [_Work(), _Work()]
     threading.Timer(0.02, works[0].done.set).start()
     threading.Timer(0.04, works[1].done.set).start()
-    board.wait(works, "w", timeout_s=30, on_error=RuntimeError)
-    with pytest.raises(KeyError, match="Timed out after 0.05 s"):
-        board.wait([_Work()], "w", timeout_s=0.05, on_error=lambda e: KeyError(str(e)))
+    board.wait(works, lambda i: "w", timeout_s=30, on_error=lambda i, e: RuntimeError(e))
+    with pytest.raises(KeyError, match="work 1: Timed out after 0.05 s"):
+        board.wait([works[0], _Work()], lambda i: "w", timeout_s=0.05,
+                   on_error=lambda i, e: KeyError(f"work {i}: {e}"))
     failing = _Work(RuntimeError("Connection closed by peer"))
     failing.done.set()
-    with pytest.raises(KeyError, match="Connection closed by peer"):
-        board.wait([failing], "w", timeout_s=30, on_error=lambda e: KeyError(str(e)))
+    with pytest.raises(KeyError, match="work 2: Connection closed by peer"):
+        board.wait([works[0], works[1], failing], lambda i: "w", timeout_s=30,
+                   on_error=lambda i, e: KeyError(f"work {i}: {e}"))
 
 
 def test_an_error_is_posted_once_and_refusals_every_rank_made_not_at_all():

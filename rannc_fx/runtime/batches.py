@@ -267,8 +267,8 @@ class BatchSizes:
         try:
             if groups is not None and groups.board is not None and mine.device.type == "cpu":
                 work = dist.all_gather_single(everyone, mine, group=groups.world, async_op=True)
-                groups.board.wait([work], "agreeing on this call's batch",
-                                  timeout_s=groups.timeout_s, on_error=failed)
+                groups.board.wait([work], lambda _: "agreeing on this call's batch",
+                                  timeout_s=groups.timeout_s, on_error=lambda _, e: failed(e))
             else:
                 dist.all_gather_single(everyone, mine,
                                        group=groups.world if groups is not None else None)

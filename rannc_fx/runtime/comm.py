@@ -12,7 +12,6 @@ flight there, and fresh groups replace them.
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -205,9 +204,9 @@ class Pending:
             g = self.groups
             on_cpu = all(m.tensor.device.type == "cpu" for m in self.messages)
             if g is not None and g.board is not None and on_cpu:
-                for w, m in zip(self.works, self.messages, strict=True):
-                    g.board.wait([w], f"waiting to {m.op} {m.what}", timeout_s=g.timeout_s,
-                                 on_error=functools.partial(_p2p_failed, m))
+                ms = self.messages
+                g.board.wait(self.works, lambda i: f"waiting to {ms[i].op} {ms[i].what}",
+                             timeout_s=g.timeout_s, on_error=lambda i, e: _p2p_failed(ms[i], e))
                 self.works.clear()
                 return
             for w, m in zip(self.works, self.messages, strict=True):
@@ -289,8 +288,8 @@ def all_reduce_flat(
         try:
             if groups is not None and groups.board is not None and flat.device.type == "cpu":
                 work = dist.all_reduce(flat, op=op, group=group, async_op=True)
-                groups.board.wait([work], f"in the all-reduce of {what}",
-                                  timeout_s=groups.timeout_s, on_error=failed)
+                groups.board.wait([work], lambda _: f"in the all-reduce of {what}",
+                                  timeout_s=groups.timeout_s, on_error=lambda _, e: failed(e))
             else:
                 dist.all_reduce(flat, op=op, group=group)
         except RuntimeError as e:

@@ -83,38 +83,54 @@ class Board:
                 rank, n,
             )
 
-    def wait(self, works: Sequence[Any], what: str, *, timeout_s: float,
-             on_error: Callable[[RuntimeError], Exception]) -> None:
-        """Finish ``works`` (``dist.Work``), reading the board every ``CHECK_S`` meanwhile.
+    def wait(self, works: Sequence[Any], what: Callable[[int], str], *, timeout_s: float,
+             on_error: Callable[[int, RuntimeError], Exception]) -> None:
+        """Finish ``works`` (``dist.Work``) in order, reading the board every ``CHECK_S``.
 
         gloo's point-to-point works can be neither polled nor aborted (``is_completed``
         stays False; ``abort`` does not wake a wait), so a waiter thread blocks in their
-        ``wait()`` and this rank waits on that thread, with a timeout to read the board. A
-        wait abandoned for a failure keeps its thread until the group's own timeout; a new
-        waiter takes over. ``on_error`` turns a work's error into the one to raise; after
-        ``timeout_s`` with neither the works done nor a failure posted, that is a timeout.
+        ``wait()`` and this rank waits on that thread, with a timeout to read the board: one
+        hand-over for the whole batch. A wait abandoned for a failure keeps its thread until
+        the group's own timeout; a new waiter takes over. ``what(i)`` says what work ``i``
+        is, for the messages; ``on_error(i, e)`` turns work ``i``'s error into the one to
+        raise; after ``timeout_s`` with neither the works done nor a failure posted, that
+        is a timeout of the work still waited on.
         """
-        done = _waiter().submit(works)
+        job = _waiter().submit(works)
         start = time.monotonic()
         while True:
             try:
-                done.result(timeout=CHECK_S)
+                job.done.result(timeout=CHECK_S)
                 return
             except TimeoutError:
                 pass
-            except RuntimeError as e:
-                self.raise_news(what)  # a peer's failure explains a broken connection best
-                raise on_error(e) from e
+            except _WorkFailed as e:
+                self.raise_news(what(e.index))  # a peer's failure explains a closed pair best
+                raise on_error(e.index, e.error) from e.error
             try:
-                self.raise_news(what)
+                self.raise_news(what(job.current))
             except PeerFailed:
                 _abandon()
                 raise
             if time.monotonic() - start > timeout_s:
                 _abandon()
-                raise on_error(RuntimeError(
+                raise on_error(job.current, RuntimeError(
                     f"Timed out after {timeout_s:g} s (Config.timeout_s) with no failure "
                     "posted by another rank"))
+
+
+class _WorkFailed(Exception):
+    def __init__(self, index: int, error: RuntimeError):
+        super().__init__(str(error))
+        self.index, self.error = index, error
+
+
+class _Job:
+    """A batch of works handed to the waiter: ``current`` is the one it waits on."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works, self.current = works, 0
+        self.done: Future[None] = Future()
 
 
 class _Waiter:
@@ -122,24 +138,27 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # a forked child has the object but not the thread
-        self._queue: queue.SimpleQueue[tuple[Sequence[Any], Future[None]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="rannc_fx-waiter", daemon=True).start()
 
-    def submit(self, works: Sequence[Any]) -> Future[None]:
-        done: Future[None] = Future()
-        self._queue.put((works, done))
-        return done
+    def submit(self, works: Sequence[Any]) -> _Job:
+        job = _Job(works)
+        self._queue.put(job)
+        return job
 
     def _run(self) -> None:
         while True:
-            works, done = self._queue.get()
+            job = self._queue.get()
             try:
-                for w in works:
+                for i, w in enumerate(job.works):
+                    job.current = i
                     w.wait()
+            except RuntimeError as e:
+                job.done.set_exception(_WorkFailed(job.current, e))
             except BaseException as e:
-                done.set_exception(e)
+                job.done.set_exception(e)
             else:
-                done.set_result(None)
+                job.done.set_result(None)
 
 
 _WAITER: list[_Waiter] = []
