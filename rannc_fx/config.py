@@ -119,6 +119,13 @@ class Config(BaseModel):
     max_blocks: int = Field(default=192, ge=2, description="blocks the search cuts between")
 
     # -- runtime ---------------------------------------------------------------------------
+    loss_reduction: Literal["mean", "sum"] = Field(
+        default="mean",
+        description="how the micro-batch slices' losses make the step's loss: 'mean' weights "
+        "each slice's by its share of the global batch (exact for a mean over samples), 'sum' "
+        "adds them and seeds each slice's backward with 1 (exact for a sum, or for a loss "
+        "already divided by a global count such as transformers' num_items_in_batch)",
+    )
     timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout")
     check_batches: bool = Field(
         default=True,

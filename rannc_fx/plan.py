@@ -192,6 +192,9 @@ class Plan(BaseModel):
     global_batch: int = Field(ge=1, description="samples per step over all ranks")
     micro_batches: int = Field(ge=1)
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    # how the slices' floating outputs without a batch dimension (the loss) combine:
+    # "mean" weights each by its share of the global batch, "sum" adds them (Config)
+    loss_reduction: Literal["mean", "sum"] = "mean"
     device: DeviceSpec
     cost_model: Literal["measured", "analytic"]
     memory_budget: int

@@ -104,6 +104,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         global_batch=space.global_batch,
         micro_batches=result.micro_batches,
         schedule="1f1b" if result.schedule == "1f1b" else "gpipe",
+        loss_reduction=a.config.loss_reduction,
         device=a.spec,
         cost_model=a.cost_model,
         memory_budget=int(space.memory_budget),

@@ -15,8 +15,12 @@ completes them at the next forward or at the end of the backward. A one-stage pl
 the loss among its replicas, which are then every rank.
 
 Loss arithmetic: replica k of the loss's stage sees n(i, k) samples of micro-batch i and
-computes their mean loss l(i, k); the step's loss is sum(n(i, k) / G * l(i, k)), the
-global-batch mean. Outputs without a batch dimension are assumed mean-reduced.
+computes their loss l(i, k). With ``Plan.loss_reduction == "mean"`` (a mean over samples) the
+step's loss is sum(n(i, k) / G * l(i, k)), the global-batch mean, and each slice's backward is
+seeded with n(i, k) / G; with ``"sum"`` it is sum(l(i, k)), each backward seeded with 1: exact
+for a sum, or for a loss the model already divides by a global count (transformers'
+``num_items_in_batch``, a global token count). Every floating output without a batch
+dimension combines that way.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ class Outputs:
             if dtype_of(r.spec).is_floating_point or dtype_of(r.spec).is_complex
         }
         self.dsts, self.srcs = unbatched_peers(plan, rank)
+        # what each micro-batch slice's loss counts for: its share of the global batch, or 1
+        self.weights = [
+            1.0 if plan.loss_reduction == "sum" else (b - a) / plan.global_batch
+            for a, b in spans
+        ]
         self.sent: Pending | None = None  # sends of the last forward's loss, unfinished
 
     @property
@@ -70,8 +79,7 @@ class Outputs:
 
     def accumulate(self, i: int, outs: tuple[Any, ...], reduced: dict[int, torch.Tensor]) -> None:
         """Micro-batch ``i``'s outputs without a batch dimension into their share-weighted sums."""
-        a, b = self.spans[i]
-        w = (b - a) / self.plan.global_batch
+        w = self.weights[i]
         for ref in self.mine:
             spec = ref.spec
             if spec.kind != "tensor" or spec.batch_dim is not None:

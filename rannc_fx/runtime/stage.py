@@ -277,7 +277,7 @@ class StageRunner:
                 g = grads[pos] = torch.zeros_like(outs[pos])
             take(g, spec, t.dst_rows(spec) if t.batched else None).add_(piece)
         for pos, s in step.seeds.items():
-            g = self.shares[i] * s
+            g = self.outputs.weights[i] * s
             grads[pos] = grads[pos] + g if pos in grads else g
         tensors, gs = [], []
         for pos, g in grads.items():
