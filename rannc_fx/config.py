@@ -127,6 +127,12 @@ class Config(BaseModel):
         "already divided by a global count such as transformers' num_items_in_batch)",
     )
     timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout")
+    batch_norm: Literal["step", "micro-batch"] = Field(
+        default="step",
+        description="BatchNorm running statistics: 'step' updates them once a step from the "
+        "whole mini-batch's mean and unbiased variance (replicas equal, as one process); "
+        "'micro-batch' averages each micro-batch's own update",
+    )
     check_batches: bool = Field(
         default=True,
         description="agree on the ranks' local batch sizes and autocast states at each call "

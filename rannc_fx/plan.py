@@ -195,6 +195,9 @@ class Plan(BaseModel):
     # how the slices' floating outputs without a batch dimension (the loss) combine:
     # "mean" weights each by its share of the global batch, "sum" adds them (Config)
     loss_reduction: Literal["mean", "sum"] = "mean"
+    # BatchNorm running statistics: one update a step from the whole mini-batch ("step"), or
+    # the share-weighted mean of each micro-batch's update ("micro-batch"; Config)
+    batch_norm: Literal["step", "micro-batch"] = "step"
     device: DeviceSpec
     cost_model: Literal["measured", "analytic"]
     memory_budget: int

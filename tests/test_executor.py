@@ -639,9 +639,10 @@ def test_batchnorm_one_microbatch_is_exact():
     run_ranks(_bn_buffers, 2, (1, 1), 1)
 
 
+@pytest.mark.parametrize("per_microbatch", [False, True])
 @pytest.mark.parametrize("replicas,mbs", [((2, 1), 2), ((1, 1), 3)])
-def test_batchnorm_buffers_with_microbatches(replicas, mbs):
-    run_ranks(_bn_buffers, sum(replicas), replicas, mbs)
+def test_batchnorm_buffers_with_microbatches(replicas, mbs, per_microbatch):
+    run_ranks(_bn_buffers, sum(replicas), replicas, mbs, "gpipe", None, per_microbatch)
 
 
 def _sliced_running_var(plan: Plan, ref: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -665,11 +666,16 @@ def _bn_buffers(
     mbs: int,
     schedule: str = "gpipe",
     recompute: tuple[bool, ...] | None = None,
+    per_microbatch: bool = False,
 ) -> None:
-    """One update per step with the sample-weighted mean of slice statistics: running_mean
-    and num_batches_tracked equal single-device training's; replicas hold equal buffers."""
+    """One update per step: from the whole mini-batch's mean and unbiased variance, as
+    single-device training makes it (``batch_norm="step"``), or with the sample-weighted mean
+    of the slices' statistics (``"micro-batch"``: running_mean is still exact); replicas hold
+    equal buffers, and num_batches_tracked counts steps."""
     case = CASES["bn2"]
     plan = case.plan(LOCAL * world, mbs, replicas, schedule=schedule, recompute=recompute)
+    if per_microbatch:
+        plan = plan.model_copy(update={"batch_norm": "micro-batch"})
     net, ref, gm, ex = _setup(rank, case, plan)
     flat = case.data(plan.global_batch, torch.Generator().manual_seed(0))
     ex.forward(_local(plan, rank, flat))[0].backward()
@@ -678,7 +684,7 @@ def _bn_buffers(
         return
     assert net.bn.num_batches_tracked.item() == 1
     assert_close(net.bn.running_mean, ref.bn.running_mean, **TOL)
-    exact = mbs == 1 and replicas[0] == 1
+    exact = (mbs == 1 and replicas[0] == 1) or not per_microbatch
     if exact:
         assert_close(net.bn.running_var, ref.bn.running_var, **TOL)
     else:  # one update with the sample-weighted mean of the slices' unbiased variances

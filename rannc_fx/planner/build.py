@@ -105,6 +105,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         micro_batches=result.micro_batches,
         schedule="1f1b" if result.schedule == "1f1b" else "gpipe",
         loss_reduction=a.config.loss_reduction,
+        batch_norm=a.config.batch_norm,
         device=a.spec,
         cost_model=a.cost_model,
         memory_budget=int(space.memory_budget),

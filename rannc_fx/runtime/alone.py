@@ -17,6 +17,7 @@ from torch import fx
 from ..device import device_of
 from ..plan import Plan
 from . import routing
+from .batchnorm import DeferredBatchNorm
 from .checks import (
     check_inputs,
     check_outputs_routable,
@@ -97,7 +98,12 @@ class AloneExecutor:
 
     def forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
         local = check_inputs(self.plan, flat_inputs, self._in_shapes, self._local, self.device)
+        deferred = DeferredBatchNorm.of(self.module)  # made by another size's executor
+        if deferred is not None:
+            deferred.begin()
         outs = self.module(*[local[j] if j >= 0 else v for j, v in self._args])
+        if deferred is not None:
+            deferred.commit(deferred.sums())  # one micro-batch: its own statistics
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
         if len(outs) != len(self.stage.outputs):

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .batchnorm import DeferredBatchNorm
 from .comm import Groups, all_reduce_flat
 
 __all__ = ["BufferSync"]
@@ -55,8 +56,10 @@ class BufferSync:
         ranks: Sequence[int],
         recompute: bool = False,
         groups: Groups | None = None,
+        deferred: DeferredBatchNorm | None = None,
     ):
         self.groups = groups  # for the failure board while all-reducing
+        self.deferred = deferred  # BatchNorm statistics once a step (batchnorm.py), or None
         self.module = module
         self.recompute = recompute
         self.micro_batches = micro_batches
@@ -79,6 +82,8 @@ class BufferSync:
         """Call before the first micro-batch of a step."""
         self._reset()
         self._seen = {}
+        if self.deferred is not None:
+            self.deferred.begin()
         if not self._active:
             return
         self._key = tuple(m.training for m in self.module.modules())
@@ -117,6 +122,13 @@ class BufferSync:
 
     def finish(self) -> None:
         """Call after the last micro-batch: writes the step's final buffers (collective)."""
+        d = self.deferred
+        if d is not None and d.stats:
+            sums = d.sums()
+            if self.group is not None:
+                sums = all_reduce_flat(sums, self.group, what="BatchNorm statistics",
+                                       ranks=self.ranks, groups=self.groups)
+            d.commit(sums)
         if not self._active or not self._names:
             return
         floats = [n for n in self._names if n in self._acc]
@@ -138,7 +150,8 @@ class BufferSync:
         for n, v in self._seen.items():
             _write(self._buffers[n], v)
         try:
-            yield
+            with self.deferred.recomputing() if self.deferred else contextlib.nullcontext():
+                yield
         finally:
             for n, v in now.items():
                 _write(self._buffers[n], v)

@@ -35,6 +35,7 @@ from ..config import Config
 from ..device import device_of
 from ..plan import Plan
 from . import routing
+from .batchnorm import DeferredBatchNorm
 from .bridge import Bridge
 from .buffers import BufferSync
 from .checks import (
@@ -134,6 +135,7 @@ class StageExecutor:
             ranks=self.stage.ranks,
             recompute=self.stage.recompute,
             groups=self.groups,
+            deferred=DeferredBatchNorm.install(module) if plan.batch_norm == "step" else None,
         )
         self.grads = GradSync(plan, self.stage.index, module, self.groups)
         self.runner = StageRunner(

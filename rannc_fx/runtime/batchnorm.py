@@ -1,0 +1,234 @@
+"""BatchNorm's running statistics over the whole mini-batch, updated once a step.
+
+One process updates a BatchNorm's running mean and variance once per step, from the whole
+batch. A pipeline sees the batch as micro-batches on several replicas, and letting each
+update them would move the statistics m times a step, differently on each replica. As
+torchgpipe's ``DeferredBatchNorm`` does, the forward here normalizes each micro-batch with
+its own statistics (as GPipe does; the running statistics are untouched) and adds the input's
+per-channel sum, sum of squares and count to the step's; at the end of the step the replicas
+sum theirs (one all-reduce) and every replica makes the one update one process would make:
+
+    mean = S / n      var = SS / n - mean²      running_var ← (1 - m) running_var + m var n / (n - 1)
+
+with ``num_batches_tracked`` + 1 (and ``momentum=None``'s cumulative average from it). A
+recomputed forward adds nothing. ``DeferredBatchNorm.install`` rewrites a stage's graph once:
+torch.fx's BatchNorm modules and torch.export's ``aten.batch_norm`` nodes in training mode
+become calls of parameterless modules that do the above; the parameters and buffers stay
+where they are, under their names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+__all__ = ["DeferredBatchNorm"]
+
+_ATEN_BN = torch.ops.aten.batch_norm.default
+_MARK = "_rannc_fx_deferred_batch_norm"  # on a stage module: its DeferredBatchNorm
+
+
+@dataclass
+class _Stats:
+    """One BatchNorm: its running statistics and the step's sums of its inputs."""
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    tracked: torch.Tensor | None  # num_batches_tracked
+    momentum: float | None
+    sum: torch.Tensor | None = None
+    squares: torch.Tensor | None = None
+    count: float = 0.0
+
+
+class DeferredBatchNorm:
+    """The running statistics of one stage replica's BatchNorms, deferred to the step's end."""
+
+    def __init__(self) -> None:
+        self.stats: list[_Stats] = []
+        self.counting = True  # False while a forward is recomputed
+
+    @classmethod
+    def install(cls, gm: fx.GraphModule) -> DeferredBatchNorm:
+        """Rewrite ``gm``'s training-mode BatchNorms (once; later calls return the same)."""
+        found = getattr(gm, _MARK, None)
+        if isinstance(found, DeferredBatchNorm):
+            return found
+        self = cls()
+        graph = gm.graph
+        for node in list(graph.nodes):
+            if node.op == "call_module":
+                mod = gm.get_submodule(str(node.target))
+                if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats \
+                        and mod.running_mean is not None and mod.running_var is not None:
+                    self._replace(gm, node, _ModuleCall(self, len(self.stats), mod))
+                    self.stats.append(_Stats(mod.running_mean, mod.running_var,
+                                             mod.num_batches_tracked, mod.momentum))
+            elif node.op == "call_function" and node.target is _ATEN_BN:
+                self._aten(gm, node)
+        _drop_counters(gm, {id(s.tracked) for s in self.stats if s.tracked is not None})
+        graph.lint()
+        gm.recompile()
+        object.__setattr__(gm, _MARK, self)  # not a submodule: no new names for state
+        return self
+
+    def _aten(self, gm: fx.GraphModule, node: fx.Node) -> None:
+        args: list[Any] = list(node.args) + [None] * (9 - len(node.args))
+        _, _, _, rm, rv, training, momentum = args[:7]
+        if training is not True or not all(isinstance(a, fx.Node) and a.op == "get_attr"
+                                           for a in (rm, rv)):
+            return  # eval mode, or statistics that are not the module's buffers: as traced
+        mean, var = gm.get_buffer(str(rm.target)), gm.get_buffer(str(rv.target))
+        prefix = str(rm.target).rpartition(".")[0]
+        tracked = _buffer(gm, f"{prefix}.num_batches_tracked" if prefix else "num_batches_tracked")
+        self._replace(gm, node, _AtenCall(self, len(self.stats)))
+        self.stats.append(_Stats(mean, var, tracked, momentum))
+
+    @staticmethod
+    def _replace(gm: fx.GraphModule, node: fx.Node, call: nn.Module) -> None:
+        name = f"rannc_fx_batch_norm_{sum(1 for n, _ in gm.named_children() if n.startswith('rannc_fx_batch_norm_'))}"
+        gm.add_submodule(name, call)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(name, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+
+    @staticmethod
+    def of(gm: fx.GraphModule) -> DeferredBatchNorm | None:
+        """The one ``install`` made on ``gm``, if any."""
+        found = getattr(gm, _MARK, None)
+        return found if isinstance(found, DeferredBatchNorm) else None
+
+    # -- a step ------------------------------------------------------------------------------
+    def begin(self) -> None:
+        for s in self.stats:
+            s.sum = s.squares = None
+            s.count = 0.0
+
+    def add(self, i: int, x: torch.Tensor) -> None:
+        """Micro-batch input ``x`` of BatchNorm ``i`` (channels in dimension 1)."""
+        if not self.counting:
+            return
+        s = self.stats[i]
+        with torch.no_grad():
+            dims = [d for d in range(x.dim()) if d != 1]
+            y = x.detach().to(torch.float64)
+            total, squares = y.sum(dims), (y * y).sum(dims)
+            s.sum = total if s.sum is None else s.sum + total
+            s.squares = squares if s.squares is None else s.squares + squares
+            s.count += x.numel() / x.shape[1]
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def sums(self) -> list[torch.Tensor]:
+        """What the replicas sum: each BatchNorm's [sum, squares, count], one flat tensor."""
+        out = []
+        for s in self.stats:
+            if s.sum is None or s.squares is None:
+                c = s.running_mean.numel()
+                out.append(torch.zeros(2 * c + 1, dtype=torch.float64,
+                                       device=s.running_mean.device))
+            else:
+                count = torch.tensor([s.count], dtype=torch.float64, device=s.sum.device)
+                out.append(torch.cat([s.sum, s.squares, count]))
+        return out
+
+    def commit(self, summed: list[torch.Tensor]) -> None:
+        """The step's one update of every running statistic, from the replicas' sums."""
+        with torch.no_grad():
+            for s, v in zip(self.stats, summed, strict=True):
+                c = s.running_mean.numel()
+                n = float(v[-1])
+                if n == 0:
+                    continue  # not run in training mode this step
+                mean = v[:c] / n
+                var = (v[c:2 * c] / n - mean * mean).clamp_min(0)
+                unbiased = var * n / max(n - 1, 1)
+                if s.tracked is not None:
+                    s.tracked.add_(1)
+                m: float = 0.0
+                if s.momentum is not None:
+                    m = float(s.momentum)
+                elif s.tracked is not None:  # a cumulative moving average
+                    m = 1.0 / float(s.tracked)
+                _update(s.running_mean, mean, m)
+                _update(s.running_var, unbiased, m)
+        self.begin()
+
+
+def _update(buf: torch.Tensor, value: torch.Tensor, momentum: float) -> None:
+    """``buf ← (1 - m) buf + m value`` in place, without bumping the version counter (a
+    pending backward of a recomputed BatchNorm saved the buffer)."""
+    buf.data.mul_(1 - momentum).add_(value.to(buf.dtype), alpha=momentum)
+
+
+class _ModuleCall(nn.Module):
+    """A torch.fx BatchNorm module's call: batch statistics, the running ones deferred."""
+
+    owner: DeferredBatchNorm
+    bn: nn.Module
+
+    def __init__(self, owner: DeferredBatchNorm, index: int, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "owner", owner)  # plain attributes: no parameter is renamed
+        object.__setattr__(self, "bn", module)
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bn: Any = self.bn
+        if not bn.training:
+            return bn(x)
+        self.owner.add(self.index, x)
+        return F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+
+
+class _AtenCall(nn.Module):
+    """A torch.export ``aten.batch_norm`` in training mode, as ``_ModuleCall``."""
+
+    owner: DeferredBatchNorm
+
+    def __init__(self, owner: DeferredBatchNorm, index: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "owner", owner)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, weight: Any, bias: Any, running_mean: Any,
+                running_var: Any, training: bool, momentum: Any, eps: float,
+                cudnn_enabled: bool = False) -> torch.Tensor:
+        self.owner.add(self.index, x)
+        return torch.ops.aten.batch_norm.default(x, weight, bias, None, None, True, 0.0, eps,
+                                                 cudnn_enabled)
+
+
+def _buffer(gm: fx.GraphModule, name: str) -> torch.Tensor | None:
+    try:
+        return gm.get_buffer(name)
+    except AttributeError:
+        return None
+
+
+def _drop_counters(gm: fx.GraphModule, counters: set[int]) -> None:
+    """torch.export's ``num_batches_tracked.add_(1)`` of the deferred BatchNorms: the step's
+    end counts instead."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.add_.Tensor:
+            continue
+        target = node.args[0]
+        if isinstance(target, fx.Node) and target.op == "get_attr" and id(
+            _buffer(gm, str(target.target))
+        ) in counters:
+            node.replace_all_uses_with(target)
+            gm.graph.erase_node(node)
