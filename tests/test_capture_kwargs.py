@@ -157,3 +157,15 @@ def test_lora_model_captures_with_its_adapters():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
         else:
             assert p.grad is None, name
+
+
+def test_a_tensor_attribute_of_the_model_keeps_its_name():
+    """A plain tensor attribute (no buffer) is a constant export lifts: named as the model
+    names it, not ``lifted_tensor_0``."""
+    model = Forwarding()
+    model.scale = torch.tensor([2.0])  # type: ignore[assignment]
+    model.forward = lambda *a, **kw: Forwarding.forward(model, *a, **kw) * model.scale  # type: ignore[method-assign]
+    x, _, mask = _inputs(4, 6)
+    cg = capture_pass(model, (x,), {"mask": mask}, tracer="export")
+    assert "scale" in {str(n.target) for n in cg.gm.graph.nodes if n.op == "get_attr"}
+    torch.testing.assert_close(_run(cg, (x,), {"mask": mask}), model(x, mask=mask))

@@ -227,8 +227,8 @@ class _FlatInputs(nn.Module):
     nested containers), and the model still runs through its own ``__call__`` (its hooks,
     its binding of the arguments).
 
-    The module shares the model's parameter, buffer and submodule tables, so export sees the
-    model's own names (``layers.0.weight``, not ``model.layers.0.weight``) and its fake
+    The module shares the model's parameter, buffer and submodule tables and its tensor
+    attributes, so export sees the model's own names (``layers.0.weight``, not ``model.layers.0.weight``) and its fake
     tensors land where the model reads them.
     """
 
@@ -238,6 +238,8 @@ class _FlatInputs(nn.Module):
         super().__init__()
         for table in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             self.__dict__[table] = model.__dict__[table]
+        # plain tensor attributes too: export names the constants it lifts by where it finds them
+        self.__dict__.update({k: v for k, v in vars(model).items() if isinstance(v, torch.Tensor)})
         self.training = model.training  # not .train(): that would set the model's children
         self.__dict__["_FlatInputs__model"] = model  # not a submodule: its children are ours
         self.__leaves, self.__in_spec = leaves, in_spec
