@@ -78,3 +78,21 @@ def t5_example(batch: int = 4, seq: int = 16, layers: int = 2) -> Example:
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (batch, seq // 2), generator=g)
     return model, (), {"input_ids": ids, "labels": labels}
+
+
+def lora_llama_example(batch: int = 4, seq: int = 16, layers: int = 2) -> Example:
+    """A PEFT LoRA model on a Llama LM: the base frozen, the adapters trainable; its
+    ``forward(*args, **kwargs)`` hands every keyword on through ``**kwargs``."""
+    peft = pytest.importorskip("peft")
+    model, args, kwargs = llama_example(batch, seq, layers)
+    torch.manual_seed(2)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           lora_dropout=0.0)
+    model = peft.get_peft_model(model, lora)
+    # PEFT starts lora_B at zero (the adapter adds nothing): move it, so that a stage that
+    # dropped an adapter would compute another loss.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    return model, args, kwargs

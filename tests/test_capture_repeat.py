@@ -166,6 +166,44 @@ def test_attribute_read_by_forward_is_not_copied(caplog: pytest.LogCaptureFixtur
     _check_same(plain, fast, model, args, {})
 
 
+class Adapted(nn.Module):
+    """A linear layer with adapters looked up by name (as PEFT's LoRA layers do)."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, out)
+        self.adapters = nn.ModuleDict({"default": nn.Linear(width, 4, bias=False)})  # alike
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for name in ("default", "other"):
+            if name in self.adapters:
+                y = y + self.adapters[name](x).mean(-1, keepdim=True)
+        return y
+
+
+class TwoAdapted(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.q, self.v = Adapted(width, width), Adapted(width, width // 2)  # not one kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x).sum(-1) + self.v(x).sum(-1)
+
+
+def test_a_container_read_by_key_is_no_member(caplog: pytest.LogCaptureFixture) -> None:
+    """The two ``adapters`` dicts are alike, but nothing calls them: an empty shell of the
+    second would make ``name in self.adapters`` false and drop its adapter from the graph."""
+    torch.manual_seed(0)
+    model = TwoAdapted()
+    args = (torch.randn(4, 5, 16),)
+    plain, fast, copied = _capture(model, args, {}, caplog)
+    assert not copied
+    read = {str(n.target) for n in fast.gm.graph.nodes if n.op == "get_attr" and n.users}
+    assert {"q.adapters.default.weight", "v.adapters.default.weight"} <= read
+    _check_same(plain, fast, model, args, {})
+
+
 def test_different_shapes_and_hooks_are_not_one_kind(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
     model = Stack([Block(16), Block(16), Block(16), Block(16)])

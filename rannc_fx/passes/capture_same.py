@@ -10,7 +10,11 @@ tracing the kind's first instance read any of them. One that was read may shape 
 so the kind is then traced instance by instance; one never read cannot.
 
 Only modules with children are grouped (a leaf module is one or two ops, as cheap to trace as
-to copy), and only the outermost: the layers of an encoder, not also their sublayers.
+to copy), and only the outermost: the layers of an encoder, not also their sublayers. A
+container that cannot be called (``nn.ModuleDict``, ``nn.ModuleList``) is no member: the code
+around it reads into it (``self.lora_A[name](x)``, ``name in self.lora_A``), and a stand-in
+answers calls only, so an empty shell of it would silently drop what it holds (PEFT's LoRA
+layers skip an adapter that is not in the dict).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def find_kinds(model: nn.Module) -> list[Kind]:
     chosen: set[str] = set()
     for name, m in model.named_modules():
         sig = signatures[id(m)]
-        if not name or sig is None or counts.get(sig, 0) < 2:
+        if not name or sig is None or counts.get(sig, 0) < 2 or not _callable(m):
             continue
         parts = name.split(".")
         if any(".".join(parts[:i]) in chosen for i in range(1, len(parts))):
@@ -80,6 +84,11 @@ def find_kinds(model: nn.Module) -> list[Kind]:
         values = [plain[id(m)] for m in kind.modules]
         kind.watched = {key for key in values[0] if any(v[key] != values[0][key] for v in values)}
     return kinds
+
+
+def _callable(m: nn.Module) -> bool:
+    """Whether ``m`` has a forward of its own (containers have nn.Module's, which raises)."""
+    return type(m).forward is not nn.Module.forward
 
 
 def hooked_inside(module: nn.Module) -> bool:

@@ -127,6 +127,10 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     fixed-size table, a reshape to a number). Where that export fails, only the batch
     dimension is dynamic.
 
+    Export sees the model through ``_FlatInputs`` (its tensor inputs as positional arguments),
+    so the dynamic-shapes spec holds for any signature: positional, keyword, ``*args``,
+    ``**kwargs``.
+
     With ``repeated``, each kind of repeated submodule (the layers of an encoder) is traced
     once and its nodes copied for the others (``capture_repeat``): the same graph, in time
     that grows with the kinds of layers rather than their number.
@@ -143,26 +147,25 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             f"dynamic (got {batch}; it treats sizes 0 and 1 as constants); capture with a larger "
             "example batch"
         )
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    flat = _FlatInputs(model, leaves, in_spec)
+    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
-    def dims(x: Any, others: bool) -> dict[int, Any] | None:
-        if not isinstance(x, torch.Tensor):
-            return None
+    def dims(x: torch.Tensor, others: bool) -> dict[int, Any] | None:
         out = {d: torch.export.Dim.AUTO for d in range(x.dim())
                if others and d != batch_dim and x.shape[d] >= 2}
         if batched(x):
             out[batch_dim] = torch.export.Dim.AUTO
         return out or None
 
-    def spec(others: bool) -> dict[str, Any]:
-        return {k: pytree.tree_map(lambda x: dims(x, others), v) for k, v in bound.arguments.items()}
+    def spec(others: bool) -> dict[str, Any]:  # keyed by _FlatInputs.forward's one parameter
+        return {"tensors": tuple(dims(x, others) for x in tensors)}
 
     try:
-        ep, gm, copied = _export(model, args, kwargs, spec(dynamic), repeated)
+        ep, gm, copied = _export(model, flat, tensors, spec(dynamic), repeated)
     except Exception as e:
         if not dynamic:
             raise
-        ep, gm, copied = _export(model, args, kwargs, spec(False), repeated)
+        ep, gm, copied = _export(model, flat, tensors, spec(False), repeated)
         log.info("capture: torch.export with the inputs' other dimensions dynamic failed "
                  "(%s: %s), so only the batch dimension is: every call passes the example's "
                  "other sizes", type(e).__name__, str(e).strip().split("\n")[0])
@@ -176,37 +179,28 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
 
-    # Export placeholders follow its own in_spec, where None is a leaf; match by key path.
-    ep_spec = ep.call_spec.in_spec
-    ep_paths = [p for p, _ in pytree.tree_flatten_with_path(
-        pytree.tree_unflatten(list(range(ep_spec.num_leaves)), ep_spec))[0]]
-    user_paths = {p: i for i, (p, _) in enumerate(pytree.tree_flatten_with_path((args, kwargs))[0])}
+    # One placeholder per tensor leaf, in order (``_FlatInputs``); non-tensor leaves are
+    # constants of the graph already. Name each after the model's argument it comes from.
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    ordered: list[tuple[int, fx.Node]] = []
-    for ph, path in zip(placeholders, ep_paths, strict=True):
-        i = user_paths.get(path)
-        if i is not None and isinstance(leaves[i], torch.Tensor):
-            ordered.append((i, ph))
-            val = ph.meta.get("val")
-            if batched(leaves[i]) and isinstance(val, torch.Tensor) and is_concrete_int(
-                val.shape[batch_dim]
-            ):
-                raise CaptureError(
-                    f"torch.export fixed the batch dimension of input {ph.name!r} at {batch}: "
-                    f"the model's code ties it to that size (e.g. x.view({batch}, -1) or a loop "
-                    "over the batch); compute sizes from x.size(0) or -1, or use "
-                    "Config(tracer='fx')"
-                )
-        else:  # a non-tensor input: export specialized it, so bake it in
-            value = leaves[i] if i is not None else None
-            for user in list(ph.users):
-                user.args = pytree.tree_map(lambda a, ph=ph, v=value: v if a is ph else a, user.args)
-                user.kwargs = pytree.tree_map(lambda a, ph=ph, v=value: v if a is ph else a, user.kwargs)
-            graph.erase_node(ph)
-    ordered.sort(key=lambda t: t[0])
+    names = _leaf_names(model, args, kwargs)
+    tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
-    for _, ph in ordered:
-        anchor.prepend(ph)
+    for ph, i in zip(placeholders, tensor_idx, strict=True):
+        val = ph.meta.get("val")
+        if batched(leaves[i]) and isinstance(val, torch.Tensor) and is_concrete_int(
+            val.shape[batch_dim]
+        ):
+            raise CaptureError(
+                f"torch.export fixed the batch dimension of input {names[i]!r} at {batch}: "
+                f"the model's code ties it to that size (e.g. x.view({batch}, -1) or a loop "
+                "over the batch); compute sizes from x.size(0) or -1, or use "
+                "Config(tracer='fx')"
+            )
+        with graph.inserting_before(anchor):
+            named = graph.placeholder(names[i])
+        named.meta = ph.meta
+        ph.replace_all_uses_with(named)
+        graph.erase_node(ph)
 
     (out_node,) = [n for n in graph.nodes if n.op == "output"]
     out_leaves = list(out_node.args[0])
@@ -219,8 +213,46 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return captured
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
-            repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule, int]:
+class _FlatInputs(nn.Module):
+    """The model called with its tensor leaves as positional arguments, the rest baked in.
+
+    torch.export matches ``dynamic_shapes`` to the model's signature twice, and not the same
+    way: before tracing by ``inspect.signature(forward).bind(...)`` (a ``**kwargs`` parameter
+    is one key holding a dict), after tracing with every call keyword as a key of its own
+    (torch/export/_trace.py ``_get_range_constraints``). No spec passes both once a keyword
+    lands in ``**kwargs`` (``AssertionError: Must provide a tree_name when there might be a
+    mismatch``; pytorch issues 150022, 164313). Exporting this module instead gives export one
+    signature, ``forward(*tensors)``, whose spec is a tuple with one entry per tensor: it
+    holds for any call the model accepts (positional, keyword, ``*args``, ``**kwargs``,
+    nested containers), and the model still runs through its own ``__call__`` (its hooks,
+    its binding of the arguments).
+
+    The module shares the model's parameter, buffer and submodule tables and its tensor
+    attributes, so export sees the model's own names (``layers.0.weight``, not ``model.layers.0.weight``) and its fake
+    tensors land where the model reads them.
+    """
+
+    __model: nn.Module  # private (mangled) names: an attribute would hide a child's name
+
+    def __init__(self, model: nn.Module, leaves: list[Any], in_spec: pytree.TreeSpec) -> None:
+        super().__init__()
+        for table in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            self.__dict__[table] = model.__dict__[table]
+        # plain tensor attributes too: export names the constants it lifts by where it finds them
+        self.__dict__.update({k: v for k, v in vars(model).items() if isinstance(v, torch.Tensor)})
+        self.training = model.training  # not .train(): that would set the model's children
+        self.__dict__["_FlatInputs__model"] = model  # not a submodule: its children are ours
+        self.__leaves, self.__in_spec = leaves, in_spec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        given = iter(tensors)
+        leaves = [next(given) if isinstance(x, torch.Tensor) else x for x in self.__leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self.__in_spec)
+        return self.__model(*args, **kwargs)
+
+
+def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ...],
+            dynamic: Any, repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule, int]:
     """The exported program, its graph module, and how many calls of repeated submodules were
     copied rather than traced. (The module is made before the copies: making it compiles the
     graph's code.)"""
@@ -230,7 +262,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
         rep = RepeatedCapture(model, keep=set(keep))
         try:
             with rep:
-                ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+                ep = torch.export.export(flat, tensors, strict=False, dynamic_shapes=dynamic)
             gm = _graph_module(ep, model)
             copies = rep.expand(gm)
             if copies:
@@ -247,7 +279,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
             log.debug("capture: tracing repeated modules once failed (%s: %s); exporting each",
                       type(e).__name__, e)
             break
-    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    ep = torch.export.export(flat, tensors, strict=False, dynamic_shapes=dynamic)
     return ep, _graph_module(ep, model), 0
 
 
