@@ -19,8 +19,8 @@ from rannc_fx.device import DeviceSpec
 from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
 from rannc_fx.values import ValueSpec
 
-__all__ = ["RankFailed", "assert_moved_alike", "assert_moved_alike_in_norm", "make_plan", "run_ranks", "scalar", "snapshot",
-           "tensor"]
+__all__ = ["RankFailed", "assert_like_reference", "assert_moved_alike", "assert_moved_alike_in_norm",
+           "local_part", "make_plan", "run_ranks", "scalar", "snapshot", "step_each", "tensor"]
 
 
 class RankFailed(AssertionError):
@@ -174,6 +174,38 @@ def assert_moved_alike_in_norm(
     ratio = (apart / moved) ** 0.5
     assert ratio < rel, f"the parameters are {ratio:.3f} of the step away from the reference"
     return ratio
+
+
+def step_each(*pairs: tuple[torch.Tensor, torch.optim.Optimizer]) -> None:
+    """``loss.backward()``, ``opt.step()`` and ``opt.zero_grad()`` for each (loss, optimizer):
+    the compiled model's and the one-process reference's step side by side."""
+    for loss, opt in pairs:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_like_reference(stages: Any, ref: torch.nn.Module, **tol: Any) -> None:
+    """Every parameter of this rank's ``stages`` equals ``ref``'s of the same name."""
+    from torch.testing import assert_close
+
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert_close(p, ref.get_parameter(name), **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def local_part(tree: Any, rank: int, global_batch: int, local: int) -> Any:
+    """This rank's ``local`` samples of every tensor in ``tree`` whose first dimension is the
+    global batch (the others, such as a global token count, as they are)."""
+    from torch.utils import _pytree as pytree
+
+    lo, hi = rank * local, (rank + 1) * local
+
+    def cut(t: Any) -> Any:
+        ok = isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == global_batch
+        return t[lo:hi] if ok else t
+
+    return pytree.tree_map(cut, tree)
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:

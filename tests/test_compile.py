@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from rannc_fx.compile import compile as rannc_compile
 from rannc_fx.config import Config
 
-from .dist_utils import run_ranks
+from .dist_utils import local_part, run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 2  # samples per rank
@@ -46,14 +46,7 @@ def _example(name: str, batch: int) -> tuple[torch.nn.Module, tuple[Any, ...], d
 
 
 def _local(tree: Any, rank: int, global_batch: int) -> Any:
-    """This rank's samples of every tensor whose first dimension is the global batch."""
-    lo, hi = rank * LOCAL, (rank + 1) * LOCAL
-
-    def cut(t: Any) -> Any:
-        ok = isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == global_batch
-        return t[lo:hi] if ok else t
-
-    return pytree.tree_map(cut, tree)
+    return local_part(tree, rank, global_batch, LOCAL)
 
 
 def _loss(out: Any) -> torch.Tensor:

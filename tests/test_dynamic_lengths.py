@@ -16,7 +16,7 @@ import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
 
-from .dist_utils import run_ranks
+from .dist_utils import assert_like_reference, run_ranks, step_each
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
@@ -78,14 +78,9 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], lengths: list[
         want = ref(**batch)
         assert_close(out["loss"], want["loss"], **TOL)
         assert out["logits"].shape[:2] == (LOCAL, length) or name == "bert-cls"
-        for loss, o in ((out["loss"], opt), (want["loss"], ref_opt)):
-            loss.backward()
-            o.step()
-            o.zero_grad()
+        step_each((out["loss"], opt), (want["loss"], ref_opt))
         losses.append(out["loss"].item())
-    for stage in cm.stages:
-        for pname, p in stage.named_parameters():
-            assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    assert_like_reference(cm.stages, ref, **TOL)
     return losses
 
 

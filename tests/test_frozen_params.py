@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 import torch
 from torch.testing import assert_close
-from torch.utils import _pytree as pytree
 
 import rannc_fx
 from rannc_fx.compile import compile as rannc_compile
 from rannc_fx.config import Config
 
-from .dist_utils import run_ranks
+from .dist_utils import local_part, run_ranks
 from .hf_models import lora_llama_example
 
 pytest.importorskip("peft")
@@ -71,13 +70,7 @@ def test_plan_counts_gradients_and_optimizer_state_of_trainable_parameters_only(
 
 
 def _local(tree: Any, rank: int, global_batch: int) -> Any:
-    lo, hi = rank * LOCAL, (rank + 1) * LOCAL
-
-    def cut(t: Any) -> Any:
-        ok = isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == global_batch
-        return t[lo:hi] if ok else t
-
-    return pytree.tree_map(cut, tree)
+    return local_part(tree, rank, global_batch, LOCAL)
 
 
 def _train_lora(rank: int, world: int, cfg: dict[str, Any], steps: int = 3) -> float:

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 import rannc_fx
 from rannc_fx.config import Config
 
-from .dist_utils import run_ranks
+from .dist_utils import assert_like_reference, run_ranks, step_each
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
@@ -107,9 +107,7 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], accumulate: in
             s.step(o)
             s.update()
             o.zero_grad()
-    for stage in cm.stages:
-        for pname, p in stage.named_parameters():
-            assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    assert_like_reference(cm.stages, ref, **TOL)
     return losses
 
 
@@ -179,14 +177,9 @@ def _llama(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
         n = (batch["labels"][:, 1:] != -100).sum()
         out, want = cm(**local(batch)), ref(**batch, num_items_in_batch=n)
         assert_close(out["loss"], want["loss"], **TOL)
-        for loss, o in ((out["loss"], opt), (want["loss"], ref_opt)):
-            loss.backward()
-            o.step()
-            o.zero_grad()
+        step_each((out["loss"], opt), (want["loss"], ref_opt))
         losses.append(out["loss"].item())
-    for stage in cm.stages:
-        for pname, p in stage.named_parameters():
-            assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    assert_like_reference(cm.stages, ref, **TOL)
     return losses
 
 
