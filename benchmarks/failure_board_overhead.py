@@ -26,8 +26,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead_common import Compiled, overhead_main, overhead_parser  # noqa: E402
-from runtime_common import interleave, median_ratio, summarize  # noqa: E402
+from overhead_common import (  # noqa: E402
+    Compiled,
+    medians_ms,
+    overhead_main,
+    overhead_parser,
+    overhead_vs,
+)
+from runtime_common import interleave  # noqa: E402
 
 
 def run(name: str, args: argparse.Namespace) -> None:
@@ -46,11 +52,10 @@ def run(name: str, args: argparse.Namespace) -> None:
     wall, cpu = interleave({"watched": gpt.step, "blocking": blocking, "again": blocking},
                            warmup=args.warmup, steps=args.steps, sync=dist.barrier)
     if dist.get_rank() == 0:
-        w = {k: summarize(v)["median"] * 1e3 for k, v in wall.items()}
-        c = {k: summarize(v)["median"] * 1e3 for k, v in cpu.items()}
+        w, c = medians_ms(wall), medians_ms(cpu)
 
         def vs(k: str) -> str:
-            return f"{100 * (median_ratio(wall[k], wall['blocking']) - 1):+.2f} %"
+            return overhead_vs(wall, k, "blocking")
 
         print(f"| {name} | {gpt.shape} | {w['blocking']:.2f} | {w['watched']:.2f} | "
               f"{vs('watched')} | {vs('again')} | {c['blocking']:.2f} | {c['watched']:.2f} |",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from runtime_common import GPT, environment, make_batch
+from runtime_common import GPT, environment, make_batch, median_ratio, summarize
 
 import rannc_fx
 
@@ -83,3 +83,14 @@ def overhead_main(
         print("- command: torchrun --nproc-per-node", dist.get_world_size(),
               f"benchmarks/{script}", " ".join(sys.argv[1:]))
     dist.destroy_process_group()
+
+
+def medians_ms(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Each variant's median, in milliseconds."""
+    return {k: summarize(v)["median"] * 1e3 for k, v in samples.items()}
+
+
+def overhead_vs(wall: dict[str, list[float]], variant: str, base: str) -> str:
+    """``variant``'s overhead over ``base``: the median of the per-round ratios, minus one."""
+    return f"{100 * (median_ratio(wall[variant], wall[base]) - 1):+.2f} %"
+
