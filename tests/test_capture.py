@@ -327,7 +327,9 @@ def test_export_names_an_input_whose_batch_size_the_model_fixes():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + torch.ones(8, 1)  # broadcasting pins the batch at 8
 
-    with pytest.raises(CaptureError, match="fixed the batch dimension of input 'x' at 8"):
+    with pytest.raises(CaptureError, match=r"fixed the batch dimension of input 'x' at 8: at "
+                                           r"forward\(\), line \d+: `return x \+ torch.ones\(8, 1\)"
+                                           r"[^`]*` ties it to that size"):
         capture_pass(Fixed(), (torch.randn(8, 3),), tracer="export")
 
 

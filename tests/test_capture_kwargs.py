@@ -12,6 +12,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from rannc_fx.passes.capture import CapturedGraph, capture_pass
+from rannc_fx.passes.capture_graph import CaptureError
 
 from .hf_models import llama_example, lora_llama_example
 
@@ -169,3 +170,23 @@ def test_a_tensor_attribute_of_the_model_keeps_its_name():
     cg = capture_pass(model, (x,), {"mask": mask}, tracer="export")
     assert "scale" in {str(n.target) for n in cg.gm.graph.nodes if n.op == "get_attr"}
     torch.testing.assert_close(_run(cg, (x,), {"mask": mask}), model(x, mask=mask))
+
+
+class _InBatchNegatives(nn.Module):
+    """A bi-encoder trained with in-batch negatives: every query against every key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        logits = self.q(queries) @ self.k(keys).T
+        return nn.functional.cross_entropy(logits, torch.arange(len(logits)))
+
+
+def test_a_model_that_mixes_its_samples_is_refused_at_the_line_that_does():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(CaptureError, match=r"at forward\(\), line \d+: `return nn.functional"
+                                           r".cross_entropy\(logits, torch.arange\(len\(logits"
+                                           r"\)\)\)`, where logits is a batch x batch matrix"):
+        capture_pass(_InBatchNegatives(), (x, y), tracer="export")

@@ -190,11 +190,12 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         if batched(leaves[i]) and isinstance(val, torch.Tensor) and is_concrete_int(
             val.shape[batch_dim]
         ):
+            where = _where_fixed(flat, tensors, spec(False), batch_dim)
             raise CaptureError(
                 f"torch.export fixed the batch dimension of input {names[i]!r} at {batch}: "
-                f"the model's code ties it to that size (e.g. x.view({batch}, -1) or a loop "
-                "over the batch); compute sizes from x.size(0) or -1, or use "
-                "Config(tracer='fx')"
+                + (where or f"the model's code ties it to that size (e.g. x.view({batch}, -1) "
+                   "or a loop over the batch); compute sizes from x.size(0) or -1, or use "
+                   "Config(tracer='fx')")
             )
         with graph.inserting_before(anchor):
             named = graph.placeholder(names[i])
@@ -211,6 +212,50 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                               out_idx, consts, batch_dim)
     captured.copied_calls = copied
     return captured
+
+
+def _where_fixed(flat: nn.Module, tensors: tuple[torch.Tensor, ...], spec: dict[str, Any],
+                 batch_dim: int) -> str | None:
+    """Where the model's code made export fix the batch dimension, from ``draft_export``'s
+    report (run again only on this failure path): the line, its tensors, and whether one of
+    them holds several batch dimensions (samples mixed, as a contrastive loss mixes them)."""
+    # Dim.DYNAMIC, not AUTO: a specialization is then a failure the report locates
+    strict = {"tensors": tuple(None if d is None else dict.fromkeys(d, torch.export.Dim.DYNAMIC)
+                               for d in spec["tensors"])}
+    quiet = logging.getLogger("torch.export._draft_export")  # it prints its report as warnings
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        report = torch.export.draft_export(flat, tensors, strict=False, dynamic_shapes=strict)
+        failures = report._report.failures  # type: ignore[attr-defined]  # not public in 2.13
+    except Exception as e:  # the diagnosis is a nicety: the plain message still holds
+        log.debug("capture: draft_export to find where the batch was fixed failed: %s", e)
+        return None
+    finally:
+        quiet.setLevel(level)
+    for f in failures:
+        data = getattr(f, "data", {})
+        sources = {**data.get("frame_locals", {}).get("symbols", {}),
+                   **data.get("symbol_to_sources", {})}
+        batch_syms = {s for s, src in sources.items() if src.endswith(f".size()[{batch_dim}]")}
+        if "GUARD" not in str(f.failure_type) or not batch_syms or not data.get("user_stack"):
+            continue
+        frame = data["user_stack"][-1]
+        shapes = data.get("frame_locals", {}).get("locals", {})
+        mixed = [name for name, vals in shapes.items() for v in vals
+                 if sum(v.count(f"{sym},") + v.count(f"{sym}]") for sym in batch_syms) >= 2
+                 and v.startswith("Tensor(")]
+        said = (f"at {frame.get('name', '?')}(), line {frame.get('line', '?')}: "
+                f"`{frame.get('loc', '').strip()}`")
+        if mixed:
+            return (f"{said}, where {', '.join(mixed)} is a batch x batch matrix (a value for "
+                    "every pair of samples: the model mixes its samples, as a contrastive loss "
+                    "with in-batch negatives does), so micro-batches and replicas cannot split "
+                    "it; rannc_fx cannot train a model that mixes a batch's samples yet (that "
+                    "part would have to run on the whole batch)")
+        return (f"{said} ties it to that size; compute sizes from x.size(0) or -1 there, or "
+                "use Config(tracer='fx')")
+    return None
 
 
 class _FlatInputs(nn.Module):
