@@ -491,6 +491,18 @@ def test_recompute_and_1f1b_make_plans_fit() -> None:
             compare(table, dataclasses.replace(sp, world_size=w))
 
 
+def test_a_forced_stage_count_is_named_when_no_world_size_fits() -> None:
+    table = simple_table(2, 8)  # 0.5 GiB of parameters: over budget on one stage, any replicas
+    space = SearchSpace(world_size=2, global_batch=8, memory_budget=0.6 * GiB,
+                        link_bandwidth=1.0, micro_batches=(4,), stages=1)
+    with pytest.raises(NoFeasiblePlan, match=r"No world size up to 128 fits with the stage count "
+                                             r"forced to 1 \(more ranks only add replicas"):
+        search_pass(table, space)
+    with pytest.raises(NoFeasiblePlan) as free:  # unforced, the message says nothing of it
+        search_pass(table, dataclasses.replace(space, stages=None, world_size=1))
+    assert "forced" not in str(free.value)
+
+
 def test_ties_prefer_gpipe() -> None:
     """Where 1F1B changes nothing (memory is ample, or m = 1) the plan is reported as GPipe,
     unless 1F1B was forced."""

@@ -113,6 +113,10 @@ def no_plan(table: CostTable, space: SearchSpace) -> NoFeasiblePlan:
                 is not None), default=None)
     msg += (f" The smallest world size that fits is {grow}" if grow is not None else
             f" No world size up to {_GROW * W} fits")
+    if grow is None and space.stages is not None:
+        msg += (f" with the stage count forced to {space.stages} (more ranks only add "
+                "replicas, which do not split the parameters): force more stages, or let the "
+                "search choose (Config(stages=None))")
     more = next((m for m in _more_micro_batches(space)
                  if _smallest_world(table, space, m, W, W) is not None), None)
     if more is not None:
