@@ -85,6 +85,7 @@ class BatchSizes:
         }
         self.trace: Recorder | None = None
         self._broken = False  # the agreement raised PeerFailed: recover at the next call
+        self._by_sizes: dict[tuple[int, ...], Plan] = {self._planned_sizes: plan}
         # an input's shape travels in the agreement as (index, rank, dims): this many dims
         self._dims = max((len(s.shape) for s in plan.inputs if s.kind == "tensor"), default=0)
 
@@ -129,7 +130,7 @@ class BatchSizes:
 
     def _for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
         sizes, state = self._sizes(flat_inputs), self.state()
-        plan = self.plan.at_sizes(self._named(sizes)) if sizes != self._planned_sizes else self.plan
+        plan = self._sized(sizes)
         local = self._local_size(plan, flat_inputs)
         world = self.plan.world_size
         agreed = world > 1 and self.check
@@ -148,26 +149,26 @@ class BatchSizes:
         else:
             self._check_sizes([sizes])
         key = (local * world, state, sizes)
-        found = self._by_key.pop(key, None)
-        if found is None:
-            groups = getattr(self.default, "groups", None)
-            plan = self.retype(plan, state)
-            if key[0] != plan.global_batch:
-                try:
-                    plan = rebatched(plan, key[0])
-                except ValueError as e:
-                    if agreed:
-                        raised_everywhere(e)
-                    raise
-            found = build_executor(
-                plan, self.module, device=self.device, timeout_s=self.timeout_s, groups=groups
-            )
-            if isinstance(found, StageExecutor):
-                found.set_trace(self.trace)
-            others = [k for k in self._by_key if k != self._planned_key]
-            if len(others) >= KEPT:
-                del self._by_key[others[0]]  # the least recently used
-        self._by_key[key] = found  # last: most recently used
+        return _recent(self._by_key, key, self._planned_key,
+                       lambda: self._build(key, plan, state, agreed))
+
+    def _build(self, key: tuple[int, str | None, tuple[int, ...]], plan: Plan,
+               state: str | None, agreed: bool) -> Executor:
+        """The executor for a batch size, state and lengths not seen lately."""
+        groups = getattr(self.default, "groups", None)
+        plan = self.retype(plan, state)
+        if key[0] != plan.global_batch:
+            try:
+                plan = rebatched(plan, key[0])
+            except ValueError as e:
+                if agreed:
+                    raised_everywhere(e)
+                raise
+        found = build_executor(
+            plan, self.module, device=self.device, timeout_s=self.timeout_s, groups=groups
+        )
+        if isinstance(found, StageExecutor):
+            found.set_trace(self.trace)
         return found
 
     def set_trace(self, rec: Recorder) -> None:
@@ -187,8 +188,12 @@ class BatchSizes:
             out.append(int(t.shape[d.dim]) if ok else d.size)  # type: ignore[union-attr]
         return tuple(out)
 
-    def _named(self, sizes: tuple[int, ...]) -> dict[str, int]:
-        return {d.name: n for d, n in zip(self.plan.dynamic_dims, sizes, strict=True)}
+    def _sized(self, sizes: tuple[int, ...]) -> Plan:
+        """The plan at these dynamic sizes, made once per size (the most recent ``KEPT``):
+        dynamic padding calls at a handful of lengths, each many times."""
+        dims = self.plan.dynamic_dims
+        return _recent(self._by_sizes, sizes, self._planned_sizes, lambda: self.plan.at_sizes(
+            {d.name: n for d, n in zip(dims, sizes, strict=True)}))
 
     def _local_size(self, plan: Plan, flat: Sequence[Any]) -> int:
         """Samples in this call's local batch; the plan's when no input says otherwise (then
@@ -326,6 +331,19 @@ class BatchSizes:
             f"batch to the planned shape ({may} may change between calls), or plan with an "
             "example of the shapes you train with"
         )
+
+
+def _recent(cache: dict[Any, Any], key: Any, pinned: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` when missing; the ``KEPT`` most recently used stay
+    besides ``pinned`` (dicts keep insertion order: the first key is the least recent)."""
+    found = cache.pop(key, None)
+    if found is None:
+        found = make()
+        others = [k for k in cache if k != pinned]
+        if len(others) >= KEPT:
+            del cache[others[0]]
+    cache[key] = found  # last: most recently used
+    return found
 
 
 _STATES: list[str | None] = [None, "bfloat16", "float16"]

@@ -65,10 +65,6 @@ class Board:
         error.add_note(f"rannc_fx: rank {rank} told the other ranks, which stop this step too; "
                        "the next call starts over on fresh communicators")
 
-    def news(self) -> int:
-        """The failures posted that this rank has not acted on (0: none)."""
-        return self.count() - self.seen
-
     def raise_news(self, what: str) -> None:
         """PeerFailed for the newest failure on the board, if this rank has not seen it."""
         n = self.count()
