@@ -12,6 +12,7 @@ from torch import fx, nn
 from .config import Config
 from .device import DeviceSpec
 from .passes.capture import CapturedGraph
+from .passes.split import run_stages
 from .plan import Plan
 from .planner import plan_model, split_stages
 from .progress import note
@@ -27,12 +28,10 @@ class Partitioned:
     captured: CapturedGraph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self.captured.flatten_inputs(args, kwargs)
-        env: dict[str, Any] = dict(zip(self.captured.input_names, flat, strict=True))
-        for spec, gm in zip(self.plan.stages, self.stages, strict=True):
-            outs = gm(*(env[name] for name in spec.inputs))
-            env.update(zip(spec.outputs, outs, strict=True))
-        return self.captured.unflatten_outputs([env[n] for n in self.captured.output_names])
+        cg = self.captured
+        flat = cg.flatten_inputs(args, kwargs)
+        return cg.unflatten_outputs(
+            run_stages(self.stages, self.plan, flat, cg.input_names, cg.output_names))
 
     def __repr__(self) -> str:
         return f"Partitioned(\n{self.plan.summary()}\n)"

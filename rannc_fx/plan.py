@@ -30,6 +30,10 @@ sample
 rank
     One process. Stage ``s`` runs on ranks ``stages[s].ranks``; ranks are handed out to the
     stages in order.
+tail
+    The nodes from where the model first mixes its samples (a contrastive loss's
+    ``(batch, batch)`` logits) to the outputs they feed. The last stage's ranks run it once a
+    step on the whole batch, between the last forward and the first backward (``Plan.tail``).
 value
     What one node produces. A *cut value* is produced in one stage and consumed in a later
     one; it is sent straight from its producer to every consumer stage.
@@ -55,6 +59,7 @@ __all__ = [
     "Plan",
     "SharedParam",
     "Stage",
+    "Tail",
     "loss_output",
 ]
 
@@ -169,6 +174,28 @@ class OutputRef(BaseModel):
     spec: ValueSpec
 
 
+class Tail(BaseModel):
+    """The part of the model that mixes the batch's samples, run once a step on the whole
+    batch by every replica of the last stage (``passes/tail.py``, ``runtime/tail.py``).
+
+    ``inputs`` are the last stage's outputs it reads (batched ones gathered from every
+    micro-batch and replica), in its placeholders' order; ``outputs`` the model outputs it makes (their
+    ``plan.outputs`` indices), in its return order. ``nodes`` belong to the last stage's
+    blocks but run here. Time and bytes are at the whole batch: the step's once.
+    """
+
+    model_config = _FROZEN
+
+    nodes: tuple[str, ...]
+    mixing: tuple[str, ...]  # where samples first mix
+    inputs: tuple[ValueSpec, ...]
+    outputs: tuple[int, ...]
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    activation_bytes: int = 0  # what its backward keeps, at the whole batch
+    input_bytes: int = 0  # its gathered inputs and their gradients, at the whole batch
+
+
 class SharedParam(BaseModel):
     """A parameter used by more than one stage (a tied embedding and LM head): each holds it,
     and its gradient is summed over all their ranks. Buffers are never shared parameters."""
@@ -213,6 +240,7 @@ class Plan(BaseModel):
     # that depend on a dynamic dimension: their formulas (split reads them; others need none)
     sizes: tuple[ValueSpec, ...] = ()
     shared_params: tuple[SharedParam, ...] = ()
+    tail: Tail | None = None  # run once a step on the whole batch, by the last stage's ranks
     predicted_step_ms: float
     # the executor's lowered schedule run on the plan's per-stage costs (runtime.simulate);
     # the search minimizes predicted_step_ms, the cost model's closed form
@@ -273,6 +301,17 @@ class Plan(BaseModel):
                     f"size {d.size}, which the plan's inputs do not have"
                 )
         n = len(self.stages)
+        if self.tail is not None:
+            last = self.stages[-1]
+            if self.schedule != "gpipe":
+                raise ValueError("a plan with a tail runs GPipe: the tail runs between every "
+                                 "forward and every backward")
+            missing = [v.name for v in self.tail.inputs if v.name not in last.outputs]
+            if missing:
+                raise ValueError(f"the tail reads {missing}, which the last stage does not return")
+            if any(not 0 <= j < len(self.outputs) for j in self.tail.outputs):
+                raise ValueError(f"the tail makes outputs {list(self.tail.outputs)}, which the "
+                                 f"model's {len(self.outputs)} outputs do not all include")
         for cv in self.cut_values:
             if not cv.consumers:
                 raise ValueError(f"cut value {cv.name!r} has no consumer stage")
@@ -303,6 +342,10 @@ class Plan(BaseModel):
         gradient, when it is a scalar (a schedule may then run the whole step in the call)."""
         return loss_output([r.spec for r in self.outputs])
 
+    def tail_output(self, index: int) -> bool:
+        """Model output ``index`` is made by the tail (on the whole batch)."""
+        return self.tail is not None and index in self.tail.outputs
+
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations (or, recomputing, inputs) stage ``stage`` holds at
         once under the plan's schedule."""
@@ -315,7 +358,11 @@ class Plan(BaseModel):
         their costs and the schedule stay the plan's."""
         if all(sizes[d.name] == d.size for d in self.dynamic_dims):
             return self
+        tail = self.tail
+        if tail is not None:
+            tail = tail.model_copy(update={"inputs": tuple(s.at_sizes(sizes) for s in tail.inputs)})
         return self.model_copy(update={
+            "tail": tail,
             "inputs": tuple(s.at_sizes(sizes) for s in self.inputs),
             "cut_values": tuple(cv.model_copy(update={"spec": cv.spec.at_sizes(sizes)})
                                 for cv in self.cut_values),
@@ -403,6 +450,12 @@ class Plan(BaseModel):
         if self.dynamic_dims:
             tail.append("dynamic dimension(s), up to the planned size: " + ", ".join(
                 f"{d.name} <= {d.size}" for d in self.dynamic_dims))
+        if self.tail is not None:
+            tail.append(
+                f"tail: {len(self.tail.nodes)} node(s) from {', '.join(self.tail.mixing)} (samples "
+                f"mix there) run once a step on the whole batch on stage {len(self.stages) - 1}'s "
+                f"ranks, {self.tail.fwd_ms:.2f} + {self.tail.bwd_ms:.2f} ms"
+            )
         for sp in self.shared_params:
             tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
         return "\n".join([head, line, "-" * len(line), *body, *tail])

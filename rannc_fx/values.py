@@ -71,6 +71,11 @@ class ValueSpec(BaseModel):
     sample order (``seq`` blocks of one row for the view above; 2 for ``cat([x, y])``)::
 
         rows for samples a, b, c with interleave = 2:   a0 b0 c0 | a1 b1 c1
+
+    ``mixed`` lists the dimensions other than ``batch_dim`` that also grow with the sample
+    count (a ``(batch, batch)`` similarity matrix: one entry per pair of samples). Such a value
+    mixes the batch's samples, so it is made only in the model's tail, which runs once a step
+    on the whole batch (``passes/tail.py``); ``shape`` holds those dimensions per sample too.
     """
 
     model_config = _FROZEN
@@ -85,6 +90,7 @@ class ValueSpec(BaseModel):
     interleaved: bool = False
     interleave: int | None = None
     formulas: tuple[Formula, ...] = ()
+    mixed: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _check_layout(self) -> ValueSpec:
@@ -112,14 +118,17 @@ class ValueSpec(BaseModel):
             and dt.startswith(("float", "bfloat", "complex"))
         )
 
-    def shape_for(self, samples: int) -> tuple[int, ...]:
-        """The tensor's shape when it holds ``samples`` samples."""
+    def shape_for(self, samples: int, whole: int | None = None) -> tuple[int, ...]:
+        """The tensor's shape when it holds ``samples`` samples (the rows of ``samples`` of
+        a batch of ``whole`` along ``mixed`` dimensions: ``samples`` by default)."""
         if self.kind != "tensor":
             raise ValueError(f"value {self.name!r} is a {self.kind}, not a tensor")
         if self.batch_dim is None:
             return self.shape
         s = list(self.shape)
         s[self.batch_dim] *= samples
+        for d in self.mixed:
+            s[d] *= samples if whole is None else whole
         return tuple(s)
 
     def ints_for(self, samples: int) -> tuple[int, ...]:

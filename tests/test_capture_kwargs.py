@@ -175,18 +175,30 @@ def test_a_tensor_attribute_of_the_model_keeps_its_name():
 class _InBatchNegatives(nn.Module):
     """A bi-encoder trained with in-batch negatives: every query against every key."""
 
-    def __init__(self) -> None:
+    def __init__(self, tie: bool = False) -> None:
         super().__init__()
         self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.tie = tie  # an int from the batch size ties the graph to it
 
     def forward(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         logits = self.q(queries) @ self.k(keys).T
-        return nn.functional.cross_entropy(logits, torch.arange(len(logits)))
+        n = int(logits.shape[0]) if self.tie else len(logits)
+        return nn.functional.cross_entropy(logits, torch.arange(n))
 
 
-def test_a_model_that_mixes_its_samples_is_refused_at_the_line_that_does():
+def test_len_of_a_tensor_keeps_the_batch_dimension_symbolic():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    with pytest.raises(CaptureError, match=r"at forward\(\), line \d+: `return nn.functional"
-                                           r".cross_entropy\(logits, torch.arange\(len\(logits"
-                                           r"\)\)\)`, where logits is a batch x batch matrix"):
-        capture_pass(_InBatchNegatives(), (x, y), tracer="export")
+    cg = capture_pass(_InBatchNegatives(), (x, y), tracer="export")
+    (mm,) = [n for n in cg.gm.graph.nodes if n.target == torch.ops.aten.matmul.default]
+    assert all(isinstance(d, torch.SymInt) for d in mm.meta["val"].shape)  # (b, b)
+
+
+def test_a_model_that_mixes_its_samples_and_ties_the_batch_is_refused_at_the_line():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    model = _InBatchNegatives(tie=True)
+    with pytest.raises(CaptureError, match=r"at forward\(\), line \d+: `n = int\(logits.shape"
+                                           r"\[0\]\) if self.tie else len\(logits\)`, where "
+                                           r"logits is a batch x batch matrix .* runs that part "
+                                           r"once a step on the whole batch, but this line also "
+                                           r"ties the batch"):
+        capture_pass(model, (x, y), tracer="export")

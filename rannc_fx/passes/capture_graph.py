@@ -21,6 +21,16 @@ class CaptureError(RuntimeError):
     """The model could not be captured; the message names the failing code or op and the ways out."""
 
 
+@dataclass(frozen=True)
+class TailNodes:
+    """A graph's tail (``passes.tail``): its nodes in graph order, where samples first mix,
+    and the body's values it reads."""
+
+    nodes: tuple[str, ...]
+    mixing: tuple[str, ...]
+    reads: tuple[str, ...]
+
+
 @dataclass
 class CapturedGraph:
     """A model as one flat graph.
@@ -63,6 +73,8 @@ class CapturedGraph:
     batch_dim: int = 0
     model_name: str = ""
     checked: Literal["values", "shapes"] | None = None
+    # where samples mix: the tail that runs on the whole batch (``passes.tail``), if any
+    tail: TailNodes | None = None
     # the autocast state the capture ran under: torch.export's values hold its dtypes
     autocast: tuple[tuple[str, str], ...] = ()
     copied_calls: int = 0  # calls of repeated submodules copied from a first one (export)

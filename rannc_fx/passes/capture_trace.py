@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import inspect
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -243,16 +246,16 @@ def _where_fixed(flat: nn.Module, tensors: tuple[torch.Tensor, ...], spec: dict[
         frame = data["user_stack"][-1]
         shapes = data.get("frame_locals", {}).get("locals", {})
         mixed = [name for name, vals in shapes.items() for v in vals
-                 if sum(v.count(f"{sym},") + v.count(f"{sym}]") for sym in batch_syms) >= 2
-                 and v.startswith("Tensor(")]
+                 if isinstance(v, str) and v.startswith("Tensor(")
+                 and sum(v.count(f"{sym},") + v.count(f"{sym}]") for sym in batch_syms) >= 2]
         said = (f"at {frame.get('name', '?')}(), line {frame.get('line', '?')}: "
                 f"`{frame.get('loc', '').strip()}`")
         if mixed:
-            return (f"{said}, where {', '.join(mixed)} is a batch x batch matrix (a value for "
-                    "every pair of samples: the model mixes its samples, as a contrastive loss "
-                    "with in-batch negatives does), so micro-batches and replicas cannot split "
-                    "it; rannc_fx cannot train a model that mixes a batch's samples yet (that "
-                    "part would have to run on the whole batch)")
+            return (f"{said}, where {', '.join(mixed)} is a batch x batch matrix (the model "
+                    "mixes its samples there, as a contrastive loss with in-batch negatives "
+                    "does): rannc_fx runs that part once a step on the whole batch, but this "
+                    "line also ties the batch to one size; compute the size from x.size(0) or "
+                    "len(x) instead of an int")
         return (f"{said} ties it to that size; compute sizes from x.size(0) or -1 there, or "
                 "use Config(tracer='fx')")
     return None
@@ -306,7 +309,7 @@ def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ..
         t0 = time.perf_counter()
         rep = RepeatedCapture(model, keep=set(keep))
         try:
-            with rep:
+            with rep, _sized_len():
                 ep = torch.export.export(flat, tensors, strict=False, dynamic_shapes=dynamic)
             gm = _graph_module(ep, model)
             copies = rep.expand(gm)
@@ -324,8 +327,32 @@ def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ..
             log.debug("capture: tracing repeated modules once failed (%s: %s); exporting each",
                       type(e).__name__, e)
             break
-    ep = torch.export.export(flat, tensors, strict=False, dynamic_shapes=dynamic)
+    with _sized_len():
+        ep = torch.export.export(flat, tensors, strict=False, dynamic_shapes=dynamic)
     return ep, _graph_module(ep, model), 0
+
+
+@contextlib.contextmanager
+def _sized_len() -> Iterator[None]:
+    """``len(t)`` of a tensor is ``t.shape[0]`` while exporting.
+
+    Python's ``len()`` must return an int, so on a tensor whose first dimension is symbolic it
+    makes export fix that dimension at the example's size: ``torch.arange(len(logits))`` in a
+    contrastive loss, ``batch = len(x)``. ``t.shape[0]`` is the same size kept symbolic; code
+    that needs an int from it (``range()``, a list's length) still fixes it, as before.
+    """
+    builtin = builtins.len
+
+    def sized_len(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.dim() > 0:
+            return obj.shape[0]
+        return builtin(obj)
+
+    builtins.len = sized_len
+    try:
+        yield
+    finally:
+        builtins.len = builtin
 
 
 def _graph_module(ep: torch.export.ExportedProgram, model: nn.Module) -> fx.GraphModule:

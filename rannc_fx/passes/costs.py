@@ -16,6 +16,7 @@ from .group import BlockGraph
 from .optcost import SizeCurve
 from .profile import Profile
 from .search import CostTable
+from .tail import TailCost
 
 __all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
 
@@ -100,6 +101,7 @@ def build_cost_table(
     sizes: Sequence[int],
     optimizer: SizeCurve | None = None,
     accumulate: SizeCurve | None = None,
+    tail: TailCost | None = None,
 ) -> CostTable:
     """Per-block forward/backward time, saved and workspace bytes and cut bytes at each size.
 
@@ -107,6 +109,11 @@ def build_cost_table(
     however many blocks (or names, for tied weights) read it; gradients only for parameters
     that require them. ``optimizer`` and ``accumulate`` price each such parameter tensor by
     its size for the ranges' optimizer step and gradient accumulation.
+
+    The tail's nodes (``passes.tail``) run once a step on the whole batch, not per
+    micro-batch: they cost nothing per micro-batch here, and what the tail holds while it
+    runs (``tail.held_bytes``) is the last block's workspace, on top of the activations every
+    micro-batch holds then. Its time is the same for every plan (``build`` adds it to the step).
     """
     t0 = time.perf_counter()
     nb = len(blocks.blocks)
@@ -117,10 +124,18 @@ def build_cost_table(
     for field in _FIELDS:
         # clamped per node, as Profile.at does, before summing (or taking the max) per block
         node_vals = np.maximum(_node_series(profile, names, field) @ w.T, 0.0)  # (N, Q)
+        if tail is not None and captured.tail is not None:
+            node_vals[np.isin(names, captured.tail.nodes)] = 0.0
         acc = np.zeros((nb, len(sizes)))
         (np.maximum if field == "workspace_bytes" else np.add).at(acc, owner, node_vals)
         per_block[field] = acc.T.copy()  # (Q, B)
 
+    if tail is not None:
+        last = per_block["workspace_bytes"][:, nb - 1]
+        np.maximum(last, float(tail.held_bytes), out=last)
+    if tail is not None:
+        last = per_block["workspace_bytes"][:, nb - 1]
+        np.maximum(last, float(tail.held_bytes), out=last)
     q = np.asarray(sizes, dtype=float)
 
     def bytes_at(spec: ValueSpec) -> np.ndarray:  # at each size, affine in the samples
@@ -134,10 +149,11 @@ def build_cost_table(
     # batched model outputs (logits): kept by their stage until they go home
     out = np.zeros((len(sizes), nb))
     where = blocks.block_of()
+    made = set(captured.tail.nodes) if captured.tail is not None else set()
     for name in dict.fromkeys(captured.output_names):
         spec = values.get(name)
         if spec is not None and spec.kind == "tensor" and spec.batch_dim is not None:
-            if name in where:
+            if name in where and name not in made:  # the tail's: in its held bytes
                 out[:, where[name]] += bytes_at(spec)
 
     # keyed by tensor identity: a tied weight under two names is one tensor

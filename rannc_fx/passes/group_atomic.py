@@ -23,6 +23,7 @@ from .group_ops import (
     _state,
     is_view,
 )
+from .tail import TAIL
 
 __all__ = ["atomic_groups"]
 
@@ -165,6 +166,10 @@ def _union_atomic(gm: fx.GraphModule, nodes: list[fx.Node], index: dict[fx.Node,
         for _, t in _module_writes(n, gm):  # a normalization layer called in several places
             for r in readers.get(id(t), ()):
                 uf.union(i, index[r])
+    # the tail that runs on the whole batch, with the clones of what it reads: the last block
+    tail = [i for i, n in enumerate(nodes) if n.meta.get(TAIL)]
+    for i in tail[1:]:
+        uf.union(tail[0], i)
 
 
 def _alias_key(node: fx.Node, gm: fx.GraphModule) -> object:

@@ -27,10 +27,10 @@ def _is_int(x: Any) -> bool:
 def _spec(name: str, vals: list[Any], samples: Sequence[int]) -> ValueSpec:
     v0 = vals[0]
     if isinstance(v0, torch.Tensor | Leaf):
-        bd, shape = _fit_shape(name, [tuple(v.shape) for v in vals], samples)
+        dims, shape = _fit_shape(name, [tuple(v.shape) for v in vals], samples)
         return ValueSpec(
             name=name, kind="tensor", dtype=str(v0.dtype).removeprefix("torch."), shape=shape,
-            batch_dim=bd, requires_grad=v0.requires_grad,
+            batch_dim=dims[0] if dims else None, mixed=dims[1:], requires_grad=v0.requires_grad,
         )
     if _is_int(v0):
         return ValueSpec(name=name, kind="int", int_coeffs=(_fit_int(name, [int(v) for v in vals], samples),))
@@ -60,32 +60,28 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _fit_shape(
     name: str, shapes: list[tuple[int, ...]], samples: Sequence[int]
-) -> tuple[int | None, tuple[int, ...]]:
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The dimensions that grow with the sample count (the batch dimension first, then any
+    that also do: a value that mixes samples) and the shape for one sample."""
+
     def seen() -> str:  # for the messages only: formatting every node's shapes costs seconds
         return ", ".join(f"{list(s)} at {n}" for s, n in zip(shapes, samples, strict=True))
 
     if len({len(s) for s in shapes}) != 1:
         raise ValueError(f"node {name} changes rank with the sample count ({seen()})")
-    varying = [d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1]
-    if not varying:
-        return None, shapes[0]
-    if len(varying) > 1:
-        raise ValueError(
-            f"node {name} has several dimensions {varying} that grow with the sample count "
-            f"({seen()}; e.g. a batch x batch similarity matrix): micro-batches cannot hold a "
-            "slice of it; compute it outside the model or per sample"
-        )
-    d = varying[0]
-    rows = shapes[0][d] // samples[0]
-    if rows < 1 or any(s[d] != rows * n for s, n in zip(shapes, samples, strict=True)):
-        raise ValueError(
-            f"node {name} has dimension {d} that grows with the sample count but not in "
-            f"proportion to it ({seen()}): a micro-batch would not hold whole samples (e.g. a "
-            "fixed row concatenated to the batch); keep per-sample data along the batch dimension"
-        )
+    varying = tuple(d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1)
     shape = list(shapes[0])
-    shape[d] = rows
-    return d, tuple(shape)
+    for d in varying:
+        rows = shapes[0][d] // samples[0]
+        if rows < 1 or any(s[d] != rows * n for s, n in zip(shapes, samples, strict=True)):
+            raise ValueError(
+                f"node {name} has dimension {d} that grows with the sample count but not in "
+                f"proportion to it ({seen()}): a micro-batch would not hold whole samples (e.g. "
+                "a fixed row concatenated to the batch); keep per-sample data along the batch "
+                "dimension"
+            )
+        shape[d] = rows
+    return varying, tuple(shape)
 
 
 def _fit_int(name: str, vals: list[int], samples: Sequence[int]) -> tuple[int, int]:

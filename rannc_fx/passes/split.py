@@ -34,11 +34,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.passes.split_module import split_module
 
-from ..plan import Plan, Stage
+from ..plan import Plan
 from ..progress import note
 from ..values import SAMPLES, Formula, ValueSpec
 from .capture import CapturedGraph
@@ -190,10 +190,10 @@ class _StagedCopy:
 # -- per-stage modules -----------------------------------------------------------------------
 
 
-def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
-                  recomputed: frozenset[str]) -> fx.GraphModule:
+def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, s: int, inputs: tuple[str, ...],
+                  outputs: tuple[str, ...], recomputed: frozenset[str],
+                  name: str | None = None) -> fx.GraphModule:
     """A partition as ``stage_<s>``: plan-ordered placeholders, own parameters, flat outputs."""
-    s = spec.index
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     by_value: dict[str, fx.Node] = {}
@@ -205,17 +205,17 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
                 attr_inputs.append(n)
             else:
                 data_inputs[n.meta[_VALUE]] = n
-    extra = sorted(set(data_inputs) - set(spec.inputs))
+    extra = sorted(set(data_inputs) - set(inputs))
     if extra:
         raise ValueError(
             f"stage {s} reads {extra}, which the plan does not list among its inputs "
-            f"{list(spec.inputs)}; the plan was made for another graph: make it again"
+            f"{list(inputs)}; the plan was made for another graph: make it again"
         )
-    for name in spec.inputs:
-        ph = g.placeholder(name)
-        by_value[name] = ph
-        if name in data_inputs:
-            env[data_inputs[name]] = ph
+    for value in inputs:
+        ph = g.placeholder(value)
+        by_value[value] = ph
+        if value in data_inputs:
+            env[data_inputs[value]] = ph
     for n in attr_inputs:
         target = str(n.meta[_TARGET])
         env[n] = g.get_attr(target)
@@ -228,17 +228,37 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, spec: Stage,
         env[n] = new
         if _VALUE in n.meta:
             by_value[n.meta[_VALUE]] = new
-    missing = [o for o in spec.outputs if o not in by_value]
+    missing = [o for o in outputs if o not in by_value]
     if missing:
         raise ValueError(f"stage {s} must return {missing} but does not compute them")
-    g.output(tuple(by_value[o] for o in spec.outputs))
+    g.output(tuple(by_value[o] for o in outputs))
     _drop_unused(g, lambda n: n.meta.get(_VALUE, "") in recomputed or _VALUE not in n.meta)
     root = {
         str(n.target): operator.attrgetter(str(n.target))(captured.gm)
         for n in g.nodes if n.op in ("get_attr", "call_module")
     }
     g.lint()
-    return fx.GraphModule(root, g, class_name=f"stage_{s}")  # generates and compiles its code
+    return fx.GraphModule(root, g, class_name=name or f"stage_{s}")  # generates its code
+
+
+def attach_tail(stage: fx.GraphModule, tail: fx.GraphModule) -> None:
+    """Make ``tail`` the ``tail`` submodule of the last stage's module, which also holds
+    the tail's parameters and buffers under their own names (it owns them: the optimizer,
+    placement and checkpoints see the stage's names; the tail's entries are the same objects)."""
+    for target, t in [*tail.named_parameters(), *tail.named_buffers()]:
+        *path, leaf = target.split(".")
+        mod: nn.Module = stage
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if hasattr(mod, leaf):
+            continue
+        if isinstance(t, nn.Parameter):
+            mod.register_parameter(leaf, t)
+        else:
+            mod.register_buffer(leaf, t)
+    stage.add_module("tail", tail)
 
 
 def _drop_unused(g: fx.Graph, removable: Callable[[fx.Node], bool]) -> None:
@@ -283,12 +303,16 @@ def split_pass(
         values = _values_from_plan(captured, plan)
     # what the plan sizes (inputs, cut values, rebuilt integers) with its formulas
     values = {**values, **{v.name: v for v in (*plan.inputs, *plan.sizes)},
+              **{v.name: v for v in (plan.tail.inputs if plan.tail is not None else ())},
               **{cv.name: cv.spec for cv in plan.cut_values}}
     num = len(plan.stages)
     node_stage = plan.node_stage()
+    if plan.tail is not None:  # the tail is one more partition, attached to the last stage
+        node_stage.update(dict.fromkeys(plan.tail.nodes, num))
     recomputed = recomputed_values(captured.gm, values)
-    ifaces = stage_interfaces(captured, node_stage, values, num, recomputed=recomputed)
-    for st, iface in zip(plan.stages, ifaces, strict=True):
+    ifaces = stage_interfaces(captured, node_stage, values, num + (plan.tail is not None),
+                              recomputed=recomputed)
+    for st, iface in zip(plan.stages, ifaces, strict=False):
         if (st.inputs, st.outputs) != (iface.inputs, iface.outputs):
             raise ValueError(
                 f"stage {st.index} of the plan takes {list(st.inputs)} and returns "
@@ -308,7 +332,23 @@ def split_pass(
     for st in plan.stages:
         sub = parts.get_submodule(f"submod_{st.index}")
         assert isinstance(sub, fx.GraphModule)
-        stages.append(_stage_module(sub, captured, st, staged.recomputed))
+        stages.append(_stage_module(sub, captured, st.index, st.inputs, st.outputs,
+                                    staged.recomputed))
+    if plan.tail is not None:
+        sub = parts.get_submodule(f"submod_{num}")
+        assert isinstance(sub, fx.GraphModule)
+        tail_names = tuple(ifaces[num].outputs)
+        expect = tuple(captured.output_names[j] for j in plan.tail.outputs)
+        tail_in = tuple(v.name for v in plan.tail.inputs)
+        if (ifaces[num].inputs, tail_names) != (tail_in, expect):
+            raise ValueError(
+                f"the plan's tail takes {list(tail_in)} and returns {list(expect)}, but "
+                f"on this graph it takes {list(ifaces[num].inputs)} and returns "
+                f"{list(tail_names)}: the plan was made for another graph; make it again"
+            )
+        tail = _stage_module(sub, captured, num, tail_in, tail_names, staged.recomputed,
+                             name="tail")
+        attach_tail(stages[-1], tail)
     check_written_state(captured, stages)
     note("split %d nodes into %d stages (%d cut values) in %.2f s", len(node_stage), num,
          len(ifaces[0].cut_values) if ifaces else 0, time.perf_counter() - t0)
@@ -350,9 +390,14 @@ def check_written_state(captured: CapturedGraph, stages: list[fx.GraphModule]) -
 
 def run_stages(stages: list[fx.GraphModule], plan: Plan, flat_inputs: list[Any],
                input_names: list[str], output_names: list[str]) -> list[Any]:
-    """Run the stages one after another in this process, routing values by name."""
+    """Run the stages one after another in this process, routing values by name, then the
+    tail (the last stage's ``tail`` submodule) on what it reads."""
     env: dict[str, Any] = dict(zip(input_names, flat_inputs, strict=True))
     for spec, gm in zip(plan.stages, stages, strict=True):
         outs = gm(*(env[name] for name in spec.inputs))
         env.update(zip(spec.outputs, outs, strict=True))
+    if plan.tail is not None:
+        tail = stages[-1].get_submodule("tail")
+        outs = tail(*(env[v.name] for v in plan.tail.inputs))
+        env.update((output_names[j], o) for j, o in zip(plan.tail.outputs, outs, strict=True))
     return [env[name] for name in output_names]

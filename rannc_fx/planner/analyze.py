@@ -43,8 +43,9 @@ from ..passes.profile import Profile, profile_pass
 from ..passes.search import CostTable, SearchSpace, needed_sizes
 from ..passes.shapes import shapes_pass
 from ..passes.shapes_symbolic import SymbolicValues
+from ..passes.tail import find_tail, insert_tail_inputs, tail_cost
 from ..plan import loss_output
-from ..values import ValueSpec
+from ..values import ValueSpec, dtype_itemsize
 
 __all__ = ["Analysis", "Captured", "Target", "analyze", "capture_model", "pick_target"]
 
@@ -75,8 +76,16 @@ def capture_model(
         dynamic=config.dynamic_dims != "batch",
     )  # fmt: skip
     inputs = graph.flatten_inputs(args, kwargs)
-    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim,
-                         dynamic=config.dynamic_dims != "batch")
+    dynamic = config.dynamic_dims != "batch"
+    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
+    tail = find_tail(graph, shapes.specs)
+    if tail is not None:  # its inputs get nodes of their own: the shapes again, with them
+        insert_tail_inputs(graph, tail)
+        graph.tail = tail
+        shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
+        log.info("capture: samples mix at %s; %d node(s) from there run once a step on the "
+                 "whole batch, on the last stage's ranks", ", ".join(tail.mixing),
+                 len(tail.nodes))
     return Captured(graph, inputs, shapes.specs, shapes.formulas)
 
 
@@ -130,16 +139,17 @@ def analyze(
     budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
     loss = loss_output([values[n] for n in captured.output_names])
     space = _search_space(cfg, world_size=world_size, global_batch=batch, budget=budget, spec=spec,
-                          one_loss=loss is not None)
+                          one_loss=loss is not None, tail=captured.tail is not None)
     local = -(-batch // world_size)  # each rank assembles its local batch's outputs
     space = dataclasses.replace(
-        space, output_bytes=_local_output_bytes(captured, values, local)
+        space, output_bytes=_local_output_bytes(captured, values, local, batch)
     )
     sizes = needed_sizes(space)
 
     profile = profile_pass(
         captured, flat, values,
-        batch_sizes=_profile_sizes(sizes),
+        # the tail runs on the whole batch: its nodes' costs there, not extrapolated
+        batch_sizes=tuple(sorted({*_profile_sizes(sizes), *([batch] if captured.tail else [])})),
         device_spec=spec,
         cost_model=cost_model,
         device=run_device,
@@ -156,6 +166,7 @@ def analyze(
         param_costs = parameter_costs(optimizer, run_device, spec, cfg.optimizer_state_factor)
     table = build_cost_table(
         captured, blocks, profile, values, sizes=sizes,
+        tail=tail_cost(captured, profile, values, batch),
         optimizer=param_costs.optimizer, accumulate=param_costs.accumulate,
     )
     return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0,
@@ -252,6 +263,7 @@ def _search_space(
     budget: int,
     spec: DeviceSpec,
     one_loss: bool = True,
+    tail: bool = False,
 ) -> SearchSpace:
     if cfg.replicas is not None and sum(cfg.replicas) != world_size:
         raise ValueError(
@@ -277,7 +289,14 @@ def _search_space(
             "returns none or several (an auxiliary loss?): return their sum as the loss, or use "
             "schedule='gpipe' (or None, searched)"
         )
-    schedules = (cfg.schedule,) if cfg.schedule else ("gpipe", "1f1b") if one_loss else ("gpipe",)
+    if cfg.schedule == "1f1b" and tail:
+        raise ValueError(
+            "schedule='1f1b' runs backwards before the last forward, but this model mixes its "
+            "samples (a contrastive loss), and that part runs once on the whole batch, between "
+            "every forward and every backward; use schedule='gpipe' (or None, searched)"
+        )
+    schedules = (cfg.schedule,) if cfg.schedule else (
+        ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
     return SearchSpace(
         world_size=world_size,
         global_batch=global_batch,
@@ -295,13 +314,15 @@ def _search_space(
 
 
 def _local_output_bytes(captured: CapturedGraph, values: dict[str, ValueSpec],
-                        samples: int) -> float:
-    """Bytes of the batched model outputs of ``samples`` samples (each rank's local batch)."""
+                        samples: int, whole: int) -> float:
+    """Bytes of the batched model outputs of ``samples`` samples (each rank's local batch;
+    the tail's are its samples' rows of the ``whole`` batch's)."""
     total = 0
     for name in dict.fromkeys(captured.output_names):
         spec = values.get(name)
         if spec is not None and spec.kind == "tensor" and spec.batch_dim is not None:
-            total += spec.nbytes_for(samples)
+            total += math.prod(spec.shape_for(samples, whole)) * dtype_itemsize(
+                spec.dtype or "float32")
     return float(total)
 
 

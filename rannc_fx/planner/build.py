@@ -10,9 +10,10 @@ from ..passes.search import SearchResult
 from ..passes.shapes_dynamic import Dynamic, dynamic_pass
 from ..passes.split import stage_interfaces
 from ..passes.split_interface import StageInterface, dimension_source
-from ..plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
+from ..passes.tail import tail_cost
+from ..plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage, Tail
 from ..runtime.simulate import simulate_plan
-from ..values import SAMPLES
+from ..values import SAMPLES, ValueSpec
 from .analyze import Analysis
 
 log = logging.getLogger("rannc_fx")
@@ -31,7 +32,10 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             block_stage.append(s)
             for name in blocks.blocks[b]:
                 node_stage[name] = s
-    ifaces = stage_interfaces(captured, node_stage, values, len(result.stages))
+    num = len(result.stages)
+    if captured.tail is not None:  # the tail as one more "stage" to the interfaces: its own
+        node_stage.update(dict.fromkeys(captured.tail.nodes, num))  # inputs and sizes
+    ifaces = stage_interfaces(captured, node_stage, values, num + (captured.tail is not None))
     dynamic = _dynamic(a, ifaces)
     values = {**values, **dynamic.specs}  # the values the runtime sizes, with their formulas
     rebuilt = dict.fromkeys(n for i in ifaces for n in i.sizes)
@@ -86,13 +90,17 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         rank += choice.replicas
 
     cut_values = tuple(
-        CutValue(producer=p, consumers=tuple(c), spec=values[name])
-        for name, p, c in ifaces[0].cut_values
+        CutValue(producer=p, consumers=tuple(x for x in c if x < num), spec=values[name])
+        for name, p, c in ifaces[0].cut_values if any(x < num for x in c)  # not the tail's
     ) if ifaces else ()
     outputs = tuple(
-        OutputRef(index=i, stage=node_stage.get(name, 0), spec=values[name])
+        OutputRef(index=i, stage=min(node_stage.get(name, 0), num - 1), spec=values[name])
         for i, name in enumerate(captured.output_names)
     )
+    tail = (_tail(a, values, ifaces[num], node_stage, num, result.stages[-1].replicas)
+            if captured.tail is not None else None)
+    # the tail runs between the last forward and the first backward: on the critical path
+    tail_ms = tail.fwd_ms + tail.bwd_ms if tail is not None else 0.0
     # buffers read by several stages (a rotary embedding's inv_freq) are copied into each:
     # only parameters have gradients to sum over their holders
     shared = _shared_params(captured, [names & params_set for names in stage_params])
@@ -118,11 +126,41 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         cut_values=cut_values,
         sizes=tuple(values[n] for n in rebuilt if values[n].formulas),
         shared_params=shared,
-        predicted_step_ms=ms * result.evaluation.step_s,
+        tail=tail,
+        predicted_step_ms=ms * result.evaluation.step_s + tail_ms,
         search_seconds=search_seconds,
     )
     simulated = simulate_plan(plan).makespan
-    return plan.model_copy(update={"simulated_step_ms": ms * simulated})
+    return plan.model_copy(update={"simulated_step_ms": ms * simulated + tail_ms})
+
+
+def _tail(a: Analysis, values: dict[str, ValueSpec], iface: StageInterface,
+          node_stage: dict[str, int], num: int, replicas: int) -> Tail:
+    """The plan's tail: what it reads from the last stage, the outputs it makes, and its time
+    (the gather among the last stage's ``replicas`` included) and bytes at the whole batch."""
+    captured = a.captured
+    assert captured.tail is not None
+    foreign = [v for v in iface.inputs if node_stage.get(v) != num - 1]
+    if foreign:
+        raise ValueError(f"the tail reads {foreign}, which the last stage does not make; the "
+                         "graph's tail inputs were not inserted (passes.tail)")
+    cost = tail_cost(captured, a.profile, a.values, a.space.global_batch)
+    assert cost is not None
+    # each replica receives the other replicas' rows of every input
+    gather = (cost.input_bytes / 2 * (replicas - 1) / replicas / a.space.link_bandwidth
+              + 2 * (replicas - 1) * len(iface.inputs) * a.space.link_latency)
+    ms = 1e3
+    return Tail(
+        nodes=captured.tail.nodes,
+        mixing=captured.tail.mixing,
+        inputs=tuple(values[v] for v in iface.inputs),
+        outputs=tuple(i for i, name in enumerate(captured.output_names)
+                      if node_stage.get(name) == num),
+        fwd_ms=ms * (cost.fwd_s + gather),
+        bwd_ms=ms * cost.bwd_s,
+        activation_bytes=cost.activation_bytes,
+        input_bytes=cost.input_bytes,
+    )
 
 
 def _dynamic(a: Analysis, ifaces: list[StageInterface]) -> Dynamic:
@@ -132,7 +170,8 @@ def _dynamic(a: Analysis, ifaces: list[StageInterface]) -> Dynamic:
     captured = a.captured
     cuts = [name for name, _, _ in ifaces[0].cut_values] if ifaces else []
     rebuilt = list(dict.fromkeys(n for i in ifaces for n in i.sizes))
-    sized = [*captured.input_names, *cuts, *captured.output_names, *rebuilt]
+    tail_in = list(ifaces[-1].inputs) if captured.tail is not None else []
+    sized = [*captured.input_names, *cuts, *captured.output_names, *rebuilt, *tail_in]
     wanted = a.config.dynamic_dims
     while True:
         dynamic = dynamic_pass(a.formulas, a.values, sized, captured.input_names, wanted=wanted)

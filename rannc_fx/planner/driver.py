@@ -18,8 +18,9 @@ from ..config import Config
 from ..device import DeviceSpec
 from ..passes.capture import CapturedGraph
 from ..passes.optcost import ParameterCosts
-from ..passes.search import CostTable, SearchResult, SearchSpace, search_pass
+from ..passes.search import CostTable, NoFeasiblePlan, SearchResult, SearchSpace, search_pass
 from ..passes.split import split_pass
+from ..passes.tail import tail_cost
 from ..plan import Plan
 from ..progress import Progress
 from ..values import ValueSpec
@@ -59,7 +60,21 @@ def plan_model(
         config=config, global_batch=global_batch, optimizer=optimizer, param_costs=param_costs,
     )  # fmt: skip
     t0 = time.perf_counter()
-    result = run_search(a.table, a.space)
+    try:
+        result = run_search(a.table, a.space)
+    except NoFeasiblePlan as e:
+        tail = tail_cost(a.captured, a.profile, a.values, a.space.global_batch)
+        if tail is None or a.captured.tail is None:
+            raise
+        raise NoFeasiblePlan(
+            f"{e} The model mixes its samples at {', '.join(a.captured.tail.mixing)}: from there "
+            f"it runs once a step on the whole batch of {a.space.global_batch} samples, on every "
+            f"replica of the last stage, which holds {tail.held_bytes / 2**20:.1f} MiB for it "
+            "(its inputs, their gradients, its activations and outputs; more replicas do not "
+            "shrink it); a smaller global batch does",
+            largest_stage_bytes=e.largest_stage_bytes, world_size=e.world_size,
+            micro_batches=e.micro_batches,
+        ) from None
     p = Progress("plan")
     plan = build_plan(a, result, search_seconds=time.perf_counter() - t0)
     p.done(

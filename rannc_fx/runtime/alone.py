@@ -38,6 +38,7 @@ def runs_alone(plan: Plan) -> bool:
         plan.world_size == 1
         and plan.micro_batches == 1
         and not plan.stages[0].recompute
+        and plan.tail is None
         and kinds <= {"tensor", "int", "ints"}
     )
 

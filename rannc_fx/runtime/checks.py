@@ -76,7 +76,9 @@ def check_stage_interface(plan: Plan, stage: Stage, module: nn.Module) -> list[V
             )
     returned = set(stage.outputs)
     for ref in plan.outputs:
-        if ref.stage == stage.index and ref.spec.name not in returned:
+        if ref.stage == stage.index and ref.spec.name not in returned and not plan.tail_output(
+            ref.index
+        ):
             raise ValueError(
                 f"model output {ref.index} ({ref.spec.name!r}) is assigned to stage "
                 f"{stage.index}, which does not return it"
@@ -84,6 +86,11 @@ def check_stage_interface(plan: Plan, stage: Stage, module: nn.Module) -> list[V
     for name in stage.outputs:
         if name in cuts and cuts[name].producer != stage.index:
             raise ValueError(f"stage {stage.index} returns {name!r}, produced by another stage")
+    if plan.tail is not None and stage.index == len(plan.stages) - 1 and not isinstance(
+        getattr(module, "tail", None), nn.Module
+    ):
+        raise ValueError(f"stage {stage.index} runs the plan's tail but its module has no "
+                         "'tail' submodule; make its modules with split_pass")
     return specs
 
 

@@ -52,6 +52,7 @@ from .pieces import dtype_of
 from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
 from .stage import StageRunner, StepState
+from .tail import TailRunner
 from .trace import Recorder
 
 __all__ = ["Mode", "StageExecutor"]
@@ -138,10 +139,12 @@ class StageExecutor:
             deferred=DeferredBatchNorm.install(module) if plan.batch_norm == "step" else None,
         )
         self.grads = GradSync(plan, self.stage.index, module, self.groups)
+        self.tail = (TailRunner(plan, self.stage, module, self.rank, self.groups, self.device)
+                     if plan.tail is not None else None)
         self.runner = StageRunner(
             plan, self.stage, module, rank=self.rank, routes=self.routes, spans=spans,
             in_specs=in_specs, outputs=self.outputs, buffers=self.buffers, device=self.device,
-            groups=self.groups,
+            groups=self.groups, tail=self.tail,
         )  # fmt: skip
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
@@ -264,8 +267,10 @@ class StageExecutor:
             self.grads.apply(None if g is None or _is_one(g) else g)
             self.outputs.finish_sends()
             return
-        step.seeds = self._seeds(grads)
+        step.seeds, tail_seeds = self._seeds(grads)
         self.grads.begin()
+        if self.tail is not None and self.tail.runs:
+            self.tail.backward(step, tail_seeds)
         self._run(step, self._deferred[1])
         self.outputs.finish_sends()
 
@@ -307,8 +312,13 @@ class StageExecutor:
 
     # -- once a step -------------------------------------------------------------------------------
     def _gather(self, step: StepState, _: int | None = None) -> None:
-        """Batched outputs home, the loss to every rank, buffers made equal."""
-        step.results = self.outputs.gather(step.model_outs)
+        """The tail on the whole batch, batched outputs home, the loss to every rank, buffers
+        made equal."""
+        if self.tail is not None:
+            if self.tail.runs:
+                self.tail.forward(step)
+            self.tail.send_rows(step)
+        step.results = {**step.results, **self.outputs.gather(step.model_outs)}
         step.model_outs = {}
         received = self.outputs.share(step.reduced, step.results)
         step.finish_sends()
@@ -333,16 +343,23 @@ class StageExecutor:
         pos = self.outputs.out_pos[ref.spec.name]
         return {pos: torch.ones(ref.spec.shape, dtype=dtype_of(ref.spec), device=self.device)}
 
-    def _seeds(self, grads: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
-        """Output position -> the user's gradient for it (to be scaled by each share)."""
+    def _seeds(
+        self, grads: Sequence[torch.Tensor | None]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Output position -> the user's gradient for it (to be scaled by each share), and
+        the tail's outputs' (by output index: the tail runs once, on the whole batch)."""
         seeds: dict[int, torch.Tensor] = {}
+        tail: dict[int, torch.Tensor] = {}
         for j, g in zip(self._diff, grads, strict=True):
             ref = self.plan.outputs[j]
             if ref.stage != self.stage.index or g is None:
                 continue
+            if self.plan.tail_output(j):
+                tail[j] = g
+                continue
             pos = self.outputs.out_pos[ref.spec.name]
             seeds[pos] = seeds[pos] + g if pos in seeds else g
-        return seeds
+        return seeds, tail
 
 
 def _action_peers(

@@ -54,7 +54,11 @@ class Outputs:
         self.spans, self.groups, self.device = spans, groups, device
         self.local = plan.global_batch // plan.world_size
         self.out_pos = {name: p for p, name in enumerate(stage.outputs)}
-        self.mine: list[OutputRef] = [r for r in plan.outputs if r.stage == stage.index]
+        # the tail's outputs are the tail's to hand out (runtime/tail.py), but its losses are
+        # summed over the stage's replicas and shared as the stage's own
+        self.mine: list[OutputRef] = [
+            r for r in plan.outputs if r.stage == stage.index and not plan.tail_output(r.index)
+        ]
         self.unbatched = [
             r for r in plan.outputs if r.spec.kind == "tensor" and r.spec.batch_dim is None
         ]
@@ -129,7 +133,7 @@ class Outputs:
         results: dict[int, Any] = {}
         for ref in self.plan.outputs:
             spec = ref.spec
-            if spec.kind != "tensor" or spec.batch_dim is None:
+            if spec.kind != "tensor" or spec.batch_dim is None or self.plan.tail_output(ref.index):
                 continue
             parts = [
                 (t, recv[t] if not t.local else take(source(t), spec, t.src_rows(spec)))

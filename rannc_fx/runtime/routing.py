@@ -292,8 +292,8 @@ def output_transfers(plan: Plan) -> list[Transfer]:
     for i in range(plan.micro_batches):
         for ref in plan.outputs:
             spec = ref.spec
-            if spec.kind != "tensor" or spec.batch_dim is None:
-                continue
+            if spec.kind != "tensor" or spec.batch_dim is None or plan.tail_output(ref.index):
+                continue  # the tail sends its own (runtime/tail.py)
             st = plan.stages[ref.stage]
             for k, src in enumerate(st.ranks):
                 have = replica_span(plan, st.index, k, i)

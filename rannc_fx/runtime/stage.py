@@ -39,6 +39,7 @@ from .comm import Groups, Message, Pending, post
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .routing import RankRoutes, Transfer
+from .tail import TailRunner
 from .trace import Recorder
 
 __all__ = ["StageRunner", "StepState"]
@@ -71,6 +72,12 @@ class StepState:
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)  # share-weighted losses
     results: dict[int, Any] = field(default_factory=dict)  # model outputs, after GATHER
     backwards: int = 0
+    # the tail (runtime/tail.py): this replica's rows of its inputs per micro-batch, its
+    # inputs and outputs for the backward, its outputs until sent, its inputs' gradients' rows
+    tail_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    tail: tuple[list[Any], tuple[Any, ...]] | None = None
+    tail_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    tail_grads: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def finish_sends(self) -> None:
         for p in self.sends:
@@ -95,11 +102,13 @@ class StageRunner:
         buffers: BufferSync,
         device: torch.device,
         groups: Groups | None = None,
+        tail: TailRunner | None = None,
     ):
         self.plan, self.stage, self.module, self.rank = plan, stage, module, rank
         self.groups = groups  # the messages travel on groups.world
         self.routes, self.in_specs, self.outputs = routes, in_specs, outputs
         self.buffers, self.device = buffers, device
+        self.tail = tail if tail is not None and tail.runs else None
         self.recompute = stage.recompute
         self.graph_inputs = {spec.name: i for i, spec in enumerate(plan.inputs)}
         self.cuts = {cv.name: cv for cv in plan.cut_values}
@@ -246,6 +255,8 @@ class StageRunner:
         self.buffers.after_microbatch(i, self.shares[i])
         check_stage_outputs(self.stage, self.cuts, self.spans[i][1] - self.spans[i][0], outs)
         self.outputs.accumulate(i, outs, step.reduced)
+        if self.tail is not None:
+            self.tail.keep(step, i, outs)
         step.model_outs[i] = {p: outs[p].detach() for p in self.kept if _is_tensor(outs[p])}
         if step.grad:
             step.args[i] = args
@@ -278,6 +289,8 @@ class StageRunner:
             take(g, spec, t.dst_rows(spec) if t.batched else None).add_(piece)
         for pos, s in step.seeds.items():
             g = self.outputs.weights[i] * s
+            grads[pos] = grads[pos] + g if pos in grads else g
+        for pos, g in step.tail_grads.pop(i, {}).items():  # its rows of the tail's gradients
             grads[pos] = grads[pos] + g if pos in grads else g
         tensors, gs = [], []
         for pos, g in grads.items():
