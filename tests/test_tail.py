@@ -172,7 +172,7 @@ def test_where_no_plan_fits_the_message_names_what_the_tail_holds():
 # -- on ranks ----------------------------------------------------------------------------------
 
 
-def _train_bi(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
+def _train_bi(rank: int, world: int, cfg: dict[str, Any], amp: bool = False) -> list[float]:
     torch.manual_seed(0)
     model = BiEncoder()
     ref = copy.deepcopy(model)
@@ -202,23 +202,36 @@ def _train_bi(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
             o.zero_grad()
         losses.append(loss.item())
     assert_like_reference(cm.stages, ref, **TOL)
+    # the whole model's state on rank 0, under the model's names (the tail's once)
+    model_sd, _ = rannc_fx.get_state_dict(cm, opt, full=True)
+    if rank == 0:
+        assert model_sd.keys() == ref.state_dict().keys()
+        for k, v in ref.state_dict().items():
+            assert_close(model_sd[k], v, **TOL)
     batch = _bi_batch(G, 9)
     with torch.no_grad():  # evaluation: the tail's forward only
         (loss, logits) = cm(*local_part(batch, rank, G, LOCAL))
         assert_close(loss, ref(*batch)[0], **TOL)
+    if amp:  # planned in float32, called under autocast: the tail's inputs move in bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (loss, logits) = cm(*local_part(batch, rank, G, LOCAL))
+            (want, want_logits) = ref(*batch)
+        assert logits.dtype == want_logits.dtype == torch.bfloat16
+        assert_close(loss, want, rtol=2e-2, atol=2e-2)
+        loss.backward()
     return losses
 
 
 @pytest.mark.parametrize(
-    "world,cfg",
+    "world,cfg,amp",
     [
-        (2, dict(replicas=(1, 1), micro_batches=2)),
-        (3, dict(replicas=(1, 2), micro_batches=2)),
-        (3, dict(replicas=(2, 1), micro_batches=4)),
+        (2, dict(replicas=(1, 1), micro_batches=2), False),
+        (3, dict(replicas=(1, 2), micro_batches=2), True),
+        (3, dict(replicas=(2, 1), micro_batches=4), False),
     ],
 )
-def test_in_batch_negatives_train_like_one_process(world, cfg):
-    losses = run_ranks(_train_bi, world, cfg, timeout_s=60.0, wall_s=180.0)
+def test_in_batch_negatives_train_like_one_process(world, cfg, amp):
+    losses = run_ranks(_train_bi, world, cfg, amp, timeout_s=60.0, wall_s=180.0)
     assert all(run == losses[0] for run in losses)
 
 

@@ -62,6 +62,7 @@ class AmpSpecs:
            device_type: str, planned: str | None, batch_dim: int) -> AmpSpecs:
         """Infer the other states' dtypes (the whole model must still be there)."""
         names = {cv.name for cv in plan.cut_values} | {ref.spec.name for ref in plan.outputs}
+        names |= {v.name for v in (plan.tail.inputs if plan.tail is not None else ())}
         states: list[str | None] = [None, "bfloat16"] + (["float16"] if device_type == "cuda"
                                                          else [])
         dtypes: dict[str | None, dict[str, str | None]] = {}
@@ -74,7 +75,8 @@ class AmpSpecs:
         return cls(device_type, planned, dtypes)
 
     def retype(self, plan: Plan, state: str | None) -> Plan:
-        """``plan`` with its cut values and outputs in the dtypes they have under ``state``."""
+        """``plan`` with its cut values, outputs and tail inputs in the dtypes they have under
+        ``state``."""
         if state == self.planned:
             return plan
         if state not in self.dtypes:
@@ -90,7 +92,11 @@ class AmpSpecs:
             new = dtypes.get(s.name, s.dtype)
             return s if new == s.dtype else s.model_copy(update={"dtype": new})
 
+        tail = plan.tail
+        if tail is not None:
+            tail = tail.model_copy(update={"inputs": tuple(spec(v) for v in tail.inputs)})
         return plan.model_copy(update={
+            "tail": tail,
             "cut_values": tuple(cv.model_copy(update={"spec": spec(cv.spec)})
                                 for cv in plan.cut_values),
             "outputs": tuple(ref.model_copy(update={"spec": spec(ref.spec)})
