@@ -1,0 +1,152 @@
+"""The parts of a plan (``plan.py``): blocks, stages and their memory, cut values, outputs,
+shared parameters and the tail. Each is a frozen pydantic model; ``Plan`` checks how they fit
+together."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .values import ValueSpec
+
+__all__ = ["Block", "CutValue", "MemoryEstimate", "OutputRef", "SharedParam", "Stage", "Tail"]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class Block(BaseModel):
+    """A run of nodes the search never cuts, with its costs at its stage's micro-batch."""
+
+    model_config = _FROZEN
+
+    index: int
+    nodes: tuple[str, ...]
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    activation_bytes: int
+
+
+class MemoryEstimate(BaseModel):
+    """Predicted peak bytes held by one replica of a stage, by what holds them."""
+
+    model_config = _FROZEN
+
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    comm_buffers: int
+    workspace: int
+    outputs: int = 0  # batched model outputs (logits) until they go home, and the local batch's
+    # of gradients, activations and cut values: the bytes never held at once (GPipe's
+    # gradients appear while its backwards free activations)
+    overlap: int = 0
+
+    @property
+    def total(self) -> int:
+        """The predicted peak: every part, less what never coexists."""
+        return (
+            self.params
+            + self.grads
+            + self.optimizer_state
+            + self.activations
+            + self.comm_buffers
+            + self.workspace
+            + self.outputs
+            - self.overlap
+        )
+
+
+class Stage(BaseModel):
+    """A contiguous range of blocks run by ``replicas`` ranks.
+
+    ``inputs`` lists the values the stage's GraphModule takes, in placeholder order (graph
+    inputs and cut values from earlier stages); ``outputs`` the values it returns, in order.
+    ``samples`` is how many samples one replica handles per micro-batch (the largest slice
+    when the micro-batch does not divide evenly).
+    """
+
+    model_config = _FROZEN
+
+    index: int
+    first_block: int
+    end_block: int  # exclusive
+    replicas: int = Field(ge=1)
+    ranks: tuple[int, ...]
+    samples: int = Field(ge=1)
+    num_nodes: int
+    param_names: tuple[str, ...]
+    # buffers and tensor constants the stage reads: each stage that reads one holds a copy
+    # (never a SharedParam: nothing to all-reduce; one the forward writes has one reader stage)
+    buffer_names: tuple[str, ...] = ()
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    fwd_ms: float
+    bwd_ms: float
+    comm_ms: float
+    allreduce_ms: float
+    optimizer_ms: float = 0.0
+    accumulate_ms: float = 0.0  # adding one micro-batch's gradients into .grad
+    recompute: bool = False  # forward again before each backward (fwd_ms more per micro-batch)
+    memory: MemoryEstimate
+
+    @property
+    def param_bytes(self) -> int:
+        return self.memory.params
+
+
+class CutValue(BaseModel):
+    """A value produced by stage ``producer`` and read by the later ``consumers``."""
+
+    model_config = _FROZEN
+
+    producer: int
+    consumers: tuple[int, ...]
+    spec: ValueSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class OutputRef(BaseModel):
+    """Leaf ``index`` of the model's flattened output: which value, made by which stage."""
+
+    model_config = _FROZEN
+
+    index: int
+    stage: int
+    spec: ValueSpec
+
+
+class Tail(BaseModel):
+    """The part of the model that mixes the batch's samples, run once a step on the whole
+    batch by every replica of the last stage (``passes/tail.py``, ``runtime/tail.py``).
+
+    ``inputs`` are the last stage's outputs it reads (batched ones gathered from every
+    micro-batch and replica), in its placeholders' order; ``outputs`` the model outputs it makes (their
+    ``plan.outputs`` indices), in its return order. ``nodes`` belong to the last stage's
+    blocks but run here. Time and bytes are at the whole batch: the step's once.
+    """
+
+    model_config = _FROZEN
+
+    nodes: tuple[str, ...]
+    mixing: tuple[str, ...]  # where samples first mix
+    inputs: tuple[ValueSpec, ...]
+    outputs: tuple[int, ...]
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    activation_bytes: int = 0  # what its backward keeps, at the whole batch
+    input_bytes: int = 0  # its gathered inputs and their gradients, at the whole batch
+
+
+class SharedParam(BaseModel):
+    """A parameter used by more than one stage (a tied embedding and LM head): each holds it,
+    and its gradient is summed over all their ranks. Buffers are never shared parameters."""
+
+    model_config = _FROZEN
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    stages: tuple[int, ...]
