@@ -1,0 +1,204 @@
+"""A stage's backward in two parts: its inputs' gradients (``B``), then its parameters' (``W``).
+
+The previous stage waits for ``B``; nobody waits for ``W``, so a zero-bubble schedule runs it
+in the bubbles. Together they do one backward's work, each node's once (tied parameters
+aside, below):
+
+    B   autograd from the outputs to the stage's inputs only (``inputs=``), keeping the graph.
+        Autograd then skips every edge that leads only to parameters: a matmul's node computes
+        its input's gradient, not its weight's. On the way, the gradient that reaches each
+        *frontier* node is kept: a node ``B`` runs that also has an edge, skipped, towards a
+        parameter.
+    W   per group of parameters that share frontier nodes, autograd from those nodes with the
+        kept gradients to the group's parameters only: each frontier node now computes its
+        parameter side, and the nodes between it and a parameter (a transpose, a sum over a
+        broadcast) run for the first time. Gradients accumulate into ``.grad``.
+
+Where no path from an output to an input passes by a parameter's nodes (every parameter of a
+stage whose inputs need no gradient; a bias added after the last matmul), that parameter's
+frontier is the output's own node, with the output's gradient. A parameter read at two places
+one of which lies below the other's frontier node (a tied weight used twice in a stage) is
+reached from both in one ``W`` call; each frontier node there gets exactly its kept gradient
+(a pre-hook replaces what flows into it from above), so nothing is counted twice, though the
+nodes between the two places run again.
+
+The graph (with what ``W`` still reads) lives from ``B`` until ``W`` has run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["WeightWork", "backward_inputs", "backward_weights"]
+
+
+@dataclass
+class _Group:
+    params: list[torch.Tensor] = field(default_factory=list)
+    frontier: list[Node] = field(default_factory=list)  # kept gradients: captured in B
+    seeded: list[tuple[Node, int, torch.Tensor]] = field(default_factory=list)  # outputs'
+
+
+@dataclass
+class WeightWork:
+    """What ``backward_weights`` needs from ``backward_inputs``: per parameter group, its
+    frontier nodes and the gradients kept for them. Holding it holds the graph."""
+
+    groups: list[_Group]
+    kept: dict[Node, tuple[torch.Tensor | None, ...]]
+
+
+def backward_inputs(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> WeightWork:
+    """``B``: the gradients of ``inputs`` (accumulated into their ``.grad``) from ``outputs``
+    seeded with ``grads``; returns what ``backward_weights`` needs for ``params``' (those
+    that require a gradient; the others are left alone)."""
+    roots = [get_gradient_edge(o) for o in outputs]
+    parents = _parents([e.node for e in roots])
+    wanted = [x for x in inputs if x.requires_grad]
+    on_path = _above({get_gradient_edge(x).node for x in wanted}, parents)
+    groups = _groups(roots, grads, params, parents, on_path)
+    kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    hooks = []
+    for g in groups:
+        for node in g.frontier:
+            def keep(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
+                kept[node] = grad_outputs
+            hooks.append(node.register_prehook(keep))
+    try:
+        if wanted:
+            torch.autograd.backward(list(outputs), list(grads), inputs=wanted,
+                                    retain_graph=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return WeightWork(groups, kept)
+
+
+def backward_weights(work: WeightWork) -> None:
+    """``W``: the parameters' gradients, accumulated into their ``.grad``. Frees the graph
+    (once nothing else holds its outputs)."""
+    for g in work.groups:
+        edges: list[GradientEdge] = []
+        seeds: list[torch.Tensor] = []
+        for node in g.frontier:
+            for i, grad in enumerate(work.kept.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, i))
+                    seeds.append(grad)
+        for node, i, grad in g.seeded:
+            edges.append(GradientEdge(node, i))
+            seeds.append(grad)
+        if not edges:
+            continue
+        clamps = []
+        if len(edges) > 1:  # a frontier node below another gets its kept gradient, no more
+            for node in g.frontier:
+                if node in work.kept:
+                    clamps.append(node.register_prehook(
+                        lambda _, kept=work.kept[node]: kept))
+        try:
+            torch.autograd.backward(edges, seeds, inputs=g.params, retain_graph=True)
+        finally:
+            for h in clamps:
+                h.remove()
+    work.groups, work.kept = [], {}
+
+
+def _parents(roots: list[Node]) -> dict[Node, list[Node]]:
+    """Every node below ``roots`` -> the nodes whose backward feeds it."""
+    parents: dict[Node, list[Node]] = {r: [] for r in roots}
+    queue = deque(dict.fromkeys(roots))
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                queue.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _above(nodes: set[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """``nodes`` and every node with a path down to one of them."""
+    out = {n for n in nodes if n in parents}
+    queue = deque(out)
+    while queue:
+        for p in parents[queue.popleft()]:
+            if p not in out:
+                out.add(p)
+                queue.append(p)
+    return out
+
+
+def _groups(roots: list[GradientEdge], grads: Sequence[torch.Tensor],
+            params: Sequence[torch.Tensor], parents: dict[Node, list[Node]],
+            on_path: set[Node]) -> list[_Group]:
+    """Parameters grouped by the frontier nodes they share (union-find over the nodes found
+    walking up from each parameter until the path to the inputs, or an output, is met)."""
+    seeds: dict[Node, list[tuple[int, torch.Tensor]]] = {}
+    for e, seed in zip(roots, grads, strict=True):
+        seeds.setdefault(e.node, []).append((e.output_nr, seed))
+    owner: dict[Node, int] = {}  # frontier or seeded node -> group index (union-find root)
+    link: list[int] = []
+
+    def find(i: int) -> int:
+        while link[i] != i:
+            link[i] = link[link[i]]
+            i = link[i]
+        return i
+
+    members: list[tuple[torch.Tensor, set[Node], int]] = []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        acc = get_gradient_edge(p).node
+        if acc not in parents:
+            continue  # no output depends on it here
+        found: set[Node] = set()
+        seen = {acc}
+        queue = deque([acc])
+        while queue:
+            node = queue.popleft()
+            if node in on_path:
+                found.add(node)
+                continue
+            if node in seeds:
+                found.add(node)  # an output's node: its seed reaches the parameter
+            for q in parents[node]:
+                if q not in seen:
+                    seen.add(q)
+                    queue.append(q)
+        gid = len(link)
+        link.append(gid)
+        members.append((p, found, gid))
+        for node in found:
+            if node in owner:
+                link[find(owner[node])] = find(gid)
+            owner[node] = gid
+    groups: dict[int, _Group] = {}
+    done: set[Node] = set()
+    for p, found, gid in members:
+        group = groups.setdefault(find(gid) if found else -1, _Group())
+        group.params.append(p)
+        for node in found:
+            if node in done:
+                continue
+            done.add(node)
+            if node in on_path:
+                group.frontier.append(node)
+            else:
+                group.seeded.extend((node, i, grad) for i, grad in seeds[node])
+    groups.pop(-1, None)
+    return list(groups.values())
