@@ -37,8 +37,9 @@ class Config(BaseModel):
     )
     micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step")
     max_micro_batches: int = Field(default=32, ge=1, description="largest count the search tries")
-    schedule: Literal["gpipe", "1f1b"] | None = Field(
-        default=None, description="pipeline schedule; None = searched (GPipe or 1F1B)"
+    schedule: Literal["gpipe", "1f1b", "zbh1"] | None = Field(
+        default=None, description="pipeline schedule; None = searched (GPipe or 1F1B); "
+        "'zbh1' (zero bubble, split backward) only when named: its memory is costed as GPipe's",
     )
     recompute: bool | None = Field(
         default=None,

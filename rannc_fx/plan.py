@@ -80,7 +80,7 @@ class Plan(BaseModel):
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1, description="samples per step over all ranks")
     micro_batches: int = Field(ge=1)
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    schedule: Literal["gpipe", "1f1b", "zbh1"] = "gpipe"
     # how the slices' floating outputs without a batch dimension (the loss) combine:
     # "mean" weights each by its share of the global batch, "sum" adds them (Config)
     loss_reduction: Literal["mean", "sum"] = "mean"
@@ -212,6 +212,8 @@ class Plan(BaseModel):
         """Micro-batches whose activations (or, recomputing, inputs) stage ``stage`` holds at
         once under the plan's schedule."""
         m = self.micro_batches
+        if self.schedule == "zbh1":  # a stage holds back up to s weight backwards
+            return min(m, len(self.stages))
         return m if self.schedule == "gpipe" else min(m, len(self.stages) - stage)
 
     def at_sizes(self, sizes: Mapping[str, int]) -> Plan:

@@ -32,7 +32,7 @@ from .test_executor import (
 )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
 @pytest.mark.parametrize(
     "name,replicas,mbs,recompute",
     [
@@ -59,9 +59,10 @@ def test_schedules_and_recomputation_train_like_one_process(
     )
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
 @pytest.mark.parametrize("recompute", [(False, False), (True, True)])
-def test_1f1b_gradient_accumulation_over_two_calls(recompute):
-    _same_everywhere(run_ranks(_train, 3, "mlp2", (2, 1), 3, 2, 2, "1f1b", recompute))
+def test_gradient_accumulation_over_two_calls_in_the_call(schedule, recompute):
+    _same_everywhere(run_ranks(_train, 3, "mlp2", (2, 1), 3, 2, 2, schedule, recompute))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

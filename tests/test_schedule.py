@@ -23,7 +23,45 @@ from rannc_fx.runtime.simulate import ScheduleError, plan_durations, simulate
 
 from .dist_utils import make_plan, scalar, tensor
 
-F, B, R = Kind.F, Kind.B, Kind.R
+F, B, R, W = Kind.F, Kind.B, Kind.R, Kind.W
+
+
+@pytest.mark.parametrize("text", ["1F0", "0W3", "2B13", "0RECV_F3", "3GATHER", "1SEND_B0"])
+def test_an_action_parses_back_from_its_printed_form(text):
+    assert str(Action.parse(text)) == text
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse("1X0")
+    with pytest.raises(ValueError, match="runs once a step"):
+        Action.parse("1REDUCE0")
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("mbs", [1, 2, 4, 7, 16])
+def test_zbh1_splits_every_backward_and_holds_at_most_1f1b_s_peak(stages, mbs):
+    sched = make_schedule("zbh1", stages, mbs)
+    for s, actions in enumerate(sched):
+        for i in range(mbs):  # F, then B, then W of every micro-batch, once each
+            at = [a.kind for a in actions if a.microbatch == i]
+            assert at == [F, B, W]
+        # 1F1B's order of F and B
+        assert [a for a in actions if a.kind is not W] == one_f_one_b_schedule(stages, mbs)[s]
+        live = most = 0  # forwards whose W has not run: what the stage keeps something of
+        for a in actions:
+            live += {F: 1, W: -1}.get(a.kind, 0)
+            most = max(most, live)
+        assert most <= min(mbs, stages)
+
+
+@pytest.mark.parametrize("stages,mbs", [(2, 4), (3, 4), (4, 8), (4, 4), (8, 32)])
+def test_zbh1_takes_a_third_of_1f1b_s_bubble_when_f_b_and_w_cost_alike(stages, mbs):
+    topo = Topology.chain(stages, [False] * stages)
+    one_f = simulate(lower(one_f_one_b_schedule(stages, mbs), topo), topo,
+                     lambda a: {F: 1.0, B: 2.0}.get(a.kind, 0.0)).makespan
+    zb = simulate(lower(make_schedule("zbh1", stages, mbs), topo), topo,
+                  lambda a: {F: 1.0, B: 1.0, W: 1.0}.get(a.kind, 0.0)).makespan
+    assert one_f == 3 * mbs + 3 * (stages - 1)  # 1F1B's bubble: (S - 1)(F + B + W)
+    # ZB-H1's: (S - 1)(F + B - W) in the paper's analysis, here one slot more at most
+    assert 3 * mbs + (stages - 1) <= zb <= 3 * mbs + (stages - 1) + 1
 
 
 def test_action_prints_compactly():
@@ -85,7 +123,7 @@ def _docstring_tables(doc: str) -> str:
     return "\n".join(line[4:] for line in doc.splitlines() if line.startswith("    "))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1"])
 def test_format_schedule_is_the_docstring_table(name):
     text = format_schedule(make_schedule(name, 3, 4))
     assert text in _docstring_tables(schedule_mod.__doc__ or "")
@@ -261,6 +299,12 @@ def test_plan_durations_price_every_action_from_the_plan():
     assert dur(Action(1, Kind.REDUCE)) == pytest.approx(1e-3 * 4.0)
     assert dur(Action(1, Kind.SEND_F, 0)) == 0.0
     assert simulate(low, topo, dur).makespan > 0
+    # split backwards: half the backward each, the accumulation in W
+    low = lower(make_schedule("zbh1", 2, 4), topo)
+    dur = plan_durations(plan, low)
+    assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * (1.0 + 1.0))
+    assert dur(Action(0, W, 1)) == pytest.approx(1e-3 * (1.0 + 0.5))
+    assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * 1.0)
 
 
 def test_plan_grid_has_a_row_per_rank():

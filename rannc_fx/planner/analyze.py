@@ -282,21 +282,25 @@ def _search_space(
         pow2 = {1 << i for i in range(limit.bit_length()) if (1 << i) <= limit}
         divisors = {d for d in range(1, limit + 1) if global_batch % d == 0}
         candidates = tuple(sorted(pow2 | divisors))
-    if cfg.schedule == "1f1b" and not one_loss:
+    if cfg.schedule in ("1f1b", "zbh1") and not one_loss:
         raise ValueError(
-            "schedule='1f1b' runs each micro-batch's backward inside the call, which needs the "
-            "model's only output that carries a gradient to be a scalar loss; this model "
-            "returns none or several (an auxiliary loss?): return their sum as the loss, or use "
-            "schedule='gpipe' (or None, searched)"
+            f"schedule={cfg.schedule!r} runs each micro-batch's backward inside the call, which "
+            "needs the model's only output that carries a gradient to be a scalar loss; this "
+            "model returns none or several (an auxiliary loss?): return their sum as the loss, "
+            "or use schedule='gpipe' (or None, searched)"
         )
-    if cfg.schedule == "1f1b" and tail:
+    if cfg.schedule in ("1f1b", "zbh1") and tail:
         raise ValueError(
-            "schedule='1f1b' runs backwards before the last forward, but this model mixes its "
-            "samples (a contrastive loss), and that part runs once on the whole batch, between "
-            "every forward and every backward; use schedule='gpipe' (or None, searched)"
+            f"schedule={cfg.schedule!r} runs backwards before the last forward, but this model "
+            "mixes its samples (a contrastive loss), and that part runs once on the whole "
+            "batch, between every forward and every backward; use schedule='gpipe' (or None, "
+            "searched)"
         )
-    schedules = (cfg.schedule,) if cfg.schedule else (
-        ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
+    if cfg.schedule == "zbh1":  # not searched yet: costed as GPipe (m micro-batches a stage,
+        schedules: tuple[str, ...] = ("gpipe",)  # at least ZB-H1's min(m, S))
+    else:
+        schedules = (cfg.schedule,) if cfg.schedule else (
+            ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
     return SearchSpace(
         world_size=world_size,
         global_batch=global_batch,

@@ -162,6 +162,7 @@ class StageExecutor:
             Kind.R: self.runner.recompute_one,
             Kind.RECV_B: self.runner.recv_b,
             Kind.B: self.runner.backward,
+            Kind.W: self.runner.weights,
             Kind.SEND_B: self.runner.send_b,
             Kind.GATHER: self._gather,
             Kind.REDUCE: self._reduce,
@@ -275,6 +276,8 @@ class StageExecutor:
         self.outputs.finish_sends()
 
     def _run(self, step: StepState, actions: list[Action]) -> None:
+        step.split = frozenset(a.microbatch for a in actions
+                               if a.kind is Kind.W and a.microbatch is not None)
         dispatch = self._dispatch
         rec = self.trace
         if rec is not None and rec.on:

@@ -9,6 +9,7 @@ interpret, by fixed rules that hold for any schedule (none is written per schedu
   followed by ``SEND_F`` where it produces some; a backward is preceded by ``RECV_B`` where its
   outputs' gradients come back and followed by ``SEND_B`` where its inputs' gradients leave;
 - a stage that recomputes runs ``R`` right before each ``B`` of the same micro-batch;
+- a ``W`` (a micro-batch's weight gradients, after its ``B``) sends and receives nothing;
 - ``GATHER`` (model outputs home, the loss to every rank) follows the last forward when on
   every stage every backward comes after every forward (fill-drain: the call can return there
   and leave the backwards to ``loss.backward()``), and otherwise comes after the last backward;
@@ -111,7 +112,7 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
     reads, grads_from = topology.reads_from, topology.grads_from
     for s, compute in enumerate(schedule):
         if any(a.stage != s or not a.kind.is_compute for a in compute):
-            raise ValueError(f"stage {s}'s list must hold only its own F and B actions")
+            raise ValueError(f"stage {s}'s list must hold only its own F, B and W actions")
     # one decision for all stages: every rank posts GATHER's messages at the same point
     fill_drain = all(_fill_drain(compute) for compute in schedule)
     out: Schedule = []
@@ -129,6 +130,8 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
                     acts.append(Action(s, Kind.SEND_F, i))
                 if p == last_f and fill_drain:
                     acts.append(Action(s, Kind.GATHER))
+            elif a.kind is Kind.W:
+                acts.append(a)  # no messages: nobody waits for a stage's weight gradients
             else:
                 if grads_from[s]:
                     acts.append(Action(s, Kind.RECV_B, i))
@@ -167,7 +170,7 @@ def _hoist_receives(acts: list[Action]) -> list[Action]:
         p = len(out)
         while p > 0 and out[p - 1].kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
             p -= 1
-        if p > 0 and out[p - 1].kind in (Kind.F, Kind.B):
+        if p > 0 and out[p - 1].kind in (Kind.F, Kind.B, Kind.W):
             p -= 1
             if out[p].kind is Kind.B and p > 0 and out[p - 1].kind is Kind.R:
                 p -= 1

@@ -20,12 +20,25 @@ activations instead of m:
     st 1  .   1F0 1F1 .   1B0 1F2 1B1 1F3 1B2 .   1B3 .
     st 2  .   .   2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 .   .
 
-A new schedule is a new generator here (an interleaved or zero-bubble one adds action kinds
-and more than one stage per rank); nothing downstream is written per schedule.
+ZB-H1 (zero bubble, Qi et al. 2024, at 1F1B's peak memory) splits each backward into ``B``
+(the gradients of the stage's inputs, which the previous stage waits for) and ``W`` (its
+parameters', which nobody waits for: ``backward_split``), runs 1F1B's order of ``F`` and
+``B``, and lets stage ``s`` hold ``s`` of its ``W``s back, so the later stages, which set the
+pace, send their gradients up sooner; the held ``W``s fill the waits of the drain:
+
+    tick  0   1   2   3   4   5   6   7   8   9   10  11  12  13  14
+    st 0  0F0 0F1 0F2 .   .   0B0 0W0 0F3 0B1 0W1 0B2 0W2 .   0B3 0W3
+    st 1  .   1F0 1F1 .   1B0 1F2 1B1 1W0 1F3 1B2 1W1 1W2 1B3 1W3 .
+    st 2  .   .   2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3 .
+
+(one tick per action here; a ``B`` or a ``W`` takes about half a full backward.) An
+interleaved schedule adds more than one stage per rank; nothing downstream is written per
+schedule.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
@@ -44,6 +57,7 @@ __all__ = [
     "make_schedule",
     "one_f_one_b_schedule",
     "plan_grid",
+    "zero_bubble_h1_schedule",
 ]
 
 
@@ -52,7 +66,8 @@ class Kind(Enum):
 
     F = "F"  # forward of one micro-batch
     R = "R"  # recompute one micro-batch's forward (its activations) right before its backward
-    B = "B"  # backward of one micro-batch
+    B = "B"  # backward of one micro-batch (only its inputs' gradients where a W follows)
+    W = "W"  # the parameters' gradients of one micro-batch, after its B
     RECV_F = "RECV_F"  # post the receives of one micro-batch's inputs
     SEND_F = "SEND_F"  # send one micro-batch's cut values to the stages that read them
     RECV_B = "RECV_B"  # post the receives of the gradients of one micro-batch's outputs
@@ -63,7 +78,7 @@ class Kind(Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.R, Kind.B)
+        return self in (Kind.F, Kind.R, Kind.B, Kind.W)
 
     @property
     def once(self) -> bool:
@@ -84,6 +99,18 @@ class Action(NamedTuple):
 
     def __repr__(self) -> str:
         return str(self)
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """The action ``str`` printed: ``1F0``, ``0W3``, ``2REDUCE``."""
+        m = re.fullmatch(r"(\d+)([A-Z_]+?)(\d*)", text.strip())
+        if m is None or m.group(2) not in Kind._value2member_map_:
+            raise ValueError(f"{text!r} is not an action: stage, kind ({', '.join(k.value for k in Kind)}), micro-batch, e.g. '1F0'")
+        kind = Kind(m.group(2))
+        mb = int(m.group(3)) if m.group(3) else None
+        if kind.once != (mb is None):
+            raise ValueError(f"{text!r}: {kind.value} " + ("runs once a step, without a micro-batch" if kind.once else "needs a micro-batch"))
+        return cls(int(m.group(1)), kind, mb)
 
 
 Schedule = list[list[Action]]  # one list per stage, in the order that stage runs them
@@ -123,9 +150,39 @@ def one_f_one_b_schedule(num_stages: int, micro_batches: int) -> Schedule:
     return out
 
 
+def zero_bubble_h1_schedule(num_stages: int, micro_batches: int) -> Schedule:
+    """ZB-H1: 1F1B's order of forwards and input backwards ``B``; each micro-batch's ``W``
+    right after its ``B``, except that stage ``s`` holds ``s`` of them back (so the later
+    stages, which set the pace, send their gradients up sooner) and runs one before each
+    ``B`` of the drain, where it would wait for the next stage, and the rest at the end.
+    A stage then holds at most ``min(m, S)`` micro-batches' activations, 1F1B's first
+    stage's, if only partly: what its held ``W``s read."""
+    _check_sizes(num_stages, micro_batches)
+    out: Schedule = []
+    for s in range(num_stages):
+        warm = min(micro_batches, num_stages - s - 1)
+        lag = s
+        acts = [Action(s, Kind.F, i) for i in range(warm)]
+        held: list[int] = []
+        for k in range(micro_batches - warm):
+            acts += [Action(s, Kind.F, warm + k), Action(s, Kind.B, k)]
+            held.append(k)
+            if len(held) > lag:
+                acts.append(Action(s, Kind.W, held.pop(0)))
+        for k in range(micro_batches - warm, micro_batches):
+            if held:
+                acts.append(Action(s, Kind.W, held.pop(0)))
+            acts.append(Action(s, Kind.B, k))
+            held.append(k)
+        acts += [Action(s, Kind.W, k) for k in held]
+        out.append(acts)
+    return out
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe_schedule,
     "1f1b": one_f_one_b_schedule,
+    "zbh1": zero_bubble_h1_schedule,
 }
 
 
@@ -157,7 +214,7 @@ def clock_ticks(schedule: Schedule) -> dict[Action, int]:
     """
     n = len(schedule)
     tick: dict[Action, int] = {}
-    pending = [[a for a in actions if a.kind in (Kind.F, Kind.B)] for actions in schedule]
+    pending = [[a for a in actions if a.kind in (Kind.F, Kind.B, Kind.W)] for actions in schedule]
     last = [-1] * n
     while any(pending):
         progressed = False
@@ -207,6 +264,8 @@ def plan_grid(plan: Plan) -> str:
 
 def _dependency(a: Action, num_stages: int) -> Action | None:
     assert a.microbatch is not None
+    if a.kind is Kind.W:
+        return None  # its own B, earlier in the same list
     if a.kind is Kind.F:
         return Action(a.stage - 1, Kind.F, a.microbatch) if a.stage > 0 else None
     if a.stage < num_stages - 1:

@@ -181,9 +181,13 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
     """Action durations in seconds from the plan's predicted per-stage costs.
 
     Every backward but a stage's first adds its gradients into ``.grad`` (``accumulate_ms``).
+    A backward split into ``B`` and ``W`` (``backward_split``) takes half the stage's
+    backward in each (the input and the weight side of a matmul cost alike), the
+    accumulation in ``W``.
     """
     first_b = {s: next((a.microbatch for a in acts if a.kind is Kind.B), None)
                for s, acts in enumerate(lowered)}
+    split = {(a.stage, a.microbatch) for acts in lowered for a in acts if a.kind is Kind.W}
 
     def of(a: Action) -> float:
         st = plan.stages[a.stage]
@@ -191,9 +195,13 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
             return 1e-3 * (st.fwd_ms + st.comm_ms / 2)
         if a.kind is Kind.R:
             return 1e-3 * st.fwd_ms
+        acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
+        if a.kind is Kind.B and (a.stage, a.microbatch) in split:
+            return 1e-3 * (st.bwd_ms / 2 + st.comm_ms / 2)
         if a.kind is Kind.B:
-            acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
             return 1e-3 * (st.bwd_ms + st.comm_ms / 2 + acc)
+        if a.kind is Kind.W:
+            return 1e-3 * (st.bwd_ms / 2 + acc)
         if a.kind is Kind.REDUCE:
             return 1e-3 * (st.allreduce_ms + st.optimizer_ms)
         return 0.0

@@ -12,6 +12,8 @@ lowered schedule. What one step keeps between actions lives in a ``StepState``:
                 buffers its F saw (only stages that recompute)
     RECV_B i    post the receives of the gradients of micro-batch i's cut values
     B i         wait for them, add the loss seed (its share of the global batch), backward
+                (only to the stage's inputs where the schedule has a W i: ``backward_split``)
+    W i         the parameters' gradients of micro-batch i, from what its B kept
     SEND_B i    send the gradients of micro-batch i's cut-value inputs to the producers
 
 A stage that recomputes runs F keeping no activations (autograd's saved tensors are dropped as
@@ -33,6 +35,7 @@ from torch import fx
 from ..plan import Plan, Stage
 from ..values import ValueSpec
 from . import routing
+from .backward_split import WeightWork, backward_inputs, backward_weights
 from .buffers import BufferSync
 from .checks import check_stage_outputs
 from .comm import Groups, Message, Pending, post
@@ -78,6 +81,10 @@ class StepState:
     tail: tuple[list[Any], tuple[Any, ...]] | None = None
     tail_out: dict[int, torch.Tensor] = field(default_factory=dict)
     tail_grads: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    # micro-batches whose backward is split (the list has a W for them), and what each B
+    # keeps for its W
+    split: frozenset[int] = frozenset()
+    weight_work: dict[int, WeightWork] = field(default_factory=dict)
 
     def finish_sends(self) -> None:
         for p in self.sends:
@@ -123,6 +130,7 @@ class StageRunner:
         # storages the step writes in place while sends may still be in flight: a buffer the
         # forward updates (BufferSync restores it before the next micro-batch)
         self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
+        self.trainable = [p for p in module.parameters() if p.requires_grad]
 
     # -- messages --------------------------------------------------------------------------------
     def _messages(
@@ -298,11 +306,20 @@ class StageRunner:
             if isinstance(o, torch.Tensor) and o.requires_grad:
                 tensors.append(o)
                 gs.append(g)
-        if tensors:
+        if tensors and i in step.split:
+            inputs = [x for x in step.args.get(i, ()) if isinstance(x, torch.Tensor)]
+            step.weight_work[i] = backward_inputs(tensors, gs, inputs, self.trainable)
+        elif tensors:
             torch.autograd.backward(tensors, gs)
         step.backwards += 1
         if not self.sends_grads:
             step.args.pop(i, None)
+
+    def weights(self, step: StepState, i: int) -> None:
+        """W: micro-batch i's parameter gradients, into ``.grad``."""
+        work = step.weight_work.pop(i, None)
+        if work is not None:
+            backward_weights(work)
 
     def _run(self, args: list[Any]) -> tuple[Any, ...]:
         outs = self.module(*args)
