@@ -94,9 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--schedules",
         nargs="+",
-        choices=("gpipe", "1f1b"),
+        choices=("gpipe", "1f1b", "zbh1"),
         default=["gpipe"],
-        help="same-split: schedules every contender runs (default: gpipe)",
+        help="same-split: schedules every contender runs (default: gpipe); the peer of "
+        "'zbh1' is ScheduleInterleavedZeroBubble with one stage a rank",
     )
     p.add_argument(
         "--recompute",
@@ -152,8 +153,8 @@ class _Stage(nn.Module):
 
 
 class PeerStep:
-    """One rank's stage of torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B,
-    plus Adam."""
+    """One rank's stage of torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B or
+    ScheduleInterleavedZeroBubble (one stage a rank), plus Adam."""
 
     def __init__(
         self,
@@ -186,8 +187,14 @@ class PeerStep:
             mod = _Stage(model, edges[rank], edges[rank + 1], rank == 0, rank == world - 1)
             stage = PipelineStage(mod, rank, world, dev)
             params = list(mod.parameters())
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.sched = kind(stage, n_microbatches=m, loss_fn=lm_loss)
+        if schedule == "zbh1":
+            from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+
+            self.sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=m,
+                                                       loss_fn=lm_loss)
+        else:
+            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+            self.sched = kind(stage, n_microbatches=m, loss_fn=lm_loss)
         self.opt = torch.optim.Adam(params, lr=1e-4)
         self.losses: list[torch.Tensor] = []
 

@@ -118,6 +118,7 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], accumulate: in
         ("sum", 2, dict(replicas=(1, 1), micro_batches=4, schedule="1f1b"), 2),
         ("tokens", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b"), 1),
         ("tokens", 2, dict(replicas=(1, 1), micro_batches=4, schedule="gpipe"), 2),
+        ("sum", 3, dict(replicas=(1, 2), micro_batches=2, schedule="zbh1"), 2),
     ],
 )
 def test_summed_and_globally_counted_losses_train_like_one_process(name, world, cfg,
