@@ -321,3 +321,35 @@ def test_plan_grid_has_a_row_per_rank():
     # the ranks of stage 0 run 1F1B's warm-up forward, then alternate
     assert lines[1].split()[2:] == ["0F0", "0F1", ".", "0B0", "0F2", "0B1", "0F3", "0B2", ".",
                                     "0B3"]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1"])
+@pytest.mark.parametrize("stages,mbs", [(1, 1), (2, 4), (4, 8)])
+def test_a_schedule_round_trips_through_torch_s_csv_format(name, stages, mbs):
+    from torch.distributed.pipelining.schedules import _Action
+
+    from rannc_fx.runtime.schedule_csv import schedule_csv, schedule_from_csv
+
+    sched = make_schedule(name, stages, mbs)
+    text = schedule_csv(sched)
+    assert schedule_from_csv(text) == sched
+    rows = [line.split(",") for line in text.splitlines()]
+    for s, row in enumerate(rows):  # torch's own parser reads every cell
+        for cell in row:
+            act = _Action.from_str(cell)
+            assert act.stage_index == s
+            assert act.computation_type.value == ("I" if name == "zbh1" and cell[len(str(s))]
+                                                  in "BI" else cell[len(str(s))])
+    if name == "zbh1":
+        assert "0I0" in rows[0] and "0W0" in rows[0]
+
+
+def test_a_torch_csv_with_a_lost_weight_backward_or_another_stage_is_refused():
+    from rannc_fx.runtime.schedule_csv import schedule_from_csv
+
+    with pytest.raises(ValueError, match=r"row 0, micro-batch\(es\) \[1\]: .* needs its W"):
+        schedule_from_csv("0F0,0F1,0I0,0W0,0I1\n")
+    with pytest.raises(ValueError, match="an action of stage 1"):
+        schedule_from_csv("0F0,1B0\n")
+    with pytest.raises(ValueError, match="'compute_only' format"):
+        schedule_from_csv("0F0,0SEND_F0,0B0\n")

@@ -1,0 +1,73 @@
+"""A schedule in torch.distributed.pipelining's CSV action format, both ways.
+
+torch's runtime reads a schedule as CSV (``_PipelineScheduleRuntime._load_csv``, the
+"compute_only" format): one row per pipeline rank, one cell per compute action, each written
+``<stage><kind><micro-batch>`` with kinds ``F`` (forward), ``I`` (backward to the inputs
+only), ``W`` (backward to the weights) and ``B`` (the whole backward). rannc_fx's ``B`` is
+torch's ``I`` where the same stage has a ``W`` for that micro-batch, and its ``B`` otherwise,
+so a plan's schedule can be compared with, or handed to, torch's own runtime, and a schedule
+written for torch runs here (``schedule_from_csv``):
+
+    0F0,0F1,0I0,0W0,0F2,0I1,0W1,...      rank 0 runs stage 0
+    1F0,1I0,1F1,1I1,1W0,...              rank 1 runs stage 1
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+
+from .schedule import Action, Kind, Schedule
+
+__all__ = ["schedule_csv", "schedule_from_csv"]
+
+_CELL = re.compile(r"(\d+)([FIWB])(\d+)")
+
+
+def schedule_csv(schedule: Schedule) -> str:
+    """The schedule's compute actions as torch's CSV, one row per stage."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for actions in schedule:
+        split = {a.microbatch for a in actions if a.kind is Kind.W}
+        row = []
+        for a in actions:
+            if a.kind is Kind.B:
+                row.append(f"{a.stage}{'I' if a.microbatch in split else 'B'}{a.microbatch}")
+            elif a.kind in (Kind.F, Kind.W):
+                row.append(str(a))
+            else:
+                raise ValueError(f"{a} is not a compute action of a schedule (F, B or W); "
+                                 "write the schedule before lowering")
+        writer.writerow(row)
+    return out.getvalue()
+
+
+def schedule_from_csv(text: str) -> Schedule:
+    """A schedule from torch's CSV (one row per stage, that stage's actions only)."""
+    schedule: Schedule = []
+    for s, row in enumerate(csv.reader(io.StringIO(text))):
+        actions = []
+        kinds: dict[str, set[int]] = {"I": set(), "B": set(), "W": set()}
+        for cell in (c.strip() for c in row):
+            if not cell:
+                continue
+            m = _CELL.fullmatch(cell)
+            if m is None:
+                raise ValueError(
+                    f"row {s}: {cell!r} is not a compute action (<stage><F|I|W|B><micro-batch>, "
+                    "e.g. '1I0'); rannc_fx reads the 'compute_only' format"
+                )
+            stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3))
+            if stage != s:
+                raise ValueError(f"row {s} holds {cell!r}, an action of stage {stage}: each row "
+                                 "is one stage's (one stage per rank)")
+            kinds.setdefault(kind, set()).add(mb)
+            actions.append(Action(stage, Kind.B if kind in "IB" else Kind(kind), mb))
+        if kinds["I"] != kinds["W"] or kinds["I"] & kinds["B"]:
+            odd = sorted(kinds["I"] ^ kinds["W"] | kinds["I"] & kinds["B"])
+            raise ValueError(f"row {s}, micro-batch(es) {odd}: a backward to the inputs (I) "
+                             "needs its W, and a W its I (B is the whole backward, alone)")
+        schedule.append(actions)
+    return schedule
