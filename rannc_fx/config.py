@@ -38,8 +38,9 @@ class Config(BaseModel):
     micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step")
     max_micro_batches: int = Field(default=32, ge=1, description="largest count the search tries")
     schedule: Literal["gpipe", "1f1b", "zbh1"] | None = Field(
-        default=None, description="pipeline schedule; None = searched (GPipe or 1F1B); "
-        "'zbh1' (zero bubble, split backward) only when named: its memory is costed as GPipe's",
+        default=None, description="pipeline schedule; None = searched (GPipe or 1F1B, then "
+        "ZB-H1 on the searched stages where it fits and simulates shorter); 'zbh1' = zero "
+        "bubble (split backward) on the searched stages",
     )
     recompute: bool | None = Field(
         default=None,

@@ -39,6 +39,7 @@ from .test_executor import (
         ("mlp1", (1,), 3, (True,)),
         ("mlp1", (2,), 2, (True,)),
         ("mlp2", (1, 1), 4, (False, False)),
+        ("mlp2", (1, 1), 1, (False, False)),  # fill-drain: ZB-H1's own list, deferred
         ("mlp2", (1, 1), 4, (True, True)),
         ("mlp2", (2, 1), 3, (True, False)),
         ("mlp2", (1, 3), 2, (False, True)),

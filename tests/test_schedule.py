@@ -19,7 +19,7 @@ from rannc_fx.runtime.schedule import (
     make_schedule,
     one_f_one_b_schedule,
 )
-from rannc_fx.runtime.simulate import ScheduleError, plan_durations, simulate
+from rannc_fx.runtime.simulate import SPLIT_OVERHEAD, ScheduleError, plan_durations, simulate
 
 from .dist_utils import make_plan, scalar, tensor
 
@@ -299,12 +299,13 @@ def test_plan_durations_price_every_action_from_the_plan():
     assert dur(Action(1, Kind.REDUCE)) == pytest.approx(1e-3 * 4.0)
     assert dur(Action(1, Kind.SEND_F, 0)) == 0.0
     assert simulate(low, topo, dur).makespan > 0
-    # split backwards: half the backward each, the accumulation in W
+    # split backwards: half the backward each and what splitting costs, the accumulation in W
     low = lower(make_schedule("zbh1", 2, 4), topo)
     dur = plan_durations(plan, low)
-    assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * (1.0 + 1.0))
-    assert dur(Action(0, W, 1)) == pytest.approx(1e-3 * (1.0 + 0.5))
-    assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * 1.0)
+    half = 1.0 * (1 + SPLIT_OVERHEAD)
+    assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * (half + 1.0))
+    assert dur(Action(0, W, 1)) == pytest.approx(1e-3 * (half + 0.5))
+    assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * half)
 
 
 def test_plan_grid_has_a_row_per_rank():

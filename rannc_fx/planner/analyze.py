@@ -296,11 +296,9 @@ def _search_space(
             "batch, between every forward and every backward; use schedule='gpipe' (or None, "
             "searched)"
         )
-    if cfg.schedule == "zbh1":  # not searched yet: costed as GPipe (m micro-batches a stage,
-        schedules: tuple[str, ...] = ("gpipe",)  # at least ZB-H1's min(m, S))
-    else:
-        schedules = (cfg.schedule,) if cfg.schedule else (
-            ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
+    # ZB-H1 is not searched: the searched plan is tried with it (planner/zero_bubble.py)
+    schedules = (cfg.schedule,) if cfg.schedule in ("gpipe", "1f1b") else (
+        ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
     return SearchSpace(
         world_size=world_size,
         global_batch=global_batch,

@@ -111,7 +111,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         world_size=space.world_size,
         global_batch=space.global_batch,
         micro_batches=result.micro_batches,
-        schedule="zbh1" if a.config.schedule == "zbh1" else (
+        schedule="zbh1" if result.schedule == "zbh1" else (
             "1f1b" if result.schedule == "1f1b" else "gpipe"),
         loss_reduction=a.config.loss_reduction,
         batch_norm=a.config.batch_norm,

@@ -26,6 +26,7 @@ from ..progress import Progress
 from ..values import ValueSpec
 from .analyze import Target, analyze
 from .build import build_plan
+from .zero_bubble import zero_bubble
 
 __all__ = ["Planned", "plan_model", "run_search", "split_stages"]
 
@@ -76,7 +77,9 @@ def plan_model(
             micro_batches=e.micro_batches,
         ) from None
     p = Progress("plan")
-    plan = build_plan(a, result, search_seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    plan = build_plan(a, result, search_seconds=seconds)
+    plan = zero_bubble(a, result, plan, lambda r: build_plan(a, r, search_seconds=seconds))
     p.done(
         "built the plan in %.2f s: %d stages on %d ranks, %d cut value(s), %d shared parameter(s), "
         "predicted step %.2f ms (schedule simulated: %.2f ms)", p.seconds, len(plan.stages),

@@ -110,7 +110,11 @@ class StageExecutor:
         topology, lowered = lower_plan(plan)
         simulate(lowered, topology, plan_durations(plan, lowered))
         self.actions: list[Action] = lowered[self.stage.index]
-        self._deferred = split_at_gather(lower_plan(plan, "gpipe")[1][self.stage.index])
+        # a fill-drain list (GPipe; ZB-H1 or 1F1B with one micro-batch) defers its own
+        # backwards; any other defers GPipe's
+        own = split_at_gather(self.actions)
+        self._deferred = own if not any(a.kind is Kind.B for a in own[0]) else split_at_gather(
+            lower_plan(plan, "gpipe")[1][self.stage.index])
         self._lists = {
             Mode.EVAL: [a for a in self.actions if a.kind in _FORWARD_KINDS],
             Mode.CALL: self.actions,

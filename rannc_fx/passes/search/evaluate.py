@@ -75,11 +75,13 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
              micro_batches: int, schedule: str = "gpipe") -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
 
-    Each stage recomputes as its ``StageChoice.recompute`` says.
+    Each stage recomputes as its ``StageChoice.recompute`` says. ``"zbh1"`` (not searched:
+    ``planner/zero_bubble.py``) is costed with every stage holding min(m, S) micro-batches
+    and 1F1B's step formula; the simulator times its split backward.
     """
     m, end = micro_batches, 0
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+    if schedule not in (*SCHEDULES, "zbh1"):
+        raise ValueError(f"schedule={schedule!r}: expected one of {(*SCHEDULES, 'zbh1')}")
     for st in stages:
         if st.start != end or st.end <= st.start or st.replicas < 1:
             raise ValueError(f"stages {stages} must cover blocks 0.. in order, each non-empty "
@@ -92,7 +94,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
         raise ValueError(f"stages {stages} must end at block {table.num_blocks} and their "
                          f"replicas sum to the world size {space.world_size}")
     kidx, S = size_index(table), len(stages)
-    got = [_stage(table, space, kidx, st, m, in_flight(schedule, m, S - s))
+    got = [_stage(table, space, kidx, st, m, in_flight(schedule, m, S - s, S))
            for s, st in enumerate(stages)]
     step = plan_step([g[1] for g in got], [g[2] for g in got])
     return Evaluation(step, tuple(g[0] for g in got),

@@ -230,8 +230,11 @@ def size_index(table: CostTable) -> dict[int, int]:
     return {int(q): k for k, q in enumerate(np.asarray(table.sizes).tolist())}
 
 
-def in_flight(schedule: str, m: int, d: int) -> int:
-    """n: micro-batches whose activations a stage d stages from the end holds at once."""
+def in_flight(schedule: str, m: int, d: int, stages: int | None = None) -> int:
+    """n: micro-batches whose activations a stage d stages from the end holds at once (of
+    ``stages``; ZB-H1, ``"zbh1"``, holds min(m, S) everywhere: some until their W)."""
+    if schedule == "zbh1":
+        return min(m, stages if stages is not None else d)
     return m if schedule == "gpipe" else min(m, d)
 
 

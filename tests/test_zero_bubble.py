@@ -1,0 +1,65 @@
+"""ZB-H1 chosen where it pays (``planner/zero_bubble.py``): the searched plan's stages under
+the zero-bubble schedule, simulated, kept only where that is shorter and fits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.models import gpt_example
+
+
+def _plan(world: int = 4, **cfg: Any) -> rannc_fx.Plan:
+    model, args, kwargs = gpt_example(batch=16)
+    config = Config(profile_cache_dir=None, profile_repeats=1, **cfg)
+    return rannc_fx.partition(model, args, kwargs, world_size=world, config=config).plan
+
+
+def test_zbh1_is_chosen_where_its_simulated_step_is_shorter():
+    searched = _plan(stages=4, micro_batches=8)
+    one_f = _plan(stages=4, micro_batches=8, schedule="1f1b")
+    assert searched.schedule == "zbh1"
+    assert [s.first_block for s in searched.stages] == [s.first_block for s in one_f.stages]
+    assert searched.simulated_step_ms < one_f.simulated_step_ms
+    assert [searched.in_flight(s) for s in range(4)] == [4, 4, 4, 4]
+    assert "schedule zbh1" in searched.summary()
+
+
+def test_one_stage_stays_and_a_named_schedule_is_kept():
+    assert _plan(world=1).schedule != "zbh1"
+    assert _plan(stages=4, micro_batches=8, schedule="gpipe").schedule == "gpipe"
+    assert _plan(stages=4, micro_batches=8, schedule="zbh1").schedule == "zbh1"
+
+
+class _TwoLosses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h).pow(2).mean(), h.abs().mean()
+
+
+def test_a_model_with_two_losses_never_runs_zbh1():
+    config = Config(profile_cache_dir=None, profile_repeats=1, stages=2, micro_batches=4)
+    plan = rannc_fx.partition(_TwoLosses(), (torch.randn(16, 8),), world_size=2,
+                              config=config).plan
+    assert plan.schedule == "gpipe"
+
+
+def test_a_named_zbh1_that_does_not_fit_says_so():
+    model, args, kwargs = gpt_example(batch=16)
+    base = _plan(stages=4, micro_batches=8, schedule="1f1b")
+    # between 1F1B's largest stage (the first, holding 4) and what ZB-H1 needs (4 everywhere)
+    budget = max(s.memory.total for s in base.stages)
+    with pytest.raises(ValueError, match=r"schedule='zbh1' holds up to min\(m, S\) micro-batches "
+                                         r"on every stage"):
+        rannc_fx.partition(model, args, kwargs, world_size=4, config=Config(
+            profile_cache_dir=None, profile_repeats=1, stages=4, micro_batches=8,
+            schedule="zbh1", recompute=False, device_memory=budget, memory_margin=0.0))
