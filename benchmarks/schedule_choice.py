@@ -1,0 +1,75 @@
+"""The schedule the planner chooses against the best GPipe/1F1B plan, predicted.
+
+    python benchmarks/schedule_choice.py bert-32 bert-256 bert-512 bert-4.9b bert-100b
+
+Each workload of ``plan_time.WORKLOADS`` (a meta-device BertForPreTraining returning its
+pre-training loss, so every schedule is eligible) is analyzed once; the search then runs with
+GPipe only, 1F1B only, and both (as ``Config(schedule=None)`` does), and the planner's
+zero-bubble step (``planner/zero_bubble.py``) is applied to the last. Per workload: the best
+GPipe/1F1B plan's simulated step and bubble (the share of the step its bottleneck stage does
+not compute), the chosen plan's schedule and simulated step, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_time import WORKLOADS, bert, environment  # noqa: E402
+
+from rannc_fx import Config, Plan  # noqa: E402
+from rannc_fx.planner.analyze import analyze  # noqa: E402
+from rannc_fx.planner.build import build_plan  # noqa: E402
+from rannc_fx.planner.driver import run_search  # noqa: E402
+from rannc_fx.planner.zero_bubble import zero_bubble  # noqa: E402
+
+
+def bubble(plan: Plan) -> float:
+    """1 - the bottleneck stage's compute over the simulated step."""
+    m = plan.micro_batches
+    busy = max(m * (s.fwd_ms * (2 if s.recompute else 1) + s.bwd_ms) for s in plan.stages)
+    step = plan.simulated_step_ms or plan.predicted_step_ms
+    return max(0.0, 1 - busy / step)
+
+
+def run(name: str) -> str:
+    w = dict(WORKLOADS[name])
+    model, args, kwargs, _ = bert(w.pop("layers"), w.pop("hidden"), heads=w.pop("heads"),
+                                  seq=w.pop("seq"))
+    a = analyze(model, args, kwargs, world_size=w["world_size"], device=w["device"],
+                config=Config(profile_cache_dir=None), global_batch=w["global_batch"])
+    plans = {}
+    for label, schedules in (("gpipe", ("gpipe",)), ("1f1b", ("1f1b",)),
+                             ("searched", a.space.schedules)):
+        space = dataclasses.replace(a.space, schedules=schedules)
+        b = dataclasses.replace(a, space=space)
+        result = run_search(b.table, b.space)
+        plan = build_plan(b, result)
+        if label == "searched":
+            plan = zero_bubble(b, result, plan, lambda r, b=b: build_plan(b, r))
+        plans[label] = plan
+    best = min((plans["gpipe"], plans["1f1b"]), key=lambda p: p.simulated_step_ms or 0.0)
+    chosen = plans["searched"]
+    sb, sc = best.simulated_step_ms or 0.0, chosen.simulated_step_ms or 0.0
+    return (f"| {name} | {best.schedule}, {len(best.stages)} stages, m={best.micro_batches} | "
+            f"{sb:.0f} | {100 * bubble(best):.1f} % | {chosen.schedule}, {len(chosen.stages)} "
+            f"stages, m={chosen.micro_batches} | {sc:.0f} | {100 * bubble(chosen):.1f} % | "
+            f"{sc / sb:.3f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("workloads", nargs="+", choices=sorted(WORKLOADS))
+    args = p.parse_args()
+    print("| workload | best GPipe/1F1B plan | simulated ms | bubble | chosen plan | simulated ms "
+          "| bubble | chosen / best |\n|---|---|---:|---:|---|---:|---:|---:|", flush=True)
+    for name in args.workloads:
+        print(run(name), flush=True)
+    print(f"\n{environment(None)}")
+
+
+if __name__ == "__main__":
+    main()
