@@ -1,4 +1,5 @@
-"""Per-stage memory of GPipe, 1F1B and recomputation on CPU ranks, against the plan's prediction.
+"""Per-stage memory of GPipe, 1F1B, ZB-H1 and recomputation on CPU ranks, against the plan's
+prediction.
 
 Run with torchrun (gloo, one thread per rank):
 
@@ -62,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4,
                    help="schedules: micro-batches (default: 4)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per variant (default: 4)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
+    p.add_argument("--schedules", nargs="+", choices=("gpipe", "1f1b", "zbh1"),
+                   default=["gpipe", "1f1b", "zbh1"], help="schedules: the schedules measured")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zbh1"), default=None,
                    help="budget: force the schedule (default: searched); gpipe leaves "
                    "recomputation as the only way to fit")
     p.add_argument("--budget-fraction", type=float, default=0.85,
@@ -148,20 +151,30 @@ def _in_use() -> int:
 
 def measure(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor,
             steps: int) -> dict[str, float]:
-    """Per step: peak saved bytes and peak RSS above the step's start; medians over steps."""
+    """Per step: peak saved bytes and peak heap above the step's start; medians over steps.
+
+    The two come from different steps, in turn: the heap's from steps without the hooks.
+    A hook that keeps a saved output alive makes a cycle with the node that saved it, which
+    lives on where the graph is retained (a split backward's B keeps it for its W): with the
+    hooks on, ZB-H1's steps would never free their graphs.
+    """
     stage = model.stages[0]
     excluded = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
     saved, heap = [], []
-    for _ in range(steps):
+    for k in range(2 * steps):
         hooks = SavedBytes(excluded)
         dist.barrier()
-        with HeapPeak() as peak, torch.autograd.graph.saved_tensors_hooks(hooks.pack,
-                                                                          hooks.unpack):
-            loss = model(ids, labels)
-            loss.backward()
+        if k % 2 == 0:
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                loss = model(ids, labels)
+                loss.backward()
+            saved.append(hooks.peak)
+        else:
+            with HeapPeak() as peak:
+                loss = model(ids, labels)
+                loss.backward()
+            heap.append(peak.peak - peak.base)
         del loss
-        saved.append(hooks.peak)
-        heap.append(peak.peak - peak.base)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {"saved": sorted(saved)[len(saved) // 2], "heap": sorted(heap)[len(heap) // 2]}
@@ -218,8 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(profile_cache_dir=None, leaf_modules=("Block",))
     rows: list[str] = []
     if args.mode == "schedules":
-        for schedule in ("gpipe", "1f1b"):
-            for recompute in (False, True):
+        for schedule in args.schedules:
+            # ZB-H1 with recomputation is refused by the planner (its memory is not costed)
+            for recompute in (False,) if schedule == "zbh1" else (False, True):
                 cfg = Config(replicas=(1,) * world, micro_batches=args.micro_batches,
                              schedule=schedule, recompute=recompute, **common)
                 plan, got = run_variant(base, cfg, ids, labels, args.steps)

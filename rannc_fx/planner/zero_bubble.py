@@ -2,8 +2,9 @@
 
 The search's programs cost GPipe and 1F1B exactly. ZB-H1 (``runtime/schedule.py``: 1F1B's
 order with each backward split into ``B`` and ``W``) runs the same stages; what differs is
-its memory (every stage holds something of up to min(m, S) micro-batches, until their ``W``)
-and its step, which the simulator times on the plan's per-stage costs (``B`` and ``W`` half a
+its memory (``search.model.in_flight``: a held ``W`` keeps its micro-batch's activations and
+the gradients its weight GEMMs read; stages that recompute are not costed for it, so such a
+plan stays as it is) and its step, which the simulator times on the plan's per-stage costs (``B`` and ``W`` half a
 backward each, plus what splitting costs: ``simulate.SPLIT_OVERHEAD``). So the searched plan
 is rebuilt as ZB-H1 where that fits the memory budget, and kept only where its simulated step
 is shorter than the searched schedule's: a one-stage plan, or one whose bottleneck stage
@@ -37,6 +38,14 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
     if not forced and (a.config.schedule is not None or "1f1b" not in a.space.schedules):
         return plan  # a schedule named, or a model that cannot run the step in the call
     if len(result.stages) < 2 and not forced:
+        return plan
+    if any(s.recompute for s in result.stages):
+        if forced:
+            raise ValueError(
+                "schedule='zbh1' with recomputation: a held weight backward keeps its recomputed "
+                "activations, which the cost model does not count yet; use recompute=False, or "
+                "schedule='1f1b' or None (searched)"
+            )
         return plan
     ev = evaluate(a.table, a.space, result.stages, result.micro_batches, "zbh1")
     if not ev.fits:

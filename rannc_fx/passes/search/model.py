@@ -232,9 +232,16 @@ def size_index(table: CostTable) -> dict[int, int]:
 
 def in_flight(schedule: str, m: int, d: int, stages: int | None = None) -> int:
     """n: micro-batches whose activations a stage d stages from the end holds at once (of
-    ``stages``; ZB-H1, ``"zbh1"``, holds min(m, S) everywhere: some until their W)."""
+    ``stages``).
+
+    ZB-H1 (``"zbh1"``, not searched: only ``evaluate`` reads it) counts in micro-batches'
+    activations what its stage holds at most: 1F1B's min(m, d) in flight, and for each of
+    the ``s = S - d`` weight backwards it holds back, that micro-batch's activations and the
+    gradients its weight GEMMs read (measured about as large again: 2 each), and one more for
+    the gradients a B keeps until its W runs."""
     if schedule == "zbh1":
-        return min(m, stages if stages is not None else d)
+        held = min(stages - d if stages is not None else 0, max(m - 1, 0))
+        return min(m, d) + 2 * held + 1
     return m if schedule == "gpipe" else min(m, d)
 
 
