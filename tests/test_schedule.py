@@ -306,6 +306,14 @@ def test_plan_durations_price_every_action_from_the_plan():
     assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * (half + 1.0))
     assert dur(Action(0, W, 1)) == pytest.approx(1e-3 * (half + 0.5))
     assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * half)
+    # a stage whose parameters are mostly frozen (LoRA) has little weight gradient to defer
+    frozen = plan.model_copy(update={"stages": tuple(
+        st.model_copy(update={"memory": st.memory.model_copy(update={"params": 1000,
+                                                                      "grads": 100})})
+        for st in plan.stages)})
+    dur = plan_durations(frozen, low)
+    assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * 2.0 * 0.05 * (1 + SPLIT_OVERHEAD))
+    assert dur(Action(0, B, 0)) == pytest.approx(1e-3 * (2.0 * 0.95 * (1 + SPLIT_OVERHEAD) + 1.0))
 
 
 def test_plan_grid_has_a_row_per_rank():

@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..plan import Plan
+from ..plan import Plan, Stage
 from .lowering import Topology, lower_plan
 from .schedule import Action, Kind, Schedule
 
 __all__ = ["SPLIT_OVERHEAD", "ScheduleError", "Simulation", "plan_durations", "simulate",
-           "simulate_plan"]
+           "simulate_plan", "weight_share"]
 
 Durations = Callable[[Action], float]
 _Msg = tuple[str, int | None]  # (what, micro-batch): the label both ends agree on
@@ -183,13 +183,22 @@ def _ready_at(a: Action, s: int, expected: list[tuple[int, _Msg]],
 SPLIT_OVERHEAD = 0.04
 
 
+def weight_share(stage: Stage) -> float:
+    """The share of a stage's backward that its weight gradients take: half (the input and
+    the weight side of a matmul cost alike), times the share of its parameter bytes that
+    train (a LoRA stage's frozen base has no weight gradient to defer)."""
+    p = stage.memory.params
+    return 0.5 if p <= 0 else 0.5 * min(1.0, stage.memory.grads / p)
+
+
 def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
     """Action durations in seconds from the plan's predicted per-stage costs.
 
     Every backward but a stage's first adds its gradients into ``.grad`` (``accumulate_ms``).
-    A backward split into ``B`` and ``W`` (``backward_split``) takes half the stage's
-    backward in each (the input and the weight side of a matmul cost alike) and
-    ``SPLIT_OVERHEAD`` more, the accumulation in ``W``.
+    A backward split into ``B`` and ``W`` (``backward_split``) takes the stage's backward
+    and ``SPLIT_OVERHEAD`` more between them, the accumulation in ``W``: ``W`` the weight
+    side of its matmuls, half the backward where every parameter trains, less where some
+    are frozen (``weight_share``).
     """
     first_b = {s: next((a.microbatch for a in acts if a.kind is Kind.B), None)
                for s, acts in enumerate(lowered)}
@@ -202,13 +211,13 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
         if a.kind is Kind.R:
             return 1e-3 * st.fwd_ms
         acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
-        half = st.bwd_ms / 2 * (1 + SPLIT_OVERHEAD)
+        w = weight_share(st)
         if a.kind is Kind.B and (a.stage, a.microbatch) in split:
-            return 1e-3 * (half + st.comm_ms / 2)
+            return 1e-3 * (st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + st.comm_ms / 2)
         if a.kind is Kind.B:
             return 1e-3 * (st.bwd_ms + st.comm_ms / 2 + acc)
         if a.kind is Kind.W:
-            return 1e-3 * (half + acc)
+            return 1e-3 * (st.bwd_ms * w * (1 + SPLIT_OVERHEAD) + acc)
         if a.kind is Kind.REDUCE:
             return 1e-3 * (st.allreduce_ms + st.optimizer_ms)
         return 0.0
