@@ -19,7 +19,13 @@ from rannc_fx.runtime.schedule import (
     make_schedule,
     one_f_one_b_schedule,
 )
-from rannc_fx.runtime.simulate import SPLIT_OVERHEAD, ScheduleError, plan_durations, simulate
+from rannc_fx.runtime.simulate import (
+    SPLIT_NODE_MS,
+    SPLIT_OVERHEAD,
+    ScheduleError,
+    plan_durations,
+    simulate,
+)
 
 from .dist_utils import make_plan, scalar, tensor
 
@@ -303,7 +309,8 @@ def test_plan_durations_price_every_action_from_the_plan():
     low = lower(make_schedule("zbh1", 2, 4), topo)
     dur = plan_durations(plan, low)
     half = 1.0 * (1 + SPLIT_OVERHEAD)
-    assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * (half + 1.0))
+    walk = SPLIT_NODE_MS * plan.stages[0].num_nodes  # B walks the autograd graph
+    assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * (half + walk + 1.0))
     assert dur(Action(0, W, 1)) == pytest.approx(1e-3 * (half + 0.5))
     assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * half)
     # a stage whose parameters are mostly frozen (LoRA) has little weight gradient to defer
@@ -313,7 +320,8 @@ def test_plan_durations_price_every_action_from_the_plan():
         for st in plan.stages)})
     dur = plan_durations(frozen, low)
     assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * 2.0 * 0.05 * (1 + SPLIT_OVERHEAD))
-    assert dur(Action(0, B, 0)) == pytest.approx(1e-3 * (2.0 * 0.95 * (1 + SPLIT_OVERHEAD) + 1.0))
+    assert dur(Action(0, B, 0)) == pytest.approx(
+        1e-3 * (2.0 * 0.95 * (1 + SPLIT_OVERHEAD) + walk + 1.0))
 
 
 def test_plan_grid_has_a_row_per_rank():
@@ -351,6 +359,11 @@ def test_a_schedule_round_trips_through_torch_s_csv_format(name, stages, mbs):
                                                   in "BI" else cell[len(str(s))])
     if name == "zbh1":
         assert "0I0" in rows[0] and "0W0" in rows[0]
+    # torch's own check of a schedule accepts it: every stage's F, then B (or I, then W)
+    from torch.distributed.pipelining.schedules import _validate_schedule
+
+    actions = {s: [_Action.from_str(c) for c in row] for s, row in enumerate(rows)}
+    assert _validate_schedule(actions, stages, stages, mbs) == {s: s for s in range(stages)}
 
 
 def test_a_torch_csv_with_a_lost_weight_backward_or_another_stage_is_refused():

@@ -14,8 +14,10 @@ from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
 
 
-def _plan(world: int = 4, **cfg: Any) -> rannc_fx.Plan:
-    model, args, kwargs = gpt_example(batch=16)
+def _plan(world: int = 4, small: bool = False, **cfg: Any) -> rannc_fx.Plan:
+    # layers wide enough that a split backward's walk of the graph costs little
+    model, args, kwargs = gpt_example(batch=16) if small else gpt_example(batch=16, d_model=256,
+                                                                          layers=8)
     config = Config(profile_cache_dir=None, profile_repeats=1, **cfg)
     return rannc_fx.partition(model, args, kwargs, world_size=world, config=config).plan
 
@@ -28,6 +30,15 @@ def test_zbh1_is_chosen_where_its_simulated_step_is_shorter():
     assert searched.simulated_step_ms < one_f.simulated_step_ms
     assert [searched.in_flight(s) for s in range(4)] == [4, 4, 4, 4]
     assert "schedule zbh1" in searched.summary()
+
+
+def test_small_layers_stay_1f1b_where_the_split_costs_more_than_the_bubble():
+    # the built-in LM's default width: a split backward's walk of the graph (per node) would
+    # cost more than the bubble it fills
+    searched = _plan(small=True, stages=4, micro_batches=8)
+    zb = _plan(small=True, stages=4, micro_batches=8, schedule="zbh1")
+    assert searched.schedule != "zbh1"
+    assert zb.simulated_step_ms > searched.simulated_step_ms
 
 
 def test_one_stage_stays_and_a_named_schedule_is_kept():
@@ -54,7 +65,7 @@ def test_a_model_with_two_losses_never_runs_zbh1():
 
 
 def test_a_named_zbh1_that_does_not_fit_says_so():
-    model, args, kwargs = gpt_example(batch=16)
+    model, args, kwargs = gpt_example(batch=16, d_model=256, layers=8)
     base = _plan(stages=4, micro_batches=8, schedule="1f1b")
     # between 1F1B's largest stage (the first, holding 4) and what ZB-H1 needs (4 everywhere)
     budget = max(s.memory.total for s in base.stages)

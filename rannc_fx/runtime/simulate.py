@@ -28,7 +28,7 @@ from ..plan import Plan, Stage
 from .lowering import Topology, lower_plan
 from .schedule import Action, Kind, Schedule
 
-__all__ = ["SPLIT_OVERHEAD", "ScheduleError", "Simulation", "plan_durations", "simulate",
+__all__ = ["SPLIT_NODE_MS", "SPLIT_OVERHEAD", "ScheduleError", "Simulation", "plan_durations", "simulate",
            "simulate_plan", "weight_share"]
 
 Durations = Callable[[Action], float]
@@ -178,9 +178,13 @@ def _ready_at(a: Action, s: int, expected: list[tuple[int, _Msg]],
     return max(times, default=0.0)
 
 
-# What a backward split in two costs over one: B + W against one backward on 4 GPT layers on
-# one CPU thread, 36.8-36.9 ms against 34.7-36.3 ms (runtime/backward_split.py's docstring)
+# What a backward split in two costs over one, measured on one CPU thread: a share of the
+# backward (B + W against one backward on 4 GPT layers of width 256: 36.8-36.9 ms against
+# 34.7-36.3 ms), and per node of the stage's graph, for B's walk of the autograd graph and
+# W's calls (2 encoder layers of width 128, micro-batches of 2 x 64 tokens, about 55 nodes:
+# 3.21 against 2.73 ms)
 SPLIT_OVERHEAD = 0.04
+SPLIT_NODE_MS = 0.0067
 
 
 def weight_share(stage: Stage) -> float:
@@ -198,7 +202,8 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
     A backward split into ``B`` and ``W`` (``backward_split``) takes the stage's backward
     and ``SPLIT_OVERHEAD`` more between them, the accumulation in ``W``: ``W`` the weight
     side of its matmuls, half the backward where every parameter trains, less where some
-    are frozen (``weight_share``).
+    are frozen (``weight_share``); ``B`` also walks the autograd graph (``SPLIT_NODE_MS`` a
+    node of the stage).
     """
     first_b = {s: next((a.microbatch for a in acts if a.kind is Kind.B), None)
                for s, acts in enumerate(lowered)}
@@ -213,7 +218,8 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
         acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
         w = weight_share(st)
         if a.kind is Kind.B and (a.stage, a.microbatch) in split:
-            return 1e-3 * (st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + st.comm_ms / 2)
+            walk = SPLIT_NODE_MS * st.num_nodes
+            return 1e-3 * (st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + walk + st.comm_ms / 2)
         if a.kind is Kind.B:
             return 1e-3 * (st.bwd_ms + st.comm_ms / 2 + acc)
         if a.kind is Kind.W:
