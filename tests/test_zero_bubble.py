@@ -13,13 +13,20 @@ import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
 
+# layers long enough that a split backward's walk of the graph costs little next to them;
+# analytic V100 costs, so that the choice is the same on every run
+WIDE = dict(d_model=512, layers=8, seq=512)
+
+
+def _example(small: bool = False) -> Any:
+    return gpt_example(batch=16) if small else gpt_example(batch=16, **WIDE)
+
 
 def _plan(world: int = 4, small: bool = False, **cfg: Any) -> rannc_fx.Plan:
-    # layers wide enough that a split backward's walk of the graph costs little
-    model, args, kwargs = gpt_example(batch=16) if small else gpt_example(batch=16, d_model=256,
-                                                                          layers=8)
-    config = Config(profile_cache_dir=None, profile_repeats=1, **cfg)
-    return rannc_fx.partition(model, args, kwargs, world_size=world, config=config).plan
+    model, args, kwargs = _example(small)
+    config = Config(profile_cache_dir=None, **cfg)
+    return rannc_fx.partition(model, args, kwargs, world_size=world, device="v100-32gb",
+                              config=config).plan
 
 
 def test_zbh1_is_chosen_where_its_simulated_step_is_shorter():
@@ -65,12 +72,12 @@ def test_a_model_with_two_losses_never_runs_zbh1():
 
 
 def test_a_named_zbh1_that_does_not_fit_says_so():
-    model, args, kwargs = gpt_example(batch=16, d_model=256, layers=8)
+    model, args, kwargs = _example()
     base = _plan(stages=4, micro_batches=8, schedule="1f1b")
     # between 1F1B's largest stage (the first, holding 4) and what ZB-H1 needs (4 everywhere)
     budget = max(s.memory.total for s in base.stages)
     with pytest.raises(ValueError, match=r"schedule='zbh1' holds up to min\(m, S\) micro-batches "
                                          r"on every stage"):
-        rannc_fx.partition(model, args, kwargs, world_size=4, config=Config(
-            profile_cache_dir=None, profile_repeats=1, stages=4, micro_batches=8,
+        rannc_fx.partition(model, args, kwargs, world_size=4, device="v100-32gb", config=Config(
+            profile_cache_dir=None, stages=4, micro_batches=8,
             schedule="zbh1", recompute=False, device_memory=budget, memory_margin=0.0))

@@ -43,7 +43,7 @@ from ..passes.profile import Profile, profile_pass
 from ..passes.search import CostTable, SearchSpace, needed_sizes
 from ..passes.shapes import shapes_pass
 from ..passes.shapes_symbolic import SymbolicValues
-from ..passes.tail import find_tail, insert_tail_inputs, tail_cost
+from ..passes.tail import TailCost, find_tail, insert_tail_inputs, tail_cost
 from ..plan import loss_output
 from ..values import ValueSpec, dtype_itemsize
 
@@ -104,6 +104,7 @@ class Analysis:
     config: Config
     started: float
     formulas: SymbolicValues | None = None
+    tail: TailCost | None = None  # the tail's once-a-step costs at the whole batch
 
 
 def analyze(
@@ -164,13 +165,13 @@ def analyze(
             log.info("block %d: %s", b, " ".join(nodes))
     if param_costs is None:
         param_costs = parameter_costs(optimizer, run_device, spec, cfg.optimizer_state_factor)
+    tail = tail_cost(captured, profile, values, batch)
     table = build_cost_table(
-        captured, blocks, profile, values, sizes=sizes,
-        tail=tail_cost(captured, profile, values, batch),
+        captured, blocks, profile, values, sizes=sizes, tail=tail,
         optimizer=param_costs.optimizer, accumulate=param_costs.accumulate,
     )
     return Analysis(captured, values, profile, blocks, table, space, spec, cost_model, cfg, t0,
-                    cap.formulas)
+                    cap.formulas, tail)
 
 
 # -- the target and helpers ------------------------------------------------------------------

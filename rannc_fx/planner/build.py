@@ -10,7 +10,6 @@ from ..passes.search import SearchResult
 from ..passes.shapes_dynamic import Dynamic, dynamic_pass
 from ..passes.split import stage_interfaces
 from ..passes.split_interface import StageInterface, dimension_source
-from ..passes.tail import tail_cost
 from ..plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage, Tail
 from ..runtime.simulate import simulate_plan
 from ..values import SAMPLES, ValueSpec
@@ -145,7 +144,7 @@ def _tail(a: Analysis, values: dict[str, ValueSpec], iface: StageInterface,
     if foreign:
         raise ValueError(f"the tail reads {foreign}, which the last stage does not make; the "
                          "graph's tail inputs were not inserted (passes.tail)")
-    cost = tail_cost(captured, a.profile, a.values, a.space.global_batch)
+    cost = a.tail
     assert cost is not None
     # each replica receives the other replicas' rows of every input
     gather = (cost.input_bytes / 2 * (replicas - 1) / replicas / a.space.link_bandwidth

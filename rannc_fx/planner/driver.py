@@ -20,7 +20,6 @@ from ..passes.capture import CapturedGraph
 from ..passes.optcost import ParameterCosts
 from ..passes.search import CostTable, NoFeasiblePlan, SearchResult, SearchSpace, search_pass
 from ..passes.split import split_pass
-from ..passes.tail import tail_cost
 from ..plan import Plan
 from ..progress import Progress
 from ..values import ValueSpec
@@ -64,7 +63,7 @@ def plan_model(
     try:
         result = run_search(a.table, a.space)
     except NoFeasiblePlan as e:
-        tail = tail_cost(a.captured, a.profile, a.values, a.space.global_batch)
+        tail = a.tail
         if tail is None or a.captured.tail is None:
             raise
         raise NoFeasiblePlan(

@@ -120,6 +120,13 @@ class StageExecutor:
             Mode.CALL: self.actions,
             Mode.DEFERRED: self._deferred[0],
         }
+        # per list _run is given (this executor's own, by identity): the micro-batches whose
+        # backward it splits into B and W (it has their W)
+        self._split: dict[int, frozenset[int]] = {
+            id(acts): frozenset(a.microbatch for a in acts
+                                if a.kind is Kind.W and a.microbatch is not None)
+            for acts in (*self._lists.values(), self._deferred[1])
+        }
         if plan.world_size > 1:
             check_same_plan(plan, self.device)
         timeout = timeout_s if timeout_s is not None else Config().timeout_s
@@ -280,8 +287,7 @@ class StageExecutor:
         self.outputs.finish_sends()
 
     def _run(self, step: StepState, actions: list[Action]) -> None:
-        step.split = frozenset(a.microbatch for a in actions
-                               if a.kind is Kind.W and a.microbatch is not None)
+        step.split = self._split[id(actions)]
         dispatch = self._dispatch
         rec = self.trace
         if rec is not None and rec.on:

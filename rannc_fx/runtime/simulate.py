@@ -181,10 +181,10 @@ def _ready_at(a: Action, s: int, expected: list[tuple[int, _Msg]],
 # What a backward split in two costs over one, measured on one CPU thread: a share of the
 # backward (B + W against one backward on 4 GPT layers of width 256: 36.8-36.9 ms against
 # 34.7-36.3 ms), and per node of the stage's graph, for B's walk of the autograd graph and
-# W's calls (2 encoder layers of width 128, micro-batches of 2 x 64 tokens, about 55 nodes:
-# 3.21 against 2.73 ms)
+# W's calls (2 encoder layers of width 128, 72 nodes of the exported graph, micro-batches of
+# 2 x 64 tokens: 3.19 against 2.71 ms, of which 4 % is the share above)
 SPLIT_OVERHEAD = 0.04
-SPLIT_NODE_MS = 0.0067
+SPLIT_NODE_MS = 0.0052
 
 
 def weight_share(stage: Stage) -> float:

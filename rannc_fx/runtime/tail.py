@@ -55,12 +55,11 @@ class TailRunner:
         )
         self.local = routing.local_batch(plan)
         self.senders, self.receivers = tail_senders(plan, rank)
+        # each replica of the last stage's samples of each micro-batch
+        self.spans = [[routing.replica_span(plan, self.last.index, k, i)
+                       for i in range(plan.micro_batches)] for k in range(len(self.last.ranks))]
 
     # -- the last stage ---------------------------------------------------------------------------
-    def spans(self, replica: int) -> list[tuple[int, int]]:
-        return [routing.replica_span(self.plan, self.last.index, replica, i)
-                for i in range(self.plan.micro_batches)]
-
     def keep(self, step: Any, i: int, outs: tuple[Any, ...]) -> None:
         """Micro-batch ``i``'s rows of the tail's inputs, from the stage's outputs."""
         step.tail_in[i] = [outs[p].detach() for p in self.pos]
@@ -86,7 +85,7 @@ class TailRunner:
     def _gathered(self, step: Any) -> list[torch.Tensor]:
         """Every input for the whole batch, in sample order: this replica's rows and the other
         replicas' (one message per input, micro-batch and peer, in that order)."""
-        mine = self.spans(self.replica)
+        mine = self.spans[self.replica]
         peers = [k for k in range(len(self.last.ranks)) if k != self.replica]
         pieces: list[list[tuple[int, torch.Tensor]]] = []
         msgs: list[Message] = []
@@ -97,7 +96,7 @@ class TailRunner:
                 continue  # a graph input without a batch dimension: every micro-batch's is it
             for i in range(self.plan.micro_batches):
                 for k in peers:
-                    a, b = routing.replica_span(self.plan, self.last.index, k, i)
+                    a, b = self.spans[k][i]
                     peer = self.last.ranks[k]
                     label = f"tail input {spec.name!r} of micro-batch {i}"
                     msgs.append(Message("send", have[i][1].contiguous(), peer, label))
@@ -130,7 +129,7 @@ class TailRunner:
             wanted += self.params
         if tensors and wanted:
             torch.autograd.backward(tensors, grads, inputs=wanted)
-        mine = self.spans(self.replica)
+        mine = self.spans[self.replica]
         for i, (a, b) in enumerate(mine):
             rows: dict[int, torch.Tensor] = {}
             for p, x, spec in zip(self.pos, xs, self.tail.inputs, strict=True):
