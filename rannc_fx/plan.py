@@ -29,7 +29,12 @@ sample
     sample, so a rank can work out any tensor's shape for the samples it holds.
 rank
     One process. Stage ``s`` runs on ranks ``stages[s].ranks``; ranks are handed out to the
-    stages in order.
+    lanes in order.
+lane
+    The ranks that run one list of the schedule: one stage's replicas, or under interleaved
+    1F1B and ZBV the replicas of ``virtual_stages`` stages at once (``Plan.lanes``: lane
+    ``p`` of ``P`` holds stages ``p, p + P, ...``, or ZBV's ``p`` and ``2P - 1 - p``), all
+    with the same replica count.
 tail
     The nodes from where the model first mixes its samples (a contrastive loss's
     ``(batch, batch)`` logits) to the outputs they feed. The last stage's ranks run it once a
@@ -80,7 +85,8 @@ class Plan(BaseModel):
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1, description="samples per step over all ranks")
     micro_batches: int = Field(ge=1)
-    schedule: Literal["gpipe", "1f1b", "zbh1"] = "gpipe"
+    schedule: Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"] = "gpipe"
+    virtual_stages: int = Field(default=1, ge=1, description="stages a lane (interleaved, zbv)")
     # how the slices' floating outputs without a batch dimension (the loss) combine:
     # "mean" weights each by its share of the global batch, "sum" adds them (Config)
     loss_reduction: Literal["mean", "sum"] = "mean"
@@ -129,7 +135,7 @@ class Plan(BaseModel):
             raise ValueError("blocks must be numbered 0, 1, ... in order")
         if not self.stages:
             raise ValueError("a plan needs at least one stage")
-        expect_block, next_rank = 0, 0
+        expect_block = 0
         for i, st in enumerate(self.stages):
             if st.index != i:
                 raise ValueError(f"stage {st.index} is listed at position {i}")
@@ -138,20 +144,33 @@ class Plan(BaseModel):
                     f"stage {i} covers blocks [{st.first_block}, {st.end_block}) but must start "
                     f"at block {expect_block} and be non-empty: stages cover all blocks in order"
                 )
-            if st.ranks != tuple(range(next_rank, next_rank + st.replicas)):
-                raise ValueError(
-                    f"stage {i} has ranks {list(st.ranks)}; with {st.replicas} replicas it must "
-                    f"have ranks {list(range(next_rank, next_rank + st.replicas))}"
-                )
-            expect_block, next_rank = st.end_block, next_rank + st.replicas
+            expect_block = st.end_block
+        lanes = lane_layout(self.schedule, len(self.stages), self.virtual_stages)
+        next_rank = 0
+        for lane in lanes:
+            first = self.stages[lane[0]]
+            for i in lane:
+                st = self.stages[i]
+                if st.replicas != first.replicas:
+                    raise ValueError(
+                        f"stages {list(lane)} share their ranks under schedule "
+                        f"{self.schedule!r}, so they need one replica count, not "
+                        f"{[self.stages[j].replicas for j in lane]}"
+                    )
+                if st.ranks != tuple(range(next_rank, next_rank + st.replicas)):
+                    raise ValueError(
+                        f"stage {i} has ranks {list(st.ranks)}; with {st.replicas} replicas it "
+                        f"must have ranks {list(range(next_rank, next_rank + st.replicas))}"
+                    )
+            next_rank += first.replicas
         if expect_block != len(self.blocks):
             raise ValueError(
                 f"stages end at block {expect_block} but the plan has {len(self.blocks)} blocks"
             )
         if next_rank != self.world_size:
             raise ValueError(
-                f"replica counts {[s.replicas for s in self.stages]} sum to {next_rank}, "
-                f"not the world size {self.world_size}"
+                f"replica counts {[s.replicas for s in self.stages]} (a lane's counted once) "
+                f"sum to {next_rank}, not the world size {self.world_size}"
             )
         for d in self.dynamic_dims:
             spec = self.inputs[d.input] if d.input < len(self.inputs) else None
@@ -192,11 +211,26 @@ class Plan(BaseModel):
         return self
 
     # -- lookups ---------------------------------------------------------------------------
+    @property
+    def lanes(self) -> tuple[tuple[int, ...], ...]:
+        """The stages each lane holds, lane by lane (one stage a lane but for interleaved
+        1F1B and ZBV)."""
+        return lane_layout(self.schedule, len(self.stages), self.virtual_stages)
+
+    def stages_of_rank(self, rank: int) -> tuple[Stage, ...]:
+        """The stages rank ``rank`` runs, in stage order."""
+        out = tuple(st for st in self.stages if rank in st.ranks)
+        if not out:
+            raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
+        return out
+
     def stage_of_rank(self, rank: int) -> Stage:
-        for st in self.stages:
-            if rank in st.ranks:
-                return st
-        raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
+        """The stage rank ``rank`` runs, where it runs one (see ``stages_of_rank``)."""
+        held = self.stages_of_rank(rank)
+        if len(held) > 1:
+            raise ValueError(f"rank {rank} runs stages {[st.index for st in held]} under "
+                             f"schedule {self.schedule!r}; ask for stages_of_rank")
+        return held[0]
 
     @property
     def loss_output(self) -> int | None:
@@ -214,6 +248,14 @@ class Plan(BaseModel):
         m = self.micro_batches
         if self.schedule == "zbh1":  # a stage holds back up to s weight backwards
             return min(m, len(self.stages))
+        if self.virtual_stages > 1:  # counted off the schedule's own lists
+            from .runtime.actions import in_flight
+            from .runtime.schedule_virtual import interleaved_1f1b_schedule, zbv_schedule
+
+            make = zbv_schedule if self.schedule == "zbv" else interleaved_1f1b_schedule
+            sched = make(len(self.stages), m, self.virtual_stages)
+            lane = next(k for k, held in enumerate(self.lanes) if stage in held)
+            return in_flight(sched[lane], stage)
         return m if self.schedule == "gpipe" else min(m, len(self.stages) - stage)
 
     def at_sizes(self, sizes: Mapping[str, int]) -> Plan:
@@ -275,7 +317,10 @@ class Plan(BaseModel):
             f"rannc_fx plan: {len(self.stages)} stage(s) on {self.world_size} rank(s), "
             f"{self.micro_batches} micro-batch(es) of {self.global_batch // self.micro_batches}"
             f"{'+' if self.global_batch % self.micro_batches else ''} samples, "
-            f"schedule {self.schedule}, device {self.device.name} ({self.cost_model} costs)"
+            f"schedule {self.schedule}"
+            + (f" ({self.virtual_stages} stages a lane: {[list(x) for x in self.lanes]})"
+               if self.virtual_stages > 1 else "")
+            + f", device {self.device.name} ({self.cost_model} costs)"
         )
         cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
                 "recompute", "in flight", "comm ms", "accum ms", "allred ms", "optim ms",
@@ -323,6 +368,25 @@ class Plan(BaseModel):
         for sp in self.shared_params:
             tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
         return "\n".join([head, line, "-" * len(line), *body, *tail])
+
+
+def lane_layout(schedule: str, num_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
+    """The stages each lane holds: one a lane; interleaved 1F1B's lane ``p`` of ``P`` holds
+    ``p, p + P, ...``; ZBV's holds ``p`` and ``2P - 1 - p`` (the first and the last stage on
+    the first lane)."""
+    n, v = num_stages, virtual
+    if v == 1 and schedule not in ("interleaved", "zbv"):
+        return tuple((s,) for s in range(n))
+    if schedule == "zbv" and v == 2 and n % 2 == 0 and n >= 4:
+        return tuple((p, n - 1 - p) for p in range(n // 2))
+    if schedule == "interleaved" and v >= 2 and n % v == 0 and n >= 2 * v:
+        lanes = n // v
+        return tuple(tuple(c * lanes + p for c in range(v)) for p in range(lanes))
+    raise ValueError(
+        f"schedule {schedule!r} with {n} stages and virtual_stages={v}: interleaved needs "
+        "virtual_stages >= 2 and at least 2 lanes of that many stages, zbv virtual_stages=2 "
+        "and an even stage count of at least 4, the others virtual_stages=1"
+    )
 
 
 def loss_output(outputs: list[ValueSpec]) -> int | None:

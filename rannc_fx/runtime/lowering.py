@@ -1,10 +1,12 @@
 """Lower a compute schedule to the actions a rank runs: recomputation, messages, once-a-step work.
 
-``lower(schedule, topology)`` turns each stage's compute list into the list its replicas
+``lower(schedule, topology)`` turns each lane's compute list into the list its ranks
 interpret, by fixed rules that hold for any schedule (none is written per schedule):
 
 - every list starts with ``SCATTER`` (the local batch's pieces to where they are read) and
-  ends with ``REDUCE`` (the gradient all-reduces);
+  ends with ``REDUCE`` (the gradient all-reduces), once a lane, tagged with its first stage;
+- each compute action's messages are its own stage's, wherever the other stage runs (on
+  the same lane the runtime copies instead of sending);
 - a forward is preceded by ``RECV_F`` of its micro-batch where the stage reads cut values and
   followed by ``SEND_F`` where it produces some; a backward is preceded by ``RECV_B`` where its
   outputs' gradients come back and followed by ``SEND_B`` where its inputs' gradients leave;
@@ -45,7 +47,8 @@ class Topology:
     ``sends_to[s]``: stages that read a cut value of s (its forwards' messages go there);
     ``grads_to[s]``: stages whose cut values s reads with a gradient flowing back;
     ``output_stages``: stages that hold model outputs (they send them home at ``GATHER``);
-    ``shared``: sets of stages that all-reduce one parameter together at ``REDUCE``.
+    ``shared``: sets of stages that all-reduce one parameter together at ``REDUCE``;
+    ``lanes``: the stages each lane runs (default: one stage a lane).
     """
 
     num_stages: int
@@ -54,6 +57,26 @@ class Topology:
     recompute: tuple[bool, ...]
     output_stages: frozenset[int] = frozenset()
     shared: tuple[frozenset[int], ...] = ()
+    lanes: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.lanes:
+            object.__setattr__(self, "lanes", tuple((s,) for s in range(self.num_stages)))
+        if sorted(s for lane in self.lanes for s in lane) != list(range(self.num_stages)):
+            raise ValueError(f"lanes {[list(x) for x in self.lanes]} must hold each of the "
+                             f"{self.num_stages} stages once")
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def lane_of(self) -> tuple[int, ...]:
+        out = [0] * self.num_stages
+        for k, lane in enumerate(self.lanes):
+            for s in lane:
+                out[s] = k
+        return tuple(out)
 
     @property
     def reads_from(self) -> tuple[frozenset[int], ...]:
@@ -70,7 +93,8 @@ class Topology:
         )
 
     @classmethod
-    def chain(cls, num_stages: int, recompute: Sequence[bool] | None = None) -> Topology:
+    def chain(cls, num_stages: int, recompute: Sequence[bool] | None = None,
+              lanes: Sequence[Sequence[int]] = ()) -> Topology:
         """Stage s sends to s + 1 and gets gradients back; the last stage owns the outputs."""
         n = num_stages
         return cls(
@@ -79,6 +103,7 @@ class Topology:
             grads_to=tuple(frozenset({s - 1}) if s > 0 else frozenset() for s in range(n)),
             recompute=tuple(recompute) if recompute is not None else (False,) * n,
             output_stages=frozenset({n - 1}),
+            lanes=tuple(tuple(x) for x in lanes),
         )
 
 
@@ -100,28 +125,66 @@ def topology_of(plan: Plan) -> Topology:
         recompute=tuple(st.recompute for st in plan.stages),
         output_stages=frozenset(r.stage for r in plan.outputs if r.spec.kind == "tensor"),
         shared=tuple(frozenset(sp.stages) for sp in plan.shared_params),
+        lanes=plan.lanes,
     )
 
 
+Msg = tuple[str, int, int, int | None]  # (what, from stage or lane, to, micro-batch)
+
+
+def messages_sent(a: Action, topo: Topology) -> list[tuple[int, Msg]]:
+    """(destination lane, label) of every message ``a`` posts, in posting order."""
+    s, i, lane = a.stage, a.microbatch, topo.lane_of
+    if a.kind is Kind.SEND_F:
+        return [(lane[c], ("F", s, c, i)) for c in sorted(topo.sends_to[s])]
+    if a.kind is Kind.SEND_B:
+        return [(lane[p], ("B", s, p, i)) for p in sorted(topo.grads_to[s])]
+    here = lane[s]
+    if a.kind is Kind.SCATTER:
+        return [(d, ("SCATTER", here, d, None)) for d in range(topo.num_lanes) if d != here]
+    held = [o for o in topo.lanes[here] if o in topo.output_stages]
+    if a.kind is Kind.GATHER and held:
+        return [(d, ("GATHER", here, d, None)) for d in range(topo.num_lanes) if d != here]
+    return []
+
+
+def messages_received(a: Action, topo: Topology) -> list[tuple[int, Msg]]:
+    """(source lane, label) of every message ``a`` posts a receive for, in posting order."""
+    s, i, lane = a.stage, a.microbatch, topo.lane_of
+    if a.kind is Kind.RECV_F:
+        return [(lane[p], ("F", p, s, i)) for p in sorted(topo.reads_from[s])]
+    if a.kind is Kind.RECV_B:
+        return [(lane[c], ("B", c, s, i)) for c in sorted(topo.grads_from[s])]
+    here = lane[s]
+    if a.kind is Kind.SCATTER:
+        return [(d, ("SCATTER", d, here, None)) for d in range(topo.num_lanes) if d != here]
+    if a.kind is Kind.GATHER:
+        owners = sorted({lane[o] for o in topo.output_stages} - {here})
+        return [(o, ("GATHER", o, here, None)) for o in owners]
+    return []
+
+
 def lower(schedule: Schedule, topology: Topology) -> Schedule:
-    """Every stage's full action list (see the module docstring for the rules)."""
-    if len(schedule) != topology.num_stages:
+    """Every lane's full action list (see the module docstring for the rules)."""
+    if len(schedule) != topology.num_lanes:
         raise ValueError(
-            f"the schedule has {len(schedule)} stages but the topology {topology.num_stages}"
+            f"the schedule has {len(schedule)} lanes but the topology {topology.num_lanes}"
         )
     reads, grads_from = topology.reads_from, topology.grads_from
-    for s, compute in enumerate(schedule):
-        if any(a.stage != s or not a.kind.is_compute for a in compute):
-            raise ValueError(f"stage {s}'s list must hold only its own F, B and W actions")
-    # one decision for all stages: every rank posts GATHER's messages at the same point
+    for k, compute in enumerate(schedule):
+        if any(a.stage not in topology.lanes[k] or not a.kind.is_compute for a in compute):
+            raise ValueError(f"lane {k}'s list must hold only F, B and W actions of its stages "
+                             f"{list(topology.lanes[k])}")
+    # one decision for all lanes: every rank posts GATHER's messages at the same point
     fill_drain = all(_fill_drain(compute) for compute in schedule)
     out: Schedule = []
-    for s, compute in enumerate(schedule):
+    for k, compute in enumerate(schedule):
+        home = topology.lanes[k][0]
         kinds = [a.kind for a in compute]
-        last_f = max((p for p, k in enumerate(kinds) if k is Kind.F), default=-1)
-        acts = [Action(s, Kind.SCATTER)]
+        last_f = max((p for p, kind in enumerate(kinds) if kind is Kind.F), default=-1)
+        acts = [Action(home, Kind.SCATTER)]
         for p, a in enumerate(compute):
-            i = a.microbatch
+            s, i = a.stage, a.microbatch
             if a.kind is Kind.F:
                 if reads[s]:
                     acts.append(Action(s, Kind.RECV_F, i))
@@ -129,7 +192,7 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
                 if topology.sends_to[s]:
                     acts.append(Action(s, Kind.SEND_F, i))
                 if p == last_f and fill_drain:
-                    acts.append(Action(s, Kind.GATHER))
+                    acts.append(Action(home, Kind.GATHER))
             elif a.kind is Kind.W:
                 acts.append(a)  # no messages: nobody waits for a stage's weight gradients
             else:
@@ -141,16 +204,19 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
                 if topology.grads_to[s]:
                     acts.append(Action(s, Kind.SEND_B, i))
         if not fill_drain:
-            acts.append(Action(s, Kind.GATHER))
-        acts.append(Action(s, Kind.REDUCE))
+            acts.append(Action(home, Kind.GATHER))
+        acts.append(Action(home, Kind.REDUCE))
         out.append(_hoist_receives(acts))
-    return out
+    return _follow_senders(out, topology)
 
 
 def lower_plan(plan: Plan, schedule: str | None = None) -> tuple[Topology, Schedule]:
     """The plan's topology and its schedule (or the named one) lowered."""
     topology = topology_of(plan)
-    compute = make_schedule(schedule or plan.schedule, len(plan.stages), plan.micro_batches)
+    name = schedule or plan.schedule
+    compute = make_schedule(name, len(plan.stages), plan.micro_batches,
+                            plan.virtual_stages if name == plan.schedule else None,
+                            lanes=plan.lanes)
     return topology, lower(compute, topology)
 
 
@@ -178,6 +244,55 @@ def _hoist_receives(acts: list[Action]) -> list[Action]:
     return out
 
 
+def _follow_senders(lowered: Schedule, topology: Topology) -> Schedule:
+    """Post each lane's receives in the order their senders send: where two lanes exchange
+    messages of several stages (ZBV's forwards one way and gradients the other), a receive
+    moves up to just before the first receive that the sender's order puts after it. Posting
+    early never waits (the compute action that reads it does), and it keeps every pair of
+    lanes matching in posting order without tags."""
+    order: dict[tuple[int, int], dict[Msg, int]] = {}
+    for k, acts in enumerate(lowered):
+        for a in acts:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                for d, label in messages_sent(a, topology):
+                    sent = order.setdefault((k, d), {})
+                    sent[label] = len(sent)
+    return [_receives_in_order(acts, k, order, topology) for k, acts in enumerate(lowered)]
+
+
+def _receives_in_order(acts: list[Action], k: int, order: dict[tuple[int, int], dict[Msg, int]],
+                       topology: Topology) -> list[Action]:
+    recvs = {p: messages_received(a, topology) for p, a in enumerate(acts)
+             if a.kind in (Kind.RECV_F, Kind.RECV_B)}
+    by_label = {(src, label): p for p, got in recvs.items() for src, label in got}
+    sequence = {src: list(sent) for (src, dst), sent in order.items() if dst == k}
+    done = dict.fromkeys(sequence, 0)  # per sender: its labels up to here are placed
+    placed: set[int] = set()
+    out: list[Action] = []
+
+    def place(p: int) -> None:  # after every receive its senders send earlier
+        placed.add(p)
+        for src, label in recvs[p]:
+            n = order.get((src, k), {}).get(label)
+            if n is None:
+                continue  # a mismatch simulate reports
+            while done[src] < n:
+                q = by_label.get((src, sequence[src][done[src]]))
+                done[src] += 1
+                if q is not None and q not in placed:
+                    place(q)
+            done[src] = max(done[src], n + 1)
+        out.append(acts[p])
+
+    for p, a in enumerate(acts):
+        if p in recvs and p not in placed:
+            place(p)
+        elif p not in placed:
+            placed.add(p)
+            out.append(a)
+    return out
+
+
 def split_at_gather(actions: Sequence[Action]) -> tuple[list[Action], list[Action]]:
     """(up to and including GATHER, the rest): what a call runs and what ``backward`` runs."""
     for p, a in enumerate(actions):
@@ -187,11 +302,13 @@ def split_at_gather(actions: Sequence[Action]) -> tuple[list[Action], list[Actio
 
 
 def format_lowered(lowered: Schedule, rows: Sequence[tuple[str, int]] | None = None) -> str:
-    """One line per row (default one per stage): its actions without the stage number."""
+    """One line per row (default one per lane): its actions, without the stage number where
+    a lane runs one stage."""
     rows = rows if rows is not None else [(f"st {s}", s) for s in range(len(lowered))]
     label = max(6, *(len(name) + 1 for name, _ in rows))
-    return "\n".join(
-        name.ljust(label)
-        + " ".join(str(a)[len(str(a.stage)) :] for a in lowered[s])
-        for name, s in rows
-    )
+
+    def shown(acts: list[Action]) -> str:
+        one = len({a.stage for a in acts if not a.kind.once}) <= 1
+        return " ".join(str(a)[len(str(a.stage)):] if one else str(a) for a in acts)
+
+    return "\n".join(name.ljust(label) + shown(lowered[s]) for name, s in rows)

@@ -31,19 +31,18 @@ pace, send their gradients up sooner; the held ``W``s fill the waits of the drai
     st 1  .   1F0 1F1 .   1B0 1F2 1B1 1W0 1F3 1B2 1W1 1W2 1B3 1W3 .
     st 2  .   .   2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3 .
 
-(one tick per action here; a ``B`` or a ``W`` takes about half a full backward.) An
-interleaved schedule adds more than one stage per rank; nothing downstream is written per
-schedule.
+(one tick per action here; a ``B`` or a ``W`` takes about half a full backward.)
+Interleaved 1F1B and ZBV put several stages on each lane (``schedule_virtual``); a schedule
+is one list per lane, and nothing downstream is written per schedule.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
-from enum import Enum
-from typing import NamedTuple
 
-from ..plan import Plan
+from ..plan import Plan, lane_layout
+from .actions import Action, Kind, Schedule, in_flight
+from .schedule_virtual import interleaved_1f1b_schedule, zbv_schedule
 
 __all__ = [
     "SCHEDULES",
@@ -54,66 +53,15 @@ __all__ = [
     "format_schedule",
     "gpipe_schedule",
     "in_flight",
+    "interleaved_1f1b_schedule",
+    "lanes_of",
     "make_schedule",
     "one_f_one_b_schedule",
     "plan_grid",
+    "virtual_of",
+    "zbv_schedule",
     "zero_bubble_h1_schedule",
 ]
-
-
-class Kind(Enum):
-    """What an action does. Compute: F, R, B. Messages: RECV_*, SEND_*. Once a step: the rest."""
-
-    F = "F"  # forward of one micro-batch
-    R = "R"  # recompute one micro-batch's forward (its activations) right before its backward
-    B = "B"  # backward of one micro-batch (only its inputs' gradients where a W follows)
-    W = "W"  # the parameters' gradients of one micro-batch, after its B
-    RECV_F = "RECV_F"  # post the receives of one micro-batch's inputs
-    SEND_F = "SEND_F"  # send one micro-batch's cut values to the stages that read them
-    RECV_B = "RECV_B"  # post the receives of the gradients of one micro-batch's outputs
-    SEND_B = "SEND_B"  # send the gradients of one micro-batch's inputs to their producers
-    SCATTER = "SCATTER"  # the local batch's pieces to the replicas that read them (all mbs)
-    GATHER = "GATHER"  # model outputs home, the loss to every rank, buffers made equal
-    REDUCE = "REDUCE"  # gradient all-reduces among replicas and holders of shared parameters
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.R, Kind.B, Kind.W)
-
-    @property
-    def once(self) -> bool:
-        """Once per step, for all micro-batches (no micro-batch of its own)."""
-        return self in (Kind.SCATTER, Kind.GATHER, Kind.REDUCE)
-
-
-class Action(NamedTuple):
-    """Stage ``stage`` does ``kind`` for micro-batch ``microbatch`` (None: once a step)."""
-
-    stage: int
-    kind: Kind
-    microbatch: int | None = None
-
-    def __str__(self) -> str:
-        mb = "" if self.microbatch is None else str(self.microbatch)
-        return f"{self.stage}{self.kind.value}{mb}"
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """The action ``str`` printed: ``1F0``, ``0W3``, ``2REDUCE``."""
-        m = re.fullmatch(r"(\d+)([A-Z_]+?)(\d*)", text.strip())
-        if m is None or m.group(2) not in Kind._value2member_map_:
-            raise ValueError(f"{text!r} is not an action: stage, kind ({', '.join(k.value for k in Kind)}), micro-batch, e.g. '1F0'")
-        kind = Kind(m.group(2))
-        mb = int(m.group(3)) if m.group(3) else None
-        if kind.once != (mb is None):
-            raise ValueError(f"{text!r}: {kind.value} " + ("runs once a step, without a micro-batch" if kind.once else "needs a micro-batch"))
-        return cls(int(m.group(1)), kind, mb)
-
-
-Schedule = list[list[Action]]  # one list per stage, in the order that stage runs them
 
 
 def _check_sizes(num_stages: int, micro_batches: int) -> None:
@@ -124,14 +72,18 @@ def _check_sizes(num_stages: int, micro_batches: int) -> None:
         )
 
 
-def gpipe_schedule(num_stages: int, micro_batches: int) -> Schedule:
+def gpipe_schedule(num_stages: int, micro_batches: int,
+                   lanes: Sequence[Sequence[int]] | None = None) -> Schedule:
     """GPipe fill-drain: every forward in micro-batch order, then every backward in reverse
-    (the last stage turns around on the micro-batch it finished last)."""
+    (the last stage turns around on the micro-batch it finished last). Where a lane holds
+    several stages (``lanes``), it runs its stages' forwards in stage order and their
+    backwards in reverse, breadth first (torch's LoopedBFS)."""
     _check_sizes(num_stages, micro_batches)
+    lanes = lanes if lanes is not None else [[s] for s in range(num_stages)]
     return [
-        [Action(s, Kind.F, i) for i in range(micro_batches)]
-        + [Action(s, Kind.B, i) for i in reversed(range(micro_batches))]
-        for s in range(num_stages)
+        [Action(s, Kind.F, i) for s in lane for i in range(micro_batches)]
+        + [Action(s, Kind.B, i) for s in reversed(lane) for i in reversed(range(micro_batches))]
+        for lane in lanes
     ]
 
 
@@ -179,40 +131,57 @@ def zero_bubble_h1_schedule(num_stages: int, micro_batches: int) -> Schedule:
     return out
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
-    "gpipe": gpipe_schedule,
-    "1f1b": one_f_one_b_schedule,
-    "zbh1": zero_bubble_h1_schedule,
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": lambda n, m, v: gpipe_schedule(n, m),  # noqa: ARG005
+    "1f1b": lambda n, m, v: one_f_one_b_schedule(n, m),
+    "zbh1": lambda n, m, v: zero_bubble_h1_schedule(n, m),
+    "interleaved": interleaved_1f1b_schedule,
+    "zbv": zbv_schedule,
 }
 
 
-def make_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
-    """The named schedule's compute actions (``Plan.schedule`` names one)."""
+def virtual_of(name: str, virtual: int | None = None) -> int:
+    """Stages a lane under schedule ``name``: 1, ZBV's 2, or interleaved 1F1B's ``virtual``."""
+    fixed = {"gpipe": 1, "1f1b": 1, "zbh1": 1, "zbv": 2}
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](num_stages, micro_batches)
+    if name in fixed:
+        if virtual not in (None, fixed[name]):
+            raise ValueError(f"schedule {name!r} runs {fixed[name]} stage(s) a lane, not "
+                             f"virtual_stages={virtual}")
+        return fixed[name]
+    if virtual is None or virtual < 2:
+        raise ValueError(f"schedule {name!r} needs virtual_stages >= 2 (stages a lane), got "
+                         f"{virtual}")
+    return virtual
 
 
-def in_flight(actions: Sequence[Action]) -> int:
-    """The most micro-batches whose forward ran and whose backward has not, at any point."""
-    live = most = 0
-    for a in actions:
-        if a.kind is Kind.F:
-            live += 1
-            most = max(most, live)
-        elif a.kind is Kind.B:
-            live -= 1
-    return most
+def lanes_of(name: str, num_stages: int, virtual: int | None = None) -> list[list[int]]:
+    """The stages each lane holds under schedule ``name``, lane by lane."""
+    return [list(x) for x in lane_layout(name, num_stages, virtual_of(name, virtual))]
+
+
+def make_schedule(name: str, num_stages: int, micro_batches: int,
+                  virtual: int | None = None,
+                  lanes: Sequence[Sequence[int]] | None = None) -> Schedule:
+    """The named schedule's compute actions, one list per lane (``Plan.schedule`` names one).
+    ``lanes``: GPipe over another schedule's lanes (a plan's deferred backward)."""
+    if lanes is not None and name == "gpipe":
+        return gpipe_schedule(num_stages, micro_batches, lanes)
+    v = virtual_of(name, virtual)
+    _check_sizes(num_stages, micro_batches)
+    return SCHEDULES[name](num_stages, micro_batches, v)
 
 
 def clock_ticks(schedule: Schedule) -> dict[Action, int]:
     """The earliest tick of every compute action if each takes one tick.
 
     A forward waits for the previous stage's forward of the same micro-batch, a backward for
-    the next stage's backward of it (the last stage's backward for its own forward, earlier
-    in its list), and every action for the one before it on its own stage.
+    the next stage's backward of it (the last stage's backward for its own forward), a ``W``
+    for its ``B``, and every action for the one before it on its own lane.
     """
     n = len(schedule)
+    stages = 1 + max((a.stage for actions in schedule for a in actions), default=-1)
     tick: dict[Action, int] = {}
     pending = [[a for a in actions if a.kind in (Kind.F, Kind.B, Kind.W)] for actions in schedule]
     last = [-1] * n
@@ -221,7 +190,7 @@ def clock_ticks(schedule: Schedule) -> dict[Action, int]:
         for s in range(n):
             while pending[s]:
                 a = pending[s][0]
-                dep = _dependency(a, n)
+                dep = _dependency(a, stages)
                 if dep is not None and dep not in tick:
                     break
                 t = max(last[s], tick[dep] if dep is not None else -1) + 1
@@ -237,12 +206,15 @@ def clock_ticks(schedule: Schedule) -> dict[Action, int]:
 def format_schedule(schedule: Schedule, rows: Sequence[tuple[str, int]] | None = None) -> str:
     """The compute actions as the tick table of this module's docstring.
 
-    ``rows`` lists (label, stage) per printed row, e.g. one per rank; default one per stage.
+    ``rows`` lists (label, lane) per printed row, e.g. one per rank; default one per lane.
     """
     tick = clock_ticks(schedule)
     width = max(tick.values(), default=-1) + 1
     cell = max(4, *(len(str(a)) + 1 for a in tick))
-    rows = rows if rows is not None else [(f"st {s}", s) for s in range(len(schedule))]
+    rows = rows if rows is not None else [
+        (f"{'st' if all(len({a.stage for a in acts}) <= 1 for acts in schedule) else 'ln'} {s}", s)
+        for s in range(len(schedule))
+    ]
     label = max(6, *(len(name) + 1 for name, _ in rows))
     lines = ["tick".ljust(label) + "".join(str(t).ljust(cell) for t in range(width)).rstrip()]
     for name, s in rows:
@@ -255,19 +227,21 @@ def format_schedule(schedule: Schedule, rows: Sequence[tuple[str, int]] | None =
 
 
 def plan_grid(plan: Plan) -> str:
-    """One step of ``plan``'s schedule, one row per rank: its stage's forwards and backwards
+    """One step of ``plan``'s schedule, one row per rank: its stages' forwards and backwards
     by clock tick (a recomputing stage runs R before each of its B)."""
-    sched = make_schedule(plan.schedule, len(plan.stages), plan.micro_batches)
-    rows = [(f"rank {r}", plan.stage_of_rank(r).index) for r in range(plan.world_size)]
+    sched = make_schedule(plan.schedule, len(plan.stages), plan.micro_batches,
+                          plan.virtual_stages)
+    lane = {s: k for k, held in enumerate(plan.lanes) for s in held}
+    rows = [(f"rank {r}", lane[plan.stages_of_rank(r)[0].index]) for r in range(plan.world_size)]
     return format_schedule(sched, rows)
 
 
 def _dependency(a: Action, num_stages: int) -> Action | None:
     assert a.microbatch is not None
     if a.kind is Kind.W:
-        return None  # its own B, earlier in the same list
+        return Action(a.stage, Kind.B, a.microbatch)
     if a.kind is Kind.F:
         return Action(a.stage - 1, Kind.F, a.microbatch) if a.stage > 0 else None
     if a.stage < num_stages - 1:
         return Action(a.stage + 1, Kind.B, a.microbatch)
-    return None  # the last stage's backward follows its own forward (same-stage order)
+    return Action(a.stage, Kind.F, a.microbatch)  # the last stage turns around

@@ -5,12 +5,13 @@ The model of the runtime it checks (``executor`` runs it so):
 - a receive is posted where its ``RECV_*`` action stands and waited on by the compute action
   that reads it (``F``, ``B``) or by ``GATHER``; sends never block (they are finished at the end
   of the step), so an action waits only for messages that are posted earlier;
-- messages between two stages match in posting order (no tags): the sender's sequence of
-  messages to a stage must equal that stage's sequence of receives from it, else a receive
-  would get another message's bytes;
+- messages between two lanes match in posting order (no tags): the sender's sequence of
+  messages to a lane must equal that lane's sequence of receives from it, else a receive
+  would get another message's bytes (between two stages of one lane they are copies, in
+  the same order);
 - ``GATHER`` posts its sends and receives at once and then waits for the outputs of every
-  other stage that holds model outputs, sent at that stage's ``GATHER``; ``REDUCE`` waits for
-  every stage it shares a parameter with.
+  other lane that holds model outputs, sent at that lane's ``GATHER``; ``REDUCE`` waits for
+  every lane it shares a parameter with.
 
 ``simulate`` checks both properties and returns each action's start and end for given action
 durations; ``plan_durations`` reads them off a plan's per-stage costs (a forward carries half
@@ -25,14 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..plan import Plan, Stage
+from .lowering import Msg as _Msg
 from .lowering import Topology, lower_plan
+from .lowering import messages_received as _receives
+from .lowering import messages_sent as _sends
 from .schedule import Action, Kind, Schedule
 
 __all__ = ["SPLIT_NODE_MS", "SPLIT_OVERHEAD", "ScheduleError", "Simulation", "plan_durations", "simulate",
            "simulate_plan", "weight_share"]
 
 Durations = Callable[[Action], float]
-_Msg = tuple[str, int | None]  # (what, micro-batch): the label both ends agree on
 
 
 class ScheduleError(ValueError):
@@ -52,126 +55,105 @@ class Simulation:
 
 
 
-def _sends(a: Action, topo: Topology) -> list[tuple[int, _Msg]]:
-    """(destination stage, label) of every message ``a`` posts, in posting order."""
-    s, i = a.stage, a.microbatch
-    if a.kind is Kind.SEND_F:
-        return [(c, ("F", i)) for c in sorted(topo.sends_to[s])]
-    if a.kind is Kind.SEND_B:
-        return [(p, ("B", i)) for p in sorted(topo.grads_to[s])]
-    if a.kind is Kind.SCATTER:
-        return [(d, ("SCATTER", None)) for d in range(topo.num_stages) if d != s]
-    if a.kind is Kind.GATHER and s in topo.output_stages:
-        return [(d, ("GATHER", None)) for d in range(topo.num_stages) if d != s]
-    return []
-
-
-def _receives(a: Action, topo: Topology) -> list[tuple[int, _Msg]]:
-    """(source stage, label) of every message ``a`` posts a receive for, in posting order."""
-    s, i = a.stage, a.microbatch
-    if a.kind is Kind.RECV_F:
-        return [(p, ("F", i)) for p in sorted(topo.reads_from[s])]
-    if a.kind is Kind.RECV_B:
-        return [(c, ("B", i)) for c in sorted(topo.grads_from[s])]
-    if a.kind is Kind.SCATTER:
-        return [(d, ("SCATTER", None)) for d in range(topo.num_stages) if d != s]
-    if a.kind is Kind.GATHER:
-        return [(o, ("GATHER", None)) for o in sorted(topo.output_stages) if o != s]
-    return []
-
-
-def _waits_for(a: Action) -> tuple[str, int | None] | None:
-    """The label whose receives ``a`` waits on: its micro-batch's messages, or GATHER's."""
+def _waits_for(a: Action) -> tuple[str, int, int | None] | None:
+    """What ``a`` waits on: (kind, its stage, micro-batch) of the messages it reads, or
+    GATHER's (the stage is then its lane's)."""
     if a.kind is Kind.F:
-        return ("F", a.microbatch)
+        return ("F", a.stage, a.microbatch)
     if a.kind is Kind.B:
-        return ("B", a.microbatch)
+        return ("B", a.stage, a.microbatch)
     if a.kind is Kind.GATHER:
-        return ("GATHER", None)
+        return ("GATHER", -1, None)
     return None
 
 
 def _check_matching(lowered: Schedule, topo: Topology) -> None:
-    n = topo.num_stages
+    n = topo.num_lanes
     sent: dict[tuple[int, int], list[_Msg]] = {}
     got: dict[tuple[int, int], list[_Msg]] = {}
-    for s in range(n):
-        for a in lowered[s]:
+    for k in range(n):
+        for a in lowered[k]:
             for d, label in _sends(a, topo):
-                sent.setdefault((s, d), []).append(label)
+                sent.setdefault((k, d), []).append(label)
             for src, label in _receives(a, topo):
-                got.setdefault((src, s), []).append(label)
+                got.setdefault((src, k), []).append(label)
     for pair in sorted(set(sent) | set(got)):
         out, back = sent.get(pair, []), got.get(pair, [])
         if out != back:
             k = next((k for k, (x, y) in enumerate(zip(out, back, strict=False)) if x != y),
                      min(len(out), len(back)))
             raise ScheduleError(
-                f"stage {pair[0]} sends {_show(out[k:k + 3])} to stage {pair[1]} where it "
-                f"posts receives for {_show(back[k:k + 3])}: messages between two stages must "
+                f"lane {pair[0]} sends {_show(out[k:k + 3])} to lane {pair[1]} where it "
+                f"posts receives for {_show(back[k:k + 3])}: messages between two lanes must "
                 "be posted in the same order on both sides"
             )
 
 
 def _show(labels: list[_Msg]) -> str:
-    return ", ".join(f"{w}{'' if i is None else i}" for w, i in labels) or "nothing"
+    return ", ".join(
+        f"{w}{'' if i is None else i}" + (f" ({a}->{b})" if i is not None else "")
+        for w, a, b, i in labels
+    ) or "nothing"
 
 
 def simulate(lowered: Schedule, topology: Topology, durations: Durations) -> Simulation:
-    """Run every stage's list as early as its messages allow; raise ScheduleError on a hang."""
+    """Run every lane's list as early as its messages allow; raise ScheduleError on a hang."""
     _check_matching(lowered, topology)
-    n = topology.num_stages
+    n = topology.num_lanes
+    lane_of = topology.lane_of
     posted: dict[tuple[int, int, _Msg], float] = {}  # (src, dst, label) -> time posted
-    arrived: dict[int, float] = {}  # stage -> when it reached REDUCE
+    arrived: dict[int, float] = {}  # lane -> when it reached REDUCE
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     clock, pos = [0.0] * n, [0] * n
-    expected = [[(src, label) for a in lowered[s] for src, label in _receives(a, topology)]
-                for s in range(n)]
-    peers = [{p for group in topology.shared if s in group for p in group} for s in range(n)]
-    while any(pos[s] < len(lowered[s]) for s in range(n)):
+    expected = [[(src, label) for a in lowered[k] for src, label in _receives(a, topology)]
+                for k in range(n)]
+    peers = [{lane_of[p] for group in topology.shared if set(group) & set(topology.lanes[k])
+              for p in group} - {k} for k in range(n)]
+    while any(pos[k] < len(lowered[k]) for k in range(n)):
         progressed = False
-        for s in range(n):
-            while pos[s] < len(lowered[s]):
-                a = lowered[s][pos[s]]
+        for k in range(n):
+            while pos[k] < len(lowered[k]):
+                a = lowered[k][pos[k]]
                 if a.kind is Kind.GATHER:
                     # posts its sends and receives together, then waits: sends count from
-                    # its arrival, so two stages holding outputs never wait on each other
+                    # its arrival, so two lanes holding outputs never wait on each other
                     for d, label in _sends(a, topology):
-                        posted.setdefault((s, d, label), clock[s])
+                        posted.setdefault((k, d, label), clock[k])
                 if a.kind is Kind.REDUCE:
-                    # a collective: it starts once every stage sharing a parameter is there
-                    arrived.setdefault(s, clock[s])
-                    if any(p not in arrived for p in peers[s]):
+                    # a collective: it starts once every lane sharing a parameter is there
+                    arrived.setdefault(k, clock[k])
+                    if any(p not in arrived for p in peers[k]):
                         break
-                    ready: float | None = max((arrived[p] for p in peers[s]), default=0.0)
+                    ready: float | None = max((arrived[p] for p in peers[k] | {k}), default=0.0)
                 else:
-                    ready = _ready_at(a, s, expected[s], posted)
+                    ready = _ready_at(a, k, expected[k], posted)
                 if ready is None:
                     break
-                t0 = max(clock[s], ready)
+                t0 = max(clock[k], ready)
                 start[a], end[a] = t0, t0 + durations(a)
-                clock[s] = end[a]
+                clock[k] = end[a]
                 for d, label in _sends(a, topology):
-                    posted.setdefault((s, d, label), end[a])
-                pos[s] += 1
+                    posted.setdefault((k, d, label), end[a])
+                pos[k] += 1
                 progressed = True
         if not progressed:
-            stuck = ", ".join(str(lowered[s][pos[s]]) for s in range(n) if pos[s] < len(lowered[s]))
+            stuck = ", ".join(str(lowered[k][pos[k]]) for k in range(n) if pos[k] < len(lowered[k]))
             raise ScheduleError(f"the schedule hangs: {stuck} wait for messages never sent")
     return Simulation(start, end)
 
 
-def _ready_at(a: Action, s: int, expected: list[tuple[int, _Msg]],
+def _ready_at(a: Action, k: int, expected: list[tuple[int, _Msg]],
               posted: dict[tuple[int, int, _Msg], float]) -> float | None:
     """When the messages ``a`` waits on were sent, or None while one is still unsent."""
-    label = _waits_for(a)
-    if label is None:
+    want = _waits_for(a)
+    if want is None:
         return 0.0
+    what, stage, i = want
     times = []
-    for src, want in expected:
-        if want == label:
-            t = posted.get((src, s, want))
+    for src, label in expected:
+        if label[0] == what and label[3] == i and (what == "GATHER" or label[2] == stage):
+            t = posted.get((src, k, label))
             if t is None:
                 return None
             times.append(t)
@@ -205,9 +187,13 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
     are frozen (``weight_share``); ``B`` also walks the autograd graph (``SPLIT_NODE_MS`` a
     node of the stage).
     """
-    first_b = {s: next((a.microbatch for a in acts if a.kind is Kind.B), None)
-               for s, acts in enumerate(lowered)}
+    first_b: dict[int, int | None] = {}
+    for acts in lowered:
+        for a in acts:
+            if a.kind is Kind.B:
+                first_b.setdefault(a.stage, a.microbatch)
     split = {(a.stage, a.microbatch) for acts in lowered for a in acts if a.kind is Kind.W}
+    lane = {s: held for held in plan.lanes for s in held}
 
     def of(a: Action) -> float:
         st = plan.stages[a.stage]
@@ -224,8 +210,9 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
             return 1e-3 * (st.bwd_ms + st.comm_ms / 2 + acc)
         if a.kind is Kind.W:
             return 1e-3 * (st.bwd_ms * w * (1 + SPLIT_OVERHEAD) + acc)
-        if a.kind is Kind.REDUCE:
-            return 1e-3 * (st.allreduce_ms + st.optimizer_ms)
+        if a.kind is Kind.REDUCE:  # every stage of its lane
+            return 1e-3 * sum(plan.stages[j].allreduce_ms + plan.stages[j].optimizer_ms
+                              for j in lane[a.stage])
         return 0.0
 
     return of
