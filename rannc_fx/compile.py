@@ -30,6 +30,7 @@ from .passes.capture import CapturedGraph
 from .plan import Plan
 from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
 from .runtime.comm import agree, init_distributed
+from .runtime.lane import LaneModules, graph_modules
 from .runtime.trace import Recorder
 from .startup import set_up_rank
 from .startup.placement import InitFn, Placement, rank_device
@@ -86,7 +87,7 @@ class CompiledModel(nn.Module):
         self.device = rank_device(self.config.device)
         init_distributed(self.config, device=self.device)
         self.model: nn.Module | None = model  # until the first call; then only `stage` is kept
-        self.stage: fx.GraphModule | None = None
+        self.stage: fx.GraphModule | LaneModules | None = None
         self._optimizer = optimizer
         self._given = plan
         self._captured: CapturedGraph | None = None
@@ -108,10 +109,10 @@ class CompiledModel(nn.Module):
 
     @property
     def stages(self) -> list[fx.GraphModule]:
-        """This rank's stage GraphModules (one: each rank runs one stage)."""
+        """This rank's stage GraphModules: one, or each of its lane's (interleaved, ZBV)."""
         self._ready()
         assert self.stage is not None
-        return [self.stage]
+        return graph_modules(self.stage)
 
     def __repr__(self) -> str:
         if self._executor is None:
@@ -119,8 +120,10 @@ class CompiledModel(nn.Module):
                 f"CompiledModel(not planned yet: the first call plans {type(self.model).__name__})"
             )
         ex = self._executor
+        held = getattr(ex, "stages", (ex.stage,))
         where = (
-            f"rank {ex.rank} runs stage {ex.stage.index} "
+            f"rank {ex.rank} runs stage{'s' if len(held) > 1 else ''} "
+            f"{', '.join(str(st.index) for st in held)} "
             f"(replica {ex.replica + 1} of {ex.stage.replicas}, ranks {list(ex.stage.ranks)})"
         )
         plan = ex.plan

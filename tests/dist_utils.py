@@ -16,7 +16,16 @@ import torch
 import torch.distributed as dist
 
 from rannc_fx.device import DeviceSpec
-from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage
+from rannc_fx.plan import (
+    Block,
+    CutValue,
+    MemoryEstimate,
+    OutputRef,
+    Plan,
+    SharedParam,
+    Stage,
+    lane_layout,
+)
 from rannc_fx.values import ValueSpec
 
 __all__ = ["RankFailed", "assert_like_reference", "assert_moved_alike", "assert_moved_alike_in_norm",
@@ -252,13 +261,15 @@ def make_plan(
     shared: Sequence[tuple[str, Sequence[int]]] = (),
     schedule: str = "gpipe",
     recompute: Sequence[bool] | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     """A plan with one block per stage; cut values follow from ``stage_io``.
 
     ``stage_io[s]`` is (input names, output names) of stage s in placeholder / return order;
     a name one stage returns and later ones take becomes a cut value. ``outputs`` are the
     model's flat outputs by value name; ``shared`` is (parameter name, stages) pairs;
-    ``recompute`` one flag per stage (default none recomputes).
+    ``recompute`` one flag per stage (default none recomputes). Ranks go to the lanes of
+    ``schedule`` (``virtual_stages`` stages a lane) in lane order.
     """
     producer: dict[str, int] = {}
     for s, (_, outs) in enumerate(stage_io):
@@ -272,7 +283,12 @@ def make_plan(
     zero = MemoryEstimate(
         params=0, grads=0, optimizer_state=0, activations=0, comm_buffers=0, workspace=0
     )
-    stages, rank = [], 0
+    first_rank, rank = {}, 0
+    for lane in lane_layout(schedule, len(stage_io), virtual_stages):
+        for s in lane:
+            first_rank[s] = rank
+        rank += replicas[lane[0]]
+    stages = []
     for s, ((ins, outs), r) in enumerate(zip(stage_io, replicas, strict=True)):
         stages.append(
             Stage(
@@ -280,7 +296,7 @@ def make_plan(
                 first_block=s,
                 end_block=s + 1,
                 replicas=r,
-                ranks=tuple(range(rank, rank + r)),
+                ranks=tuple(range(first_rank[s], first_rank[s] + r)),
                 samples=-(-global_batch // (micro_batches * r)),
                 num_nodes=1,
                 param_names=(),
@@ -294,7 +310,6 @@ def make_plan(
                 memory=zero,
             )
         )
-        rank += r
     return Plan(
         model_fingerprint="test",
         tracer="fx",
@@ -302,6 +317,7 @@ def make_plan(
         global_batch=global_batch,
         micro_batches=micro_batches,
         schedule=schedule,
+        virtual_stages=virtual_stages,
         device=DeviceSpec.preset("cpu"),
         cost_model="analytic",
         memory_budget=1 << 30,

@@ -7,6 +7,7 @@ import pytest
 from rannc_fx.plan import lane_layout
 from rannc_fx.runtime.lowering import Topology, lower, messages_received, messages_sent
 from rannc_fx.runtime.schedule import (
+    Action,
     Kind,
     clock_ticks,
     in_flight,
@@ -158,3 +159,24 @@ def test_a_virtual_schedule_round_trips_through_torch_s_csv(name, lanes, v, m):
     assert {s: mapping[s] for s in mapping} == {s: p for p, lane in
                                                 enumerate(lanes_of(name, lanes * v, v))
                                                 for s in lane}
+
+
+def test_two_sources_on_one_lane_get_a_receive_each_in_their_sender_s_order():
+    """ZBV, 4 stages, stage 0 also feeds stage 2 (a skip): stage 0's gradients come from
+    stages 1 and 2, both on lane 1, which runs 2's backward first; one receive action for
+    both would post them in the other order."""
+    topo = Topology(
+        num_stages=4,
+        sends_to=(frozenset({1, 2}), frozenset({2}), frozenset({3}), frozenset()),
+        grads_to=(frozenset(), frozenset({0}), frozenset({0, 1}), frozenset({2})),
+        recompute=(False,) * 4,
+        output_stages=frozenset({3}),
+        lanes=tuple(tuple(x) for x in lanes_of("zbv", 4)),
+    )
+    low = lower(make_schedule("zbv", 4, 4), topo)
+    recv = [a for a in low[0] if a.kind is Kind.RECV_B and a.microbatch == 0]
+    assert [str(a) for a in recv] == ["0RECV_B0<2", "0RECV_B0<1"]
+    assert all(Action.parse(str(a)) == a for a in low[0] + low[1])
+    simulate(low, topo, lambda a: 1.0 if a.kind.is_compute else 0.0)  # matches, no hang
+    with pytest.raises(ValueError, match="only a receive names"):
+        Action.parse("0F0<1")

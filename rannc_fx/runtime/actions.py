@@ -42,30 +42,36 @@ class Kind(Enum):
 
 
 class Action(NamedTuple):
-    """Stage ``stage`` does ``kind`` for micro-batch ``microbatch`` (None: once a step)."""
+    """Stage ``stage`` does ``kind`` for micro-batch ``microbatch`` (None: once a step); a
+    receive with a ``peer`` posts only what that stage sends (``1RECV_B0<3``)."""
 
     stage: int
     kind: Kind
     microbatch: int | None = None
+    peer: int | None = None
 
     def __str__(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)
-        return f"{self.stage}{self.kind.value}{mb}"
+        peer = "" if self.peer is None else f"<{self.peer}"
+        return f"{self.stage}{self.kind.value}{mb}{peer}"
 
     def __repr__(self) -> str:
         return str(self)
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """The action ``str`` printed: ``1F0``, ``0W3``, ``2REDUCE``."""
-        m = re.fullmatch(r"(\d+)([A-Z_]+?)(\d*)", text.strip())
+        """The action ``str`` printed: ``1F0``, ``0W3``, ``2REDUCE``, ``1RECV_B0<3``."""
+        m = re.fullmatch(r"(\d+)([A-Z_]+?)(\d*)(?:<(\d+))?", text.strip())
         if m is None or m.group(2) not in Kind._value2member_map_:
             raise ValueError(f"{text!r} is not an action: stage, kind ({', '.join(k.value for k in Kind)}), micro-batch, e.g. '1F0'")
         kind = Kind(m.group(2))
         mb = int(m.group(3)) if m.group(3) else None
         if kind.once != (mb is None):
             raise ValueError(f"{text!r}: {kind.value} " + ("runs once a step, without a micro-batch" if kind.once else "needs a micro-batch"))
-        return cls(int(m.group(1)), kind, mb)
+        peer = int(m.group(4)) if m.group(4) else None
+        if peer is not None and kind not in (Kind.RECV_F, Kind.RECV_B):
+            raise ValueError(f"{text!r}: only a receive names the stage it receives from")
+        return cls(int(m.group(1)), kind, mb, peer)
 
 
 Schedule = list[list[Action]]  # one list per lane, in the order its ranks run them

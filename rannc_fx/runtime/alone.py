@@ -27,6 +27,7 @@ from .checks import (
 )
 from .comm import Groups
 from .executor import StageExecutor
+from .lane import LaneModules
 from .pieces import dtype_of, ints_value
 
 __all__ = ["AloneExecutor", "build_executor", "runs_alone"]
@@ -45,7 +46,7 @@ def runs_alone(plan: Plan) -> bool:
 
 def build_executor(
     plan: Plan,
-    module: fx.GraphModule,
+    module: fx.GraphModule | LaneModules,
     *,
     device: torch.device | str | None = None,
     timeout_s: float | None = None,
@@ -53,6 +54,7 @@ def build_executor(
 ) -> StageExecutor | AloneExecutor:
     """The executor for this rank: the fast path where ``runs_alone``, else the interpreter."""
     if runs_alone(plan):
+        assert isinstance(module, fx.GraphModule)  # one rank runs one stage
         return AloneExecutor(plan, module, device=device)
     return StageExecutor(plan, module, device=device, timeout_s=timeout_s, groups=groups)
 

@@ -41,6 +41,7 @@ from .alone import AloneExecutor, build_executor
 from .comm import CommError, abort_groups, build_groups
 from .executor import StageExecutor
 from .failures import PeerFailed, raised_everywhere
+from .lane import LaneModules
 from .trace import Recorder
 
 __all__ = ["KEPT", "BatchSizes", "rebatched"]
@@ -68,7 +69,7 @@ class BatchSizes:
     """The executor for each global batch size this rank's calls pass."""
 
     def __init__(
-        self, plan: Plan, module: fx.GraphModule, *, device: torch.device,
+        self, plan: Plan, module: fx.GraphModule | LaneModules, *, device: torch.device,
         timeout_s: float | None,
         planned: str | None = None,
         state: Callable[[], str | None] = lambda: None,

@@ -125,13 +125,14 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
 
     ``new_group`` is collective over the whole world, so even ranks outside a group take part
     in making it: first the replica group of each stage with more than one replica (stage
-    order), then one group per shared parameter (plan order). A one-rank plan needs none
-    (and no process group).
+    order), then one group per shared parameter (plan order), each set of ranks once. A
+    one-rank plan needs none (and no process group).
     """
     timeout = timedelta(seconds=timeout_s)
     stage_ranks = [st.ranks for st in plan.stages]
-    shared_ranks = [
-        tuple(r for s in sp.stages for r in plan.stages[s].ranks) for sp in plan.shared_params
+    shared_ranks = [  # each rank once: two stages of one lane share their ranks
+        tuple(sorted({r for s in sp.stages for r in plan.stages[s].ranks}))
+        for sp in plan.shared_params
     ]
     if plan.world_size == 1:
         return Groups(
@@ -141,11 +142,14 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
     rank = dist.get_rank()
     world = dist.new_group(list(range(plan.world_size)), timeout=timeout)
 
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}  # a lane's stages share one
+
     def make(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         if len(ranks) < 2:
             return None
-        g = dist.new_group(list(ranks), timeout=timeout)
-        return g if rank in ranks else None
+        if ranks not in made:
+            made[ranks] = dist.new_group(list(ranks), timeout=timeout)
+        return made[ranks] if rank in ranks else None
 
     stage = [make(r) for r in stage_ranks]
     shared = [make(r) for r in shared_ranks]

@@ -46,6 +46,7 @@ from .checks import (
 )
 from .comm import Groups, build_groups, check_same_plan
 from .grads import GradSync
+from .lane import LaneModules, graph_modules
 from .lowering import lower_plan, split_at_gather, topology_of
 from .outputs import Outputs
 from .pieces import dtype_of
@@ -80,7 +81,7 @@ class StageExecutor:
     def __init__(
         self,
         plan: Plan,
-        module: fx.GraphModule,
+        module: fx.GraphModule | LaneModules,
         *,
         rank: int | None = None,
         groups: Groups | None = None,
@@ -102,61 +103,94 @@ class StageExecutor:
             )
         check_outputs_routable(plan)  # before any collective: every rank refuses alike
         self.rank = rank if rank is not None else dist.get_rank() if dist.is_initialized() else 0
-        self.stage = plan.stage_of_rank(self.rank)
+        # the stages this rank runs: one, or a lane's several (``module`` holds them as
+        # ``stage_<s>``); the one holding model outputs (else the first) is the main one
+        self.stages = plan.stages_of_rank(self.rank)
+        owners = {r.stage for r in plan.outputs}
+        held = [st for st in self.stages if st.index in owners]
+        if len(held) > 1:
+            raise ValueError(
+                f"rank {self.rank} runs stages {[st.index for st in held]}, which all hold model "
+                f"outputs; under schedule {plan.schedule!r} only one stage of a lane may: return "
+                "the outputs from the last stage, or use a schedule with one stage a lane"
+            )
+        self.stage = held[0] if held else self.stages[0]
         self.replica = self.stage.ranks.index(self.rank)
         self.device = torch.device(device) if device is not None else device_of(module)
-        in_specs = check_stage_interface(plan, self.stage, module)
+        mods = graph_modules(module)
+        held_ix = list(module.indices) if isinstance(module, LaneModules) else None
+        if len(mods) != len(self.stages) or held_ix not in (None, [st.index for st in self.stages]):
+            raise ValueError(
+                f"rank {self.rank} runs stage(s) {[st.index for st in self.stages]} under "
+                f"schedule {plan.schedule!r} but its module holds "
+                f"{held_ix if held_ix is not None else 'one'}: give it that stage's GraphModule, "
+                "or LaneModules of its stages"
+            )
+        self.modules = {st.index: m for st, m in zip(self.stages, mods, strict=True)}
+        in_specs = {st.index: check_stage_interface(plan, st, self.modules[st.index])
+                    for st in self.stages}
         # the schedule, lowered and simulated: a schedule that could hang never starts
         topology, lowered = lower_plan(plan)
         simulate(lowered, topology, plan_durations(plan, lowered))
-        self.actions: list[Action] = lowered[self.stage.index]
+        lane = topology.lane_of[self.stage.index]
+        self.actions: list[Action] = lowered[lane]
         # a fill-drain list (GPipe; ZB-H1 or 1F1B with one micro-batch) defers its own
-        # backwards; any other defers GPipe's
+        # backwards; any other defers GPipe's (breadth first over a lane's stages)
         own = split_at_gather(self.actions)
         self._deferred = own if not any(a.kind is Kind.B for a in own[0]) else split_at_gather(
-            lower_plan(plan, "gpipe")[1][self.stage.index])
+            lower_plan(plan, "gpipe")[1][lane])
         self._lists = {
             Mode.EVAL: [a for a in self.actions if a.kind in _FORWARD_KINDS],
             Mode.CALL: self.actions,
             Mode.DEFERRED: self._deferred[0],
         }
-        # per list _run is given (this executor's own, by identity): the micro-batches whose
-        # backward it splits into B and W (it has their W)
-        self._split: dict[int, frozenset[int]] = {
-            id(acts): frozenset(a.microbatch for a in acts
-                                if a.kind is Kind.W and a.microbatch is not None)
+        # per list _run is given (this executor's own, by identity) and stage: the
+        # micro-batches whose backward it splits into B and W (it has their W)
+        self._split: dict[int, dict[int, frozenset[int]]] = {
+            id(acts): {st.index: frozenset(a.microbatch for a in acts if a.kind is Kind.W
+                                           and a.stage == st.index and a.microbatch is not None)
+                       for st in self.stages}
             for acts in (*self._lists.values(), self._deferred[1])
         }
         if plan.world_size > 1:
             check_same_plan(plan, self.device)
         timeout = timeout_s if timeout_s is not None else Config().timeout_s
         self.groups = groups if groups is not None else build_groups(plan, timeout_s=timeout)
-        self.routes = routing.rank_routes(plan, self.rank)
         self._local = routing.local_batch(plan)
         self._in_shapes = input_shapes(plan, self._local)
-        spans = [
-            routing.replica_span(plan, self.stage.index, self.replica, i)
-            for i in range(plan.micro_batches)
-        ]
-        self.outputs = Outputs(plan, self.stage, self.rank, self.routes, spans, self.groups,
-                               self.device)
-        self.buffers = BufferSync(
-            module,
-            micro_batches=plan.micro_batches,
-            group=self.groups.stage[self.stage.index],
-            ranks=self.stage.ranks,
-            recompute=self.stage.recompute,
-            groups=self.groups,
-            deferred=DeferredBatchNorm.install(module) if plan.batch_norm == "step" else None,
-        )
-        self.grads = GradSync(plan, self.stage.index, module, self.groups)
-        self.tail = (TailRunner(plan, self.stage, module, self.rank, self.groups, self.device)
-                     if plan.tail is not None else None)
-        self.runner = StageRunner(
-            plan, self.stage, module, rank=self.rank, routes=self.routes, spans=spans,
-            in_specs=in_specs, outputs=self.outputs, buffers=self.buffers, device=self.device,
-            groups=self.groups, tail=self.tail,
-        )  # fmt: skip
+        mailbox: dict[routing.Transfer, torch.Tensor] = {}
+        self.runners: dict[int, StageRunner] = {}
+        self._buffers: list[BufferSync] = []
+        self._routes: dict[int, routing.RankRoutes] = {}
+        self.tail = None
+        for st in self.stages:
+            s, mod = st.index, self.modules[st.index]
+            routes = self._routes[s] = routing.rank_routes(
+                plan, self.rank, None if len(self.stages) == 1 else s)
+            spans = [routing.replica_span(plan, s, self.replica, i)
+                     for i in range(plan.micro_batches)]
+            outputs = Outputs(plan, st, self.rank, routes, spans, self.groups, self.device)
+            buffers = BufferSync(
+                mod,
+                micro_batches=plan.micro_batches,
+                group=self.groups.stage[s],
+                ranks=st.ranks,
+                recompute=st.recompute,
+                groups=self.groups,
+                deferred=DeferredBatchNorm.install(mod) if plan.batch_norm == "step" else None,
+            )
+            tail = (TailRunner(plan, st, mod, self.rank, self.groups, self.device)
+                    if plan.tail is not None else None)
+            self.runners[s] = StageRunner(
+                plan, st, mod, rank=self.rank, routes=routes, spans=spans,
+                in_specs=in_specs[s], outputs=outputs, buffers=buffers, device=self.device,
+                groups=self.groups, tail=tail, mailbox=mailbox,
+            )  # fmt: skip
+            self._buffers.append(buffers)
+            if st is self.stage:
+                self.routes, self.outputs, self.buffers, self.tail = routes, outputs, buffers, tail
+        self.runner = self.runners[self.stage.index]
+        self.grads = GradSync(plan, tuple(self.runners), module, self.groups)
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
         self._loss = plan.loss_output
@@ -164,23 +198,29 @@ class StageExecutor:
             any(a.kind is Kind.B for a in split_at_gather(self.actions)[0])
             and self._loss is not None
         )
-        # by kind; an action's micro-batch is None for the once-a-step kinds
-        self._dispatch: dict[Kind, Callable[[StepState, Any], None]] = {
-            Kind.SCATTER: self.runner.scatter,
-            Kind.RECV_F: self.runner.recv_f,
-            Kind.F: self.runner.forward,
-            Kind.SEND_F: self.runner.send_f,
-            Kind.R: self.runner.recompute_one,
-            Kind.RECV_B: self.runner.recv_b,
-            Kind.B: self.runner.backward,
-            Kind.W: self.runner.weights,
-            Kind.SEND_B: self.runner.send_b,
+        # by stage and kind; the once-a-step kinds are the rank's, for all its stages
+        self._once: dict[Kind, Callable[[StepState, Any], None]] = {
+            Kind.SCATTER: self._scatter,
             Kind.GATHER: self._gather,
             Kind.REDUCE: self._reduce,
         }
+        self._dispatch: dict[int, dict[Kind, Callable[..., None]]] = {
+            s: {
+                **self._once,
+                Kind.RECV_F: r.recv_f,
+                Kind.F: r.forward,
+                Kind.SEND_F: r.send_f,
+                Kind.R: r.recompute_one,
+                Kind.RECV_B: r.recv_b,
+                Kind.B: r.backward,
+                Kind.W: r.weights,
+                Kind.SEND_B: r.send_b,
+            }
+            for s, r in self.runners.items()
+        }
         self._step = 0
         self.trace: Recorder | None = None
-        self._peers: dict[tuple[Kind, int | None], list[int]] = {}
+        self._peers: dict[tuple[int, Kind, int | None], list[int]] = {}
         self._saved: StepState | None = None  # the step a loss.backward() may still reach
         self.failed = False  # a call or backward raised: the groups may hold stale messages
         self._anchor = torch.zeros((), requires_grad=True)
@@ -233,10 +273,15 @@ class StageExecutor:
         mode = self.mode()
         step = StepState(self._step, grad=mode is not Mode.EVAL, local=local,
                          held=mode is Mode.CALL)
+        # one state per stage this rank runs; the main stage's is ``step`` itself
+        step.parts = {s: step if s == self.stage.index else
+                      StepState(self._step, grad=step.grad, local=local, held=step.held)
+                      for s in self.runners}
         if mode is Mode.CALL:
             step.seeds = self._unit_seed()
             self.grads.begin()
-        self.buffers.begin()
+        for b in self._buffers:
+            b.begin()
         if self.trace is not None:
             self.trace.ran(self.plan, self.plan.schedule if mode is Mode.CALL else "gpipe")
         self._run(step, self._lists[mode])
@@ -287,33 +332,47 @@ class StageExecutor:
         self.outputs.finish_sends()
 
     def _run(self, step: StepState, actions: list[Action]) -> None:
-        step.split = self._split[id(actions)]
-        dispatch = self._dispatch
+        split = self._split[id(actions)]
+        for s, part in step.parts.items():
+            part.split = split[s]
         rec = self.trace
         if rec is not None and rec.on:
             self._run_traced(rec, step, actions)
             return
-        for a in actions:
-            dispatch[a.kind](step, a.microbatch)
+        dispatch, parts = self._dispatch, step.parts
+        for a in actions:  # the once-a-step kinds get the main stage's state
+            fn = dispatch[a.stage][a.kind]
+            if a.peer is None:
+                fn(step if a.kind.once else parts[a.stage], a.microbatch)
+            else:
+                fn(parts[a.stage], a.microbatch, a.peer)
 
     # -- tracing -----------------------------------------------------------------------------------
     def set_trace(self, rec: Recorder | None) -> None:
         """Record the traced steps' actions in ``rec`` (``runtime/trace.py``)."""
-        self.trace = self.runner.trace = rec
+        self.trace = rec
+        for r in self.runners.values():
+            r.trace = rec
         if rec is not None:
-            self._peers = _action_peers(self.plan, self.rank, self.routes, self.groups)
+            self._peers = {}
+            for s, routes in self._routes.items():
+                self._peers.update(_action_peers(self.plan, self.rank, s, routes, self.groups))
 
     def _run_traced(self, rec: Recorder, step: StepState, actions: list[Action]) -> None:
         """``_run``, each action an event; a compute action starts after the waits it ran."""
         for a in actions:
             first = len(rec.events)
             t0 = rec.now()
-            self._dispatch[a.kind](step, a.microbatch)
+            fn = self._dispatch[a.stage][a.kind]
+            if a.peer is None:
+                fn(step if a.kind.once else step.parts[a.stage], a.microbatch)
+            else:
+                fn(step.parts[a.stage], a.microbatch, a.peer)
             t1 = rec.now()
             if a.kind.is_compute:
                 t0 = max([t0, *(e["end"] for e in rec.events[first:])])
             i = a.microbatch
-            peers = self._peers.get((a.kind, i), [])
+            peers = self._peers.get((a.stage if not a.kind.once else -1, a.kind, i), [])
             label = a.kind.value + ("" if i is None else str(i))
             if a.kind in (Kind.GATHER, Kind.REDUCE):
                 rec.event(label, "collective", t0, t1, kind=a.kind.value, peers=peers,
@@ -324,6 +383,18 @@ class StageExecutor:
                 rec.event(label, "post", t0, t1, kind=a.kind.value, microbatch=i, to=peers)
 
     # -- once a step -------------------------------------------------------------------------------
+    def _scatter(self, step: StepState, _: int | None = None) -> None:
+        """Every micro-batch's graph-input pieces, once for all of this rank's stages (they
+        match the other ranks' in canonical order); each stage reads its own."""
+        self.runner.scatter(step)
+        for part in step.parts.values():
+            if part is not step:
+                part.inputs = list(step.inputs)
+
+    def _finish_sends(self, step: StepState) -> None:
+        for part in step.parts.values():
+            part.finish_sends()
+
     def _gather(self, step: StepState, _: int | None = None) -> None:
         """The tail on the whole batch, batched outputs home, the loss to every rank, buffers
         made equal."""
@@ -334,12 +405,13 @@ class StageExecutor:
         step.results = {**step.results, **self.outputs.gather(step.model_outs)}
         step.model_outs = {}
         received = self.outputs.share(step.reduced, step.results)
-        step.finish_sends()
-        self.buffers.finish()
+        self._finish_sends(step)
+        for b in self._buffers:
+            b.finish()
         received.wait()
 
     def _reduce(self, step: StepState, _: int | None = None) -> None:
-        step.finish_sends()
+        self._finish_sends(step)
         self.grads.reduce()
         if step.held:
             self.grads.hold()
@@ -376,22 +448,23 @@ class StageExecutor:
 
 
 def _action_peers(
-    plan: Plan, rank: int, routes: routing.RankRoutes, groups: Groups
-) -> dict[tuple[Kind, int | None], list[int]]:
-    """The ranks each message or once-a-step action of ``rank`` sends to or waits for."""
-    peers: dict[tuple[Kind, int | None], list[int]] = {}
+    plan: Plan, rank: int, stage: int, routes: routing.RankRoutes, groups: Groups
+) -> dict[tuple[int, Kind, int | None], list[int]]:
+    """The ranks each message (of ``stage``) or once-a-step action (stage -1) of ``rank``
+    sends to or waits for."""
+    peers: dict[tuple[int, Kind, int | None], list[int]] = {}
 
     def to(ts: list[routing.Transfer]) -> list[int]:
         return sorted({t.dst for t in ts if t.src == rank and not t.local})
 
-    peers[(Kind.SCATTER, None)] = to([t for ts in routes.inputs for t in ts])
+    peers[(-1, Kind.SCATTER, None)] = to([t for ts in routes.inputs for t in ts])
     for i in range(plan.micro_batches):
-        peers[(Kind.SEND_F, i)] = to(routes.cuts[i])
-        peers[(Kind.SEND_B, i)] = to(routes.grads[i])
+        peers[(stage, Kind.SEND_F, i)] = to(routes.cuts[i])
+        peers[(stage, Kind.SEND_B, i)] = to(routes.grads[i])
     owners = {r for s in topology_of(plan).output_stages for r in plan.stages[s].ranks}
-    peers[(Kind.GATHER, None)] = sorted(owners - {rank})
+    peers[(-1, Kind.GATHER, None)] = sorted(owners - {rank})
     together = {r for rs in (*groups.stage_ranks, *groups.shared_ranks) if rank in rs for r in rs}
-    peers[(Kind.REDUCE, None)] = sorted(together - {rank})
+    peers[(-1, Kind.REDUCE, None)] = sorted(together - {rank})
     return peers
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 
 from ..plan import Plan
 from .comm import Groups, all_reduce_flat
@@ -30,20 +30,24 @@ __all__ = ["GradSync"]
 class GradSync:
     """Which local parameters go through which group, and the all-reduces themselves."""
 
-    def __init__(self, plan: Plan, stage: int, module: fx.GraphModule, groups: Groups):
-        self.plan, self.stage, self.groups = plan, stage, groups
-        named = dict(module.named_parameters(remove_duplicate=False))
+    def __init__(self, plan: Plan, stage: int | tuple[int, ...], module: nn.Module,
+                 groups: Groups):
+        """``stage``: this rank's stage, or its stages where it runs several; ``module`` holds
+        their parameters (a rank's stages share their ranks, hence one replica group)."""
+        stages = (stage,) if isinstance(stage, int) else stage
+        self.plan, self.stage, self.groups = plan, stages[0], groups
+        named = _named(module, stages)
         unique = {id(p): p for p in named.values() if p.requires_grad}
         self.shared: list[tuple[int, list[nn.Parameter]]] = []  # (plan index, its objects here)
         taken: set[int] = set()
         for j, sp in enumerate(plan.shared_params):
-            if stage not in sp.stages:
+            if not set(stages) & set(sp.stages):
                 continue
             found = {id(named[n]): named[n] for n in (sp.name, *sp.aliases) if n in named}
             if not found:
                 raise ValueError(
-                    f"stage {stage} uses shared parameter {sp.name!r} but its module has no "
-                    f"parameter under that name or its aliases {list(sp.aliases)}"
+                    f"stage(s) {list(stages)} use shared parameter {sp.name!r} but no module "
+                    f"here has a parameter under that name or its aliases {list(sp.aliases)}"
                 )
             self.shared.append((j, [p for i, p in found.items() if i in unique and i not in taken]))
             taken.update(found)
@@ -137,3 +141,14 @@ class GradSync:
     @property
     def held_bytes(self) -> int:
         return sum(h.numel() * h.element_size() for h in self._held.values())
+
+
+def _named(module: nn.Module, stages: tuple[int, ...]) -> dict[str, nn.Parameter]:
+    """Parameters by their name in a stage module (the plan's names): the module's own, or,
+    where it holds several stages as ``stage_<s>``, each stage's."""
+    if len(stages) == 1:
+        return dict(module.named_parameters(remove_duplicate=False))
+    out: dict[str, nn.Parameter] = {}
+    for s in stages:
+        out.update(module.get_submodule(f"stage_{s}").named_parameters(remove_duplicate=False))
+    return out

@@ -9,7 +9,8 @@ interpret, by fixed rules that hold for any schedule (none is written per schedu
   the same lane the runtime copies instead of sending);
 - a forward is preceded by ``RECV_F`` of its micro-batch where the stage reads cut values and
   followed by ``SEND_F`` where it produces some; a backward is preceded by ``RECV_B`` where its
-  outputs' gradients come back and followed by ``SEND_B`` where its inputs' gradients leave;
+  outputs' gradients come back and followed by ``SEND_B`` where its inputs' gradients leave
+  (one receive per source stage, ``1RECV_B0<3``, where two of them run on one lane);
 - a stage that recomputes runs ``R`` right before each ``B`` of the same micro-batch;
 - a ``W`` (a micro-batch's weight gradients, after its ``B``) sends and receives nothing;
 - ``GATHER`` (model outputs home, the loss to every rank) follows the last forward when on
@@ -17,7 +18,9 @@ interpret, by fixed rules that hold for any schedule (none is written per schedu
   and leave the backwards to ``loss.backward()``), and otherwise comes after the last backward;
 - a receive is posted one compute action early, so its message overlaps that computation, but
   never across a once-a-step action: messages between two ranks match in the order both post
-  them, and every rank posts the once-a-step messages at the same point.
+  them, and every rank posts the once-a-step messages at the same point; where a lane's
+  stages exchange messages with another lane's in both directions, receives move up to
+  follow the order their sender sends.
 
 GPipe, 2 stages, 2 micro-batches, stage 1 recomputing (``format_lowered``)::
 
@@ -152,9 +155,11 @@ def messages_received(a: Action, topo: Topology) -> list[tuple[int, Msg]]:
     """(source lane, label) of every message ``a`` posts a receive for, in posting order."""
     s, i, lane = a.stage, a.microbatch, topo.lane_of
     if a.kind is Kind.RECV_F:
-        return [(lane[p], ("F", p, s, i)) for p in sorted(topo.reads_from[s])]
+        return [(lane[p], ("F", p, s, i)) for p in sorted(topo.reads_from[s])
+                if a.peer in (None, p)]
     if a.kind is Kind.RECV_B:
-        return [(lane[c], ("B", c, s, i)) for c in sorted(topo.grads_from[s])]
+        return [(lane[c], ("B", c, s, i)) for c in sorted(topo.grads_from[s])
+                if a.peer in (None, c)]
     here = lane[s]
     if a.kind is Kind.SCATTER:
         return [(d, ("SCATTER", d, here, None)) for d in range(topo.num_lanes) if d != here]
@@ -186,8 +191,7 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
         for p, a in enumerate(compute):
             s, i = a.stage, a.microbatch
             if a.kind is Kind.F:
-                if reads[s]:
-                    acts.append(Action(s, Kind.RECV_F, i))
+                acts += _receives(Action(s, Kind.RECV_F, i), reads[s], topology)
                 acts.append(a)
                 if topology.sends_to[s]:
                     acts.append(Action(s, Kind.SEND_F, i))
@@ -196,8 +200,7 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
             elif a.kind is Kind.W:
                 acts.append(a)  # no messages: nobody waits for a stage's weight gradients
             else:
-                if grads_from[s]:
-                    acts.append(Action(s, Kind.RECV_B, i))
+                acts += _receives(Action(s, Kind.RECV_B, i), grads_from[s], topology)
                 if topology.recompute[s]:
                     acts.append(Action(s, Kind.R, i))
                 acts.append(a)
@@ -218,6 +221,19 @@ def lower_plan(plan: Plan, schedule: str | None = None) -> tuple[Topology, Sched
                             plan.virtual_stages if name == plan.schedule else None,
                             lanes=plan.lanes)
     return topology, lower(compute, topology)
+
+
+def _receives(recv: Action, sources: frozenset[int], topology: Topology) -> list[Action]:
+    """``recv`` (all of a stage's receives of one micro-batch), or one receive per source stage
+    where two sources run on one lane: that lane may send them in either order (ZBV sends a
+    skip connection's gradient before the next stage's), and each must be posted in its
+    sender's order (``_follow_senders``)."""
+    if not sources:
+        return []
+    lanes = [topology.lane_of[p] for p in sources]
+    if len(set(lanes)) == len(lanes):
+        return [recv]
+    return [recv._replace(peer=p) for p in sorted(sources)]
 
 
 def _fill_drain(compute: Sequence[Action]) -> bool:

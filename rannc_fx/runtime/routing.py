@@ -82,6 +82,7 @@ class Transfer(NamedTuple):
     src_base: int
     dst_base: int
     batched: bool = True
+    stage: int = -1
 
     @property
     def local(self) -> bool:
@@ -207,7 +208,8 @@ def input_transfers(plan: Plan) -> list[Transfer]:
                         if ov:
                             out.append(
                                 Transfer(
-                                    "input", spec.name, slot, i, j, rank, *ov, have[0], need[0]
+                                    "input", spec.name, slot, i, j, rank, *ov, have[0], need[0],
+                                    stage=st.index,
                                 )
                             )
     return out
@@ -252,6 +254,7 @@ def cut_transfers(plan: Plan, microbatch: int) -> list[Transfer]:
                             have[k1][0],
                             need[0],
                             batched=False,
+                            stage=c,
                         )
                     )
                     continue
@@ -269,6 +272,7 @@ def cut_transfers(plan: Plan, microbatch: int) -> list[Transfer]:
                                 *ov,
                                 have[k1][0],
                                 need[0],
+                                stage=c,
                             )
                         )
     return out
@@ -302,7 +306,8 @@ def output_transfers(plan: Plan) -> list[Transfer]:
                     if ov:
                         out.append(
                             Transfer(
-                                "output", spec.name, ref.index, i, src, j, *ov, have[0], need[0]
+                                "output", spec.name, ref.index, i, src, j, *ov, have[0], need[0],
+                                stage=st.index,
                             )
                         )
     return out
@@ -333,26 +338,41 @@ class RankRoutes:
     args: list[list[list[Transfer]]]
 
 
-def rank_routes(plan: Plan, rank: int) -> RankRoutes:
-    """The transfers ``rank`` sends or receives, filtered from the canonical lists."""
+def rank_routes(plan: Plan, rank: int, stage: int | None = None) -> RankRoutes:
+    """The transfers ``rank`` sends or receives, filtered from the canonical lists; with
+    ``stage`` (a rank running several), the cut values and gradients of that stage only (the
+    graph inputs and model outputs stay the rank's: it posts them once for all its stages)."""
     m = plan.micro_batches
-    st = plan.stage_of_rank(rank)
+    st = plan.stage_of_rank(rank) if stage is None else plan.stages[stage]
+    producer = [cv.producer for cv in plan.cut_values]
 
     def mine(ts: list[Transfer]) -> list[Transfer]:
         return [t for t in ts if rank in (t.src, t.dst)]
 
+    def ours(ts: list[Transfer], reader_sends: bool) -> list[Transfer]:
+        """Of a stage's: ``reader_sends`` (gradients) the reader sends, the producer gets."""
+        if stage is None:
+            return mine(ts)
+        out = []
+        for t in ts:
+            here, there = (t.stage, producer[t.slot]) if not reader_sends else (
+                producer[t.slot], t.stage)
+            if (t.dst == rank and here == stage) or (t.src == rank and there == stage):
+                out.append(t)
+        return out
+
     inputs = mine(input_transfers(plan))
     per_mb = [[t for t in inputs if t.microbatch == i] for i in range(m)]
-    cuts = [mine(cut_transfers(plan, i)) for i in range(m)]
+    cuts = [ours(cut_transfers(plan, i), False) for i in range(m)]
     args = []
     for i in range(m):
-        incoming = [t for t in per_mb[i] + cuts[i] if t.dst == rank]
+        incoming = [t for t in per_mb[i] + cuts[i] if t.dst == rank and t.stage == st.index]
         args.append([[t for t in incoming if t.value == name] for name in st.inputs])
     return RankRoutes(
         rank=rank,
         inputs=per_mb,
         cuts=cuts,
-        grads=[mine(grad_transfers(plan, i)) for i in range(m)],
+        grads=[ours(grad_transfers(plan, i), True) for i in range(m)],
         outputs=mine(output_transfers(plan)),
         args=args,
     )

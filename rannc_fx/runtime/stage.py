@@ -65,8 +65,8 @@ class StepState:
     held: bool = False
     seeds: dict[int, torch.Tensor] = field(default_factory=dict)
     inputs: list[_Received] = field(default_factory=list)  # per micro-batch (SCATTER)
-    cut_recv: dict[int, _Received] = field(default_factory=dict)
-    grad_recv: dict[int, _Received] = field(default_factory=dict)
+    cut_recv: dict[int, list[_Received]] = field(default_factory=dict)  # a receive action each
+    grad_recv: dict[int, list[_Received]] = field(default_factory=dict)
     args: dict[int, list[Any]] = field(default_factory=dict)
     outs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # for the backward
     model_outs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # for GATHER
@@ -85,6 +85,8 @@ class StepState:
     # keeps for its W
     split: frozenset[int] = frozenset()
     weight_work: dict[int, WeightWork] = field(default_factory=dict)
+    # stage -> its state, for every stage this rank runs (the main stage's is this one)
+    parts: dict[int, StepState] = field(default_factory=dict)
 
     def finish_sends(self) -> None:
         for p in self.sends:
@@ -110,8 +112,11 @@ class StageRunner:
         device: torch.device,
         groups: Groups | None = None,
         tail: TailRunner | None = None,
+        mailbox: dict[Transfer, torch.Tensor] | None = None,
     ):
         self.plan, self.stage, self.module, self.rank = plan, stage, module, rank
+        # pieces between two stages of this rank (a lane of several): copied, never sent
+        self.mailbox = mailbox if mailbox is not None else {}
         self.groups = groups  # the messages travel on groups.world
         self.routes, self.in_specs, self.outputs = routes, in_specs, outputs
         self.buffers, self.device = buffers, device
@@ -123,8 +128,9 @@ class StageRunner:
         self.spans = spans  # this replica's samples of each micro-batch
         self.shares = [(b - a) / plan.global_batch for a, b in self.spans]
         self.in_pos = {name: p for p, name in enumerate(stage.inputs)}
-        self.sends_cuts = any(t.src == rank for ts in routes.cuts for t in ts)
-        self.sends_grads = any(t.src == rank for ts in routes.grads for t in ts)
+        self._producer = [cv.producer for cv in plan.cut_values]
+        self.sends_cuts = any(self._sends(t) for ts in routes.cuts for t in ts)
+        self.sends_grads = any(self._sends(t) for ts in routes.grads for t in ts)
         self.kept = outputs.kept
         self.trace: Recorder | None = None  # set by the executor when tracing
         # storages the step writes in place while sends may still be in flight: a buffer the
@@ -133,6 +139,16 @@ class StageRunner:
         self.trainable = [p for p in module.parameters() if p.requires_grad]
 
     # -- messages --------------------------------------------------------------------------------
+    def _sends(self, t: Transfer) -> bool:
+        """This replica of this stage sends ``t`` (a cut value, or a cut value's gradient)."""
+        stage = self._producer[t.slot] if t.kind == "cut" else t.stage
+        return t.src == self.rank and stage == self.stage.index
+
+    def _gets(self, t: Transfer) -> bool:
+        """This replica of this stage receives ``t``."""
+        stage = t.stage if t.kind == "cut" else self._producer[t.slot]
+        return t.dst == self.rank and stage == self.stage.index
+
     def _messages(
         self, transfers: list[Transfer], source: Any, what: str
     ) -> tuple[list[Message], dict[Transfer, torch.Tensor]]:
@@ -142,6 +158,11 @@ class StageRunner:
         recv: dict[Transfer, torch.Tensor] = {}
         for t in transfers:
             if t.local:
+                if t.kind in ("cut", "grad") and source is not None:  # to this rank's stage
+                    spec = routing.spec_of(self.plan, t)
+                    piece = take(source(t), spec, t.src_rows(spec) if t.batched else None)
+                    # a copy, as a message would be: the reader may write its inputs
+                    self.mailbox[t] = piece.clone(memory_format=torch.contiguous_format)
                 continue
             spec = routing.spec_of(self.plan, t)
             label = f"{what} {t.value!r} of micro-batch {t.microbatch}"
@@ -173,25 +194,28 @@ class StageRunner:
             step.inputs.append((post([x for x in msgs if x.op == "recv"], self.groups), recv))
             step.sends.append(post([x for x in msgs if x.op == "send"], self.groups))
 
-    def recv_f(self, step: StepState, i: int) -> None:
-        mine = [t for t in self.routes.cuts[i] if t.dst == self.rank]
+    def recv_f(self, step: StepState, i: int, peer: int | None = None) -> None:
+        """Post micro-batch i's receives of cut values (from stage ``peer`` only, if given)."""
+        mine = [t for t in self.routes.cuts[i]
+                if self._gets(t) and peer in (None, self._producer[t.slot])]
         msgs, recv = self._messages(mine, None, "cut value")
-        step.cut_recv[i] = (post(msgs, self.groups), recv)
+        step.cut_recv.setdefault(i, []).append((post(msgs, self.groups), recv))
 
     def send_f(self, step: StepState, i: int) -> None:
         if not self.sends_cuts:
             return  # another replica of this stage sends what this one would
         outs = step.outs[i]
-        mine = [t for t in self.routes.cuts[i] if t.src == self.rank]
+        mine = [t for t in self.routes.cuts[i] if self._sends(t)]
         msgs, _ = self._messages(mine, lambda t: outs[self.out_pos[t.value]].detach(), "cut value")
         step.sends.append(post(msgs, self.groups))
         if self.recompute or not step.grad:
             del step.outs[i]  # sent: nothing else reads them
 
-    def recv_b(self, step: StepState, i: int) -> None:
-        mine = [t for t in self.routes.grads[i] if t.dst == self.rank]
+    def recv_b(self, step: StepState, i: int, peer: int | None = None) -> None:
+        """Post micro-batch i's receives of gradients (from stage ``peer`` only, if given)."""
+        mine = [t for t in self.routes.grads[i] if self._gets(t) and peer in (None, t.stage)]
         msgs, recv = self._messages(mine, None, "gradient of cut value")
-        step.grad_recv[i] = (post(msgs, self.groups), recv)
+        step.grad_recv.setdefault(i, []).append((post(msgs, self.groups), recv))
 
     def send_b(self, step: StepState, i: int) -> None:
         if not self.sends_grads:
@@ -202,7 +226,7 @@ class StageRunner:
             x = args[self.in_pos[t.value]]
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        mine = [t for t in self.routes.grads[i] if t.src == self.rank]
+        mine = [t for t in self.routes.grads[i] if self._sends(t)]
         msgs, _ = self._messages(mine, source, "gradient of cut value")
         step.sends.append(post(msgs, self.groups))
 
@@ -222,8 +246,7 @@ class StageRunner:
     def _args(self, step: StepState, i: int) -> list[Any]:
         pending, recv = step.inputs[i]
         self._wait(pending, "SCATTER", i)
-        if i in step.cut_recv:
-            cut_pending, cut_recv = step.cut_recv.pop(i)
+        for cut_pending, cut_recv in step.cut_recv.pop(i, ()):
             self._wait(cut_pending, "SEND_F", i)
             recv = {**recv, **cut_recv}
         step.inputs[i] = (pending, {})
@@ -239,7 +262,8 @@ class StageRunner:
                 args.append(step.local[self.graph_inputs[name]])
                 continue
             parts = [
-                (t, recv[t] if not t.local else take(step.local[t.slot], spec, t.src_rows(spec)))
+                (t, recv[t] if not t.local else self.mailbox.pop(t) if t.kind == "cut"
+                 else take(step.local[t.slot], spec, t.src_rows(spec)))
                 for t in pieces
             ]
             x = assemble(parts, spec, n, self.device)
@@ -283,9 +307,12 @@ class StageRunner:
 
     def backward(self, step: StepState, i: int) -> None:
         recv: dict[Transfer, torch.Tensor] = {}
-        if i in step.grad_recv:
-            pending, recv = step.grad_recv.pop(i)
+        for pending, got in step.grad_recv.pop(i, ()):
             self._wait(pending, "SEND_B", i)
+            recv = {**recv, **got}
+        if self.mailbox:  # gradients from a stage of this rank
+            recv = {**recv, **{t: self.mailbox.pop(t) for t in self.routes.grads[i]
+                               if t.local and self._gets(t)}}
         outs = step.outs.pop(i)
         grads: dict[int, torch.Tensor] = {}
         for t, piece in recv.items():

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from ..runtime.lane import LaneModules, graph_modules
+
 __all__ = ["InitFn", "Placement", "free_others", "place_stage", "rank_device"]
 
 log = logging.getLogger("rannc_fx")
@@ -89,7 +91,7 @@ class Placement:
 
 def place_stage(
     model: nn.Module,
-    stage: fx.GraphModule,
+    stage: fx.GraphModule | LaneModules,
     device: torch.device,
     *,
     holders: tuple[nn.Module, ...] = (),
@@ -117,7 +119,8 @@ def place_stage(
     return placement
 
 
-def free_others(model: nn.Module, stage: fx.GraphModule, placement: Placement) -> None:
+def free_others(model: nn.Module, stage: fx.GraphModule | LaneModules,
+                placement: Placement) -> None:
     """Release the storage of every tensor of ``model`` that ``stage`` does not use.
 
     The objects stay (user code may still refer to them) but hold nothing.
@@ -139,16 +142,18 @@ def free_others(model: nn.Module, stage: fx.GraphModule, placement: Placement) -
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _stage_tensors(stage: fx.GraphModule) -> dict[int, torch.Tensor]:
-    """Parameters, buffers and plain tensor attributes the stage reads, by identity."""
+def _stage_tensors(stage: fx.GraphModule | LaneModules) -> dict[int, torch.Tensor]:
+    """Parameters, buffers and plain tensor attributes the stage (or each stage of a rank's
+    lane) reads, by identity."""
     out: dict[int, torch.Tensor] = {}
     for t in (*stage.parameters(), *stage.buffers()):
         out.setdefault(id(t), t)
-    for n in stage.graph.nodes:
-        if n.op == "get_attr":
-            value = operator.attrgetter(str(n.target))(stage)
-            if isinstance(value, torch.Tensor):
-                out.setdefault(id(value), value)
+    for gm in graph_modules(stage):
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                value = operator.attrgetter(str(n.target))(gm)
+                if isinstance(value, torch.Tensor):
+                    out.setdefault(id(value), value)
     return out
 
 

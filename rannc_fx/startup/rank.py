@@ -34,6 +34,7 @@ from ..planner import Planned, Target, capture_model, pick_target, plan_model, s
 from ..progress import note
 from ..runtime import BatchSizes
 from ..runtime.comm import CommError, agree
+from ..runtime.lane import LaneModules, graph_modules
 from ..state.checkpoint import StateNames
 from .amp import AmpSpecs, amp_state, autocast_as
 from .placement import InitFn, Placement, free_others, place_stage
@@ -47,7 +48,7 @@ class Ready:
     """What the first call leaves on this rank."""
 
     captured: CapturedGraph
-    stage: fx.GraphModule
+    stage: fx.GraphModule | LaneModules  # this rank's stage, or its lane's stages
     plan: Plan
     placement: Placement
     names: StateNames  # this rank's part under the original names
@@ -99,7 +100,9 @@ def set_up_rank(
     else:
         plan = _load_given(given, captured, world)
     stages = split_stages(captured, values, plan, debug=cfg.debug)
-    stage = stages[plan.stage_of_rank(rank).index]
+    mine = [st.index for st in plan.stages_of_rank(rank)]
+    stage: fx.GraphModule | LaneModules = (
+        stages[mine[0]] if len(mine) == 1 else LaneModules({s: stages[s] for s in mine}))
     amp = None
     if home.type != "meta":  # the other autocast states' dtypes, while the model is whole
         with _untouched(model):
@@ -108,7 +111,8 @@ def set_up_rank(
                 planned=planned_amp, batch_dim=cfg.batch_dim,
             )  # fmt: skip
     if home != device:
-        retarget_device_pass(stage, device)  # export baked the capture device in
+        for gm in graph_modules(stage):
+            retarget_device_pass(gm, device)  # export baked the capture device in
     seed = _shared_seed(world) if home.type == "meta" else 0
     try:
         placement = place_stage(
@@ -254,7 +258,7 @@ def _shared_seed(world: int) -> int:
     return int(seed[0])
 
 
-def _prune_optimizer(optimizer: torch.optim.Optimizer, stage: fx.GraphModule) -> None:
+def _prune_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:
     """Keep only the stage's parameters in the optimizer's groups (and state)."""
     keep = {id(p) for p in stage.parameters()}
     for group in optimizer.param_groups:
