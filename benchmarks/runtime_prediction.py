@@ -168,7 +168,7 @@ def measure_stage_times(
 
     h1 = ex.module.register_forward_pre_hook(pre)
     h2 = ex.module.register_forward_hook(post)
-    inner = ex._dispatch[Kind.B]  # each micro-batch's backward
+    inner = ex._dispatch[ex.stage.index][Kind.B]  # each micro-batch's backward
 
     def timed(*a: Any, **k: Any) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -183,7 +183,7 @@ def measure_stage_times(
         finish()
         got["allreduce"].append(time.perf_counter() - t0)
 
-    ex._dispatch[Kind.B] = timed
+    ex._dispatch[ex.stage.index][Kind.B] = timed
     ex.grads.reduce = timed_finish  # type: ignore[method-assign]
     try:
         for _ in range(steps):
@@ -199,7 +199,7 @@ def measure_stage_times(
     finally:
         h1.remove()
         h2.remove()
-        ex._dispatch[Kind.B] = inner
+        ex._dispatch[ex.stage.index][Kind.B] = inner
         del ex.grads.reduce
     if not got["bwd"]:  # one rank, one micro-batch: plain autograd, no per-micro-batch hook
         got["bwd"], got["bwd_cpu"] = got["step_bwd"], got["step_bwd_cpu"]

@@ -24,13 +24,15 @@ from rannc_fx import Config, Plan  # noqa: E402
 from rannc_fx.planner.analyze import analyze  # noqa: E402
 from rannc_fx.planner.build import build_plan  # noqa: E402
 from rannc_fx.planner.driver import run_search  # noqa: E402
+from rannc_fx.planner.virtual import virtual_variants  # noqa: E402
 from rannc_fx.planner.zero_bubble import zero_bubble  # noqa: E402
 
 
 def bubble(plan: Plan) -> float:
-    """1 - the bottleneck stage's compute over the simulated step."""
+    """1 - the busiest lane's compute (its stages') over the simulated step."""
     m = plan.micro_batches
-    busy = max(m * (s.fwd_ms * (2 if s.recompute else 1) + s.bwd_ms) for s in plan.stages)
+    busy = max(sum(m * (s.fwd_ms * (2 if s.recompute else 1) + s.bwd_ms)
+                   for s in (plan.stages[i] for i in lane)) for lane in plan.lanes)
     step = plan.simulated_step_ms or plan.predicted_step_ms
     return max(0.0, 1 - busy / step)
 
@@ -50,13 +52,15 @@ def run(name: str) -> str:
         plan = build_plan(b, result)
         if label == "searched":
             plan = zero_bubble(b, result, plan, lambda r, b=b: build_plan(b, r))
+            plan = virtual_variants(b, result, plan, lambda r, b=b: build_plan(b, r))
         plans[label] = plan
     best = min((plans["gpipe"], plans["1f1b"]), key=lambda p: p.simulated_step_ms or 0.0)
     chosen = plans["searched"]
     sb, sc = best.simulated_step_ms or 0.0, chosen.simulated_step_ms or 0.0
     return (f"| {name} | {best.schedule}, {len(best.stages)} stages, m={best.micro_batches} | "
             f"{sb:.0f} | {100 * bubble(best):.1f} % | {chosen.schedule}, {len(chosen.stages)} "
-            f"stages, m={chosen.micro_batches} | {sc:.0f} | {100 * bubble(chosen):.1f} % | "
+            f"stages on {len(chosen.lanes)} lanes, m={chosen.micro_batches} | {sc:.0f} | "
+            f"{100 * bubble(chosen):.1f} % | "
             f"{sc / sb:.3f} |")
 
 

@@ -38,8 +38,10 @@ def _untraced_run(executor: StageExecutor) -> Any:
     """The executor's loop as it was before tracing."""
     def run(step: Any, actions: list[Any]) -> None:
         dispatch = executor._dispatch
+        for s, part in step.parts.items():
+            part.split = executor._split[id(actions)][s]
         for a in actions:
-            dispatch[a.kind](step, a.microbatch)
+            dispatch[a.stage][a.kind](step if a.kind.once else step.parts[a.stage], a.microbatch)
     return run
 
 

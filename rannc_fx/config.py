@@ -37,10 +37,16 @@ class Config(BaseModel):
     )
     micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step")
     max_micro_batches: int = Field(default=32, ge=1, description="largest count the search tries")
-    schedule: Literal["gpipe", "1f1b", "zbh1"] | None = Field(
+    schedule: Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"] | None = Field(
         default=None, description="pipeline schedule; None = searched (GPipe or 1F1B, then "
-        "ZB-H1 on the searched stages where it fits and simulates shorter); 'zbh1' = zero "
-        "bubble (split backward) on the searched stages",
+        "ZB-H1, interleaved 1F1B and ZBV on the searched stages where they fit and simulate "
+        "shorter); 'zbh1' = zero bubble (split backward) on the searched stages; "
+        "'interleaved' = interleaved 1F1B with virtual_stages stages on each searched lane; "
+        "'zbv' = the V-shape zero bubble, two stages a lane (with these two, stages and "
+        "replicas count lanes)",
+    )
+    virtual_stages: int | None = Field(
+        default=None, ge=2, description="stages a lane under schedule='interleaved' (None: 2)",
     )
     recompute: bool | None = Field(
         default=None,
@@ -185,6 +191,11 @@ class Config(BaseModel):
                     f"stages={self.stages} but replicas={list(self.replicas)} names "
                     f"{len(self.replicas)} stages; give one replica count per stage"
                 )
+        if self.virtual_stages is not None and self.schedule != "interleaved":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} applies to schedule='interleaved' (zbv "
+                f"runs 2 a lane), not schedule={self.schedule!r}"
+            )
         if self.micro_batches is not None and self.micro_batches > self.max_micro_batches:
             raise ValueError(
                 f"micro_batches={self.micro_batches} exceeds max_micro_batches="

@@ -53,11 +53,12 @@ def resnet_example(batch: int = 4, image: int = 32) -> Example:
     return model, (), {"pixel_values": x, "labels": torch.randint(0, 10, (batch,), generator=g)}
 
 
-def llama_example(batch: int = 4, seq: int = 16, layers: int = 2, use_cache: bool = False) -> Example:
+def llama_example(batch: int = 4, seq: int = 16, layers: int = 2, use_cache: bool = False,
+                  tie: bool = False) -> Example:
     cfg = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=use_cache,
+        use_cache=use_cache, tie_word_embeddings=tie,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -96,3 +97,8 @@ def lora_llama_example(batch: int = 4, seq: int = 16, layers: int = 2) -> Exampl
             if "lora_B" in name:
                 p.normal_(0.0, 0.02)
     return model, args, kwargs
+
+
+def tied_llama_example(batch: int = 4, seq: int = 16) -> Example:
+    """Llama with its embedding tied to the LM head, four layers (enough for four stages)."""
+    return llama_example(batch=batch, seq=seq, layers=4, tie=True)

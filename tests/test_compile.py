@@ -29,6 +29,7 @@ ZOO = {
     "bert": ("tests.hf_models", "bert_example"),
     "resnet": ("tests.hf_models", "resnet_example"),
     "llama": ("tests.hf_models", "llama_example"),
+    "tied-llama": ("tests.hf_models", "tied_llama_example"),
     "t5": ("tests.hf_models", "t5_example"),
 }
 
@@ -79,9 +80,11 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    stage = cm.stages[0]
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in stage.parameters())
-    for pname, p in stage.named_parameters():
+    # this rank's stages (one, or a lane's several) hold every parameter the model still has
+    named = {n: p for stage in cm.stages for n, p in stage.named_parameters()}
+    held = {id(p): p for p in named.values()}.values()
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in held)
+    for pname, p in named.items():
         assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
     assert cm.plan.world_size == world and f"rank {rank} runs stage" in repr(cm)
     assert f"rank {world - 1} " in repr(cm).split("one step:")[1]  # a grid row per rank
@@ -125,6 +128,10 @@ def test_trains_like_one_process(name, world, cfg):
         ("gpt", 3, dict(replicas=(1, 1, 1), micro_batches=3, schedule="1f1b", recompute=True)),
         ("gpt", 4, dict(replicas=(2, 1, 1), micro_batches=2, schedule="gpipe", recompute=True)),
         ("cnn", 2, dict(replicas=(1, 1), micro_batches=1, schedule="1f1b", recompute=True)),
+        # several stages a rank (replicas count lanes)
+        ("gpt", 2, dict(replicas=(1, 1), micro_batches=4, schedule="interleaved")),
+        ("gpt", 3, dict(replicas=(2, 1), micro_batches=2, schedule="zbv", recompute=True)),
+        ("mlp", 4, dict(replicas=(1, 1, 1, 1), micro_batches=4, schedule="zbv")),
     ],
 )
 def test_schedules_and_recomputation_train_like_one_process(name, world, cfg):

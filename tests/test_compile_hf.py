@@ -34,6 +34,14 @@ def test_hf_trains_like_one_process(name, world, cfg):
         ("bert", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b", recompute=True)),
         ("llama", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b")),
         ("t5", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe", recompute=True)),
+        # several stages a rank; GPT-2 and this Llama tie the embedding to the head (ZBV puts
+        # both on the first rank), T5 sends the encoder's output to every decoder stage
+        ("gpt2", 2, dict(replicas=(1, 1), micro_batches=4, schedule="interleaved")),
+        ("gpt2", 3, dict(replicas=(2, 1), micro_batches=2, schedule="zbv", recompute=True)),
+        ("tied-llama", 2, dict(replicas=(1, 1), micro_batches=4, schedule="zbv")),
+        ("tied-llama", 4, dict(replicas=(2, 2), micro_batches=2, schedule="interleaved",
+                               virtual_stages=2, recompute=True)),
+        ("t5", 2, dict(replicas=(1, 1), micro_batches=2, schedule="interleaved")),
     ],
 )
 def test_hf_schedules_and_recomputation(name, world, cfg):

@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 from rannc_fx.runtime import routing
 from rannc_fx.runtime.executor import Mode
+from rannc_fx.runtime.schedule import Kind
 
 from .dist_utils import run_ranks
 from .test_executor import (
@@ -225,7 +226,7 @@ def _peak_in_flight(rank: int, world: int, schedule: str, mbs: int) -> int:
         return forward(step, i)
 
     runner.forward = spy  # type: ignore[method-assign]
-    ex._dispatch[next(k for k in ex._dispatch if k.value == "F")] = spy
+    ex._dispatch[ex.stage.index][Kind.F] = spy
 
     def pack(t):
         nonlocal peak
@@ -242,7 +243,7 @@ def _peak_in_flight(rank: int, world: int, schedule: str, mbs: int) -> int:
         backward(step, i)
         live.discard(i)
 
-    ex._dispatch[next(k for k in ex._dispatch if k.value == "B")] = spy_b
+    ex._dispatch[ex.stage.index][Kind.B] = spy_b
     flat = case.data(plan.global_batch, torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         ex.forward(_local(plan, rank, flat))[0].backward()

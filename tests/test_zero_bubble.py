@@ -29,14 +29,18 @@ def _plan(world: int = 4, small: bool = False, **cfg: Any) -> rannc_fx.Plan:
                               config=config).plan
 
 
-def test_zbh1_is_chosen_where_its_simulated_step_is_shorter():
+def test_the_search_keeps_the_shortest_simulated_schedule_and_zbh1_beats_1f1b():
     searched = _plan(stages=4, micro_batches=8)
-    one_f = _plan(stages=4, micro_batches=8, schedule="1f1b")
-    assert searched.schedule == "zbh1"
-    assert [s.first_block for s in searched.stages] == [s.first_block for s in one_f.stages]
-    assert searched.simulated_step_ms < one_f.simulated_step_ms
-    assert [searched.in_flight(s) for s in range(4)] == [4, 4, 4, 4]
-    assert "schedule zbh1" in searched.summary()
+    forced = {s: _plan(stages=4, micro_batches=8, schedule=s)
+              for s in ("1f1b", "zbh1", "interleaved", "zbv")}
+    shortest = min(forced, key=lambda s: forced[s].simulated_step_ms)
+    assert searched.schedule == shortest
+    assert searched.simulated_step_ms == forced[shortest].simulated_step_ms
+    zb, one_f = forced["zbh1"], forced["1f1b"]
+    assert [s.first_block for s in zb.stages] == [s.first_block for s in one_f.stages]
+    assert zb.simulated_step_ms < one_f.simulated_step_ms
+    assert [zb.in_flight(s) for s in range(4)] == [4, 4, 4, 4]
+    assert "schedule zbh1" in zb.summary()
 
 
 def test_small_layers_stay_1f1b_where_the_split_costs_more_than_the_bubble():

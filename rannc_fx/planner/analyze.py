@@ -283,22 +283,25 @@ def _search_space(
         pow2 = {1 << i for i in range(limit.bit_length()) if (1 << i) <= limit}
         divisors = {d for d in range(1, limit + 1) if global_batch % d == 0}
         candidates = tuple(sorted(pow2 | divisors))
-    if cfg.schedule in ("1f1b", "zbh1") and not one_loss:
+    in_call = ("1f1b", "zbh1", "interleaved", "zbv")
+    if cfg.schedule in in_call and not one_loss:
         raise ValueError(
             f"schedule={cfg.schedule!r} runs each micro-batch's backward inside the call, which "
             "needs the model's only output that carries a gradient to be a scalar loss; this "
             "model returns none or several (an auxiliary loss?): return their sum as the loss, "
             "or use schedule='gpipe' (or None, searched)"
         )
-    if cfg.schedule in ("1f1b", "zbh1") and tail:
+    if cfg.schedule in in_call and tail:
         raise ValueError(
             f"schedule={cfg.schedule!r} runs backwards before the last forward, but this model "
             "mixes its samples (a contrastive loss), and that part runs once on the whole "
             "batch, between every forward and every backward; use schedule='gpipe' (or None, "
             "searched)"
         )
-    # ZB-H1 is not searched: the searched plan is tried with it (planner/zero_bubble.py)
-    schedules = (cfg.schedule,) if cfg.schedule in ("gpipe", "1f1b") else (
+    # ZB-H1, interleaved 1F1B and ZBV are not searched: the searched plan is tried with them
+    # (planner/zero_bubble.py, planner/virtual.py), the last two on 1F1B's lanes
+    schedules = (cfg.schedule,) if cfg.schedule in ("gpipe", "1f1b") else ("1f1b",) if (
+        cfg.schedule in ("interleaved", "zbv")) else (
         ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
     return SearchSpace(
         world_size=world_size,

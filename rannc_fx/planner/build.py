@@ -4,13 +4,24 @@ values, outputs, shared parameters, and the simulated step of the schedule the r
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from ..passes.capture import CapturedGraph
 from ..passes.search import SearchResult
 from ..passes.shapes_dynamic import Dynamic, dynamic_pass
 from ..passes.split import stage_interfaces
 from ..passes.split_interface import StageInterface, dimension_source
-from ..plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, SharedParam, Stage, Tail
+from ..plan import (
+    Block,
+    CutValue,
+    MemoryEstimate,
+    OutputRef,
+    Plan,
+    SharedParam,
+    Stage,
+    Tail,
+    lane_layout,
+)
 from ..runtime.simulate import simulate_plan
 from ..values import SAMPLES, ValueSpec
 from .analyze import Analysis
@@ -58,7 +69,10 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
     params_set = {n for n, _ in captured.gm.named_parameters(remove_duplicate=False)}
 
     stages: list[Stage] = []
-    rank = 0
+    first_rank, rank = {}, 0  # ranks go to the lanes in order; a lane's stages share them
+    for lane in lane_layout(result.schedule, len(result.stages), result.virtual_stages):
+        first_rank.update(dict.fromkeys(lane, rank))
+        rank += result.stages[lane[0]].replicas
     for s, (choice, cost) in enumerate(zip(result.stages, result.evaluation.stages, strict=True)):
         names = sorted(stage_params[s])
         stages.append(Stage(
@@ -66,7 +80,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             first_block=choice.start,
             end_block=choice.end,
             replicas=choice.replicas,
-            ranks=tuple(range(rank, rank + choice.replicas)),
+            ranks=tuple(range(first_rank[s], first_rank[s] + choice.replicas)),
             samples=cost.samples,
             num_nodes=sum(len(blocks.blocks[b]) for b in range(choice.start, choice.end)),
             param_names=tuple(n for n in names if n in params_set),
@@ -86,7 +100,6 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
                 workspace=cost.workspace, outputs=cost.outputs, overlap=cost.overlap,
             ),
         ))
-        rank += choice.replicas
 
     cut_values = tuple(
         CutValue(producer=p, consumers=tuple(x for x in c if x < num), spec=values[name])
@@ -110,8 +123,8 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         world_size=space.world_size,
         global_batch=space.global_batch,
         micro_batches=result.micro_batches,
-        schedule="zbh1" if result.schedule == "zbh1" else (
-            "1f1b" if result.schedule == "1f1b" else "gpipe"),
+        schedule=_SCHEDULE[result.schedule],
+        virtual_stages=result.virtual_stages,
         loss_reduction=a.config.loss_reduction,
         batch_norm=a.config.batch_norm,
         device=a.spec,
@@ -130,8 +143,15 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         predicted_step_ms=ms * result.evaluation.step_s + tail_ms,
         search_seconds=search_seconds,
     )
-    simulated = simulate_plan(plan).makespan
-    return plan.model_copy(update={"simulated_step_ms": ms * simulated + tail_ms})
+    simulated = ms * simulate_plan(plan).makespan + tail_ms
+    update = {"simulated_step_ms": simulated}
+    if result.virtual_stages > 1:  # no closed form: the formula would miss the interleaving
+        update["predicted_step_ms"] = simulated
+    return plan.model_copy(update=update)
+
+
+_SCHEDULE: dict[str, Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"]] = {
+    "gpipe": "gpipe", "1f1b": "1f1b", "zbh1": "zbh1", "interleaved": "interleaved", "zbv": "zbv"}
 
 
 def _tail(a: Analysis, values: dict[str, ValueSpec], iface: StageInterface,

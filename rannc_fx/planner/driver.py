@@ -25,6 +25,7 @@ from ..progress import Progress
 from ..values import ValueSpec
 from .analyze import Target, analyze
 from .build import build_plan
+from .virtual import virtual_variants
 from .zero_bubble import zero_bubble
 
 __all__ = ["Planned", "plan_model", "run_search", "split_stages"]
@@ -79,6 +80,7 @@ def plan_model(
     seconds = time.perf_counter() - t0
     plan = build_plan(a, result, search_seconds=seconds)
     plan = zero_bubble(a, result, plan, lambda r: build_plan(a, r, search_seconds=seconds))
+    plan = virtual_variants(a, result, plan, lambda r: build_plan(a, r, search_seconds=seconds))
     p.done(
         "built the plan in %.2f s: %d stages on %d ranks, %d cut value(s), %d shared parameter(s), "
         "predicted step %.2f ms (schedule simulated: %.2f ms)", p.seconds, len(plan.stages),

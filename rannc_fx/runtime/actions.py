@@ -79,7 +79,9 @@ Schedule = list[list[Action]]  # one list per lane, in the order its ranks run t
 
 def in_flight(actions: Sequence[Action], stage: int | None = None) -> int:
     """The most micro-batches whose forward ran and whose backward has not, at any point
-    (of ``stage``'s, where a lane holds several)."""
+    (of ``stage``'s, where a lane holds several). Where a micro-batch's backward is split,
+    it counts until its ``W``: the weight gradients read what the forward saved."""
+    split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.W}
     live = most = 0
     for a in actions:
         if stage is not None and a.stage != stage:
@@ -87,6 +89,6 @@ def in_flight(actions: Sequence[Action], stage: int | None = None) -> int:
         if a.kind is Kind.F:
             live += 1
             most = max(most, live)
-        elif a.kind is Kind.B:
+        elif a.kind is Kind.W or (a.kind is Kind.B and (a.stage, a.microbatch) not in split):
             live -= 1
     return most

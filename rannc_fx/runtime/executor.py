@@ -108,12 +108,6 @@ class StageExecutor:
         self.stages = plan.stages_of_rank(self.rank)
         owners = {r.stage for r in plan.outputs}
         held = [st for st in self.stages if st.index in owners]
-        if len(held) > 1:
-            raise ValueError(
-                f"rank {self.rank} runs stages {[st.index for st in held]}, which all hold model "
-                f"outputs; under schedule {plan.schedule!r} only one stage of a lane may: return "
-                "the outputs from the last stage, or use a schedule with one stage a lane"
-            )
         self.stage = held[0] if held else self.stages[0]
         self.replica = self.stage.ranks.index(self.rank)
         self.device = torch.device(device) if device is not None else device_of(module)
@@ -169,7 +163,8 @@ class StageExecutor:
                 plan, self.rank, None if len(self.stages) == 1 else s)
             spans = [routing.replica_span(plan, s, self.replica, i)
                      for i in range(plan.micro_batches)]
-            outputs = Outputs(plan, st, self.rank, routes, spans, self.groups, self.device)
+            outputs = Outputs(plan, st, self.rank, routes, spans, self.groups, self.device,
+                              lane=tuple(x.index for x in self.stages))
             buffers = BufferSync(
                 mod,
                 micro_batches=plan.micro_batches,
@@ -278,7 +273,8 @@ class StageExecutor:
                       StepState(self._step, grad=step.grad, local=local, held=step.held)
                       for s in self.runners}
         if mode is Mode.CALL:
-            step.seeds = self._unit_seed()
+            for stage, seeds in self._unit_seed().items():
+                step.parts[stage].seeds = seeds
             self.grads.begin()
         for b in self._buffers:
             b.begin()
@@ -324,7 +320,9 @@ class StageExecutor:
             self.grads.apply(None if g is None or _is_one(g) else g)
             self.outputs.finish_sends()
             return
-        step.seeds, tail_seeds = self._seeds(grads)
+        seeds, tail_seeds = self._seeds(grads)
+        for stage, part in step.parts.items():
+            part.seeds = seeds.get(stage, {})
         self.grads.begin()
         if self.tail is not None and self.tail.runs:
             self.tail.backward(step, tail_seeds)
@@ -402,6 +400,12 @@ class StageExecutor:
             if self.tail.runs:
                 self.tail.forward(step)
             self.tail.send_rows(step)
+        for part in step.parts.values():  # every stage of this rank's, by name
+            if part is not step:
+                for i, outs in part.model_outs.items():
+                    step.model_outs.setdefault(i, {}).update(outs)
+                step.reduced.update(part.reduced)
+                part.model_outs, part.reduced = {}, {}
         step.results = {**step.results, **self.outputs.gather(step.model_outs)}
         step.model_outs = {}
         received = self.outputs.share(step.reduced, step.results)
@@ -419,31 +423,35 @@ class StageExecutor:
             self.grads.merge()
 
     # -- seeds -------------------------------------------------------------------------------------
-    def _unit_seed(self) -> dict[int, torch.Tensor]:
-        """The whole step in the call: the loss's own gradient, d loss / d loss = 1."""
+    def _unit_seed(self) -> dict[int, dict[int, torch.Tensor]]:
+        """The whole step in the call: the loss's own gradient, d loss / d loss = 1, for the
+        stage of this rank's that computes it (by stage, then output position)."""
         assert self._loss is not None
         ref = self.plan.outputs[self._loss]
-        if ref.stage != self.stage.index:
+        if ref.stage not in self.runners:
             return {}
-        pos = self.outputs.out_pos[ref.spec.name]
-        return {pos: torch.ones(ref.spec.shape, dtype=dtype_of(ref.spec), device=self.device)}
+        pos = self.runners[ref.stage].out_pos[ref.spec.name]
+        one = torch.ones(ref.spec.shape, dtype=dtype_of(ref.spec), device=self.device)
+        return {ref.stage: {pos: one}}
 
     def _seeds(
         self, grads: Sequence[torch.Tensor | None]
-    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """Output position -> the user's gradient for it (to be scaled by each share), and
-        the tail's outputs' (by output index: the tail runs once, on the whole batch)."""
-        seeds: dict[int, torch.Tensor] = {}
+    ) -> tuple[dict[int, dict[int, torch.Tensor]], dict[int, torch.Tensor]]:
+        """Stage -> output position -> the user's gradient for it (to be scaled by each
+        share), and the tail's outputs' (by output index: the tail runs once, on the whole
+        batch)."""
+        seeds: dict[int, dict[int, torch.Tensor]] = {}
         tail: dict[int, torch.Tensor] = {}
         for j, g in zip(self._diff, grads, strict=True):
             ref = self.plan.outputs[j]
-            if ref.stage != self.stage.index or g is None:
+            if ref.stage not in self.runners or g is None:
                 continue
             if self.plan.tail_output(j):
                 tail[j] = g
                 continue
-            pos = self.outputs.out_pos[ref.spec.name]
-            seeds[pos] = seeds[pos] + g if pos in seeds else g
+            pos = self.runners[ref.stage].out_pos[ref.spec.name]
+            mine = seeds.setdefault(ref.stage, {})
+            mine[pos] = mine[pos] + g if pos in mine else g
         return seeds, tail
 
 

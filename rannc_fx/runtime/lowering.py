@@ -10,7 +10,7 @@ interpret, by fixed rules that hold for any schedule (none is written per schedu
 - a forward is preceded by ``RECV_F`` of its micro-batch where the stage reads cut values and
   followed by ``SEND_F`` where it produces some; a backward is preceded by ``RECV_B`` where its
   outputs' gradients come back and followed by ``SEND_B`` where its inputs' gradients leave
-  (one receive per source stage, ``1RECV_B0<3``, where two of them run on one lane);
+  (one receive per source stage, ``1RECV_B0<3``, where lanes run several stages);
 - a stage that recomputes runs ``R`` right before each ``B`` of the same micro-batch;
 - a ``W`` (a micro-batch's weight gradients, after its ``B``) sends and receives nothing;
 - ``GATHER`` (model outputs home, the loss to every rank) follows the last forward when on
@@ -224,14 +224,14 @@ def lower_plan(plan: Plan, schedule: str | None = None) -> tuple[Topology, Sched
 
 
 def _receives(recv: Action, sources: frozenset[int], topology: Topology) -> list[Action]:
-    """``recv`` (all of a stage's receives of one micro-batch), or one receive per source stage
-    where two sources run on one lane: that lane may send them in either order (ZBV sends a
-    skip connection's gradient before the next stage's), and each must be posted in its
-    sender's order (``_follow_senders``)."""
+    """``recv`` (all of a stage's receives of one micro-batch), or, where lanes run several
+    stages and the stage has several sources, one receive per source stage: each must be
+    posted in its sender's order (``_follow_senders``), and two senders' orders (ZBV sends a
+    skip connection's gradient before the next stage's; one lane's forwards and another's
+    gradients interleave) need not agree on where one action for both would go."""
     if not sources:
         return []
-    lanes = [topology.lane_of[p] for p in sources]
-    if len(set(lanes)) == len(lanes):
+    if len(sources) == 1 or all(len(lane) == 1 for lane in topology.lanes):
         return [recv]
     return [recv._replace(peer=p) for p in sorted(sources)]
 

@@ -49,8 +49,12 @@ class Outputs:
         spans: list[tuple[int, int]],
         groups: Groups,
         device: torch.device,
+        lane: tuple[int, ...] | None = None,
     ):
+        """``lane``: every stage this rank runs (default ``stage`` alone); ``gather`` and
+        ``share`` send all of theirs, ``accumulate`` and ``kept`` are ``stage``'s."""
         self.plan, self.stage, self.rank, self.routes = plan, stage, rank, routes
+        self.lane = lane if lane is not None else (stage.index,)
         self.spans, self.groups, self.device = spans, groups, device
         self.local = plan.global_batch // plan.world_size
         self.out_pos = {name: p for p, name in enumerate(stage.outputs)}
@@ -59,6 +63,7 @@ class Outputs:
         self.mine: list[OutputRef] = [
             r for r in plan.outputs if r.stage == stage.index and not plan.tail_output(r.index)
         ]
+        self.ours = [r for r in plan.outputs if r.stage in self.lane and not plan.tail_output(r.index)]
         self.unbatched = [
             r for r in plan.outputs if r.spec.kind == "tensor" and r.spec.batch_dim is None
         ]
@@ -94,18 +99,19 @@ class Outputs:
             elif i == 0 and self.stage.ranks.index(self.rank) == 0:
                 reduced[ref.index] = v.clone()  # not averageable: micro-batch 0's value
 
-    def gather(self, outputs: dict[int, dict[int, torch.Tensor]]) -> dict[int, Any]:
-        """Batched model outputs (``outputs[i][position]``, detached) to their owner ranks.
+    def gather(self, outputs: dict[int, dict[str, torch.Tensor]]) -> dict[int, Any]:
+        """Batched model outputs (``outputs[i][name]``, detached, of every stage this rank
+        runs) to their owner ranks.
 
         An interleaved output moves in sample-major order and is interleaved again for the
         local samples, as the model would have laid it out for the local batch alone.
         """
         me = self.rank
-        layouts = {r.spec.name: r.spec for r in self.mine if r.spec.interleave is not None}
+        layouts = {r.spec.name: r.spec for r in self.ours if r.spec.interleave is not None}
         regrouped: dict[tuple[int, str], torch.Tensor] = {}
 
         def source(t: Transfer) -> torch.Tensor:
-            x = outputs[t.microbatch][self.out_pos[t.value]]
+            x = outputs[t.microbatch][t.value]
             if t.value not in layouts:
                 return x
             key = (t.microbatch, t.value)
@@ -158,7 +164,9 @@ class Outputs:
             elif spec.kind != "tensor":
                 raise ValueError(f"model output {ref.index} is a {spec.kind}; return tensors")
         st = self.stage.index
-        mine = [r for r in self.unbatched if r.stage == st]
+        # stage by stage, in output order within each: as the receivers post them
+        mine = sorted((r for r in self.unbatched if r.stage in self.lane),
+                      key=lambda r: (r.stage, r.index))
         vals = [
             reduced[r.index]
             if r.index in reduced

@@ -69,7 +69,7 @@ class StepState:
     grad_recv: dict[int, list[_Received]] = field(default_factory=dict)
     args: dict[int, list[Any]] = field(default_factory=dict)
     outs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # for the backward
-    model_outs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # for GATHER
+    model_outs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # for GATHER
     rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     sends: list[Pending] = field(default_factory=list)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)  # share-weighted losses
@@ -289,7 +289,8 @@ class StageRunner:
         self.outputs.accumulate(i, outs, step.reduced)
         if self.tail is not None:
             self.tail.keep(step, i, outs)
-        step.model_outs[i] = {p: outs[p].detach() for p in self.kept if _is_tensor(outs[p])}
+        step.model_outs[i] = {self.stage.outputs[p]: outs[p].detach() for p in self.kept
+                              if _is_tensor(outs[p])}
         if step.grad:
             step.args[i] = args
         if self.sends_cuts or (step.grad and not self.recompute):

@@ -72,16 +72,28 @@ def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
 
 
 def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...],
-             micro_batches: int, schedule: str = "gpipe") -> Evaluation:
+             micro_batches: int, schedule: str = "gpipe", *,
+             lanes: Sequence[Sequence[int]] | None = None,
+             in_flight_counts: Sequence[int] | None = None) -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
 
     Each stage recomputes as its ``StageChoice.recompute`` says. ``"zbh1"`` (not searched:
     ``planner/zero_bubble.py``) is costed with every stage holding min(m, S) micro-batches
-    and 1F1B's step formula; the simulator times its split backward.
+    and 1F1B's step formula; the simulator times its split backward. A schedule with several
+    stages a lane (``"interleaved"``, ``"zbv"``: ``planner/virtual.py``) gives the stages of
+    each lane (``lanes``: they share its ranks, so the replica counts of one lane count once
+    and their memory adds up against the budget) and the micro-batches each stage holds
+    (``in_flight_counts``, counted off the schedule); its step is the simulator's, the
+    formula's here only a lower bound.
     """
     m, end = micro_batches, 0
-    if schedule not in (*SCHEDULES, "zbh1"):
-        raise ValueError(f"schedule={schedule!r}: expected one of {(*SCHEDULES, 'zbh1')}")
+    virtual = schedule in ("interleaved", "zbv")
+    if schedule not in (*SCHEDULES, "zbh1") and not virtual:
+        raise ValueError(f"schedule={schedule!r}: expected one of "
+                         f"{(*SCHEDULES, 'zbh1', 'interleaved', 'zbv')}")
+    if virtual and (lanes is None or in_flight_counts is None):
+        raise ValueError(f"schedule={schedule!r} needs the lanes and each stage's in-flight count")
+    lanes = lanes if lanes is not None else [[s] for s in range(len(stages))]
     for st in stages:
         if st.start != end or st.end <= st.start or st.replicas < 1:
             raise ValueError(f"stages {stages} must cover blocks 0.. in order, each non-empty "
@@ -90,12 +102,15 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
             raise ValueError(f"{m} micro-batches x {st.replicas} replicas exceed the global "
                              f"batch {space.global_batch}")
         end = st.end
-    if end != table.num_blocks or sum(s.replicas for s in stages) != space.world_size:
+    if end != table.num_blocks or sum(stages[lane[0]].replicas for lane in lanes) != \
+            space.world_size or any(stages[s].replicas != stages[lane[0]].replicas
+                                    for lane in lanes for s in lane):
         raise ValueError(f"stages {stages} must end at block {table.num_blocks} and their "
-                         f"replicas sum to the world size {space.world_size}")
+                         f"replicas (one count a lane) sum to the world size {space.world_size}")
     kidx, S = size_index(table), len(stages)
-    got = [_stage(table, space, kidx, st, m, in_flight(schedule, m, S - s, S))
-           for s, st in enumerate(stages)]
+    counts = (list(in_flight_counts) if in_flight_counts is not None
+              else [in_flight(schedule, m, S - s, S) for s in range(S)])
+    got = [_stage(table, space, kidx, st, m, counts[s]) for s, st in enumerate(stages)]
     step = plan_step([g[1] for g in got], [g[2] for g in got])
     return Evaluation(step, tuple(g[0] for g in got),
-                      all(g[3] <= space.memory_budget for g in got))
+                      all(sum(got[s][3] for s in lane) <= space.memory_budget for lane in lanes))

@@ -211,6 +211,7 @@ class SearchResult:
     seconds: float = 0.0  # wall time of the search
     schedule: str = "gpipe"
     dps: int = 0  # dynamic programs it ran (how hard the search worked)
+    virtual_stages: int = 1  # stages a lane (interleaved, zbv: planner/virtual.py)
 
 
 def samples_per_replica(global_batch: int, micro_batches: int, replicas: int) -> int:

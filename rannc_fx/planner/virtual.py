@@ -1,0 +1,173 @@
+"""Several stages a lane: the searched plan's lanes under interleaved 1F1B or ZBV, simulated.
+
+The search picks ``P`` stages, their replica counts and the micro-batch count for GPipe or
+1F1B. Interleaved 1F1B with ``v`` stages a lane (``runtime/schedule_virtual.py``) or ZBV
+(``v = 2``, a V over the lanes, backwards split) keep those ``P`` lanes, their replica counts
+and ``m``, and cut the blocks into ``v P`` stages instead, stage ``s`` on the lane the
+schedule puts it (``plan.lane_layout``):
+
+- the boundaries minimize the slowest stage's time per micro-batch (forward, backward,
+  messages, and the forward again where its lane recomputes), each stage costed at the
+  samples per replica of its lane: an exact min-max program over the block chain;
+- each stage holds as many micro-batches as the schedule's own list keeps in flight for it
+  (``runtime.actions.in_flight``), and a lane's stages add up against the memory budget;
+  where that does not fit, every stage recomputes (unless ``Config.recompute`` is set), and
+  where that does not fit either the variant is dropped;
+- the step is the simulator's (no closed form: the order of a lane's stages is the point).
+
+``virtual_variants`` is called after the search (and after ``zero_bubble``): a variant
+replaces the plan only where its simulated step is shorter, so a one-lane plan, or one
+whose bubble is already small, stays as it is. Not exact over all plans: the lanes are the
+searched plan's (a plan the search rejected might be best interleaved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from ..passes.search import SearchResult
+from ..passes.search.evaluate import evaluate
+from ..passes.search.model import (
+    StageChoice,
+    range_max,
+    samples_per_replica,
+    size_index,
+    stage_terms,
+)
+from ..plan import Plan, lane_layout
+from ..runtime.actions import in_flight
+from ..runtime.schedule import make_schedule
+from ..runtime.simulate import ScheduleError
+from .analyze import Analysis
+
+__all__ = ["balanced_stages", "virtual_variants"]
+
+log = logging.getLogger("rannc_fx")
+
+
+def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
+                     build: Callable[[SearchResult], Plan]) -> Plan:
+    """``plan``, or the interleaved or ZBV plan on its lanes with the shortest simulated
+    step where that is shorter (or the one ``Config.schedule`` names, where it fits)."""
+    named = a.config.schedule
+    forced = named in ("interleaved", "zbv")
+    if named is not None and not forced:
+        return plan
+    if "1f1b" not in a.space.schedules and not forced:
+        return plan  # the step cannot run in the call (several losses, a tail)
+    lanes = len(result.stages)
+    candidates: list[tuple[str, int]] = [("interleaved", 2), ("zbv", 2)]
+    if named == "interleaved":
+        candidates = [("interleaved", a.config.virtual_stages or 2)]
+    elif named == "zbv":
+        candidates = [("zbv", 2)]
+    best = plan
+    for schedule, v in candidates:
+        why = _ineligible(schedule, lanes, v, result.micro_batches, a.table.num_blocks)
+        if why is not None:
+            if forced:
+                raise ValueError(f"schedule={schedule!r}: {why}")
+            continue
+        got = _variant(a, result, schedule, v)
+        if got is None:
+            if forced:
+                raise ValueError(
+                    f"schedule={schedule!r} with {v} stages a lane on the searched {lanes} lanes "
+                    f"(replicas {[s.replicas for s in result.stages]}, m={result.micro_batches}) "
+                    "does not fit the memory budget (recomputing every stage, unless "
+                    "Config.recompute says otherwise: a lane holds more micro-batches of its "
+                    "first stage than 1F1B's first stage); use "
+                    "schedule='1f1b' or None (searched), or give the devices more memory"
+                )
+            continue
+        try:
+            candidate = build(got)
+        except ScheduleError as e:  # lowering could not match the lanes' messages
+            if forced:
+                raise
+            log.info("plan: %s skipped: %s", schedule, e)
+            continue
+        after, before = candidate.simulated_step_ms or 0.0, best.simulated_step_ms or 0.0
+        if forced or after < before:
+            log.info("plan: %s with %d stages a lane on %d lanes: simulated step %.2f ms against "
+                     "%.2f ms (%s)", schedule, v, lanes, after, before, best.schedule)
+            best = candidate
+    return best
+
+
+def _ineligible(schedule: str, lanes: int, v: int, m: int, blocks: int) -> str | None:
+    if lanes < 2:
+        return "the searched plan has one stage: there is no pipeline to interleave"
+    if v * lanes > blocks:
+        return f"{v * lanes} stages need as many blocks, the model has {blocks}"
+    if schedule == "interleaved" and m % max(1, m // lanes):
+        return (f"{m} micro-batches do not make whole rounds on {lanes} lanes; "
+                f"use a multiple of {max(1, m // lanes)}")
+    return None
+
+
+def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> SearchResult | None:
+    lanes = len(result.stages)
+    layout = lane_layout(schedule, v * lanes, v)
+    lane_of = {s: p for p, held in enumerate(layout) for s in held}
+    reps = [result.stages[lane_of[s]].replicas for s in range(v * lanes)]
+    m = result.micro_batches
+    sched = make_schedule(schedule, v * lanes, m, v)
+    counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
+    searched = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
+    tries = [searched] if a.config.recompute is not None else [searched, [True] * (v * lanes)]
+    for recompute in tries:
+        bounds = balanced_stages(a, reps, m, recompute)
+        if bounds is None:
+            return None
+        stages = tuple(StageChoice(i, j, r, rho)
+                       for (i, j), r, rho in zip(bounds, reps, recompute, strict=True))
+        ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
+                      in_flight_counts=counts)
+        if ev.fits:
+            return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
+                                       virtual_stages=v)
+        if all(searched):
+            break
+    return None
+
+
+def balanced_stages(a: Analysis, replicas: list[int], m: int,
+                    recompute: list[bool]) -> list[tuple[int, int]] | None:
+    """Block ranges of ``len(replicas)`` stages in chain order that minimize the slowest
+    stage's time per micro-batch, stage ``s`` costed at the samples per replica of its
+    ``replicas[s]`` (None when the table lacks that size)."""
+    table, space = a.table, a.space
+    B, n = table.num_blocks, len(replicas)
+    kidx = size_index(table)
+    i, j = np.triu_indices(B + 1, k=1)
+    cost: dict[tuple[int, bool], np.ndarray] = {}
+    for r, rho in set(zip(replicas, recompute, strict=True)):
+        q = samples_per_replica(space.global_batch, m, r)
+        if q not in kidx:
+            return None
+        k = kidx[q]
+        ws = range_max(np.asarray(table.workspace[k], float))[i, j]
+        c = np.full((B + 1, B + 1), np.inf)
+        c[i, j] = stage_terms(table, space, k, i, j, ws, m).time(rho)
+        cost[r, rho] = c
+    best = np.full(B + 1, np.inf)
+    best[0] = 0.0
+    back = np.zeros((n, B + 1), dtype=int)
+    for s in range(n):
+        # best[j] after s + 1 stages: min over i of max(best[i] before, time of [i, j))
+        both = np.maximum(best[:, None], cost[replicas[s], recompute[s]])
+        back[s] = np.argmin(both, axis=0)
+        best = both[back[s], np.arange(B + 1)]
+    if not np.isfinite(best[B]):
+        return None
+    out, j_end = [], B
+    for s in reversed(range(n)):
+        i_start = int(back[s, j_end])
+        out.append((i_start, j_end))
+        j_end = i_start
+    return out[::-1]

@@ -1,0 +1,112 @@
+"""Plans with several stages a lane (``planner/virtual.py``): interleaved 1F1B and ZBV on the
+searched lanes, their balanced stage boundaries, and when the planner keeps them."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.models import gpt_example
+from rannc_fx.passes.search.model import CostTable, SearchSpace, stage_terms
+from rannc_fx.planner.virtual import balanced_stages
+
+WIDE = dict(d_model=512, layers=8, seq=512)  # analytic V100 costs: the same plan every run
+
+
+def _plan(world: int = 4, **cfg: Any) -> rannc_fx.Plan:
+    model, args, kwargs = gpt_example(batch=16, **WIDE)
+    config = Config(profile_cache_dir=None, **cfg)
+    return rannc_fx.partition(model, args, kwargs, world_size=world, device="v100-32gb",
+                              config=config).plan
+
+
+@pytest.mark.parametrize("schedule,lanes", [
+    ("interleaved", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("zbv", [[0, 7], [1, 6], [2, 5], [3, 4]]),
+])
+def test_a_named_virtual_schedule_cuts_each_searched_lane_into_two_stages(schedule, lanes):
+    one_f = _plan(stages=4, micro_batches=8, schedule="1f1b")
+    plan = _plan(stages=4, micro_batches=8, schedule=schedule)
+    assert plan.schedule == schedule and plan.virtual_stages == 2
+    assert [list(x) for x in plan.lanes] == lanes
+    assert len(plan.stages) == 8 and plan.world_size == 4
+    for k, lane in enumerate(lanes):  # a lane's stages share its ranks
+        assert {plan.stages[s].ranks for s in lane} == {(k,)}
+    assert [s.first_block for s in plan.stages] == sorted(s.first_block for s in plan.stages)
+    # no closed form: the predicted step is the simulated one
+    assert plan.predicted_step_ms == plan.simulated_step_ms
+    assert plan.simulated_step_ms < one_f.simulated_step_ms  # half the bubble, or less
+    text = plan.summary()
+    assert f"schedule {schedule} (2 stages a lane: {lanes})" in text
+    # every lane fits: its stages' memory adds up
+    assert all(sum(plan.stages[s].memory.total for s in lane) <= plan.memory_budget
+               for lane in lanes)
+
+
+def test_interleaving_more_stages_a_lane_shortens_the_fill_further():
+    two = _plan(stages=2, micro_batches=8, schedule="interleaved", virtual_stages=2)
+    four = _plan(stages=2, micro_batches=8, schedule="interleaved", virtual_stages=4)
+    assert len(four.stages) == 8 and [list(x) for x in four.lanes] == [[0, 2, 4, 6],
+                                                                      [1, 3, 5, 7]]
+    assert four.simulated_step_ms < two.simulated_step_ms
+
+
+def test_one_lane_and_named_schedules_stay_and_bad_settings_are_refused():
+    assert _plan(world=1).virtual_stages == 1
+    assert _plan(stages=4, micro_batches=8, schedule="1f1b").schedule == "1f1b"
+    with pytest.raises(ValueError, match="virtual_stages=3 applies to schedule='interleaved'"):
+        Config(schedule="zbv", virtual_stages=3)
+    with pytest.raises(ValueError, match="one stage: there is no pipeline to interleave"):
+        _plan(world=1, schedule="interleaved")
+
+
+def test_a_named_virtual_schedule_that_does_not_fit_says_so():
+    one_f = _plan(stages=4, micro_batches=8, schedule="1f1b")
+    # 1F1B's first stage fits; a lane holding 8 micro-batches of its first stage does not
+    budget = max(s.memory.total for s in one_f.stages)
+    with pytest.raises(ValueError, match="schedule='interleaved' with 2 stages a lane on the "
+                                         "searched 4 lanes .* does not fit the memory budget"):
+        _plan(stages=4, micro_batches=8, schedule="interleaved", recompute=False,
+              device_memory=budget, memory_margin=0.0)
+
+
+def _table(rng: np.random.Generator, blocks: int) -> SimpleNamespace:
+    sizes = np.array([1, 2, 4])
+    q, b = len(sizes), blocks
+    fwd = rng.uniform(0.5, 2.0, (q, b)) * sizes[:, None]
+    cut = np.concatenate([np.zeros((q, 1)), rng.uniform(0, 1e6, (q, b - 1)), np.zeros((q, 1))],
+                         axis=1)
+    table = CostTable(sizes=sizes, fwd=fwd, bwd=2 * fwd, act=np.ones((q, b)),
+                      workspace=np.zeros((q, b)), cut=cut, param_bytes=np.zeros((b, b + 1)),
+                      grad_bytes=np.zeros((b, b + 1)))
+    space = SearchSpace(world_size=4, global_batch=8, memory_budget=1e12, link_bandwidth=1e9)
+    return SimpleNamespace(table=table, space=space)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_boundaries_are_the_min_max_optimum_by_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    blocks, replicas, recompute, m = 8, [1, 2, 1, 2], [False, True, False, False], 2
+    a = _table(rng, blocks)
+    got = balanced_stages(a, replicas, m, recompute)  # type: ignore[arg-type]
+    assert got is not None and got[0][0] == 0 and got[-1][1] == blocks
+    kidx = {1: 0, 2: 1, 4: 2}
+
+    def time(i: int, j: int, r: int, rho: bool) -> float:
+        k = kidx[-(-8 // (m * r))]
+        t = stage_terms(a.table, a.space, k, np.array([i]), np.array([j]), np.zeros(1), m)
+        return float(t.time(rho)[0])
+
+    def worst(bounds: list[tuple[int, int]]) -> float:
+        return max(time(i, j, r, rho) for (i, j), r, rho in zip(bounds, replicas, recompute,
+                                                                strict=True))
+
+    best = min(worst(list(itertools.pairwise((0, *cuts, blocks))))
+               for cuts in itertools.combinations(range(1, blocks), len(replicas) - 1))
+    assert worst(got) == pytest.approx(best, rel=1e-12)
