@@ -94,10 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--schedules",
         nargs="+",
-        choices=("gpipe", "1f1b", "zbh1"),
+        choices=("gpipe", "1f1b", "zbh1", "interleaved", "zbv"),
         default=["gpipe"],
         help="same-split: schedules every contender runs (default: gpipe); the peer of "
-        "'zbh1' is ScheduleInterleavedZeroBubble with one stage a rank",
+        "'zbh1' is ScheduleInterleavedZeroBubble with one stage a rank, of 'interleaved' "
+        "ScheduleInterleaved1F1B and of 'zbv' ScheduleZBVZeroBubble, two stages a rank "
+        "(manual frontend only)",
     )
     p.add_argument(
         "--recompute",
@@ -154,7 +156,8 @@ class _Stage(nn.Module):
 
 class PeerStep:
     """One rank's stage of torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B or
-    ScheduleInterleavedZeroBubble (one stage a rank), plus Adam."""
+    ScheduleInterleavedZeroBubble (one stage a rank), or its two stages of
+    ScheduleInterleaved1F1B or ScheduleZBVZeroBubble, plus Adam."""
 
     def __init__(
         self,
@@ -176,7 +179,24 @@ class PeerStep:
 
         rank, world = dist.get_rank(), dist.get_world_size()
         self.rank, self.world, self.ids, self.labels = rank, world, ids, labels
+        self.last_rank = 0 if schedule == "zbv" else world - 1
         dev = torch.device("cpu")
+        if schedule in ("interleaved", "zbv"):
+            from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+            n = 2 * world
+            mine = [rank, 2 * world - 1 - rank] if schedule == "zbv" else [rank, rank + world]
+            edges = [0, *bounds, len(model.blocks)]
+            stages, params = [], []
+            for s in mine:
+                mod = _Stage(model, edges[s], edges[s + 1], s == 0, s == n - 1)
+                stages.append(PipelineStage(mod, s, n, dev))
+                params += list(mod.parameters())
+            kind = ScheduleZBVZeroBubble if schedule == "zbv" else ScheduleInterleaved1F1B
+            self.sched = kind(stages, n_microbatches=m, loss_fn=lm_loss)
+            self.opt = torch.optim.Adam(params, lr=1e-4)
+            self.losses = []
+            return
         if traced:
             split = {f"blocks.{b}": SplitPoint.BEGINNING for b in bounds}
             pipe = pipeline(model, mb_args=(ids.chunk(m)[0],), split_spec=split)
@@ -200,9 +220,13 @@ class PeerStep:
 
     def __call__(self) -> None:
         self.losses = []
-        if self.rank == 0:
+        first, last = self.rank == 0, self.rank == self.last_rank
+        if first and last:
+            self.sched.step(self.ids, target=self.labels, losses=self.losses,
+                            return_outputs=False)
+        elif first:
             self.sched.step(self.ids, return_outputs=False)
-        elif self.rank == self.world - 1:
+        elif last:
             self.sched.step(target=self.labels, losses=self.losses, return_outputs=False)
         else:
             self.sched.step(return_outputs=False)
@@ -298,17 +322,24 @@ def main(argv: list[str] | None = None) -> None:
     setup_s = time.perf_counter() - t0
 
     if args.mode == "same-split":
+        # every contender cuts where the first rannc_fx contender's plan cuts; a schedule
+        # with two stages a rank cuts where its own plan does (twice as many stages)
         bounds = layer_bounds(plan, args.layers)
+        virtual_bounds = {
+            s: layer_bounds(contenders[f"rannc_fx-{s}"].model.plan, args.layers)
+            for s in args.schedules if s in ("interleaved", "zbv")
+        }
         m = args.micro_batches
         for s in args.schedules:
             contenders[f"pipelining-manual-{s}"] = PeerStep(
-                copy.deepcopy(base), bounds, m, False, ids, labels, s
+                copy.deepcopy(base), virtual_bounds.get(s, bounds), m, False, ids, labels, s
             )
-            if not args.no_traced:
+            if not args.no_traced and s not in ("interleaved", "zbv"):
                 contenders[f"pipelining-traced-{s}"] = PeerStep(
                     copy.deepcopy(base), bounds, m, True, ids, labels, s
                 )
-        peer_desc = f"cut before layer(s) {bounds}, m={m}"
+        peer_desc = f"cut before layer(s) {bounds}, m={m}" + "".join(
+            f"; {s}: cut before layer(s) {b}" for s, b in virtual_bounds.items())
     else:
         bounds = even_bounds(args.layers, world)
         for m in args.peer_micro_batches:

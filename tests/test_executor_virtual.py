@@ -107,13 +107,72 @@ class _L2(nn.Module):
         return (torch.tanh(self.lin2(h)),)
 
 
-H = {name: H8.model_copy(update={"name": name}) for name in ("h0", "skip", "h1", "h2")}
+class Fan(nn.Module):
+    """One value read by two stages of one lane and another by one of them (an encoder's
+    output read by every decoder stage): the sender posts them stage by stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(6, 8)
+        self.c, self.d, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        enc, side = torch.tanh(self.a(x)), torch.relu(self.b(x))
+        h = torch.tanh(self.c(enc + side))
+        h = torch.relu(self.d(h))
+        return [F.cross_entropy(self.head(h + enc), y)]
+
+
+class _F0(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.a, self.b = net.a, net.b
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)), torch.relu(self.b(x))
+
+
+class _F1(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.c = net.c
+
+    def forward(self, enc, side):
+        return (torch.tanh(self.c(enc + side)),)
+
+
+class _F2(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.d = net.d
+
+    def forward(self, h1):
+        return (torch.relu(self.d(h1)),)
+
+
+class _F3(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.head = net.head
+
+    def forward(self, h2, enc, y):
+        return (F.cross_entropy(self.head(h2 + enc), y),)
+
+
+H = {name: H8.model_copy(update={"name": name})
+     for name in ("h0", "skip", "h1", "h2", "enc", "side")}
 G = LM["h"]
 CASES: dict[str, Any] = {
     "deep4": dict(
         net=Deep, stages=[_D0, _D1, _D2, _D3], values={**XY, **H}, inputs=["x", "y"],
         io=[(["x"], ["h0", "skip"]), (["h0"], ["h1"]), (["h1", "skip"], ["h2"]),
             (["h2", "y"], ["loss"])],
+        outputs=["loss"], data=_xy((6,), 4), shared=[],
+    ),
+    "fan4": dict(
+        net=Fan, stages=[_F0, _F1, _F2, _F3], values={**XY, **H}, inputs=["x", "y"],
+        io=[(["x"], ["enc", "side"]), (["enc", "side"], ["h1"]), (["h1"], ["h2"]),
+            (["h2", "enc", "y"], ["loss"])],
         outputs=["loss"], data=_xy((6,), 4), shared=[],
     ),
     "lm4": dict(
@@ -180,7 +239,7 @@ def _train(rank: int, world: int, name: str, replicas: tuple[int, ...], mbs: int
 
 
 @pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zbv", 2)])
-@pytest.mark.parametrize("name", ["deep4", "lm4"])
+@pytest.mark.parametrize("name", ["deep4", "lm4", "fan4"])
 @pytest.mark.parametrize(
     "lanes,mbs,recompute",
     [
@@ -200,3 +259,4 @@ def test_several_stages_a_rank_train_like_one_process(name, schedule, virtual, l
                      for s in range(4))
     _same_everywhere(run_ranks(_train, sum(lanes), name, replicas, mbs, schedule, virtual,
                                recompute))
+

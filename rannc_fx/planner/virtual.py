@@ -11,8 +11,9 @@ schedule puts it (``plan.lane_layout``):
   samples per replica of its lane: an exact min-max program over the block chain;
 - each stage holds as many micro-batches as the schedule's own list keeps in flight for it
   (``runtime.actions.in_flight``), and a lane's stages add up against the memory budget;
-  where that does not fit, every stage recomputes (unless ``Config.recompute`` is set), and
-  where that does not fit either the variant is dropped;
+  where a lane does not fit, its stage holding the most activations recomputes, one at a
+  time, the boundaries balanced again each time (unless ``Config.recompute`` is set), and
+  where a lane recomputing everything does not fit either the variant is dropped;
 - the step is the simulator's (no closed form: the order of a lane's stages is the point).
 
 ``virtual_variants`` is called after the search (and after ``zero_bubble``): a variant
@@ -67,7 +68,7 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
         candidates = [("zbv", 2)]
     best = plan
     for schedule, v in candidates:
-        why = _ineligible(schedule, lanes, v, result.micro_batches, a.table.num_blocks)
+        why = _ineligible(lanes, v, a.table.num_blocks)
         if why is not None:
             if forced:
                 raise ValueError(f"schedule={schedule!r}: {why}")
@@ -78,9 +79,9 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
                 raise ValueError(
                     f"schedule={schedule!r} with {v} stages a lane on the searched {lanes} lanes "
                     f"(replicas {[s.replicas for s in result.stages]}, m={result.micro_batches}) "
-                    "does not fit the memory budget (recomputing every stage, unless "
-                    "Config.recompute says otherwise: a lane holds more micro-batches of its "
-                    "first stage than 1F1B's first stage); use "
+                    "does not fit the memory budget (with every stage of a lane recomputing "
+                    "where needed, unless Config.recompute says otherwise: a lane holds more "
+                    "micro-batches of its first stage than 1F1B's first stage); use "
                     "schedule='1f1b' or None (searched), or give the devices more memory"
                 )
             continue
@@ -99,14 +100,11 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
     return best
 
 
-def _ineligible(schedule: str, lanes: int, v: int, m: int, blocks: int) -> str | None:
+def _ineligible(lanes: int, v: int, blocks: int) -> str | None:
     if lanes < 2:
         return "the searched plan has one stage: there is no pipeline to interleave"
     if v * lanes > blocks:
         return f"{v * lanes} stages need as many blocks, the model has {blocks}"
-    if schedule == "interleaved" and m % max(1, m // lanes):
-        return (f"{m} micro-batches do not make whole rounds on {lanes} lanes; "
-                f"use a multiple of {max(1, m // lanes)}")
     return None
 
 
@@ -118,9 +116,8 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     m = result.micro_batches
     sched = make_schedule(schedule, v * lanes, m, v)
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
-    searched = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
-    tries = [searched] if a.config.recompute is not None else [searched, [True] * (v * lanes)]
-    for recompute in tries:
+    recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
+    while True:
         bounds = balanced_stages(a, reps, m, recompute)
         if bounds is None:
             return None
@@ -131,9 +128,19 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
         if ev.fits:
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
-        if all(searched):
-            break
-    return None
+        if a.config.recompute is not None:
+            return None  # recomputation is the user's to choose
+        # each lane over the budget recomputes its stage that holds the most activations
+        more = False
+        for lane in layout:
+            if sum(ev.stages[s].memory for s in lane) <= a.space.memory_budget:
+                continue
+            free = [s for s in lane if not recompute[s]]
+            if free:
+                recompute[max(free, key=lambda s: ev.stages[s].activations)] = True
+                more = True
+        if not more:
+            return None
 
 
 def balanced_stages(a: Analysis, replicas: list[int], m: int,

@@ -6,8 +6,9 @@ work; the price is ``v`` times the messages.
 
 Interleaved 1F1B (Megatron's virtual pipeline, Narayanan et al. 2021): lane ``p`` holds
 stages ``p, p + P, ..., p + (v - 1) P``. Its forwards go round by round (``m / rounds``
-micro-batches a round, ``rounds = max(1, m // P)``), each round through its stages in
-order; its backwards likewise, its stages in reverse. Lane ``p`` runs ``(v - 1) * per_round
+micro-batches a round, ``rounds = max(1, m // P)``, where that divides ``m``; else rounds
+of ``P`` and a shorter last one), each round through its stages in order; its backwards
+likewise, its stages in reverse. Lane ``p`` runs ``(v - 1) * per_round
 + 2 (P - 1 - p)`` forwards to fill the pipeline, then one forward and one backward in turn.
 P = 2, v = 2, m = 2 (stages 0 and 2 on lane 0, 1 and 3 on lane 1):
 
@@ -40,16 +41,19 @@ from .actions import Action, Kind, Schedule
 __all__ = ["interleaved_1f1b_schedule", "zbv_schedule"]
 
 
-def _rounds(num_lanes: int, micro_batches: int) -> int:
-    """Micro-batches a round (each round goes through a lane's stages in turn)."""
-    rounds = max(1, micro_batches // num_lanes)
-    if micro_batches % rounds:
-        raise ValueError(
-            f"interleaved 1F1B runs micro-batches in rounds of about the lane count: "
-            f"{micro_batches} micro-batches on {num_lanes} lanes make {rounds} rounds, which "
-            f"do not divide them; use a multiple of {rounds} (or at most {num_lanes})"
-        )
-    return micro_batches // rounds
+def _rounds(num_lanes: int, micro_batches: int) -> list[list[int]]:
+    """The micro-batches of each round (a round goes through a lane's stages in turn):
+    ``max(1, m // P)`` rounds, torch's where they divide ``m`` evenly, else the larger ones
+    (one micro-batch more) first."""
+    m, lanes = micro_batches, num_lanes
+    rounds = max(1, m // lanes)
+    base, extra = divmod(m, rounds)
+    out, a = [], 0
+    for r in range(rounds):
+        size = base + (1 if r < extra else 0)
+        out.append(list(range(a, a + size)))
+        a += size
+    return out
 
 
 def interleaved_1f1b_schedule(num_stages: int, micro_batches: int, virtual: int) -> Schedule:
@@ -61,21 +65,22 @@ def interleaved_1f1b_schedule(num_stages: int, micro_batches: int, virtual: int)
             f"{virtual} a lane"
         )
     lanes = num_stages // virtual
-    per = _rounds(lanes, micro_batches)
-    total = virtual * micro_batches  # a lane's forwards (and backwards)
+    rounds = _rounds(lanes, micro_batches)
+    per = len(rounds[0])
+    # the lane's k-th forward and k-th backward: (chunk, micro-batch), round by round
+    fwd = [(c, i) for r in rounds for c in range(virtual) for i in r]
+    bwd = [(c, i) for r in rounds for c in reversed(range(virtual)) for i in r]
+    total = len(fwd)
     out: Schedule = []
     for p in range(lanes):
-
-        def at(k: int, kind: Kind, backward: bool, p: int = p) -> Action:
-            c = (k // per) % virtual  # the k-th of the lane's forwards runs chunk c
-            chunk = virtual - 1 - c if backward else c
-            return Action(chunk * lanes + p, kind, (k // (per * virtual)) * per + k % per)
+        def at(chunk: int, i: int, kind: Kind, p: int = p) -> Action:
+            return Action(chunk * lanes + p, kind, i)
 
         warm = min((virtual - 1) * per + 2 * (lanes - 1 - p), total)
-        acts = [at(k, Kind.F, False) for k in range(warm)]
+        acts = [at(*fwd[k], Kind.F) for k in range(warm)]
         for k in range(total - warm):
-            acts += [at(warm + k, Kind.F, False), at(k, Kind.B, True)]
-        acts += [at(k, Kind.B, True) for k in range(total - warm, total)]
+            acts += [at(*fwd[warm + k], Kind.F), at(*bwd[k], Kind.B)]
+        acts += [at(*bwd[k], Kind.B) for k in range(total - warm, total)]
         out.append(acts)
     return out
 

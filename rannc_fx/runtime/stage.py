@@ -205,7 +205,9 @@ class StageRunner:
         if not self.sends_cuts:
             return  # another replica of this stage sends what this one would
         outs = step.outs[i]
-        mine = [t for t in self.routes.cuts[i] if self._sends(t)]
+        # by consuming stage (canonically within each), as the receivers post them: a rank
+        # running two consumer stages posts each one's receives in its own action
+        mine = sorted((t for t in self.routes.cuts[i] if self._sends(t)), key=lambda t: t.stage)
         msgs, _ = self._messages(mine, lambda t: outs[self.out_pos[t.value]].detach(), "cut value")
         step.sends.append(post(msgs, self.groups))
         if self.recompute or not step.grad:
@@ -226,7 +228,8 @@ class StageRunner:
             x = args[self.in_pos[t.value]]
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        mine = [t for t in self.routes.grads[i] if self._sends(t)]
+        mine = sorted((t for t in self.routes.grads[i] if self._sends(t)),
+                      key=lambda t: self._producer[t.slot])  # by receiving stage, as in send_f
         msgs, _ = self._messages(mine, source, "gradient of cut value")
         step.sends.append(post(msgs, self.groups))
 

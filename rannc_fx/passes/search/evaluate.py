@@ -106,7 +106,8 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
             space.world_size or any(stages[s].replicas != stages[lane[0]].replicas
                                     for lane in lanes for s in lane):
         raise ValueError(f"stages {stages} must end at block {table.num_blocks} and their "
-                         f"replicas (one count a lane) sum to the world size {space.world_size}")
+                         f"replicas sum to the world size {space.world_size} (a lane's counted "
+                         "once, the same on each of its stages)")
     kidx, S = size_index(table), len(stages)
     counts = (list(in_flight_counts) if in_flight_counts is not None
               else [in_flight(schedule, m, S - s, S) for s in range(S)])
