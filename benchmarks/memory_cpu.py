@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4,
                    help="schedules: micro-batches (default: 4)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per variant (default: 4)")
-    p.add_argument("--schedules", nargs="+", choices=("gpipe", "1f1b", "zbh1"),
+    p.add_argument("--schedules", nargs="+",
+                   choices=("gpipe", "1f1b", "zbh1", "interleaved", "zbv"),
                    default=["gpipe", "1f1b", "zbh1"], help="schedules: the schedules measured")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zbh1"), default=None,
                    help="budget: force the schedule (default: searched); gpipe leaves "
@@ -158,8 +159,8 @@ def measure(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: t
     lives on where the graph is retained (a split backward's B keeps it for its W): with the
     hooks on, ZB-H1's steps would never free their graphs.
     """
-    stage = model.stages[0]
-    excluded = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+    excluded = {t.untyped_storage().data_ptr() for stage in model.stages
+                for t in (*stage.parameters(), *stage.buffers())}
     saved, heap = [], []
     for k in range(2 * steps):
         hooks = SavedBytes(excluded)
@@ -196,13 +197,15 @@ def run_variant(base: GPT, cfg: Config, ids: torch.Tensor, labels: torch.Tensor,
 
 
 def _row(name: str, plan: Any, got: dict[str, float]) -> str:
-    rank = dist.get_rank()
-    st = plan.stage_of_rank(rank)
-    mem = st.memory
-    step_pred = mem.total - mem.params - mem.optimizer_state
-    return (f"| {name} | {st.index} | {'yes' if st.recompute else 'no'} | "
-            f"{plan.in_flight(st.index)} | {mem.activations / MiB:.2f} | {got['saved'] / MiB:.2f} "
-            f"| {100 * (mem.activations - got['saved']) / got['saved']:+.1f}% | "
+    """One row per rank: its stage, or the sum over its lane's stages."""
+    held = plan.stages_of_rank(dist.get_rank())
+    act = sum(st.memory.activations for st in held)
+    step_pred = sum(st.memory.total - st.memory.params - st.memory.optimizer_state
+                    for st in held)
+    return (f"| {name} | {'+'.join(str(st.index) for st in held)} | "
+            f"{'+'.join('yes' if st.recompute else 'no' for st in held)} | "
+            f"{'+'.join(str(plan.in_flight(st.index)) for st in held)} | {act / MiB:.2f} | "
+            f"{got['saved'] / MiB:.2f} | {100 * (act - got['saved']) / got['saved']:+.1f}% | "
             f"{step_pred / MiB:.2f} | {got['heap'] / MiB:.2f} | "
             f"{100 * (step_pred - got['heap']) / got['heap']:+.1f}% |")
 
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "schedules":
         for schedule in args.schedules:
             # ZB-H1 with recomputation is refused by the planner (its memory is not costed)
-            for recompute in (False,) if schedule == "zbh1" else (False, True):
+            for recompute in (False,) if schedule in ("zbh1", "zbv") else (False, True):
                 cfg = Config(replicas=(1,) * world, micro_batches=args.micro_batches,
                              schedule=schedule, recompute=recompute, **common)
                 plan, got = run_variant(base, cfg, ids, labels, args.steps)

@@ -1,11 +1,14 @@
 """The schedule the planner chooses against the best GPipe/1F1B plan, predicted.
 
-    python benchmarks/schedule_choice.py bert-32 bert-256 bert-512 bert-4.9b bert-100b
+    python benchmarks/schedule_choice.py bert-32 bert-256 bert-512 bert-4.9b bert-100b gpt-13b
 
 Each workload of ``plan_time.WORKLOADS`` (a meta-device BertForPreTraining returning its
 pre-training loss, so every schedule is eligible) is analyzed once; the search then runs with
 GPipe only, 1F1B only, and both (as ``Config(schedule=None)`` does), and the planner's
-zero-bubble step (``planner/zero_bubble.py``) is applied to the last. Per workload: the best
+zero-bubble and interleaving steps (``planner/zero_bubble.py``, ``planner/virtual.py``) are
+applied to the last. ``gpt-13b`` is a meta-device GPT-2 architecture at GPT-3 13B's shape
+(40 layers of 5120, 40 heads, sequence 2048, global batch 64) returning its LM loss
+(``labels=``) on 16 A100-80GB. Per workload: the best
 GPipe/1F1B plan's simulated step and bubble (the share of the step its bottleneck stage does
 not compute), the chosen plan's schedule and simulated step, and their ratio.
 """
@@ -16,6 +19,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_time import WORKLOADS, bert, environment  # noqa: E402
@@ -37,10 +41,28 @@ def bubble(plan: Plan) -> float:
     return max(0.0, 1 - busy / step)
 
 
+GPT = {"gpt-13b": dict(layers=40, hidden=5120, heads=40, seq=2048, global_batch=64,
+                      world_size=16, device="a100-80gb")}
+
+
+def gpt(layers: int, hidden: int, *, heads: int, seq: int) -> tuple[Any, ...]:
+    """A meta-device GPT2LMHeadModel (tied embedding and head) with its LM loss."""
+    import torch
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=seq, n_embd=hidden,
+                                  n_layer=layers, n_head=heads, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    return model, (ids,), {"labels": ids}
+
+
 def run(name: str) -> str:
-    w = dict(WORKLOADS[name])
-    model, args, kwargs, _ = bert(w.pop("layers"), w.pop("hidden"), heads=w.pop("heads"),
-                                  seq=w.pop("seq"))
+    w = dict(WORKLOADS[name] if name in WORKLOADS else GPT[name])
+    make = bert if name in WORKLOADS else gpt
+    model, args, kwargs, *_ = make(w.pop("layers"), w.pop("hidden"), heads=w.pop("heads"),
+                                   seq=w.pop("seq"))
     a = analyze(model, args, kwargs, world_size=w["world_size"], device=w["device"],
                 config=Config(profile_cache_dir=None), global_batch=w["global_batch"])
     plans = {}
@@ -66,7 +88,7 @@ def run(name: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("workloads", nargs="+", choices=sorted(WORKLOADS))
+    p.add_argument("workloads", nargs="+", choices=sorted({*WORKLOADS, *GPT}))
     args = p.parse_args()
     print("| workload | best GPipe/1F1B plan | simulated ms | bubble | chosen plan | simulated ms "
           "| bubble | chosen / best |\n|---|---|---:|---:|---|---:|---:|---:|", flush=True)

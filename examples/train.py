@@ -165,10 +165,12 @@ def newest_checkpoint(ckpt_dir: Path) -> Path | None:
 def report_memory(model: rannc_fx.CompiledModel, when: str) -> None:
     """Rank 0 prints every rank's peak resident memory so far and its stage's own tensors."""
     rank = dist.get_rank()
-    stage = model.plan.stage_of_rank(rank)
-    held = sum(t.nbytes for t in (*model.stages[0].parameters(), *model.stages[0].buffers()))
+    stages = model.plan.stages_of_rank(rank)  # one, or a lane's (interleaved, ZBV)
+    tensors = {id(t): t for gm in model.stages for t in (*gm.parameters(), *gm.buffers())}
+    held = sum(t.nbytes for t in tensors.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    mine = (rank, stage.index, peak, held, stage.memory.params, stage.memory.total)
+    mine = (rank, "+".join(str(st.index) for st in stages), peak, held,
+            sum(st.memory.params for st in stages), sum(st.memory.total for st in stages))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:

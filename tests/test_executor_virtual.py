@@ -16,8 +16,19 @@ from rannc_fx.plan import Plan, lane_layout
 from rannc_fx.runtime import StageExecutor, routing
 from rannc_fx.runtime.lane import LaneModules
 
-from .dist_utils import make_plan, run_ranks
-from .test_executor import H8, LOCAL, TOL, XY, TiedLM, _ids, _Lm0, _LmHead, _same_everywhere, _xy
+from .dist_utils import make_plan, run_ranks, scalar
+from .test_executor import (
+    H8,
+    LOCAL,
+    TOL,
+    XY,
+    TiedLM,
+    _ids,
+    _Lm0,
+    _LmHead,
+    _same_everywhere,
+    _xy,
+)
 from .test_executor import LM_VALUES as LM
 
 
@@ -159,8 +170,32 @@ class _F3(nn.Module):
         return (F.cross_entropy(self.head(h2 + enc), y),)
 
 
+class Aux(Deep):
+    """``Deep`` with an auxiliary loss from its second stage and a batched output (the
+    features) from its third: three stages hold model outputs, two of them on one lane under
+    interleaving; two losses keep the backward deferred (GPipe over the lanes)."""
+
+    def forward(self, x, y):
+        h0 = torch.relu(self.a(x))
+        h1 = torch.tanh(self.b(h0))
+        h2 = torch.relu(self.c(h1) + h0)
+        return [F.cross_entropy(self.head(h2), y), h1.pow(2).mean(), h2]
+
+
+class _A1(_D1):
+    def forward(self, h0):
+        h1 = torch.tanh(self.b(h0))
+        return h1, h1.pow(2).mean()
+
+
+class _A2(_D2):
+    def forward(self, h1, skip):
+        h2 = torch.relu(self.c(h1) + skip)
+        return h2, h2.detach() * 1.0
+
+
 H = {name: H8.model_copy(update={"name": name})
-     for name in ("h0", "skip", "h1", "h2", "enc", "side")}
+     for name in ("h0", "skip", "h1", "h2", "enc", "side", "feat")}
 G = LM["h"]
 CASES: dict[str, Any] = {
     "deep4": dict(
@@ -174,6 +209,16 @@ CASES: dict[str, Any] = {
         io=[(["x"], ["enc", "side"]), (["enc", "side"], ["h1"]), (["h1"], ["h2"]),
             (["h2", "enc", "y"], ["loss"])],
         outputs=["loss"], data=_xy((6,), 4), shared=[],
+    ),
+    "aux4": dict(
+        net=Aux, stages=[_D0, _A1, _A2, _D3],
+        values={**XY, **H, "aux": scalar("aux"),
+                "feat": H8.model_copy(update={"name": "feat", "requires_grad": False})},
+        inputs=["x", "y"],
+        io=[(["x"], ["h0", "skip"]), (["h0"], ["h1", "aux"]), (["h1", "skip"], ["h2", "feat"]),
+            (["h2", "y"], ["loss"])],
+        outputs=["loss", "aux", "feat"], data=_xy((6,), 4), shared=[],
+        objective=lambda out: out[0] + 0.5 * out[1],
     ),
     "lm4": dict(
         net=TiedLM4, stages=[_Lm0, _L1, _L2, _LmHead],
@@ -222,8 +267,9 @@ def _train(rank: int, world: int, name: str, replicas: tuple[int, ...], mbs: int
         for j, (o, w) in enumerate(zip(out, want, strict=True)):
             batched = plan.outputs[j].spec.batch_dim is not None
             assert_close(o, w[lo:hi].detach() if batched else w.detach(), **TOL)
-        out[0].backward()
-        want[0].backward()
+        objective = c.get("objective", lambda o: o[0])
+        objective(out).backward()
+        objective(want).backward()
         losses.append([out[0].tolist()])
         for pname, p in named.items():
             assert_close(p.grad, ref.get_parameter(pname).grad, **TOL,
@@ -239,7 +285,7 @@ def _train(rank: int, world: int, name: str, replicas: tuple[int, ...], mbs: int
 
 
 @pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zbv", 2)])
-@pytest.mark.parametrize("name", ["deep4", "lm4", "fan4"])
+@pytest.mark.parametrize("name", ["deep4", "lm4", "fan4", "aux4"])
 @pytest.mark.parametrize(
     "lanes,mbs,recompute",
     [

@@ -95,15 +95,20 @@ def _run(rank: int, world: int, case: str, cfg: dict[str, Any]) -> list[str]:
 
 CASES = [
     # (case, world, config, what the rank that fails raises, what the others raise)
-    ("bad ids every", 2, dict(replicas=(1, 1), micro_batches=2), r"IndexError: index out of range",
+    ("bad ids every", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe"),
+     r"IndexError: index out of range",
      r"PeerFailed: rank 1 stopped .*rank 0 \(stage 0\) raised IndexError in its forward"),
     ("bad ids 1", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"),
      r"IndexError: index out of range", r"rank 0 \(stage 0\) raised IndexError in its forward"),
-    ("bad labels 0", 3, dict(replicas=(2, 1), micro_batches=2),
+    ("bad labels 0", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b"),
      r"IndexError: Target \d+ is out of bounds",
      r"rank 2 \(stage 1\) raised IndexError in its forward"),
-    ("structure 1", 2, dict(replicas=(1, 1), micro_batches=2), r"ValueError: .*",
-     r"rank 1 \(stage 1\) raised ValueError in its call"),
+    ("bad labels 1 interleaved", 2, dict(replicas=(1, 1), micro_batches=2,
+                                       schedule="interleaved"),
+     r"IndexError: Target \d+ is out of bounds",
+     r"rank 1 \(stages 1, 3\) raised IndexError in its forward"),
+    ("structure 1", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"),
+     r"ValueError: .*", r"rank 1 \(stage 1\) raised ValueError in its call"),
     ("backward", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe"),
      r"RuntimeError: hook failed", r"rank 1 \(stage 1\) raised RuntimeError in its backward"),
 ]

@@ -66,6 +66,11 @@ def test_one_lane_and_named_schedules_stay_and_bad_settings_are_refused():
         _plan(world=1, schedule="interleaved")
 
 
+def test_zbv_with_recomputation_is_refused_as_not_costed():
+    with pytest.raises(ValueError, match="schedule='zbv' with recomputation"):
+        _plan(stages=4, micro_batches=8, schedule="zbv", recompute=True)
+
+
 def test_a_named_virtual_schedule_that_does_not_fit_says_so():
     one_f = _plan(stages=4, micro_batches=8, schedule="1f1b")
     # 1F1B's first stage fits; a lane holding 8 micro-batches of its first stage does not

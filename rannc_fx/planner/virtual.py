@@ -12,9 +12,12 @@ schedule puts it (``plan.lane_layout``):
 - each stage holds as many micro-batches as the schedule's own list keeps in flight for it
   (``runtime.actions.in_flight``), and a lane's stages add up against the memory budget;
   where a lane does not fit, its stage holding the most activations recomputes, one at a
-  time, the boundaries balanced again each time (unless ``Config.recompute`` is set), and
-  where a lane recomputing everything does not fit either the variant is dropped;
-- the step is the simulator's (no closed form: the order of a lane's stages is the point).
+  time, the boundaries balanced again each time (unless ``Config.recompute`` is set), then
+  each recomputing stage whose lane fits without runs without; where a lane recomputing
+  everything does not fit the variant is dropped;
+- the step is the simulator's (no closed form: the order of a lane's stages is the point);
+- ZBV, like ZB-H1, is not costed with recomputation (a held ``W`` keeps what ``R`` rebuilt):
+  a searched plan that recomputes is not tried with it.
 
 ``virtual_variants`` is called after the search (and after ``zero_bubble``): a variant
 replaces the plan only where its simulated step is shorter, so a one-lane plan, or one
@@ -33,6 +36,7 @@ import numpy as np
 from ..passes.search import SearchResult
 from ..passes.search.evaluate import evaluate
 from ..passes.search.model import (
+    Evaluation,
     StageChoice,
     range_max,
     samples_per_replica,
@@ -75,6 +79,13 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
             continue
         got = _variant(a, result, schedule, v)
         if got is None:
+            if forced and schedule == "zbv" and (a.config.recompute or any(
+                    st.recompute for st in result.stages)):
+                raise ValueError(
+                    "schedule='zbv' with recomputation: a held weight backward keeps its "
+                    "recomputed activations, which the cost model does not count yet; use "
+                    "recompute=False, or schedule='interleaved', '1f1b' or None (searched)"
+                )
             if forced:
                 raise ValueError(
                     f"schedule={schedule!r} with {v} stages a lane on the searched {lanes} lanes "
@@ -117,6 +128,9 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     sched = make_schedule(schedule, v * lanes, m, v)
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
     recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
+    if schedule == "zbv" and (any(recompute) or a.config.recompute):
+        # a held W keeps what R rebuilt, which the cost model does not count (as for ZB-H1)
+        return None
     while True:
         bounds = balanced_stages(a, reps, m, recompute)
         if bounds is None:
@@ -126,10 +140,14 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
         ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
                       in_flight_counts=counts)
         if ev.fits:
+            if a.config.recompute is None:  # give back what the lanes can hold after all
+                stages, ev = _undo_recompute(a, stages, m, schedule, layout, counts, ev)
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
         if a.config.recompute is not None:
             return None  # recomputation is the user's to choose
+        if schedule == "zbv":
+            return None
         # each lane over the budget recomputes its stage that holds the most activations
         more = False
         for lane in layout:
@@ -141,6 +159,24 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
                 more = True
         if not more:
             return None
+
+
+def _undo_recompute(a: Analysis, stages: tuple[StageChoice, ...], m: int, schedule: str,
+                    layout: tuple[tuple[int, ...], ...], counts: list[int],
+                    ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
+    """The same boundaries with each recomputing stage, slowest forward first, running
+    without recomputation where its lane still fits (balancing again could only move
+    boundaries the first pass already weighed)."""
+    order = sorted((s for s, st in enumerate(stages) if st.recompute),
+                   key=lambda s: -ev.stages[s].fwd_s)
+    for s in order:
+        trial = tuple(dataclasses.replace(st, recompute=False) if k == s else st
+                      for k, st in enumerate(stages))
+        got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
+                       in_flight_counts=counts)
+        if got.fits:
+            stages, ev = trial, got
+    return stages, ev
 
 
 def balanced_stages(a: Analysis, replicas: list[int], m: int,

@@ -102,7 +102,8 @@ class BatchSizes:
         groups = getattr(self.default, "groups", None)
         if groups is not None and groups.board is not None:
             ex = self.default
-            groups.board.post(ex.rank, ex.stage.index, e, during)
+            held = tuple(st.index for st in getattr(ex, "stages", (ex.stage,)))
+            groups.board.post(ex.rank, held, e, during)
 
     def _recover(self) -> None:
         """After a call that raised here, fresh groups and executors for every rank.

@@ -257,7 +257,7 @@ class StageExecutor:
         self.grads.abandon()
         board = self.groups.board
         if board is not None:
-            board.post(self.rank, self.stage.index, e, during)
+            board.post(self.rank, tuple(self.runners), e, during)
 
     def _forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
         self.outputs.finish_sends()

@@ -52,12 +52,17 @@ class Board:
     def count(self) -> int:
         return int(self.store.add("count", 0))
 
-    def post(self, rank: int, stage: int, error: BaseException, during: str) -> None:
-        """Tell every rank that ``rank`` (stage ``stage``) raised ``error`` ``during`` what,
-        once per error, and none for a ``PeerFailed`` or an error ``raised_everywhere``."""
+    def post(self, rank: int, stage: int | tuple[int, ...], error: BaseException,
+             during: str) -> None:
+        """Tell every rank that ``rank`` (running stage ``stage``, or a lane's stages) raised
+        ``error`` ``during`` what, once per error, and none for a ``PeerFailed`` or an error
+        ``raised_everywhere``."""
         if isinstance(error, PeerFailed) or getattr(error, _NOTED, False):
             return
-        text = f"rank {rank} (stage {stage}) raised {type(error).__name__} {during}: {error}"
+        stages = (stage,) if isinstance(stage, int) else stage
+        where = (f"stage {stages[0]}" if len(stages) == 1
+                 else f"stages {', '.join(map(str, stages))}")
+        text = f"rank {rank} ({where}) raised {type(error).__name__} {during}: {error}"
         n = int(self.store.add("count", 1))
         self.store.set(str(n), text)
         self.seen = n

@@ -229,7 +229,8 @@ def unbatched_peers(plan: Plan, rank: int) -> tuple[list[int], dict[int, int]]:
         for k, dst in enumerate(outside):
             src = ranks[k % len(ranks)]
             if src == rank:
-                dsts.append(dst)
+                if dst not in dsts:  # once: two stages of one lane may own some
+                    dsts.append(dst)
             elif dst == rank:
                 srcs[s] = src
     return dsts, srcs
