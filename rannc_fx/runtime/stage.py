@@ -129,6 +129,7 @@ class StageRunner:
         self.shares = [(b - a) / plan.global_batch for a, b in self.spans]
         self.in_pos = {name: p for p, name in enumerate(stage.inputs)}
         self._producer = [cv.producer for cv in plan.cut_values]
+        self._picked: dict[tuple[str, int, int | None], list[Transfer]] = {}
         self.sends_cuts = any(self._sends(t) for ts in routes.cuts for t in ts)
         self.sends_grads = any(self._sends(t) for ts in routes.grads for t in ts)
         self.kept = outputs.kept
@@ -139,6 +140,26 @@ class StageRunner:
         self.trainable = [p for p in module.parameters() if p.requires_grad]
 
     # -- messages --------------------------------------------------------------------------------
+    def _mine(self, which: str, i: int, peer: int | None = None) -> list[Transfer]:
+        """The transfers of micro-batch i this replica of this stage posts (made once):
+        ``"cut in"`` and ``"grad in"`` its receives (from stage ``peer`` only, if given),
+        ``"cut out"`` and ``"grad out"`` its sends, by receiving stage (canonically within
+        each), as the receivers post them: a rank running two receiving stages posts each
+        one's receives in its own action."""
+        key = (which, i, peer)
+        got = self._picked.get(key)
+        if got is None:
+            cut = which.startswith("cut")
+            ts = self.routes.cuts[i] if cut else self.routes.grads[i]
+            if which.endswith("out"):
+                got = sorted((t for t in ts if self._sends(t)),
+                             key=lambda t: t.stage if cut else self._producer[t.slot])
+            else:
+                got = [t for t in ts if self._gets(t) and peer in (
+                    None, self._producer[t.slot] if cut else t.stage)]
+            self._picked[key] = got
+        return got
+
     def _sends(self, t: Transfer) -> bool:
         """This replica of this stage sends ``t`` (a cut value, or a cut value's gradient)."""
         stage = self._producer[t.slot] if t.kind == "cut" else t.stage
@@ -196,27 +217,23 @@ class StageRunner:
 
     def recv_f(self, step: StepState, i: int, peer: int | None = None) -> None:
         """Post micro-batch i's receives of cut values (from stage ``peer`` only, if given)."""
-        mine = [t for t in self.routes.cuts[i]
-                if self._gets(t) and peer in (None, self._producer[t.slot])]
-        msgs, recv = self._messages(mine, None, "cut value")
+        msgs, recv = self._messages(self._mine("cut in", i, peer), None, "cut value")
         step.cut_recv.setdefault(i, []).append((post(msgs, self.groups), recv))
 
     def send_f(self, step: StepState, i: int) -> None:
         if not self.sends_cuts:
             return  # another replica of this stage sends what this one would
         outs = step.outs[i]
-        # by consuming stage (canonically within each), as the receivers post them: a rank
-        # running two consumer stages posts each one's receives in its own action
-        mine = sorted((t for t in self.routes.cuts[i] if self._sends(t)), key=lambda t: t.stage)
-        msgs, _ = self._messages(mine, lambda t: outs[self.out_pos[t.value]].detach(), "cut value")
+        msgs, _ = self._messages(self._mine("cut out", i),
+                                 lambda t: outs[self.out_pos[t.value]].detach(), "cut value")
         step.sends.append(post(msgs, self.groups))
         if self.recompute or not step.grad:
             del step.outs[i]  # sent: nothing else reads them
 
     def recv_b(self, step: StepState, i: int, peer: int | None = None) -> None:
         """Post micro-batch i's receives of gradients (from stage ``peer`` only, if given)."""
-        mine = [t for t in self.routes.grads[i] if self._gets(t) and peer in (None, t.stage)]
-        msgs, recv = self._messages(mine, None, "gradient of cut value")
+        msgs, recv = self._messages(self._mine("grad in", i, peer), None,
+                                    "gradient of cut value")
         step.grad_recv.setdefault(i, []).append((post(msgs, self.groups), recv))
 
     def send_b(self, step: StepState, i: int) -> None:
@@ -228,9 +245,7 @@ class StageRunner:
             x = args[self.in_pos[t.value]]
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        mine = sorted((t for t in self.routes.grads[i] if self._sends(t)),
-                      key=lambda t: self._producer[t.slot])  # by receiving stage, as in send_f
-        msgs, _ = self._messages(mine, source, "gradient of cut value")
+        msgs, _ = self._messages(self._mine("grad out", i), source, "gradient of cut value")
         step.sends.append(post(msgs, self.groups))
 
     # -- compute ---------------------------------------------------------------------------------
@@ -315,8 +330,8 @@ class StageRunner:
             self._wait(pending, "SEND_B", i)
             recv = {**recv, **got}
         if self.mailbox:  # gradients from a stage of this rank
-            recv = {**recv, **{t: self.mailbox.pop(t) for t in self.routes.grads[i]
-                               if t.local and self._gets(t)}}
+            recv = {**recv, **{t: self.mailbox.pop(t) for t in self._mine("grad in", i)
+                               if t.local}}
         outs = step.outs.pop(i)
         grads: dict[int, torch.Tensor] = {}
         for t, piece in recv.items():
