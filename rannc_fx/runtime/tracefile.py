@@ -116,28 +116,31 @@ def _predicted(
     topology, lowered = lower_plan(plan, schedule)
     durations = plan_durations(plan, lowered)
     sim = simulate(lowered, topology, durations)
-    drawn, stages = [], []
-    for s, actions in enumerate(lowered):
-        st = plan.stages[s]
+    drawn: list[dict[str, Any]] = []
+    stages: list[dict[str, float]] = [{} for _ in plan.stages]  # a lane's, for each its stages
+    for k, actions in enumerate(lowered):  # a row per lane (its ranks run this list)
         busy = comm = 0.0
         for a in actions:
             d = durations(a)
             if d <= 0:
                 continue
+            st = plan.stages[a.stage]
             label = a.kind.value + ("" if a.microbatch is None else str(a.microbatch))
             cat = "compute" if a.kind.is_compute else "collective"
-            drawn.append({"name": label, "cat": cat, "ph": "X", "pid": PREDICTED, "tid": s,
+            drawn.append({"name": label, "cat": cat, "ph": "X", "pid": PREDICTED, "tid": k,
                           "ts": at_us + sim.start[a] * 1e6, "dur": d * 1e6,
-                          "args": {"step": step, "stage": s, "kind": a.kind.value,
+                          "args": {"step": step, "stage": a.stage, "kind": a.kind.value,
                                    "microbatch": a.microbatch}})
             if a.kind in (Kind.F, Kind.B):
                 comm += st.comm_ms / 2
             elif a.kind is Kind.REDUCE:
-                comm += st.allreduce_ms
+                comm += sum(plan.stages[s].allreduce_ms for s in topology.lanes[k])
             busy += d * 1e3
         busy -= comm
-        stages.append({"busy_ms": busy, "comm_ms": comm,
-                       "bubble_ms": max(0.0, sim.makespan * 1e3 - busy - comm)})
+        lane = {"busy_ms": busy, "comm_ms": comm,
+                "bubble_ms": max(0.0, sim.makespan * 1e3 - busy - comm)}
+        for s in topology.lanes[k]:
+            stages[s] = lane
     return drawn, {"makespan_ms": sim.makespan * 1e3, "stages": stages}
 
 
