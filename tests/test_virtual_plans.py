@@ -115,3 +115,36 @@ def test_balanced_boundaries_are_the_min_max_optimum_by_brute_force(seed):
     best = min(worst(list(itertools.pairwise((0, *cuts, blocks))))
                for cuts in itertools.combinations(range(1, blocks), len(replicas) - 1))
     assert worst(got) == pytest.approx(best, rel=1e-12)
+
+
+def test_held_units_follow_the_lane_s_list_point_by_point():
+    from rannc_fx.planner.virtual import HELD, held_units
+    from rannc_fx.runtime.schedule import make_schedule
+
+    # interleaved, 2 lanes of 2, 2 micro-batches: lane 0 runs 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
+    units = held_units(make_schedule("interleaved", 4, 2, 2)[0], (0, 2))
+    assert max(u[0] + u[1] for u in units) == 4 and (2, 2) in units
+    # ZBV, a split backward: between B and W a micro-batch holds HELD more
+    lane = make_schedule("zbv", 4, 1)[1]  # 1F0 2F0 2B0 2W0 1B0 1W0
+    assert [str(a) for a in lane] == ["1F0", "2F0", "2B0", "2W0", "1B0", "1W0"]
+    assert (1.0, 1.0 + HELD) in held_units(lane, (1, 2))
+
+
+def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
+    from rannc_fx.passes.search.evaluate import lane_memory
+    from rannc_fx.passes.search.model import StageCost
+
+    def cost(recompute: bool, ws: int) -> StageCost:
+        return StageCost(samples=1, fwd_s=0, bwd_s=0, comm_s=0, allreduce_s=0, optimizer_s=0,
+                         accumulate_s=0, params=100, grads=10, optimizer_state=20,
+                         activations=0, comm_buffers=0, workspace=ws, recompute=recompute)
+
+    per_mb = [(8.0, 2.0, 1.0), (6.0, 2.0, 1.0)]  # activations, cuts in + out, out
+    units = [(0, 0), (2, 0), (1, 1), (0, 2)]  # stage 0 peaks at 2, stage 1 later at 2
+    got = lane_memory([cost(False, 5), cost(False, 7)], per_mb, units)
+    # peak: (2, 0): 2 x (8 + 2) = 20 (not 20 + 16); the larger workspace once
+    assert [c.activations for c in got] == [16, 0] and [c.comm_buffers for c in got] == [4, 0]
+    assert sum(c.memory for c in got) == 2 * 130 + 20 + 7
+    rc = lane_memory([cost(True, 0), cost(True, 0)], per_mb, units)
+    # recomputing: each holds its inputs (c - o) per micro-batch, plus one backward's A + o
+    assert sum(c.activations + c.comm_buffers for c in rc) == 2 * 1 + 8 + 1

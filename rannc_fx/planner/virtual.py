@@ -9,8 +9,10 @@ schedule puts it (``plan.lane_layout``):
 - the boundaries minimize the slowest stage's time per micro-batch (forward, backward,
   messages, and the forward again where its lane recomputes), each stage costed at the
   samples per replica of its lane: an exact min-max program over the block chain;
-- each stage holds as many micro-batches as the schedule's own list keeps in flight for it
-  (``runtime.actions.in_flight``), and a lane's stages add up against the memory budget;
+- each stage holds as many micro-batches as the schedule's own list keeps in flight for it,
+  point by point (``held_units``; a split backward's micro-batch counts twice between its
+  ``B`` and its ``W``), and a lane's memory is its stages' at the point where their sum
+  peaks (``search.evaluate.lane_memory``), against the memory budget;
   where a lane does not fit, its stage holding the most activations recomputes, one at a
   time, the boundaries balanced again each time (unless ``Config.recompute`` is set), then
   each recomputing stage whose lane fits without runs without; where a lane recomputing
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -44,14 +46,20 @@ from ..passes.search.model import (
     stage_terms,
 )
 from ..plan import Plan, lane_layout
-from ..runtime.actions import in_flight
+from ..runtime.actions import Action, Kind, in_flight
 from ..runtime.schedule import make_schedule
 from ..runtime.simulate import ScheduleError
 from .analyze import Analysis
 
-__all__ = ["balanced_stages", "virtual_variants"]
+__all__ = ["balanced_stages", "held_units", "virtual_variants"]
 
 log = logging.getLogger("rannc_fx")
+
+# What a micro-batch between its B and its W holds beyond its activations (the gradients its
+# W reads), in micro-batches' activations and cut values: measured on the runtime_common GPT
+# (d 256, 4 micro-batches, ZBV on 2 ranks, benchmarks/memory_cpu.py): 0 under-predicts the
+# lanes' heap by 5-6 %, 1 over-predicts it by 9-19 %
+HELD = 0.5
 
 
 def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
@@ -127,6 +135,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     m = result.micro_batches
     sched = make_schedule(schedule, v * lanes, m, v)
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
+    units = [held_units(sched[k], layout[k]) for k in range(lanes)]
     recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
     if schedule == "zbv" and (any(recompute) or a.config.recompute):
         # a held W keeps what R rebuilt, which the cost model does not count (as for ZB-H1)
@@ -138,10 +147,10 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
         stages = tuple(StageChoice(i, j, r, rho)
                        for (i, j), r, rho in zip(bounds, reps, recompute, strict=True))
         ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
-                      in_flight_counts=counts)
+                      in_flight_counts=counts, lane_units=units)
         if ev.fits:
             if a.config.recompute is None:  # give back what the lanes can hold after all
-                stages, ev = _undo_recompute(a, stages, m, schedule, layout, counts, ev)
+                stages, ev = _undo_recompute(a, stages, m, schedule, layout, counts, units, ev)
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
         if a.config.recompute is not None:
@@ -163,6 +172,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
 
 def _undo_recompute(a: Analysis, stages: tuple[StageChoice, ...], m: int, schedule: str,
                     layout: tuple[tuple[int, ...], ...], counts: list[int],
+                    units: list[list[tuple[float, ...]]],
                     ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
     """The same boundaries with each recomputing stage, slowest forward first, running
     without recomputation where its lane still fits (balancing again could only move
@@ -173,10 +183,30 @@ def _undo_recompute(a: Analysis, stages: tuple[StageChoice, ...], m: int, schedu
         trial = tuple(dataclasses.replace(st, recompute=False) if k == s else st
                       for k, st in enumerate(stages))
         got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
-                       in_flight_counts=counts)
+                       in_flight_counts=counts, lane_units=units)
         if got.fits:
             stages, ev = trial, got
     return stages, ev
+
+
+def held_units(actions: Sequence[Action], lane: Sequence[int]) -> list[tuple[float, ...]]:
+    """At every point of a lane's compute list, the micro-batches each of its stages holds
+    (in ``lane`` order): from its F to its B, or where its backward is split to its W, and
+    ``HELD`` more between its B and its W (the gradients W reads)."""
+    split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.W}
+    pos = {s: k for k, s in enumerate(lane)}
+    now = [0.0] * len(lane)
+    out = [tuple(now)]
+    for a in actions:
+        k = pos[a.stage]
+        if a.kind is Kind.F:
+            now[k] += 1
+        elif a.kind is Kind.B:
+            now[k] += HELD if (a.stage, a.microbatch) in split else -1
+        elif a.kind is Kind.W:
+            now[k] -= 1 + HELD
+        out.append(tuple(now))
+    return sorted(set(out))
 
 
 def balanced_stages(a: Analysis, replicas: list[int], m: int,

@@ -6,6 +6,7 @@ This module imports numpy only (no torch).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -28,12 +29,13 @@ from .model import (
     stage_terms,
 )
 
-__all__ = ["evaluate", "plan_step"]
+__all__ = ["evaluate", "lane_memory", "plan_step"]
 
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
-           m: int, n: int) -> tuple[StageCost, float, float, float]:
-    """The stage's costs, its t, its u and its memory as the kernel computes them."""
+           m: int, n: int) -> tuple[StageCost, float, float, float, tuple[float, float, float]]:
+    """The stage's costs, its t, its u and its memory as the kernel computes them, and one
+    micro-batch's activations, cut values in and out, and out alone."""
     i, j, r, rho = st.start, st.end, st.replicas, st.recompute
     q = samples_per_replica(space.global_batch, m, r)
     if q not in kidx:
@@ -63,7 +65,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         recompute_s=fwd if rho else 0.0,
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
-    return cost, t, u, float(terms.memory(n, rho)[0])
+    return cost, t, u, float(terms.memory(n, rho)[0]), (act, cuts, cout)
 
 
 def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
@@ -74,7 +76,8 @@ def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
 def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...],
              micro_batches: int, schedule: str = "gpipe", *,
              lanes: Sequence[Sequence[int]] | None = None,
-             in_flight_counts: Sequence[int] | None = None) -> Evaluation:
+             in_flight_counts: Sequence[int] | None = None,
+             lane_units: Sequence[Sequence[Sequence[float]]] | None = None) -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
 
     Each stage recomputes as its ``StageChoice.recompute`` says. ``"zbh1"`` (not searched:
@@ -84,7 +87,10 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     each lane (``lanes``: they share its ranks, so the replica counts of one lane count once
     and their memory adds up against the budget) and the micro-batches each stage holds
     (``in_flight_counts``, counted off the schedule); its step is the simulator's, the
-    formula's here only a lower bound.
+    formula's here only a lower bound. ``lane_units``, per lane, the micro-batches each of
+    its stages holds at every point of the lane's list (``lane_memory``): a lane's stages
+    reach their peaks at different points, so the lane's memory is the largest sum, not the
+    sum of the largest.
     """
     m, end = micro_batches, 0
     virtual = schedule in ("interleaved", "zbv")
@@ -113,5 +119,46 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
               else [in_flight(schedule, m, S - s, S) for s in range(S)])
     got = [_stage(table, space, kidx, st, m, counts[s]) for s, st in enumerate(stages)]
     step = plan_step([g[1] for g in got], [g[2] for g in got])
-    return Evaluation(step, tuple(g[0] for g in got),
-                      all(sum(got[s][3] for s in lane) <= space.memory_budget for lane in lanes))
+    costs = [g[0] for g in got]
+    if lane_units is None:
+        return Evaluation(step, tuple(costs), all(
+            sum(got[s][3] for s in lane) <= space.memory_budget for lane in lanes))
+    fits = True
+    for lane, units in zip(lanes, lane_units, strict=True):
+        shares = lane_memory([costs[s] for s in lane], [got[s][4] for s in lane], units)
+        for s, c in zip(lane, shares, strict=True):
+            costs[s] = c
+        fits = fits and sum(c.memory for c in shares) <= space.memory_budget
+    return Evaluation(step, tuple(costs), fits)
+
+
+def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, float, float]],
+                units: Sequence[Sequence[float]]) -> list[StageCost]:
+    """The stages of one lane with their memory as shares of the lane's peak.
+
+    ``per_mb[s]``: one micro-batch's activations A, cut values in and out c, and out alone o;
+    ``units[t][s]``: the micro-batches stage s holds at point t of the lane's list (a split
+    backward's micro-batch between its B and its W counts more: the gradients its W reads,
+    ``planner.virtual.HELD``). The lane holds every stage's parameters, gradients, optimizer
+    state and outputs, the largest workspace, and at its peak point t* the sum over stages
+    of units * (A + c), or for a stage that recomputes units * (c - o) plus, once for the
+    lane, the largest A + o (one micro-batch's activations during its backward). Each stage
+    gets its part at t*, so that the stages' memory adds up to the lane's.
+    """
+    def held(s: int, n: float) -> float:
+        a, c, o = per_mb[s]
+        return n * (c - o) if costs[s].recompute else n * (a + c)
+
+    peak = max(units, key=lambda u: sum(held(s, n) for s, n in enumerate(u)))
+    rc = [s for s, c in enumerate(costs) if c.recompute]
+    transient = max(rc, key=lambda s: per_mb[s][0] + per_mb[s][2], default=None)
+    widest = max(range(len(costs)), key=lambda s: costs[s].workspace)
+    out = []
+    for s, c in enumerate(costs):
+        a, cuts, o = per_mb[s]
+        n = peak[s]
+        act = (a if s == transient else 0.0) if c.recompute else n * a
+        comm = (n * (cuts - o) + (o if s == transient else 0.0)) if c.recompute else n * cuts
+        out.append(replace(c, activations=round(act), comm_buffers=round(comm), overlap=0,
+                           workspace=c.workspace if s == widest else 0))
+    return out
