@@ -243,7 +243,9 @@ def _train(rank: int, world: int, name: str, replicas: tuple[int, ...], mbs: int
            schedule: str, virtual: int, recompute: tuple[bool, ...],
            steps: int = 3) -> list[list[Any]]:
     c = CASES[name]
-    plan = _plan(name, LOCAL * world, mbs, replicas, schedule, virtual, recompute)
+    # LOCAL samples a rank, or as many as the micro-batches and replicas need
+    per_rank = max(LOCAL, -(-mbs * max(replicas) // world))
+    plan = _plan(name, per_rank * world, mbs, replicas, schedule, virtual, recompute)
     torch.manual_seed(0)
     net = c["net"]()
     ref = copy.deepcopy(net)
@@ -295,6 +297,7 @@ def _train(rank: int, world: int, name: str, replicas: tuple[int, ...], mbs: int
         ((2, 1), 4, (False, True, False, True)),
         ((2, 2), 3, (True, True, True, True)),
         ((1, 1), 6, (False, False, True, False)),  # every sample its own micro-batch
+        ((2, 1), 8, (True, False, False, False)),
     ],
 )
 def test_several_stages_a_rank_train_like_one_process(name, schedule, virtual, lanes, mbs,
