@@ -131,6 +131,7 @@ def test_trains_like_one_process(name, world, cfg):
         # several stages a rank (replicas count lanes)
         ("gpt", 2, dict(replicas=(1, 1), micro_batches=4, schedule="interleaved")),
         ("gpt", 3, dict(replicas=(2, 1), micro_batches=2, schedule="zbv")),
+        ("gpt", 2, dict(replicas=(1, 1), micro_batches=4, schedule="zbv", recompute=True)),
         ("gpt", 3, dict(replicas=(2, 1), micro_batches=2, schedule="interleaved",
                         recompute=True)),
         ("mlp", 4, dict(replicas=(1, 1, 1, 1), micro_batches=4, schedule="zbv")),

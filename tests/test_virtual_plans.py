@@ -66,9 +66,21 @@ def test_one_lane_and_named_schedules_stay_and_bad_settings_are_refused():
         _plan(world=1, schedule="interleaved")
 
 
-def test_zbv_with_recomputation_is_refused_as_not_costed():
-    with pytest.raises(ValueError, match="schedule='zbv' with recomputation"):
-        _plan(stages=4, micro_batches=8, schedule="zbv", recompute=True)
+def test_zbv_with_recomputation_holds_what_r_rebuilt_until_w():
+    plain = _plan(stages=4, micro_batches=8, schedule="zbv", recompute=False)
+    rc = _plan(stages=4, micro_batches=8, schedule="zbv", recompute=True)
+    assert all(st.recompute for st in rc.stages)
+
+    def held(plan: rannc_fx.Plan, lane: tuple[int, ...]) -> int:
+        return sum(plan.stages[s].memory.activations + plan.stages[s].memory.comm_buffers
+                   for s in lane)
+
+    # the first lane holds micro-batches long between F and B: recomputing keeps their inputs
+    first, turn = rc.lanes[0], rc.lanes[-1]
+    assert held(rc, first) < held(plain, first)
+    # at the V's turn B and W are far apart, and what R rebuilt waits there for its W:
+    # recomputing saves nothing (one backward's activations more)
+    assert held(rc, turn) >= held(plain, turn)
 
 
 def test_a_named_virtual_schedule_that_does_not_fit_says_so():
@@ -123,11 +135,17 @@ def test_held_units_follow_the_lane_s_list_point_by_point():
 
     # interleaved, 2 lanes of 2, 2 micro-batches: lane 0 runs 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
     units = held_units(make_schedule("interleaved", 4, 2, 2)[0], (0, 2))
-    assert max(u[0] + u[1] for u in units) == 4 and (2, 2) in units
-    # ZBV, a split backward: between B and W a micro-batch holds HELD more
+    assert max(u[0][1] + u[1][1] for u in units) == 4 and ((0, 2), (0, 2)) in units
+    # recomputing, a stage holds only inputs until B (the backward's activations are the
+    # lane's one transient)
+    rc = held_units(make_schedule("interleaved", 4, 2, 2)[0], (0, 2), [True, True])
+    assert ((2, 0), (2, 0)) in rc and all(u[1] == 0 for us in rc for u in us)
+    # ZBV, a split backward: between B and W a micro-batch holds HELD more; recomputing, it
+    # holds its inputs until B, then what R rebuilt until W
     lane = make_schedule("zbv", 4, 1)[1]  # 1F0 2F0 2B0 2W0 1B0 1W0
     assert [str(a) for a in lane] == ["1F0", "2F0", "2B0", "2W0", "1B0", "1W0"]
-    assert (1.0, 1.0 + HELD) in held_units(lane, (1, 2))
+    assert ((0, 1), (0, 1 + HELD)) in held_units(lane, (1, 2))
+    assert ((1, 0), (0, 1 + HELD)) in held_units(lane, (1, 2), [True, True])
 
 
 def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
@@ -140,11 +158,13 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
                          activations=0, comm_buffers=0, workspace=ws, recompute=recompute)
 
     per_mb = [(8.0, 2.0, 1.0), (6.0, 2.0, 1.0)]  # activations, cuts in + out, out
-    units = [(0, 0), (2, 0), (1, 1), (0, 2)]  # stage 0 peaks at 2, stage 1 later at 2
+    # (inputs only, whole) per stage: stage 0 peaks at 2, stage 1 later at 2
+    units = [((0, 0), (0, 0)), ((0, 2), (0, 0)), ((0, 1), (0, 1)), ((0, 0), (0, 2))]
     got = lane_memory([cost(False, 5), cost(False, 7)], per_mb, units)
     # peak: (2, 0): 2 x (8 + 2) = 20 (not 20 + 16); the larger workspace once
     assert [c.activations for c in got] == [16, 0] and [c.comm_buffers for c in got] == [4, 0]
     assert sum(c.memory for c in got) == 2 * 130 + 20 + 7
-    rc = lane_memory([cost(True, 0), cost(True, 0)], per_mb, units)
+    inputs_only = [tuple((w, 0) for _, w in us) for us in units]
+    rc = lane_memory([cost(True, 0), cost(True, 0)], per_mb, inputs_only)
     # recomputing: each holds its inputs (c - o) per micro-batch, plus one backward's A + o
     assert sum(c.activations + c.comm_buffers for c in rc) == 2 * 1 + 8 + 1

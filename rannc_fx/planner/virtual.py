@@ -17,9 +17,9 @@ schedule puts it (``plan.lane_layout``):
   time, the boundaries balanced again each time (unless ``Config.recompute`` is set), then
   each recomputing stage whose lane fits without runs without; where a lane recomputing
   everything does not fit the variant is dropped;
-- the step is the simulator's (no closed form: the order of a lane's stages is the point);
-- ZBV, like ZB-H1, is not costed with recomputation (a held ``W`` keeps what ``R`` rebuilt):
-  a searched plan that recomputes is not tried with it.
+- the step is the simulator's (no closed form: the order of a lane's stages is the point).
+  A recomputing stage under ZBV holds a micro-batch's inputs until its ``B`` and what ``R``
+  rebuilt from its ``B`` until its ``W`` (``held_units``).
 
 ``virtual_variants`` is called after the search (and after ``zero_bubble``): a variant
 replaces the plan only where its simulated step is shorter, so a one-lane plan, or one
@@ -87,13 +87,6 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
             continue
         got = _variant(a, result, schedule, v)
         if got is None:
-            if forced and schedule == "zbv" and (a.config.recompute or any(
-                    st.recompute for st in result.stages)):
-                raise ValueError(
-                    "schedule='zbv' with recomputation: a held weight backward keeps its "
-                    "recomputed activations, which the cost model does not count yet; use "
-                    "recompute=False, or schedule='interleaved', '1f1b' or None (searched)"
-                )
             if forced:
                 raise ValueError(
                     f"schedule={schedule!r} with {v} stages a lane on the searched {lanes} lanes "
@@ -135,11 +128,12 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     m = result.micro_batches
     sched = make_schedule(schedule, v * lanes, m, v)
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
-    units = [held_units(sched[k], layout[k]) for k in range(lanes)]
+
+    def units_of(rc: Sequence[bool]) -> list[list[tuple[tuple[float, float], ...]]]:
+        return [held_units(sched[k], layout[k], [rc[s] for s in layout[k]])
+                for k in range(lanes)]
+
     recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
-    if schedule == "zbv" and (any(recompute) or a.config.recompute):
-        # a held W keeps what R rebuilt, which the cost model does not count (as for ZB-H1)
-        return None
     while True:
         bounds = balanced_stages(a, reps, m, recompute)
         if bounds is None:
@@ -147,16 +141,15 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
         stages = tuple(StageChoice(i, j, r, rho)
                        for (i, j), r, rho in zip(bounds, reps, recompute, strict=True))
         ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
-                      in_flight_counts=counts, lane_units=units)
+                      in_flight_counts=counts, lane_units=units_of(recompute))
         if ev.fits:
             if a.config.recompute is None:  # give back what the lanes can hold after all
-                stages, ev = _undo_recompute(a, stages, m, schedule, layout, counts, units, ev)
+                stages, ev = _undo_recompute(a, stages, m, schedule, layout, counts, units_of,
+                                             ev)
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
         if a.config.recompute is not None:
             return None  # recomputation is the user's to choose
-        if schedule == "zbv":
-            return None
         # each lane over the budget recomputes its stage that holds the most activations
         more = False
         for lane in layout:
@@ -172,7 +165,8 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
 
 def _undo_recompute(a: Analysis, stages: tuple[StageChoice, ...], m: int, schedule: str,
                     layout: tuple[tuple[int, ...], ...], counts: list[int],
-                    units: list[list[tuple[float, ...]]],
+                    units_of: Callable[[Sequence[bool]],
+                                       list[list[tuple[tuple[float, float], ...]]]],
                     ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
     """The same boundaries with each recomputing stage, slowest forward first, running
     without recomputation where its lane still fits (balancing again could only move
@@ -183,29 +177,48 @@ def _undo_recompute(a: Analysis, stages: tuple[StageChoice, ...], m: int, schedu
         trial = tuple(dataclasses.replace(st, recompute=False) if k == s else st
                       for k, st in enumerate(stages))
         got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
-                       in_flight_counts=counts, lane_units=units)
+                       in_flight_counts=counts,
+                       lane_units=units_of([st.recompute for st in trial]))
         if got.fits:
             stages, ev = trial, got
     return stages, ev
 
 
-def held_units(actions: Sequence[Action], lane: Sequence[int]) -> list[tuple[float, ...]]:
-    """At every point of a lane's compute list, the micro-batches each of its stages holds
-    (in ``lane`` order): from its F to its B, or where its backward is split to its W, and
-    ``HELD`` more between its B and its W (the gradients W reads)."""
+def held_units(actions: Sequence[Action], lane: Sequence[int],
+               recompute: Sequence[bool] | None = None) -> list[tuple[tuple[float, float], ...]]:
+    """At every point of a lane's compute list, per stage of ``lane`` (in its order), the
+    micro-batches it holds only the inputs of and those it holds whole
+    (``search.evaluate.lane_memory``): a stage that recomputes (``recompute[k]``) holds a
+    micro-batch's inputs from its F to its B, then, where its backward is split, the whole
+    micro-batch that R rebuilt from its B until its W (both during B); any other holds it
+    whole from its F to its B, or to its W; between a split B and its W a micro-batch counts
+    ``HELD`` more."""
+    rc = list(recompute) if recompute is not None else [False] * len(lane)
     split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.W}
     pos = {s: k for k, s in enumerate(lane)}
-    now = [0.0] * len(lane)
-    out = [tuple(now)]
+    inputs, whole = [0.0] * len(lane), [0.0] * len(lane)
+    out = [tuple(zip(inputs, whole, strict=True))]
     for a in actions:
         k = pos[a.stage]
+        later = (a.stage, a.microbatch) in split
         if a.kind is Kind.F:
-            now[k] += 1
+            if rc[k]:
+                inputs[k] += 1
+            else:
+                whole[k] += 1
         elif a.kind is Kind.B:
-            now[k] += HELD if (a.stage, a.microbatch) in split else -1
+            if rc[k] and later:  # during B: its inputs and what R rebuilt; after: the latter
+                whole[k] += 1
+                out.append(tuple(zip(inputs, whole, strict=True)))
+                inputs[k] -= 1
+                whole[k] += HELD
+            elif rc[k]:
+                inputs[k] -= 1  # its backward's activations: the lane's transient
+            else:
+                whole[k] += HELD if later else -1
         elif a.kind is Kind.W:
-            now[k] -= 1 + HELD
-        out.append(tuple(now))
+            whole[k] -= 1 + HELD
+        out.append(tuple(zip(inputs, whole, strict=True)))
     return sorted(set(out))
 
 

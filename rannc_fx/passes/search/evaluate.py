@@ -77,7 +77,8 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
              micro_batches: int, schedule: str = "gpipe", *,
              lanes: Sequence[Sequence[int]] | None = None,
              in_flight_counts: Sequence[int] | None = None,
-             lane_units: Sequence[Sequence[Sequence[float]]] | None = None) -> Evaluation:
+             lane_units: Sequence[Sequence[Sequence[tuple[float, float]]]] | None = None,
+             ) -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
 
     Each stage recomputes as its ``StageChoice.recompute`` says. ``"zbh1"`` (not searched:
@@ -133,32 +134,39 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
 
 
 def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, float, float]],
-                units: Sequence[Sequence[float]]) -> list[StageCost]:
+                units: Sequence[Sequence[tuple[float, float]]]) -> list[StageCost]:
     """The stages of one lane with their memory as shares of the lane's peak.
 
     ``per_mb[s]``: one micro-batch's activations A, cut values in and out c, and out alone o;
-    ``units[t][s]``: the micro-batches stage s holds at point t of the lane's list (a split
-    backward's micro-batch between its B and its W counts more: the gradients its W reads,
-    ``planner.virtual.HELD``). The lane holds every stage's parameters, gradients, optimizer
-    state and outputs, the largest workspace, and at its peak point t* the sum over stages
-    of units * (A + c), or for a stage that recomputes units * (c - o) plus, once for the
-    lane, the largest A + o (one micro-batch's activations during its backward). Each stage
+    ``units[t][s]``: at point t of the lane's list, the micro-batches stage s holds only the
+    inputs of (a recomputing stage's, forward to backward) and those it holds whole
+    (activations and cut values: forward to backward, or to ``W`` where the backward is
+    split, a split one's counting more between ``B`` and ``W`` for the gradients its ``W``
+    reads, ``planner.virtual.HELD``). The lane holds every stage's parameters, gradients,
+    optimizer state and outputs, the largest workspace, at its peak point t* the sum over
+    stages of inputs * (c - o) + whole * (A + c), and, where a stage recomputes without a
+    split backward, once for the lane the largest A + o (one micro-batch's activations
+    during its backward). Each stage
     gets its part at t*, so that the stages' memory adds up to the lane's.
     """
-    def held(s: int, n: float) -> float:
+    def held(s: int, u: tuple[float, float]) -> float:
         a, c, o = per_mb[s]
-        return n * (c - o) if costs[s].recompute else n * (a + c)
+        return u[0] * (c - o) + u[1] * (a + c)
 
-    peak = max(units, key=lambda u: sum(held(s, n) for s, n in enumerate(u)))
-    rc = [s for s, c in enumerate(costs) if c.recompute]
+    peak = max(units, key=lambda us: sum(held(s, u) for s, u in enumerate(us)))
+    # a recomputing stage whose backward is split holds what R rebuilt as ``whole`` units;
+    # the others' backwards are the transient
+    rc = [s for s, c in enumerate(costs)
+          if c.recompute and all(us[s][1] == 0 for us in units)]
     transient = max(rc, key=lambda s: per_mb[s][0] + per_mb[s][2], default=None)
     widest = max(range(len(costs)), key=lambda s: costs[s].workspace)
     out = []
     for s, c in enumerate(costs):
         a, cuts, o = per_mb[s]
-        n = peak[s]
-        act = (a if s == transient else 0.0) if c.recompute else n * a
-        comm = (n * (cuts - o) + (o if s == transient else 0.0)) if c.recompute else n * cuts
+        inputs, whole = peak[s]
+        extra = s == transient
+        act = whole * a + (a if extra else 0.0)
+        comm = inputs * (cuts - o) + whole * cuts + (o if extra else 0.0)
         out.append(replace(c, activations=round(act), comm_buffers=round(comm), overlap=0,
                            workspace=c.workspace if s == widest else 0))
     return out
