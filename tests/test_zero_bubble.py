@@ -31,12 +31,15 @@ def _plan(world: int = 4, small: bool = False, **cfg: Any) -> rannc_fx.Plan:
 
 def test_the_search_keeps_the_shortest_simulated_schedule_and_zbh1_beats_1f1b():
     searched = _plan(stages=4, micro_batches=8)
-    forced = {s: _plan(stages=4, micro_batches=8, schedule=s)
-              for s in ("1f1b", "zbh1", "interleaved", "zbv")}
-    shortest = min(forced, key=lambda s: forced[s].simulated_step_ms)
-    assert searched.schedule == shortest
+    named = [("1f1b", None), ("zbh1", None), ("zbv", None),
+             *(("interleaved", v) for v in (2, 3, 4))]
+    forced = {(s, v): _plan(stages=4, micro_batches=8, schedule=s, virtual_stages=v)
+              for s, v in named}
+    shortest = min(forced, key=lambda k: forced[k].simulated_step_ms)
+    assert (searched.schedule, searched.virtual_stages) == (shortest[0], shortest[1] or (
+        2 if shortest[0] == "zbv" else 1))
     assert searched.simulated_step_ms == forced[shortest].simulated_step_ms
-    zb, one_f = forced["zbh1"], forced["1f1b"]
+    zb, one_f = forced["zbh1", None], forced["1f1b", None]
     assert [s.first_block for s in zb.stages] == [s.first_block for s in one_f.stages]
     assert zb.simulated_step_ms < one_f.simulated_step_ms
     assert [zb.in_flight(s) for s in range(4)] == [4, 4, 4, 4]

@@ -55,6 +55,8 @@ __all__ = ["balanced_stages", "held_units", "virtual_variants"]
 
 log = logging.getLogger("rannc_fx")
 
+VIRTUAL = (2, 3, 4)  # stages a lane the search tries interleaved 1F1B with
+
 # What a micro-batch between its B and its W holds beyond its activations (the gradients its
 # W reads), in micro-batches' activations and cut values: measured on the runtime_common GPT
 # (d 256, 4 micro-batches, ZBV on 2 ranks, benchmarks/memory_cpu.py): 0 under-predicts the
@@ -64,8 +66,9 @@ HELD = 0.5
 
 def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
                      build: Callable[[SearchResult], Plan]) -> Plan:
-    """``plan``, or the interleaved or ZBV plan on its lanes with the shortest simulated
-    step where that is shorter (or the one ``Config.schedule`` names, where it fits)."""
+    """``plan``, or the interleaved (``VIRTUAL`` stages a lane) or ZBV plan on its lanes with
+    the shortest simulated step where that is shorter (or the one ``Config.schedule``
+    names, where it fits)."""
     named = a.config.schedule
     forced = named in ("interleaved", "zbv")
     if named is not None and not forced:
@@ -73,7 +76,7 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
     if "1f1b" not in a.space.schedules and not forced:
         return plan  # the step cannot run in the call (several losses, a tail)
     lanes = len(result.stages)
-    candidates: list[tuple[str, int]] = [("interleaved", 2), ("zbv", 2)]
+    candidates: list[tuple[str, int]] = [("interleaved", v) for v in VIRTUAL] + [("zbv", 2)]
     if named == "interleaved":
         candidates = [("interleaved", a.config.virtual_stages or 2)]
     elif named == "zbv":
@@ -128,10 +131,16 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     m = result.micro_batches
     sched = make_schedule(schedule, v * lanes, m, v)
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
+    seen: dict[tuple[int, tuple[bool, ...]], list[tuple[tuple[float, float], ...]]] = {}
 
     def units_of(rc: Sequence[bool]) -> list[list[tuple[tuple[float, float], ...]]]:
-        return [held_units(sched[k], layout[k], [rc[s] for s in layout[k]])
-                for k in range(lanes)]
+        out = []
+        for k in range(lanes):
+            key = (k, tuple(rc[s] for s in layout[k]))
+            if key not in seen:
+                seen[key] = held_units(sched[k], layout[k], key[1])
+            out.append(seen[key])
+        return out
 
     recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
     while True:
