@@ -131,14 +131,14 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     m = result.micro_batches
     sched = make_schedule(schedule, v * lanes, m, v)
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
-    seen: dict[tuple[int, tuple[bool, ...]], list[tuple[tuple[float, float], ...]]] = {}
+    seen: dict[tuple[int, tuple[bool, ...]], np.ndarray] = {}
 
-    def units_of(rc: Sequence[bool]) -> list[list[tuple[tuple[float, float], ...]]]:
+    def units_of(rc: Sequence[bool]) -> list[np.ndarray]:
         out = []
         for k in range(lanes):
             key = (k, tuple(rc[s] for s in layout[k]))
             if key not in seen:
-                seen[key] = held_units(sched[k], layout[k], key[1])
+                seen[key] = np.asarray(held_units(sched[k], layout[k], key[1]), dtype=float)
             out.append(seen[key])
         return out
 
@@ -174,8 +174,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
 
 def _undo_recompute(a: Analysis, stages: tuple[StageChoice, ...], m: int, schedule: str,
                     layout: tuple[tuple[int, ...], ...], counts: list[int],
-                    units_of: Callable[[Sequence[bool]],
-                                       list[list[tuple[tuple[float, float], ...]]]],
+                    units_of: Callable[[Sequence[bool]], list[np.ndarray]],
                     ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
     """The same boundaries with each recomputing stage, slowest forward first, running
     without recomputation where its lane still fits (balancing again could only move

@@ -70,10 +70,13 @@ class Board:
         error.add_note(f"rannc_fx: rank {rank} told the other ranks, which stop this step too; "
                        "the next call starts over on fresh communicators")
 
-    def raise_news(self, what: str) -> None:
-        """PeerFailed for the newest failure on the board, if this rank has not seen it."""
+    def raise_news(self, what: str, finished: Callable[[], bool] | None = None) -> None:
+        """PeerFailed for the newest failure on the board, if this rank has not seen it,
+        unless ``finished()`` says the wait it interrupts completed after all (a peer that
+        left the same collective and failed in its next call: its news is for this rank's
+        next wait, not this one)."""
         n = self.count()
-        if n > self.seen:
+        if n > self.seen and not (finished is not None and finished()):
             self.seen = n
             text = self.store.get(str(n)).decode()
             rank = int(text.split()[1])
@@ -109,7 +112,8 @@ class Board:
                 self.raise_news(what(e.index))  # a peer's failure explains a closed pair best
                 raise on_error(e.index, e.error) from e.error
             try:
-                self.raise_news(what(job.current))
+                self.raise_news(what(job.current), finished=lambda: job.done.done() and (
+                    job.done.exception() is None))
             except PeerFailed:
                 _abandon()
                 raise

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..plan import Plan
 from .routing import needs_grad
@@ -73,7 +74,7 @@ class Topology:
     def num_lanes(self) -> int:
         return len(self.lanes)
 
-    @property
+    @cached_property  # read for every message the lowering and the simulator look at
     def lane_of(self) -> tuple[int, ...]:
         out = [0] * self.num_stages
         for k, lane in enumerate(self.lanes):
@@ -81,14 +82,14 @@ class Topology:
                 out[s] = k
         return tuple(out)
 
-    @property
+    @cached_property  # read for every message the lowering and the simulator look at
     def reads_from(self) -> tuple[frozenset[int], ...]:
         return tuple(
             frozenset(p for p in range(self.num_stages) if s in self.sends_to[p])
             for s in range(self.num_stages)
         )
 
-    @property
+    @cached_property  # read for every message the lowering and the simulator look at
     def grads_from(self) -> tuple[frozenset[int], ...]:
         return tuple(
             frozenset(c for c in range(self.num_stages) if s in self.grads_to[c])

@@ -77,7 +77,8 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
              micro_batches: int, schedule: str = "gpipe", *,
              lanes: Sequence[Sequence[int]] | None = None,
              in_flight_counts: Sequence[int] | None = None,
-             lane_units: Sequence[Sequence[Sequence[tuple[float, float]]]] | None = None,
+             lane_units: Sequence[Sequence[Sequence[tuple[float, float]]] | np.ndarray]
+             | None = None,
              ) -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
 
@@ -134,7 +135,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
 
 
 def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, float, float]],
-                units: Sequence[Sequence[tuple[float, float]]]) -> list[StageCost]:
+                units: Sequence[Sequence[tuple[float, float]]] | np.ndarray) -> list[StageCost]:
     """The stages of one lane with their memory as shares of the lane's peak.
 
     ``per_mb[s]``: one micro-batch's activations A, cut values in and out c, and out alone o;
@@ -149,21 +150,18 @@ def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, float,
     during its backward). Each stage
     gets its part at t*, so that the stages' memory adds up to the lane's.
     """
-    def held(s: int, u: tuple[float, float]) -> float:
-        a, c, o = per_mb[s]
-        return u[0] * (c - o) + u[1] * (a + c)
-
-    peak = max(units, key=lambda us: sum(held(s, u) for s, u in enumerate(us)))
+    u = np.asarray(units, dtype=float)  # (points, stages, 2)
+    a_, c_, o_ = (np.array([x[k] for x in per_mb]) for k in range(3))
+    peak = u[int(np.argmax((u[:, :, 0] * (c_ - o_) + u[:, :, 1] * (a_ + c_)).sum(axis=1)))]
     # a recomputing stage whose backward is split holds what R rebuilt as ``whole`` units;
     # the others' backwards are the transient
-    rc = [s for s, c in enumerate(costs)
-          if c.recompute and all(us[s][1] == 0 for us in units)]
+    rc = [s for s, c in enumerate(costs) if c.recompute and not u[:, s, 1].any()]
     transient = max(rc, key=lambda s: per_mb[s][0] + per_mb[s][2], default=None)
     widest = max(range(len(costs)), key=lambda s: costs[s].workspace)
     out = []
     for s, c in enumerate(costs):
         a, cuts, o = per_mb[s]
-        inputs, whole = peak[s]
+        inputs, whole = float(peak[s][0]), float(peak[s][1])
         extra = s == transient
         act = whole * a + (a if extra else 0.0)
         comm = inputs * (cuts - o) + whole * cuts + (o if extra else 0.0)
