@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--stages", type=int, default=None, help="force the stage count")
     plan.add_argument("--replicas", default=None, help="force replica counts, e.g. 2,1")
     plan.add_argument("--micro-batches", type=int, default=None, help="force the micro-batch count")
+    plan.add_argument("--schedule", choices=("gpipe", "1f1b", "zbh1", "interleaved", "zbv"),
+                      default=None, help="force the schedule (default: searched); with "
+                      "interleaved and zbv, --stages and --replicas count lanes")
+    plan.add_argument("--virtual-stages", type=int, default=None,
+                      help="stages a lane under --schedule interleaved (default: 2)")
     plan.add_argument("--device-memory-gib", type=float, default=None,
                       help="per-device memory in GiB (default: the device's)")
     plan.add_argument("--tracer", choices=("auto", "fx", "export"), default=None)
@@ -132,6 +137,10 @@ def _plan(args: argparse.Namespace) -> int:
         overrides["replicas"] = tuple(int(r) for r in args.replicas.split(","))
     if args.micro_batches is not None:
         overrides["micro_batches"] = args.micro_batches
+    if args.schedule is not None:
+        overrides["schedule"] = args.schedule
+    if args.virtual_stages is not None:
+        overrides["virtual_stages"] = args.virtual_stages
     if args.device_memory_gib is not None:
         overrides["device_memory"] = int(args.device_memory_gib * 1024**3)
     if args.tracer is not None:

@@ -356,6 +356,12 @@ class Plan(BaseModel):
             + "; memory budget "
             f"{_human_bytes(self.memory_budget)} per device; {len(self.cut_values)} cut value(s)",
         ]
+        if self.virtual_stages > 1:  # a stage's memory is its share at its lane's peak
+            tail.append("memory per lane (its stages at their common peak): " + ", ".join(
+                f"{'+'.join(map(str, lane))} {_human_bytes(m)} "
+                f"({100 * m / self.memory_budget:.0f}%)"
+                for lane in self.lanes
+                for m in [sum(self.stages[s].memory.total for s in lane)]))
         if self.dynamic_dims:
             tail.append("dynamic dimension(s), up to the planned size: " + ", ".join(
                 f"{d.name} <= {d.size}" for d in self.dynamic_dims))

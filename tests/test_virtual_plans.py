@@ -168,3 +168,19 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
     rc = lane_memory([cost(True, 0), cost(True, 0)], per_mb, inputs_only)
     # recomputing: each holds its inputs (c - o) per micro-batch, plus one backward's A + o
     assert sum(c.activations + c.comm_buffers for c in rc) == 2 * 1 + 8 + 1
+
+
+def test_the_command_line_plans_a_named_virtual_schedule(tmp_path, capsys):
+    from rannc_fx.__main__ import main as cli
+
+    out = tmp_path / "plan.json"
+    rc = cli(["plan", "rannc_fx.models:gpt_example", "--arg", "layers=4", "--meta", "--device",
+              "v100-32gb", "--world-size", "4", "--global-batch", "64", "--stages", "2",
+              "--micro-batches", "8", "--schedule", "interleaved", "--virtual-stages", "3",
+              "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "schedule interleaved (3 stages a lane: [[0, 2, 4], [1, 3, 5]])" in text
+    assert "memory per lane (its stages at their common peak): 0+2+4 " in text
+    plan = rannc_fx.Plan.load(out)
+    assert plan.virtual_stages == 3 and len(plan.stages) == 6 and len(plan.lanes) == 2
