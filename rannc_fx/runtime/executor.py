@@ -35,9 +35,7 @@ from ..config import Config
 from ..device import device_of
 from ..plan import Plan
 from . import routing
-from .batchnorm import DeferredBatchNorm
 from .bridge import Bridge
-from .buffers import BufferSync
 from .checks import (
     check_inputs,
     check_outputs_routable,
@@ -47,13 +45,11 @@ from .checks import (
 from .comm import Groups, build_groups, check_same_plan
 from .grads import GradSync
 from .lane import LaneModules, graph_modules
-from .lowering import lower_plan, split_at_gather, topology_of
-from .outputs import Outputs
-from .pieces import dtype_of
+from .lane_runners import LaneRunners, action_peers
+from .lowering import lower_plan, split_at_gather
 from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
-from .stage import StageRunner, StepState
-from .tail import TailRunner
+from .stage import StepState
 from .trace import Recorder
 
 __all__ = ["Mode", "StageExecutor"]
@@ -152,39 +148,15 @@ class StageExecutor:
         self.groups = groups if groups is not None else build_groups(plan, timeout_s=timeout)
         self._local = routing.local_batch(plan)
         self._in_shapes = input_shapes(plan, self._local)
-        mailbox: dict[routing.Transfer, torch.Tensor] = {}
-        self.runners: dict[int, StageRunner] = {}
-        self._buffers: list[BufferSync] = []
-        self._routes: dict[int, routing.RankRoutes] = {}
-        self.tail = None
-        for st in self.stages:
-            s, mod = st.index, self.modules[st.index]
-            routes = self._routes[s] = routing.rank_routes(
-                plan, self.rank, None if len(self.stages) == 1 else s)
-            spans = [routing.replica_span(plan, s, self.replica, i)
-                     for i in range(plan.micro_batches)]
-            outputs = Outputs(plan, st, self.rank, routes, spans, self.groups, self.device,
-                              lane=tuple(x.index for x in self.stages))
-            buffers = BufferSync(
-                mod,
-                micro_batches=plan.micro_batches,
-                group=self.groups.stage[s],
-                ranks=st.ranks,
-                recompute=st.recompute,
-                groups=self.groups,
-                deferred=DeferredBatchNorm.install(mod) if plan.batch_norm == "step" else None,
-            )
-            tail = (TailRunner(plan, st, mod, self.rank, self.groups, self.device)
-                    if plan.tail is not None else None)
-            self.runners[s] = StageRunner(
-                plan, st, mod, rank=self.rank, routes=routes, spans=spans,
-                in_specs=in_specs[s], outputs=outputs, buffers=buffers, device=self.device,
-                groups=self.groups, tail=tail, mailbox=mailbox,
-            )  # fmt: skip
-            self._buffers.append(buffers)
-            if st is self.stage:
-                self.routes, self.outputs, self.buffers, self.tail = routes, outputs, buffers, tail
+        self.lane = LaneRunners.build(plan, self.stages, self.stage.index, self.modules,
+                                      in_specs, rank=self.rank, replica=self.replica,
+                                      groups=self.groups, device=self.device)
+        self.runners, self._routes = self.lane.runners, self.lane.routes
+        self._buffers = self.lane.buffers
         self.runner = self.runners[self.stage.index]
+        self.routes = self._routes[self.stage.index]
+        self.outputs, self.buffers = self.runner.outputs, self.runner.buffers
+        self.tail = self.lane.tails[self.stage.index]
         self.grads = GradSync(plan, tuple(self.runners), module, self.groups)
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
@@ -273,7 +245,8 @@ class StageExecutor:
                       StepState(self._step, grad=step.grad, local=local, held=step.held)
                       for s in self.runners}
         if mode is Mode.CALL:
-            for stage, seeds in self._unit_seed().items():
+            assert self._loss is not None
+            for stage, seeds in self.lane.unit_seeds(self._loss, self.device).items():
                 step.parts[stage].seeds = seeds
             self.grads.begin()
         for b in self._buffers:
@@ -320,7 +293,7 @@ class StageExecutor:
             self.grads.apply(None if g is None or _is_one(g) else g)
             self.outputs.finish_sends()
             return
-        seeds, tail_seeds = self._seeds(grads)
+        seeds, tail_seeds = self.lane.seeds(self._diff, grads)
         for stage, part in step.parts.items():
             part.seeds = seeds.get(stage, {})
         self.grads.begin()
@@ -354,7 +327,7 @@ class StageExecutor:
         if rec is not None:
             self._peers = {}
             for s, routes in self._routes.items():
-                self._peers.update(_action_peers(self.plan, self.rank, s, routes, self.groups))
+                self._peers.update(action_peers(self.plan, self.rank, s, routes, self.groups))
 
     def _run_traced(self, rec: Recorder, step: StepState, actions: list[Action]) -> None:
         """``_run``, each action an event; a compute action starts after the waits it ran."""
@@ -421,59 +394,6 @@ class StageExecutor:
             self.grads.hold()
         else:
             self.grads.merge()
-
-    # -- seeds -------------------------------------------------------------------------------------
-    def _unit_seed(self) -> dict[int, dict[int, torch.Tensor]]:
-        """The whole step in the call: the loss's own gradient, d loss / d loss = 1, for the
-        stage of this rank's that computes it (by stage, then output position)."""
-        assert self._loss is not None
-        ref = self.plan.outputs[self._loss]
-        if ref.stage not in self.runners:
-            return {}
-        pos = self.runners[ref.stage].out_pos[ref.spec.name]
-        one = torch.ones(ref.spec.shape, dtype=dtype_of(ref.spec), device=self.device)
-        return {ref.stage: {pos: one}}
-
-    def _seeds(
-        self, grads: Sequence[torch.Tensor | None]
-    ) -> tuple[dict[int, dict[int, torch.Tensor]], dict[int, torch.Tensor]]:
-        """Stage -> output position -> the user's gradient for it (to be scaled by each
-        share), and the tail's outputs' (by output index: the tail runs once, on the whole
-        batch)."""
-        seeds: dict[int, dict[int, torch.Tensor]] = {}
-        tail: dict[int, torch.Tensor] = {}
-        for j, g in zip(self._diff, grads, strict=True):
-            ref = self.plan.outputs[j]
-            if ref.stage not in self.runners or g is None:
-                continue
-            if self.plan.tail_output(j):
-                tail[j] = g
-                continue
-            pos = self.runners[ref.stage].out_pos[ref.spec.name]
-            mine = seeds.setdefault(ref.stage, {})
-            mine[pos] = mine[pos] + g if pos in mine else g
-        return seeds, tail
-
-
-def _action_peers(
-    plan: Plan, rank: int, stage: int, routes: routing.RankRoutes, groups: Groups
-) -> dict[tuple[int, Kind, int | None], list[int]]:
-    """The ranks each message (of ``stage``) or once-a-step action (stage -1) of ``rank``
-    sends to or waits for."""
-    peers: dict[tuple[int, Kind, int | None], list[int]] = {}
-
-    def to(ts: list[routing.Transfer]) -> list[int]:
-        return sorted({t.dst for t in ts if t.src == rank and not t.local})
-
-    peers[(-1, Kind.SCATTER, None)] = to([t for ts in routes.inputs for t in ts])
-    for i in range(plan.micro_batches):
-        peers[(stage, Kind.SEND_F, i)] = to(routes.cuts[i])
-        peers[(stage, Kind.SEND_B, i)] = to(routes.grads[i])
-    owners = {r for s in topology_of(plan).output_stages for r in plan.stages[s].ranks}
-    peers[(-1, Kind.GATHER, None)] = sorted(owners - {rank})
-    together = {r for rs in (*groups.stage_ranks, *groups.shared_ranks) if rank in rs for r in rs}
-    peers[(-1, Kind.REDUCE, None)] = sorted(together - {rank})
-    return peers
 
 
 def _is_one(g: torch.Tensor) -> bool:
