@@ -58,14 +58,15 @@ def _local(rank: int, world: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
 
 
 def _compiled(rank: int, world: int, replicas: tuple[int, ...], *, meta: bool = False,
-              make_opt: Any = None) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
+              make_opt: Any = None, schedule: str | None = None,
+              ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     if meta:
         with torch.device("meta"):
             model = TransformerLM()
     opt = (make_opt or _adam)(model)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
-                 micro_batches=2)
+                 micro_batches=2, schedule=schedule)
     largs, lkwargs = _local(rank, world, args, kwargs)
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
     return cm, opt, largs, lkwargs
@@ -79,9 +80,9 @@ def _save_after(rank: int, world: int, replicas: tuple[int, ...], path: str) -> 
     return losses
 
 
-def _resume(rank: int, world: int, replicas: tuple[int, ...], path: str, meta: bool
-            ) -> tuple[list[float], bytes | None]:
-    cm, opt, args, kwargs = _compiled(rank, world, replicas, meta=meta)
+def _resume(rank: int, world: int, replicas: tuple[int, ...], path: str, meta: bool,
+            schedule: str | None = None) -> tuple[list[float], bytes | None]:
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, meta=meta, schedule=schedule)
     msd, osd = rannc_fx.get_state_dict(cm, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
     rannc_fx.set_state_dict(cm, opt, model_state_dict=msd, optim_state_dict=osd)
@@ -106,13 +107,17 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize(
-    "world,replicas,meta",
-    [(3, (2, 1), False), (3, (1, 2), True), (1, (1,), True)],
-    ids=["3-ranks-unequal-replicas", "3-ranks-from-meta", "1-rank-from-meta"],
+    "world,replicas,meta,schedule",
+    [(3, (2, 1), False, None), (3, (1, 2), True, None), (1, (1,), True, None),
+     (3, (2, 1), False, "zbv"), (2, (1, 1), True, "interleaved")],
+    ids=["3-ranks-unequal-replicas", "3-ranks-from-meta", "1-rank-from-meta",
+         "zbv-lanes-unequal-replicas", "interleaved-from-meta"],
 )
-def test_resume_on_another_plan_continues_the_single_process_run(saved, world, replicas, meta):
+def test_resume_on_another_plan_continues_the_single_process_run(saved, world, replicas, meta,
+                                                                 schedule):
     want, ref, ref_opt = _reference(2 * STEPS)
-    results = run_ranks(_resume, world, replicas, saved, meta, timeout_s=30.0, wall_s=120.0)
+    results = run_ranks(_resume, world, replicas, saved, meta, schedule, timeout_s=30.0,
+                        wall_s=120.0)
     for losses, _ in results:
         assert_close(torch.tensor(losses), torch.tensor(want[STEPS:]), **TOL)
     assert results[0][1] is not None

@@ -89,8 +89,9 @@ def _train_clipped(
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    for pname, p in cm.stages[0].named_parameters():
-        assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    for stage in cm.stages:  # one, or a lane's several
+        for pname, p in stage.named_parameters():
+            assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
     if foreach is not None:  # the option reached torch's norm (where the rank counts any
         # gradient) and scaling on this rank
         assert "clip_grads_with_norm_" in {f for f, _ in seen}
@@ -122,6 +123,9 @@ def _record_foreach() -> list[tuple[str, Any]]:
         ("gpt", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"), INF),
         ("gpt", 3, dict(replicas=(1, 2), micro_batches=1, schedule="gpipe"), 2.0),
         ("gpt", 4, dict(replicas=(2, 1, 1), micro_batches=2, schedule="1f1b"), 3.0),
+        # two stages a rank: the tied embedding on one rank (ZBV) or two (interleaved)
+        ("gpt", 2, dict(replicas=(1, 1), micro_batches=2, schedule="zbv"), 1.0),
+        ("gpt", 3, dict(replicas=(2, 1), micro_batches=2, schedule="interleaved"), 2.0),
     ],
 )
 def test_clips_like_one_process(name, world, cfg, norm_type):
@@ -189,3 +193,14 @@ def test_each_parameter_counted_by_exactly_one_rank():
     counts = [counted_by(plan, r) for r in range(plan.world_size)]
     assert [c.own for c in counts] == [True, False, True, True, False, False]
     assert [sorted(c.shared) for c in counts] == [[0], [], [1], [], [], []]
+    # ZBV, lanes (0, 3) and (1, 2) with replicas 2 and 1: the weight tied between stages 0 and
+    # 3 is counted once, by rank 0
+    v4 = {**v, "j": tensor("j", (4,))}
+    zbv = make_plan(
+        global_batch=12, micro_batches=1, replicas=(2, 1, 1, 2), values=v4, inputs=["x"],
+        stage_io=[(["x"], ["h"]), (["h"], ["k"]), (["k"], ["j"]), (["j"], ["loss"])],
+        outputs=["loss"], shared=[("embed.weight", (0, 3))], schedule="zbv", virtual_stages=2,
+    )  # fmt: skip
+    counts = [counted_by(zbv, r) for r in range(zbv.world_size)]
+    assert [c.own for c in counts] == [True, False, True]
+    assert [sorted(c.shared) for c in counts] == [[0], [], []]

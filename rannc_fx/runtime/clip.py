@@ -49,11 +49,13 @@ class Counted(NamedTuple):
 
 
 def counted_by(plan: Plan, rank: int) -> Counted:
-    """The parameters ``rank`` counts: those of which it is the lowest rank holding a copy."""
-    stage = plan.stage_of_rank(rank)
-    first = stage.ranks[0] == rank
+    """The parameters ``rank`` counts: those of which it is the lowest rank holding a copy
+    (a rank running a lane's several stages counts them all, a weight they share once)."""
+    held = plan.stages_of_rank(rank)
+    first = held[0].ranks[0] == rank
+    mine = {st.index for st in held}
     shared = frozenset(
-        j for j, sp in enumerate(plan.shared_params) if first and min(sp.stages) == stage.index
+        j for j, sp in enumerate(plan.shared_params) if first and min(sp.stages) in mine
     )
     return Counted(first, shared)
 
