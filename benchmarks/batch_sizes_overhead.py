@@ -37,7 +37,7 @@ from runtime_common import interleave  # noqa: E402
 
 
 def run(name: str, args: argparse.Namespace) -> None:
-    gpt = Compiled(name, args.micro_batches)
+    gpt = Compiled(name, args.micro_batches, args.schedule)
     cm, opt, ids, labels = gpt.cm, gpt.opt, gpt.ids, gpt.labels
     captured, executor, batches = cm._captured, cm._executor, cm._batches
     assert captured is not None and executor is not None and batches is not None

@@ -37,7 +37,7 @@ from runtime_common import interleave  # noqa: E402
 
 
 def run(name: str, args: argparse.Namespace) -> None:
-    gpt = Compiled(name, args.micro_batches)
+    gpt = Compiled(name, args.micro_batches, args.schedule)
     executor = gpt.cm._executor
     assert executor is not None and executor.groups.board is not None
     groups, board = executor.groups, executor.groups.board

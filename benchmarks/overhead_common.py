@@ -34,23 +34,27 @@ def overhead_parser(doc: str | None, *, steps: int) -> argparse.ArgumentParser:
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "medium"],
                    help="models: " + "; ".join(f"{k}={v}" for k, v in SIZES.items()))
     p.add_argument("--micro-batches", type=int, default=4, help="forced (default: 4)")
+    p.add_argument("--schedule", default=None,
+                   choices=("gpipe", "1f1b", "zbh1", "interleaved", "zbv"),
+                   help="forced (default: searched)")
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default: 5)")
     p.add_argument("--steps", type=int, default=steps, help=f"timed rounds (default: {steps})")
     return p
 
 
 class Compiled:
-    """A GPT of size ``name`` compiled on every rank (forced plan: one stage per rank, GPipe
-    by default), with Adam and this rank's batch; ``step()`` is one training step."""
+    """A GPT of size ``name`` compiled on every rank (forced plan: one lane per rank, the
+    schedule searched unless named), with Adam and this rank's batch; ``step()`` is one
+    training step."""
 
-    def __init__(self, name: str, micro_batches: int) -> None:
+    def __init__(self, name: str, micro_batches: int, schedule: str | None = None) -> None:
         vocab, d, heads, layers, seq, batch = SIZES[name]
         torch.manual_seed(0)
         model = GPT(vocab, d, heads, layers, seq)
         self.opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         self.ids, self.labels = make_batch(vocab, batch, seq, seed=dist.get_rank())
         cfg = rannc_fx.Config(replicas=(1,) * dist.get_world_size(), micro_batches=micro_batches,
-                              profile_cache_dir=None, profile_repeats=1)
+                              schedule=schedule, profile_cache_dir=None, profile_repeats=1)
         self.cm = rannc_fx.compile(model, self.opt, cfg, example_args=(self.ids,),
                                    example_kwargs={"labels": self.labels})
 

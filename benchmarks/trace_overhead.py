@@ -46,7 +46,7 @@ def _untraced_run(executor: StageExecutor) -> Any:
 
 
 def run(name: str, args: argparse.Namespace) -> None:
-    gpt = Compiled(name, args.micro_batches)
+    gpt = Compiled(name, args.micro_batches, args.schedule)
     cm, ex, batches = gpt.cm, gpt.cm._executor, gpt.cm._batches
     assert isinstance(ex, StageExecutor) and batches is not None
     hooked_run, hooked_wait = ex._run, ex.runner._wait
