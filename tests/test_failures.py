@@ -170,6 +170,33 @@ def test_a_wait_ends_with_the_failure_another_rank_posts():
     assert board.seen == other.seen == board.count() == 1  # both have acted on it
 
 
+def test_news_from_a_peer_s_next_call_does_not_fail_a_wait_that_finished():
+    """A peer leaves the collective this rank waits on, fails in its next call and posts it;
+    this rank reads the board after its works finished: the wait returns, and the news is
+    raised at the next one (the peer's next call's)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    board, other = Board(store), Board(store)
+    work = _Work()
+    read = board.count
+
+    def late_read() -> int:  # the works finish, and the peer posts, while this rank reads
+        if not work.done.is_set():
+            work.done.set()
+            other.post(1, (1, 3), IndexError("bad labels"), "in its forward")
+            time.sleep(0.05)
+        return read()
+
+    board.count = late_read  # type: ignore[method-assign]
+    board.wait([work], lambda i: "waiting for h", timeout_s=30,
+               on_error=lambda i, e: RuntimeError(e))
+    assert board.seen == 0 and read() == 1  # not acted on yet
+    with pytest.raises(PeerFailed, match=r"rank 1 \(stages 1, 3\) raised IndexError"):
+        board.wait([_Work()], lambda i: "waiting for the next call", timeout_s=30,
+                   on_error=lambda i, e: RuntimeError(e))
+
+
 def test_a_wait_returns_when_its_works_finish_and_times_out_when_nothing_does():
     board = _board()
     works = [_Work(), _Work()]

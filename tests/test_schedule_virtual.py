@@ -11,7 +11,6 @@ from rannc_fx.runtime.schedule import (
     Kind,
     clock_ticks,
     in_flight,
-    lanes_of,
     make_schedule,
     virtual_of,
 )
@@ -85,9 +84,9 @@ def test_zbv_runs_torch_s_order(lanes, v, m):
 
 
 def test_lanes_hold_the_stages_torch_puts_on_a_rank():
-    assert lanes_of("interleaved", 8, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert lanes_of("zbv", 6) == [[0, 5], [1, 4], [2, 3]]
-    assert lanes_of("1f1b", 3) == [[0], [1], [2]]
+    assert lane_layout("interleaved", 8, 2) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert lane_layout("zbv", 6, 2) == ((0, 5), (1, 4), (2, 3))
+    assert lane_layout("1f1b", 3, 1) == ((0,), (1,), (2,))
     assert virtual_of("zbv") == 2
     with pytest.raises(ValueError, match="needs virtual_stages >= 2"):
         virtual_of("interleaved")
@@ -155,10 +154,10 @@ def test_in_flight_per_stage_of_a_lane():
     # interleaved, 4 lanes of 2, m = 8: lane 0 fills with 10 forwards, all 8 of its first stage
     sched = make_schedule("interleaved", 8, 8, 2)
     assert [[in_flight(sched[p], s) for s in lane]
-            for p, lane in enumerate(lanes_of("interleaved", 8, 2))] == \
+            for p, lane in enumerate(lane_layout("interleaved", 8, 2))] == \
         [[8, 4], [8, 4], [7, 3], [5, 1]]
     sched = make_schedule("zbv", 8, 8)
-    assert [[in_flight(sched[p], s) for s in lane] for p, lane in enumerate(lanes_of("zbv", 8))] \
+    assert [[in_flight(sched[p], s) for s in lane] for p, lane in enumerate(lane_layout("zbv", 8, 2))] \
         == [[8, 1], [7, 2], [6, 3], [5, 4]]
 
 
@@ -174,7 +173,7 @@ def test_a_virtual_schedule_round_trips_through_torch_s_csv(name, lanes, v, m):
     actions = dict(enumerate(rows))
     mapping = _validate_schedule(actions, lanes, lanes * v, m)
     assert {s: mapping[s] for s in mapping} == {s: p for p, lane in
-                                                enumerate(lanes_of(name, lanes * v, v))
+                                                enumerate(lane_layout(name, lanes * v, v))
                                                 for s in lane}
 
 
@@ -188,7 +187,7 @@ def test_two_sources_on_one_lane_get_a_receive_each_in_their_sender_s_order():
         grads_to=(frozenset(), frozenset({0}), frozenset({0, 1}), frozenset({2})),
         recompute=(False,) * 4,
         output_stages=frozenset({3}),
-        lanes=tuple(tuple(x) for x in lanes_of("zbv", 4)),
+        lanes=lane_layout("zbv", 4, 2),
     )
     low = lower(make_schedule("zbv", 4, 4), topo)
     recv = [a for a in low[0] if a.kind is Kind.RECV_B and a.microbatch == 0]

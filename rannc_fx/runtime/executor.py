@@ -148,8 +148,8 @@ class StageExecutor:
         self.groups = groups if groups is not None else build_groups(plan, timeout_s=timeout)
         self._local = routing.local_batch(plan)
         self._in_shapes = input_shapes(plan, self._local)
-        self.lane = LaneRunners.build(plan, self.stages, self.stage.index, self.modules,
-                                      in_specs, rank=self.rank, replica=self.replica,
+        self.lane = LaneRunners.build(plan, self.stages, self.modules, in_specs,
+                                      rank=self.rank, replica=self.replica,
                                       groups=self.groups, device=self.device)
         self.runners, self._routes = self.lane.runners, self.lane.routes
         self._buffers = self.lane.buffers

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..plan import Plan
 from .comm import Groups, all_reduce_flat
+from .lane import graph_modules
 
 __all__ = ["GradSync"]
 
@@ -36,7 +37,7 @@ class GradSync:
         their parameters (a rank's stages share their ranks, hence one replica group)."""
         stages = (stage,) if isinstance(stage, int) else stage
         self.plan, self.stage, self.groups = plan, stages[0], groups
-        named = _named(module, stages)
+        named = _named(module)
         unique = {id(p): p for p in named.values() if p.requires_grad}
         self.shared: list[tuple[int, list[nn.Parameter]]] = []  # (plan index, its objects here)
         taken: set[int] = set()
@@ -143,12 +144,8 @@ class GradSync:
         return sum(h.numel() * h.element_size() for h in self._held.values())
 
 
-def _named(module: nn.Module, stages: tuple[int, ...]) -> dict[str, nn.Parameter]:
-    """Parameters by their name in a stage module (the plan's names): the module's own, or,
-    where it holds several stages as ``stage_<s>``, each stage's."""
-    if len(stages) == 1:
-        return dict(module.named_parameters(remove_duplicate=False))
-    out: dict[str, nn.Parameter] = {}
-    for s in stages:
-        out.update(module.get_submodule(f"stage_{s}").named_parameters(remove_duplicate=False))
-    return out
+def _named(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by their name in a stage module (the plan's names): the module's own, or
+    each stage's where it holds a lane's (``LaneModules``)."""
+    return {n: p for gm in graph_modules(module)
+            for n, p in gm.named_parameters(remove_duplicate=False)}

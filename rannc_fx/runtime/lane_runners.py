@@ -3,9 +3,9 @@ routes, outputs, buffers and tail), the seeds that start their backwards, and th
 their actions for the trace.
 
 One stage a rank is the case of one; a lane's several stages (interleaved 1F1B, ZBV) share
-the rank's mailbox, so a cut value between two of them is copied, never sent. The *main*
-stage is the one that holds model outputs (else the first): the executor gathers and shares
-through its ``Outputs`` for every stage of the rank.
+the rank's mailbox, so a cut value between two of them is copied, never sent. The executor
+gathers and shares through the ``Outputs`` of its *main* stage (the one holding model
+outputs, else the first) for every stage of the rank.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ class LaneRunners:
     runners: dict[int, StageRunner]
     routes: dict[int, routing.RankRoutes]
     tails: dict[int, TailRunner | None]
-    main: int
 
     @classmethod
-    def build(cls, plan: Plan, stages: Sequence[Stage], main: int,
+    def build(cls, plan: Plan, stages: Sequence[Stage],
               modules: dict[int, fx.GraphModule], in_specs: dict[int, list[ValueSpec]], *,
               rank: int, replica: int, groups: Groups, device: torch.device) -> LaneRunners:
         mailbox: dict[routing.Transfer, torch.Tensor] = {}
@@ -69,7 +68,7 @@ class LaneRunners:
                 outputs=outputs, buffers=buffers, device=device, groups=groups, tail=tails[s],
                 mailbox=mailbox,
             )  # fmt: skip
-        return cls(plan, runners, all_routes, tails, main)
+        return cls(plan, runners, all_routes, tails)
 
     @property
     def buffers(self) -> list[BufferSync]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..plan import Plan, lane_layout
+from ..plan import Plan
 from .actions import Action, Kind, Schedule, in_flight
 from .schedule_virtual import interleaved_1f1b_schedule, zbv_schedule
 
@@ -54,7 +54,6 @@ __all__ = [
     "gpipe_schedule",
     "in_flight",
     "interleaved_1f1b_schedule",
-    "lanes_of",
     "make_schedule",
     "one_f_one_b_schedule",
     "plan_grid",
@@ -132,7 +131,7 @@ def zero_bubble_h1_schedule(num_stages: int, micro_batches: int) -> Schedule:
 
 
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": lambda n, m, v: gpipe_schedule(n, m),  # noqa: ARG005
+    "gpipe": lambda n, m, v: gpipe_schedule(n, m),  # one stage a lane: v is 1
     "1f1b": lambda n, m, v: one_f_one_b_schedule(n, m),
     "zbh1": lambda n, m, v: zero_bubble_h1_schedule(n, m),
     "interleaved": interleaved_1f1b_schedule,
@@ -154,11 +153,6 @@ def virtual_of(name: str, virtual: int | None = None) -> int:
         raise ValueError(f"schedule {name!r} needs virtual_stages >= 2 (stages a lane), got "
                          f"{virtual}")
     return virtual
-
-
-def lanes_of(name: str, num_stages: int, virtual: int | None = None) -> list[list[int]]:
-    """The stages each lane holds under schedule ``name``, lane by lane."""
-    return [list(x) for x in lane_layout(name, num_stages, virtual_of(name, virtual))]
 
 
 def make_schedule(name: str, num_stages: int, micro_batches: int,
