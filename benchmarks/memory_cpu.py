@@ -235,8 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[str] = []
     if args.mode == "schedules":
         for schedule in args.schedules:
-            # ZB-H1 with recomputation is refused by the planner (its memory is not costed)
-            for recompute in (False,) if schedule == "zbh1" else (False, True):
+            for recompute in (False, True):
                 cfg = Config(replicas=(1,) * world, micro_batches=args.micro_batches,
                              schedule=schedule, recompute=recompute, **common)
                 plan, got = run_variant(base, cfg, ids, labels, args.steps)

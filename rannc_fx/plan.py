@@ -246,14 +246,11 @@ class Plan(BaseModel):
         """Micro-batches whose activations (or, recomputing, inputs) stage ``stage`` holds at
         once under the plan's schedule."""
         m = self.micro_batches
-        if self.schedule == "zbh1":  # a stage holds back up to s weight backwards
-            return min(m, len(self.stages))
-        if self.virtual_stages > 1:  # counted off the schedule's own lists
+        if self.schedule == "zbh1" or self.virtual_stages > 1:  # counted off its own lists
             from .runtime.actions import in_flight
-            from .runtime.schedule_virtual import interleaved_1f1b_schedule, zbv_schedule
+            from .runtime.schedule import make_schedule
 
-            make = zbv_schedule if self.schedule == "zbv" else interleaved_1f1b_schedule
-            sched = make(len(self.stages), m, self.virtual_stages)
+            sched = make_schedule(self.schedule, len(self.stages), m, self.virtual_stages)
             lane = next(k for k, held in enumerate(self.lanes) if stage in held)
             return in_flight(sched[lane], stage)
         return m if self.schedule == "gpipe" else min(m, len(self.stages) - stage)

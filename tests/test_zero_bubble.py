@@ -81,10 +81,24 @@ def test_a_model_with_two_losses_never_runs_zbh1():
 def test_a_named_zbh1_that_does_not_fit_says_so():
     model, args, kwargs = _example()
     base = _plan(stages=4, micro_batches=8, schedule="1f1b")
-    # between 1F1B's largest stage (the first, holding 4) and what ZB-H1 needs (4 everywhere)
+    # 1F1B's largest stage (the first, holding 4): ZB-H1's later stages hold more (4 in flight
+    # each, counting to their W, and what their held-back W reads)
     budget = max(s.memory.total for s in base.stages)
-    with pytest.raises(ValueError, match=r"schedule='zbh1' holds up to min\(m, S\) micro-batches "
-                                         r"on every stage"):
+    with pytest.raises(ValueError, match=r"schedule='zbh1' holds on each stage the micro-batches "
+                                         r"its 1F1B order keeps in flight"):
         rannc_fx.partition(model, args, kwargs, world_size=4, device="v100-32gb", config=Config(
             profile_cache_dir=None, stages=4, micro_batches=8,
             schedule="zbh1", recompute=False, device_memory=budget, memory_margin=0.0))
+
+
+
+def test_zbh1_runs_on_recomputing_stages_with_their_memory_counted():
+    # ZB-H1 holds a recomputing stage's inputs until its B, what R rebuilt until its W
+    plain = _plan(stages=4, micro_batches=8, schedule="zbh1", recompute=False)
+    rc = _plan(stages=4, micro_batches=8, schedule="zbh1", recompute=True)
+    assert rc.schedule == "zbh1" and all(s.recompute for s in rc.stages)
+    mem = [s.memory.total for s in rc.stages]
+    assert all(a < b for a, b in zip(mem[:3], (s.memory.total for s in plain.stages),
+                                     strict=False))  # inputs only until B
+    assert mem[3] == plain.stages[3].memory.total  # its B follows its F at once: nothing saved
+    assert rc.simulated_step_ms > plain.simulated_step_ms  # a forward more per micro-batch

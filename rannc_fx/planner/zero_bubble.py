@@ -2,13 +2,18 @@
 
 The search's programs cost GPipe and 1F1B exactly. ZB-H1 (``runtime/schedule.py``: 1F1B's
 order with each backward split into ``B`` and ``W``) runs the same stages; what differs is
-its memory (``search.model.in_flight``: a held ``W`` keeps its micro-batch's activations and
-the gradients its weight GEMMs read; stages that recompute are not costed for it, so such a
-plan stays as it is) and its step, which the simulator times on the plan's per-stage costs (``B`` and ``W`` half a
-backward each, plus what splitting costs: ``simulate.SPLIT_OVERHEAD``). So the searched plan
-is rebuilt as ZB-H1 where that fits the memory budget, and kept only where its simulated step
-is shorter than the searched schedule's: a one-stage plan, or one whose bottleneck stage
-leaves no bubble worth filling, stays as it is.
+its memory and its step. Its memory is counted off its own lists as interleaved 1F1B's and
+ZBV's are (``virtual.held_units``, ``search.evaluate.lane_memory``, one stage a lane): a
+stage holds a micro-batch whole from its ``F`` to its ``W``, counting ``virtual.HELD`` more
+between its ``B`` and its ``W`` for the gradients the weight GEMMs read; recomputing, only
+its inputs until ``B``, then what ``R`` rebuilt until ``W``. Its step is the simulator's, on
+the plan's per-stage costs (``B`` and ``W`` each their share of a backward, plus what
+splitting costs: ``simulate.SPLIT_OVERHEAD``). So the searched plan is rebuilt as ZB-H1
+(each stage recomputing as the search chose) where that fits the memory budget, and kept
+only where its simulated step is shorter than the searched schedule's: a one-stage plan, or
+one whose bottleneck stage leaves no bubble worth filling, stays as it is. (Recomputing more
+stages to make it fit would rarely pay: the stage ZB-H1 fills up is the last, which holds
+the held-back weight backwards' rebuilt activations recomputing or not.)
 
 Not exact over all plans (a plan the search rejected for 1F1B might be best under ZB-H1);
 the search costing ZB-H1 itself is the next step.
@@ -22,10 +27,14 @@ from collections.abc import Callable
 
 from ..passes.search import SearchResult
 from ..passes.search.evaluate import evaluate
+from ..passes.search.model import Evaluation, StageChoice
 from ..plan import Plan
+from ..runtime.actions import in_flight
+from ..runtime.schedule import make_schedule
 from .analyze import Analysis
+from .virtual import held_units
 
-__all__ = ["zero_bubble"]
+__all__ = ["zero_bubble", "zbh1_evaluation"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -39,24 +48,19 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
         return plan  # a schedule named, or a model that cannot run the step in the call
     if len(result.stages) < 2 and not forced:
         return plan
-    if any(s.recompute for s in result.stages):
-        if forced:
-            raise ValueError(
-                "schedule='zbh1' with recomputation: a held weight backward keeps its recomputed "
-                "activations, which the cost model does not count yet; use recompute=False, or "
-                "schedule='1f1b' or None (searched)"
-            )
-        return plan
-    ev = evaluate(a.table, a.space, result.stages, result.micro_batches, "zbh1")
+    stages, m = result.stages, result.micro_batches
+    ev = zbh1_evaluation(a, stages, m)
     if not ev.fits:
         if forced:
             raise ValueError(
-                "schedule='zbh1' holds up to min(m, S) micro-batches on every stage (until their "
-                "weight backwards), and the searched plan's stages do not fit that in the memory "
-                "budget; use schedule='1f1b' or None (searched), or give the devices more memory"
+                "schedule='zbh1' holds on each stage the micro-batches its 1F1B order keeps in "
+                "flight plus those whose weight backwards it holds back (up to one a stage "
+                "before it, each with the gradients its weight GEMMs read), and the searched "
+                "plan's stages do not fit that in the memory budget; use schedule='1f1b' or "
+                "None (searched), or give the devices more memory"
             )
         return plan
-    zb = build(dataclasses.replace(result, schedule="zbh1", evaluation=ev))
+    zb = build(dataclasses.replace(result, stages=stages, schedule="zbh1", evaluation=ev))
     before, after = plan.simulated_step_ms or 0.0, zb.simulated_step_ms or 0.0
     if forced or after < before:
         log.info("plan: ZB-H1 (split backward) on the searched stages: simulated step %.2f ms "
@@ -64,3 +68,15 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
                  "" if after < before else " (named in Config)")
         return zb
     return plan
+
+
+def zbh1_evaluation(a: Analysis, stages: tuple[StageChoice, ...], m: int) -> Evaluation:
+    """``stages`` under ZB-H1 with ``m`` micro-batches: each stage's memory at the peak of
+    what its list holds (``held_units``), the step by 1F1B's formula (the simulator's is the
+    plan's)."""
+    S = len(stages)
+    sched = make_schedule("zbh1", S, m)
+    return evaluate(a.table, a.space, stages, m, "zbh1", lanes=[[s] for s in range(S)],
+                    in_flight_counts=[in_flight(sched[s], s) for s in range(S)],
+                    lane_units=[held_units(sched[s], [s], [st.recompute])
+                                for s, st in enumerate(stages)])

@@ -82,25 +82,25 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
              ) -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
 
-    Each stage recomputes as its ``StageChoice.recompute`` says. ``"zbh1"`` (not searched:
-    ``planner/zero_bubble.py``) is costed with every stage holding min(m, S) micro-batches
-    and 1F1B's step formula; the simulator times its split backward. A schedule with several
-    stages a lane (``"interleaved"``, ``"zbv"``: ``planner/virtual.py``) gives the stages of
-    each lane (``lanes``: they share its ranks, so the replica counts of one lane count once
-    and their memory adds up against the budget) and the micro-batches each stage holds
-    (``in_flight_counts``, counted off the schedule); its step is the simulator's, the
-    formula's here only a lower bound. ``lane_units``, per lane, the micro-batches each of
-    its stages holds at every point of the lane's list (``lane_memory``): a lane's stages
-    reach their peaks at different points, so the lane's memory is the largest sum, not the
-    sum of the largest.
+    Each stage recomputes as its ``StageChoice.recompute`` says. The schedules the search
+    does not cost itself -- ZB-H1 (``"zbh1"``, ``planner/zero_bubble.py``) and those with
+    several stages a lane (``"interleaved"``, ``"zbv"``: ``planner/virtual.py``) -- give the
+    stages of each lane (``lanes``: they share its ranks, so the replica counts of one lane
+    count once and their memory adds up against the budget), the micro-batches each stage
+    holds (``in_flight_counts``, counted off the schedule) and ``lane_units``, per lane, the
+    micro-batches each of its stages holds at every point of the lane's list
+    (``lane_memory``): a lane's stages reach their peaks at different points, so the lane's
+    memory is the largest sum, not the sum of the largest. Their step is the simulator's,
+    the formula's here only a lower bound.
     """
     m, end = micro_batches, 0
-    virtual = schedule in ("interleaved", "zbv")
-    if schedule not in (*SCHEDULES, "zbh1") and not virtual:
+    listed = schedule in ("zbh1", "interleaved", "zbv")
+    if schedule not in SCHEDULES and not listed:
         raise ValueError(f"schedule={schedule!r}: expected one of "
                          f"{(*SCHEDULES, 'zbh1', 'interleaved', 'zbv')}")
-    if virtual and (lanes is None or in_flight_counts is None):
-        raise ValueError(f"schedule={schedule!r} needs the lanes and each stage's in-flight count")
+    if listed and (lanes is None or in_flight_counts is None or lane_units is None):
+        raise ValueError(f"schedule={schedule!r} needs the lanes, each stage's in-flight count "
+                         "and what each lane holds along its list (lane_units)")
     lanes = lanes if lanes is not None else [[s] for s in range(len(stages))]
     for st in stages:
         if st.start != end or st.end <= st.start or st.replicas < 1:
@@ -118,7 +118,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
                          "once, the same on each of its stages)")
     kidx, S = size_index(table), len(stages)
     counts = (list(in_flight_counts) if in_flight_counts is not None
-              else [in_flight(schedule, m, S - s, S) for s in range(S)])
+              else [in_flight(schedule, m, S - s) for s in range(S)])
     got = [_stage(table, space, kidx, st, m, counts[s]) for s, st in enumerate(stages)]
     step = plan_step([g[1] for g in got], [g[2] for g in got])
     costs = [g[0] for g in got]

@@ -231,18 +231,8 @@ def size_index(table: CostTable) -> dict[int, int]:
     return {int(q): k for k, q in enumerate(np.asarray(table.sizes).tolist())}
 
 
-def in_flight(schedule: str, m: int, d: int, stages: int | None = None) -> int:
-    """n: micro-batches whose activations a stage d stages from the end holds at once (of
-    ``stages``).
-
-    ZB-H1 (``"zbh1"``, not searched: only ``evaluate`` reads it) counts in micro-batches'
-    activations what its stage holds at most: 1F1B's min(m, d) in flight, and for each of
-    the ``s = S - d`` weight backwards it holds back, that micro-batch's activations and the
-    gradients its weight GEMMs read (measured about as large again: 2 each), and one more for
-    the gradients a B keeps until its W runs."""
-    if schedule == "zbh1":
-        held = min(stages - d if stages is not None else 0, max(m - 1, 0))
-        return min(m, d) + 2 * held + 1
+def in_flight(schedule: str, m: int, d: int) -> int:
+    """n: micro-batches whose activations a stage d stages from the end holds at once."""
     return m if schedule == "gpipe" else min(m, d)
 
 
