@@ -25,7 +25,7 @@ from .clip import clip_grad_norm
 from .comm import CommError, Groups, build_groups, init_distributed
 from .executor import StageExecutor
 from .failures import PeerFailed
-from .lowering import Topology, format_lowered, lower, topology_of
+from .lowering import Topology, format_lowered, lower, plan_grid, topology_of
 from .schedule import (
     Action,
     Kind,
@@ -33,7 +33,6 @@ from .schedule import (
     gpipe_schedule,
     make_schedule,
     one_f_one_b_schedule,
-    plan_grid,
 )
 from .simulate import ScheduleError, Simulation, plan_durations, simulate
 

@@ -39,9 +39,10 @@ from functools import cached_property
 
 from ..plan import Plan
 from .routing import needs_grad
-from .schedule import Action, Kind, Schedule, make_schedule
+from .schedule import Action, Kind, Schedule, format_schedule, make_schedule
 
-__all__ = ["Topology", "format_lowered", "lower", "lower_plan", "split_at_gather", "topology_of"]
+__all__ = ["Topology", "format_lowered", "lower", "lower_plan", "plan_grid", "split_at_gather",
+           "topology_of"]
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,16 @@ def _receives_in_order(acts: list[Action], k: int, order: dict[tuple[int, int], 
             placed.add(p)
             out.append(a)
     return out
+
+
+def plan_grid(plan: Plan) -> str:
+    """One step of ``plan``'s schedule, one row per rank: its stages' forwards and backwards
+    by clock tick (a recomputing stage runs R before each of its B)."""
+    sched = make_schedule(plan.schedule, len(plan.stages), plan.micro_batches,
+                          plan.virtual_stages)
+    lane = {s: k for k, held in enumerate(plan.lanes) for s in held}
+    rows = [(f"rank {r}", lane[plan.stages_of_rank(r)[0].index]) for r in range(plan.world_size)]
+    return format_schedule(sched, rows)
 
 
 def split_at_gather(actions: Sequence[Action]) -> tuple[list[Action], list[Action]]:

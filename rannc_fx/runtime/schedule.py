@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..plan import Plan
 from .actions import Action, Kind, Schedule, in_flight
 from .schedule_virtual import interleaved_1f1b_schedule, zbv_schedule
 
@@ -56,7 +55,6 @@ __all__ = [
     "interleaved_1f1b_schedule",
     "make_schedule",
     "one_f_one_b_schedule",
-    "plan_grid",
     "virtual_of",
     "zbv_schedule",
     "zero_bubble_h1_schedule",
@@ -218,16 +216,6 @@ def format_schedule(schedule: Schedule, rows: Sequence[tuple[str, int]] | None =
                 line[tick[a]] = str(a)
         lines.append(name.ljust(label) + "".join(c.ljust(cell) for c in line).rstrip())
     return "\n".join(lines)
-
-
-def plan_grid(plan: Plan) -> str:
-    """One step of ``plan``'s schedule, one row per rank: its stages' forwards and backwards
-    by clock tick (a recomputing stage runs R before each of its B)."""
-    sched = make_schedule(plan.schedule, len(plan.stages), plan.micro_batches,
-                          plan.virtual_stages)
-    lane = {s: k for k, held in enumerate(plan.lanes) for s in held}
-    rows = [(f"rank {r}", lane[plan.stages_of_rank(r)[0].index]) for r in range(plan.world_size)]
-    return format_schedule(sched, rows)
 
 
 def _dependency(a: Action, num_stages: int) -> Action | None:
