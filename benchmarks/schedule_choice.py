@@ -59,12 +59,7 @@ def gpt(layers: int, hidden: int, *, heads: int, seq: int) -> tuple[Any, ...]:
 
 
 def run(name: str) -> str:
-    w = dict(WORKLOADS[name] if name in WORKLOADS else GPT[name])
-    make = bert if name in WORKLOADS else gpt
-    model, args, kwargs, *_ = make(w.pop("layers"), w.pop("hidden"), heads=w.pop("heads"),
-                                   seq=w.pop("seq"))
-    a = analyze(model, args, kwargs, world_size=w["world_size"], device=w["device"],
-                config=Config(profile_cache_dir=None), global_batch=w["global_batch"])
+    a = _analyzed(name)
     plans = {}
     for label, schedules in (("gpipe", ("gpipe",)), ("1f1b", ("1f1b",)),
                              ("searched", a.space.schedules)):
@@ -86,10 +81,63 @@ def run(name: str) -> str:
             f"{sc / sb:.3f} |")
 
 
+def probe(name: str) -> str:
+    """Whether other lanes or boundaries would open the schedules: interleaved 1F1B and ZBV on
+    the best plan of every forced stage count, and ZB-H1's memory on plans searched at a
+    fraction of the budget (room left for what ZB-H1 holds more than 1F1B)."""
+    from rannc_fx.passes.search import NoFeasiblePlan
+    from rannc_fx.planner.zero_bubble import zbh1_evaluation
+
+    a = _analyzed(name)
+    base = build_plan(a, run_search(a.table, a.space))
+    ref = base.simulated_step_ms or 0.0
+    out = [f"{name}: searched {base.schedule}, {len(base.stages)} stages, m={base.micro_batches}, "
+           f"{ref:.0f} ms"]
+    for S in range(2, min(a.table.num_blocks, a.space.world_size, 24) + 1):
+        b = dataclasses.replace(a, space=dataclasses.replace(a.space, stages=S))
+        try:
+            r = run_search(b.table, b.space)
+        except NoFeasiblePlan:
+            continue
+        p = virtual_variants(b, r, build_plan(b, r), lambda x, b=b: build_plan(b, x))
+        step = p.simulated_step_ms or 0.0
+        out.append(f"  {S} stages (replicas {'/'.join(str(s.replicas) for s in r.stages)}): "
+                   f"{p.schedule} v={p.virtual_stages} {step:.0f} ms ({step / ref:.3f})")
+    for frac in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+        b = dataclasses.replace(a, space=dataclasses.replace(
+            a.space, memory_budget=a.space.memory_budget * frac))
+        try:
+            r = run_search(b.table, b.space)
+        except NoFeasiblePlan:
+            continue
+        ev = zbh1_evaluation(a, r.stages, r.micro_batches)
+        need = max(s.memory for s in ev.stages) / a.space.memory_budget
+        out.append(f"  searched at {frac:.1f} of the budget: {len(r.stages)} stages, "
+                   f"m={r.micro_batches}: ZB-H1 needs {need:.2f} of the budget")
+    return "\n".join(out)
+
+
+def _analyzed(name: str) -> Any:
+    w = dict(WORKLOADS[name] if name in WORKLOADS else GPT[name])
+    make = bert if name in WORKLOADS else gpt
+    model, args, kwargs, *_ = make(w.pop("layers"), w.pop("hidden"), heads=w.pop("heads"),
+                                   seq=w.pop("seq"))
+    return analyze(model, args, kwargs, world_size=w["world_size"], device=w["device"],
+                   config=Config(profile_cache_dir=None), global_batch=w["global_batch"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("workloads", nargs="+", choices=sorted({*WORKLOADS, *GPT}))
+    p.add_argument("--probe", action="store_true",
+                   help="instead of the table: interleaving on every forced stage count, and "
+                   "ZB-H1's memory on plans searched at 0.5-1.0 of the budget")
     args = p.parse_args()
+    if args.probe:
+        for name in args.workloads:
+            print(probe(name), flush=True)
+        print(f"\n{environment(None)}")
+        return
     print("| workload | best GPipe/1F1B plan | simulated ms | bubble | chosen plan | simulated ms "
           "| bubble | chosen / best |\n|---|---|---:|---:|---|---:|---:|---:|", flush=True)
     for name in args.workloads:

@@ -109,6 +109,20 @@ def in_flight(schedule: str, m: int, d: int) -> int:
     return m if schedule == "gpipe" else min(m, d)
 
 
+def zbh1_held(s: int, S: int, m: int, held: float) -> float:
+    """The most micro-batches stage ``s`` of ``S`` holds whole under ZB-H1 (no recomputation),
+    a micro-batch between its B and its W counting ``1 + held``.
+
+    ZB-H1 runs 1F1B's order with each W as late as the stage's own list allows without
+    holding more forwards than 1F1B's first stage: with m' = min(m, S) micro-batches in its
+    warm-up and steady state, stage s (from the start) reaches its peak once k = max(0, s - (S -
+    m')) of its weight backwards wait behind a B, so m' micro-batches whole and k + 1 of them
+    (the one whose B is running counts from its B on) between B and W: m' + held (k + 1). Every
+    stage holds at least 1F1B's first stage's m'."""
+    mm = min(m, S)
+    return mm + held * (1 + max(0, s - (S - mm)))
+
+
 def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...], m: int,
                  schedule: str) -> tuple[float, list[Figures]]:
     """The step time and each stage's figures of a plan."""

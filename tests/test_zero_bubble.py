@@ -102,3 +102,17 @@ def test_zbh1_runs_on_recomputing_stages_with_their_memory_counted():
                                      strict=False))  # inputs only until B
     assert mem[3] == plain.stages[3].memory.total  # its B follows its F at once: nothing saved
     assert rc.simulated_step_ms > plain.simulated_step_ms  # a forward more per micro-batch
+
+
+@pytest.mark.parametrize("S", range(1, 9))
+def test_zbh1_memory_counted_off_its_lists_matches_the_oracle(S):
+    from rannc_fx.planner.virtual import HELD, held_units
+    from rannc_fx.runtime.schedule import make_schedule
+
+    from .search_oracle import zbh1_held
+
+    for m in range(1, 13):
+        sched = make_schedule("zbh1", S, m)
+        got = [max(point[0][1] for point in held_units(sched[s], [s], [False]))
+               for s in range(S)]
+        assert got == [zbh1_held(s, S, m, HELD) for s in range(S)], (S, m)

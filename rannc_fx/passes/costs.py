@@ -133,9 +133,6 @@ def build_cost_table(
     if tail is not None:
         last = per_block["workspace_bytes"][:, nb - 1]
         np.maximum(last, float(tail.held_bytes), out=last)
-    if tail is not None:
-        last = per_block["workspace_bytes"][:, nb - 1]
-        np.maximum(last, float(tail.held_bytes), out=last)
     q = np.asarray(sizes, dtype=float)
 
     def bytes_at(spec: ValueSpec) -> np.ndarray:  # at each size, affine in the samples
