@@ -47,6 +47,7 @@ from .grads import GradSync
 from .lane import LaneModules, graph_modules
 from .lane_runners import LaneRunners, action_peers
 from .lowering import lower_plan, split_at_gather
+from .release import rank_release
 from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
 from .stage import StepState
@@ -185,6 +186,9 @@ class StageExecutor:
             }
             for s, r in self.runners.items()
         }
+        # the sends this rank may wait for mid-step, by index of its list (runtime/release.py)
+        self._release = rank_release(lowered, topology, lane, self.runners,
+                                     plan.micro_batches)
         self._step = 0
         self.trace: Recorder | None = None
         self._peers: dict[tuple[int, Kind, int | None], list[int]] = {}
@@ -306,17 +310,20 @@ class StageExecutor:
         split = self._split[id(actions)]
         for s, part in step.parts.items():
             part.split = split[s]
+        release = self._release if actions is self.actions else {}
         rec = self.trace
         if rec is not None and rec.on:
-            self._run_traced(rec, step, actions)
+            self._run_traced(rec, step, actions, release)
             return
         dispatch, parts = self._dispatch, step.parts
-        for a in actions:  # the once-a-step kinds get the main stage's state
+        for p, a in enumerate(actions):  # the once-a-step kinds get the main stage's state
             fn = dispatch[a.stage][a.kind]
             if a.peer is None:
                 fn(step if a.kind.once else parts[a.stage], a.microbatch)
             else:
                 fn(parts[a.stage], a.microbatch, a.peer)
+            for stage, what, i in release.get(p, ()):
+                parts[stage].finish_send(what, i)
 
     # -- tracing -----------------------------------------------------------------------------------
     def set_trace(self, rec: Recorder | None) -> None:
@@ -329,9 +336,10 @@ class StageExecutor:
             for s, routes in self._routes.items():
                 self._peers.update(action_peers(self.plan, self.rank, s, routes, self.groups))
 
-    def _run_traced(self, rec: Recorder, step: StepState, actions: list[Action]) -> None:
+    def _run_traced(self, rec: Recorder, step: StepState, actions: list[Action],
+                    release: dict[int, list[tuple[int, str, int]]]) -> None:
         """``_run``, each action an event; a compute action starts after the waits it ran."""
-        for a in actions:
+        for p, a in enumerate(actions):
             first = len(rec.events)
             t0 = rec.now()
             fn = self._dispatch[a.stage][a.kind]
@@ -352,6 +360,8 @@ class StageExecutor:
                 rec.event(label, "compute", t0, t1, kind=a.kind.value, microbatch=i)
             else:
                 rec.event(label, "post", t0, t1, kind=a.kind.value, microbatch=i, to=peers)
+            for stage, what, j in release.get(p, ()):
+                step.parts[stage].finish_send(what, j)
 
     # -- once a step -------------------------------------------------------------------------------
     def _scatter(self, step: StepState, _: int | None = None) -> None:

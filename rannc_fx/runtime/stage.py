@@ -72,6 +72,9 @@ class StepState:
     model_outs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # for GATHER
     rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     sends: list[Pending] = field(default_factory=list)
+    # each send by ("F" or "B", micro-batch), so the executor can wait for it mid-step
+    # (``runtime/release.py``); the rest are waited at the step's end
+    sent: dict[tuple[str, int], Pending] = field(default_factory=dict)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)  # share-weighted losses
     results: dict[int, Any] = field(default_factory=dict)  # model outputs, after GATHER
     backwards: int = 0
@@ -92,6 +95,15 @@ class StepState:
         for p in self.sends:
             p.wait()
         self.sends.clear()
+        self.sent.clear()
+
+    def finish_send(self, what: str, i: int) -> None:
+        """Wait for micro-batch i's sends of ``what`` ("F": cut values, "B": gradients), if
+        still pending: their tensors are freed now rather than at the step's end."""
+        pending = self.sent.pop((what, i), None)
+        if pending is not None:
+            pending.wait()
+            self.sends.remove(pending)
 
 
 class StageRunner:
@@ -160,6 +172,15 @@ class StageRunner:
             self._picked[key] = got
         return got
 
+    def messages_of(self, which: str, i: int) -> list[tuple[Transfer, int]]:
+        """Micro-batch i's transfers ``which`` ("cut out", "grad out", "cut in", "grad in")
+        that travel between ranks, each with the stage at the other end."""
+        cut = which.startswith("cut")
+        out = which.endswith("out")
+        return [(t, (t.stage if out else self._producer[t.slot]) if cut
+                 else (self._producer[t.slot] if out else t.stage))
+                for t in self._mine(which, i) if not t.local]
+
     def _sends(self, t: Transfer) -> bool:
         """This replica of this stage sends ``t`` (a cut value, or a cut value's gradient)."""
         stage = self._producer[t.slot] if t.kind == "cut" else t.stage
@@ -227,6 +248,7 @@ class StageRunner:
         msgs, _ = self._messages(self._mine("cut out", i),
                                  lambda t: outs[self.out_pos[t.value]].detach(), "cut value")
         step.sends.append(post(msgs, self.groups))
+        step.sent[("F", i)] = step.sends[-1]
         if self.recompute or not step.grad:
             del step.outs[i]  # sent: nothing else reads them
 
@@ -247,6 +269,7 @@ class StageRunner:
 
         msgs, _ = self._messages(self._mine("grad out", i), source, "gradient of cut value")
         step.sends.append(post(msgs, self.groups))
+        step.sent[("B", i)] = step.sends[-1]
 
     # -- compute ---------------------------------------------------------------------------------
     def _wait(self, pending: Pending, match: str, i: int) -> None:
