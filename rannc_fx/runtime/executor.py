@@ -50,7 +50,7 @@ from .lowering import lower_plan, split_at_gather
 from .release import rank_release
 from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
-from .stage import StepState
+from .step import StepState
 from .trace import Recorder
 
 __all__ = ["Mode", "StageExecutor"]

@@ -1,7 +1,7 @@
 """One rank's stage, one action at a time: the operations a schedule's actions name.
 
 ``StageRunner`` never decides ordering; ``executor`` calls its methods in the order of the
-lowered schedule. What one step keeps between actions lives in a ``StepState``:
+lowered schedule. What one step keeps between actions lives in a ``StepState`` (``step.py``):
 
     SCATTER     post every micro-batch's graph-input pieces (sends and receives)
     RECV_F i    post the receives of micro-batch i's cut values
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,76 +34,18 @@ from torch import fx
 from ..plan import Plan, Stage
 from ..values import ValueSpec
 from . import routing
-from .backward_split import WeightWork, backward_inputs, backward_weights
+from .backward_split import backward_inputs, backward_weights
 from .buffers import BufferSync
 from .checks import check_stage_outputs
 from .comm import Groups, Message, Pending, post
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .routing import RankRoutes, Transfer
+from .step import StepState
 from .tail import TailRunner
 from .trace import Recorder
 
 __all__ = ["StageRunner", "StepState"]
-
-_Received = tuple[Pending, dict[Transfer, torch.Tensor]]
-
-
-@dataclass
-class StepState:
-    """Everything one step holds between actions, per micro-batch where it is per micro-batch.
-
-    ``grad``: the step keeps what a backward needs. ``held``: its backwards run in the call
-    and their gradients wait for ``loss.backward()``. ``seeds``: stage output position -> the
-    gradient that reaches it from the caller (scaled by each micro-batch's share in B).
-    """
-
-    index: int
-    grad: bool
-    local: list[Any]
-    held: bool = False
-    seeds: dict[int, torch.Tensor] = field(default_factory=dict)
-    inputs: list[_Received] = field(default_factory=list)  # per micro-batch (SCATTER)
-    cut_recv: dict[int, list[_Received]] = field(default_factory=dict)  # a receive action each
-    grad_recv: dict[int, list[_Received]] = field(default_factory=dict)
-    args: dict[int, list[Any]] = field(default_factory=dict)
-    outs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # for the backward
-    model_outs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # for GATHER
-    rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-    sends: list[Pending] = field(default_factory=list)
-    # each send by ("F" or "B", micro-batch), so the executor can wait for it mid-step
-    # (``runtime/release.py``); the rest are waited at the step's end
-    sent: dict[tuple[str, int], Pending] = field(default_factory=dict)
-    reduced: dict[int, torch.Tensor] = field(default_factory=dict)  # share-weighted losses
-    results: dict[int, Any] = field(default_factory=dict)  # model outputs, after GATHER
-    backwards: int = 0
-    # the tail (runtime/tail.py): this replica's rows of its inputs per micro-batch, its
-    # inputs and outputs for the backward, its outputs until sent, its inputs' gradients' rows
-    tail_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    tail: tuple[list[Any], tuple[Any, ...]] | None = None
-    tail_out: dict[int, torch.Tensor] = field(default_factory=dict)
-    tail_grads: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    # micro-batches whose backward is split (the list has a W for them), and what each B
-    # keeps for its W
-    split: frozenset[int] = frozenset()
-    weight_work: dict[int, WeightWork] = field(default_factory=dict)
-    # stage -> its state, for every stage this rank runs (the main stage's is this one)
-    parts: dict[int, StepState] = field(default_factory=dict)
-
-    def finish_sends(self) -> None:
-        for p in self.sends:
-            p.wait()
-        self.sends.clear()
-        self.sent.clear()
-
-    def finish_send(self, what: str, i: int) -> None:
-        """Wait for micro-batch i's sends of ``what`` ("F": cut values, "B": gradients), if
-        still pending: their tensors are freed now rather than at the step's end."""
-        pending = self.sent.pop((what, i), None)
-        if pending is not None:
-            pending.wait()
-            self.sends.remove(pending)
-
 
 class StageRunner:
     """The per-action operations of ``module``, this rank's replica of ``stage``."""
