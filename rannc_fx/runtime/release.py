@@ -28,7 +28,7 @@ A send with no such point (the last ones of a step) is waited at the step's end,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .actions import Action, Kind
@@ -76,8 +76,8 @@ def release_points(
     ``receives[(stage, F or B, i)]``: the transfers the compute action waits for;
     ``stage_of_transfer[id(t)]``: the stage at the other end of transfer ``t`` (the receiving
     stage of a send, the sending stage of a receive)."""
-    recv_at = _receive_index(lowered, topology)
-    send_at = _send_index(lowered, topology)
+    recv_at = _index(lowered, topology, (Kind.RECV_F, Kind.RECV_B), messages_received)
+    send_at = _index(lowered, topology, (Kind.SEND_F, Kind.SEND_B), messages_sent)
     acts = lowered[lane]
     # per compute action: (rank it received from, index its sender sent it at)
     heard: list[tuple[int, dict[int, int]]] = []
@@ -129,25 +129,15 @@ def _released(p: int, a: Action, transfers: Sequence[Transfer],
     return None
 
 
-def _receive_index(lowered: Sequence[Sequence[Action]], topology: Topology
-                   ) -> dict[tuple[str, int, int, int], int]:
-    """Message label -> the index in its receiving lane's list of the action posting it."""
+def _index(lowered: Sequence[Sequence[Action]], topology: Topology, kinds: tuple[Kind, ...],
+           messages: Callable[[Action, Topology], list[tuple[int, Any]]]
+           ) -> dict[tuple[str, int, int, int], int]:
+    """Message label -> the index, in the list of the lane that posts it, of the action of
+    ``kinds`` posting it (a receive or a send, by ``messages``)."""
     out: dict[tuple[str, int, int, int], int] = {}
     for acts in lowered:
         for p, a in enumerate(acts):
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                for _, (what, src, dst, i) in messages_received(a, topology):
-                    out[(str(what), int(src), int(dst), int(i or 0))] = p
-    return out
-
-
-def _send_index(lowered: Sequence[Sequence[Action]], topology: Topology
-                ) -> dict[tuple[str, int, int, int], int]:
-    """Message label -> the index in its sending lane's list of the action posting it."""
-    out: dict[tuple[str, int, int, int], int] = {}
-    for acts in lowered:
-        for p, a in enumerate(acts):
-            if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                for _, (what, src, dst, i) in messages_sent(a, topology):
+            if a.kind in kinds:
+                for _, (what, src, dst, i) in messages(a, topology):
                     out[(str(what), int(src), int(dst), int(i or 0))] = p
     return out
