@@ -188,7 +188,7 @@ class StageExecutor:
         }
         # the sends this rank may wait for mid-step, by index of its list (runtime/release.py)
         self._release = rank_release(lowered, topology, lane, self.runners,
-                                     plan.micro_batches)
+                                     plan.micro_batches, [cv.producer for cv in plan.cut_values])
         self._step = 0
         self.trace: Recorder | None = None
         self._peers: dict[tuple[int, Kind, int | None], list[int]] = {}

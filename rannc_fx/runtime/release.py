@@ -41,23 +41,19 @@ Key = tuple[int, Kind, int]  # (stage, SEND_F or SEND_B, micro-batch)
 
 
 def rank_release(lowered: Sequence[Sequence[Action]], topology: Topology, lane: int,
-                 runners: Mapping[int, Any], micro_batches: int
+                 runners: Mapping[int, Any], micro_batches: int, producers: Sequence[int]
                  ) -> dict[int, list[tuple[int, str, int]]]:
     """Index of this rank's list (lane ``lane``'s) -> the sends (stage, "F" or "B",
     micro-batch) it waits for after that action, from its ``StageRunner``s' transfers."""
     sends: dict[Key, list[Transfer]] = {}
-    receives: dict[tuple[int, Kind, int], list[Transfer]] = {}
-    other: dict[int, int] = {}
+    receives: dict[Key, list[Transfer]] = {}
     for s, r in runners.items():
         for i in range(micro_batches):
-            for which, key, into in (("cut out", (s, Kind.SEND_F, i), sends),
-                                     ("grad out", (s, Kind.SEND_B, i), sends),
-                                     ("cut in", (s, Kind.F, i), receives),
-                                     ("grad in", (s, Kind.B, i), receives)):
-                got = r.messages_of(which, i)
-                into[key] = [t for t, _ in got]
-                other.update((id(t), st) for t, st in got)
-    points = release_points(lowered, topology, lane, sends, receives, other)
+            sends[(s, Kind.SEND_F, i)] = r.messages_of("cut out", i)
+            sends[(s, Kind.SEND_B, i)] = r.messages_of("grad out", i)
+            receives[(s, Kind.F, i)] = r.messages_of("cut in", i)
+            receives[(s, Kind.B, i)] = r.messages_of("grad in", i)
+    points = release_points(lowered, topology, lane, sends, receives, producers)
     return {p: [(s, "F" if kind is Kind.SEND_F else "B", i) for s, kind, i in keys]
             for p, keys in points.items()}
 
@@ -67,28 +63,25 @@ def release_points(
     topology: Topology,
     lane: int,
     sends: Mapping[Key, Sequence[Transfer]],
-    receives: Mapping[tuple[int, Kind, int], Sequence[Transfer]],
-    stage_of_transfer: Mapping[int, int],
+    receives: Mapping[Key, Sequence[Transfer]],
+    producers: Sequence[int],
 ) -> dict[int, list[Key]]:
     """Index of a compute action in lane ``lane``'s list -> the sends to wait for after it.
 
-    ``sends[(stage, kind, i)]``: the transfers this rank sends at that action (to other ranks);
-    ``receives[(stage, F or B, i)]``: the transfers the compute action waits for;
-    ``stage_of_transfer[id(t)]``: the stage at the other end of transfer ``t`` (the receiving
-    stage of a send, the sending stage of a receive)."""
+    ``sends[(stage, SEND_F or SEND_B, i)]``: the transfers this rank sends at that action to
+    other ranks; ``receives[(stage, F or B, i)]``: those the compute action waits for from
+    other ranks; ``producers[slot]``: the stage that makes cut value ``slot``."""
     recv_at = _index(lowered, topology, (Kind.RECV_F, Kind.RECV_B), messages_received)
     send_at = _index(lowered, topology, (Kind.SEND_F, Kind.SEND_B), messages_sent)
     acts = lowered[lane]
-    # per compute action: (rank it received from, index its sender sent it at)
+    # per compute action: rank it received from -> the index its sender sent it at
     heard: list[tuple[int, dict[int, int]]] = []
     for p, a in enumerate(acts):
         if a.kind not in (Kind.F, Kind.B) or a.microbatch is None:
             continue
         got: dict[int, int] = {}
         for t in receives.get((a.stage, a.kind, a.microbatch), ()):
-            src_stage = stage_of_transfer[id(t)]
-            q = send_at.get((("F" if a.kind is Kind.F else "B"), src_stage, a.stage,
-                             a.microbatch))
+            q = send_at.get(_label(t, producers))
             if q is not None:
                 got[t.src] = max(got.get(t.src, -1), q)
         if got:
@@ -98,24 +91,31 @@ def release_points(
         if a.kind not in (Kind.SEND_F, Kind.SEND_B) or a.microbatch is None:
             continue
         key = (a.stage, a.kind, a.microbatch)
-        when = _released(p, a, sends.get(key, ()), heard, recv_at, stage_of_transfer)
+        when = _released(p, sends.get(key, ()), heard, recv_at, producers)
         if when is not None:
             out.setdefault(when, []).append(key)
     return out
 
 
-def _released(p: int, a: Action, transfers: Sequence[Transfer],
-              heard: list[tuple[int, dict[int, int]]],
-              recv_at: Mapping[tuple[str, int, int, int], int],
-              stage_of_transfer: Mapping[int, int]) -> int | None:
+def _label(t: Transfer, producers: Sequence[int]) -> tuple[str, int, int, int]:
+    """The lowering's label of the message ``t`` is part of: (what, from stage, to stage,
+    micro-batch); a cut value goes from its producer to ``t.stage``, its gradient back."""
+    made = producers[t.slot]
+    if t.kind == "cut":
+        return ("F", made, t.stage, t.microbatch)
+    return ("B", t.stage, made, t.microbatch)
+
+
+def _released(p: int, transfers: Sequence[Transfer], heard: list[tuple[int, dict[int, int]]],
+              recv_at: Mapping[tuple[str, int, int, int], int], producers: Sequence[int]
+              ) -> int | None:
     """The first compute action after ``p`` by which every receiver has posted its receive
     (None: none in this list)."""
     if not transfers:
         return None
-    what = "F" if a.kind is Kind.SEND_F else "B"
     need: dict[int, int] = {}  # receiving rank -> the index of its receive
     for t in transfers:
-        r = recv_at.get((what, a.stage, stage_of_transfer[id(t)], a.microbatch or 0))
+        r = recv_at.get(_label(t, producers))
         if r is None:
             return None
         need[t.dst] = max(need.get(t.dst, -1), r)

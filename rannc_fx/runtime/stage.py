@@ -113,14 +113,10 @@ class StageRunner:
             self._picked[key] = got
         return got
 
-    def messages_of(self, which: str, i: int) -> list[tuple[Transfer, int]]:
+    def messages_of(self, which: str, i: int) -> list[Transfer]:
         """Micro-batch i's transfers ``which`` ("cut out", "grad out", "cut in", "grad in")
-        that travel between ranks, each with the stage at the other end."""
-        cut = which.startswith("cut")
-        out = which.endswith("out")
-        return [(t, (t.stage if out else self._producer[t.slot]) if cut
-                 else (self._producer[t.slot] if out else t.stage))
-                for t in self._mine(which, i) if not t.local]
+        that travel between ranks (not copied within the rank)."""
+        return [t for t in self._mine(which, i) if not t.local]
 
     def _sends(self, t: Transfer) -> bool:
         """This replica of this stage sends ``t`` (a cut value, or a cut value's gradient)."""
