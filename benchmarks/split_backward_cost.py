@@ -132,7 +132,7 @@ def main() -> None:
     shapes = [(arch, d, layers, batch, seq) for arch in args.arch for d in (128, 256, 512)
               for layers in (2, 4) for batch, seq in ((2, 32), (4, 64), (8, 128))]
     rows = [measure(*s, rounds=args.rounds) for s in shapes]
-    print("| layers | d | count | tokens | graph nodes | autograd nodes | backward ms | B + W ms "
+    print("| layer kind | d | layers | tokens | graph nodes | autograd nodes | backward ms | B + W ms "
           "| overhead ms | simulator charges ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
           "---:|")
     for r in rows:
