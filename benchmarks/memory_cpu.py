@@ -25,6 +25,10 @@ Run with torchrun (gloo, one thread per rank):
 recomputation fits (below the least largest-stage memory such plans need), the search then
 picks its plan; training with it, every rank's peak (static bytes + the measured step memory)
 must stay within the budget.
+
+``--mode zero``: ``--replicas`` forced, 1F1B, ``Config(zero=0)`` then ``zero=1``; per rank the
+parameter, gradient (after a step's backwards) and optimizer-state bytes it holds, counted
+off its tensors, against the plan's, and the step's heap peak as above.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import gc
 import sys
 import threading
 import time
@@ -56,9 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--mode", choices=("schedules", "budget"), default="schedules",
+    p.add_argument("--mode", choices=("schedules", "budget", "zero"), default="schedules",
                    help="schedules: forced split, each schedule x recomputation; budget: a "
-                   "budget no GPipe plan without recomputation fits (default: schedules)")
+                   "budget no GPipe plan without recomputation fits; zero: --replicas with "
+                   "the optimizer state unsharded and sharded (default: schedules)")
+    p.add_argument("--replicas", type=int, nargs="+", default=None,
+                   help="zero: replica counts of the stages (default: 2 stages, the world "
+                   "halved)")
     add_model_args(p)
     p.add_argument("--micro-batches", type=int, default=4,
                    help="schedules: micro-batches (default: 4)")
@@ -164,6 +173,7 @@ def measure(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: t
     saved, heap = [], []
     for k in range(2 * steps):
         hooks = SavedBytes(excluded)
+        gc.collect()  # garbage of earlier steps (pytree's cycles) is not freed during this one
         dist.barrier()
         if k % 2 == 0:
             with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
@@ -233,7 +243,14 @@ def main(argv: list[str] | None = None) -> None:
     ids, labels = make_batch(args.vocab, args.batch, args.seq)
     common = dict(profile_cache_dir=None, leaf_modules=("Block",))
     rows: list[str] = []
-    if args.mode == "schedules":
+    if args.mode == "zero":
+        reps = tuple(args.replicas or (world // 2, world - world // 2))
+        for level in (0, 1):
+            cfg = Config(replicas=reps, micro_batches=args.micro_batches, schedule="1f1b",
+                         zero=level, **common)
+            rows.append(_zero_row(f"zero={level}", *_held(base, cfg, ids, labels, args.steps)))
+        _print_zero(rows)
+    elif args.mode == "schedules":
         for schedule in args.schedules:
             for recompute in (False, True):
                 cfg = Config(replicas=(1,) * world, micro_batches=args.micro_batches,
@@ -268,6 +285,58 @@ def main(argv: list[str] | None = None) -> None:
         print(f"- command: torchrun --nproc-per-node {world} benchmarks/memory_cpu.py "
               + " ".join(sys.argv[1:]))
     dist.destroy_process_group()
+
+
+def _held(base: GPT, cfg: Config, ids: torch.Tensor, labels: torch.Tensor, steps: int
+          ) -> tuple[Any, dict[str, float]]:
+    """The plan, the step's peaks, and the bytes of parameters, gradients and Adam state this
+    rank holds (the gradients after a step's backwards)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = ids.shape[0] // world
+    mine = slice(rank * local, (rank + 1) * local)
+    model = copy.deepcopy(base)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    cm = rannc_fx.compile(model, opt, cfg)
+    got: dict[str, float] = {}
+    for _ in range(2):  # plan, then a warm step (the optimizer state exists after it)
+        cm(ids[mine], labels[mine]).backward()
+        held = list(dict.fromkeys(p for st in cm.stages for p in st.parameters()))
+        got["params"] = sum(p.numel() * p.element_size() for p in held)
+        got["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in held
+                           if p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+    got["state"] = sum(v.numel() * v.element_size() for p in opt.state
+                       for v in opt.state[p].values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0)  # not Adam's step count
+    got.update(measure(cm, opt, ids[mine], labels[mine], steps))
+    return cm.plan, got
+
+
+def _zero_row(name: str, plan: Any, got: dict[str, float]) -> str:
+    held = plan.stages_of_rank(dist.get_rank())
+    mem = {k: sum(getattr(st.memory, f) for st in held)
+           for k, f in (("params", "params"), ("grads", "grads"), ("state", "optimizer_state"))}
+    step_pred = sum(st.memory.total - st.memory.params - st.memory.optimizer_state
+                    for st in held)
+    cells = " | ".join(f"{mem[k] / MiB:.2f} / {got[k] / MiB:.2f} "
+                       f"({100 * (mem[k] - got[k]) / got[k]:+.1f}%)"
+                       for k in ("params", "grads", "state"))
+    return (f"| {name} | {dist.get_rank()} | {'+'.join(str(st.index) for st in held)} | "
+            f"{held[0].replicas} | {held[0].zero} | {cells} | {step_pred / MiB:.2f} / "
+            f"{got['heap'] / MiB:.2f} ({100 * (step_pred - got['heap']) / got['heap']:+.1f}%) |")
+
+
+def _print_zero(rows: list[str]) -> None:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        print("| variant | rank | stage | replicas | zero | params MiB predicted / measured | "
+              "grads | optimizer state | step heap peak |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for i in range(len(rows)):
+            for r in everyone:
+                print(r[i])
 
 
 def _gpipe_need(base: GPT, ids: torch.Tensor, labels: torch.Tensor, world: int,

@@ -3,9 +3,10 @@
     python examples/train.py                         # one process
     torchrun --nproc-per-node 2 examples/train.py    # rannc_fx splits it over 2 ranks
 
-By default each device is taken to hold only 28 MiB (``--device-memory-mib``), less than this
-model needs on one rank with Adam even with one micro-batch in flight, so that on 2 ranks the
-plan must pipeline it rather than replicate it; pass ``--device-memory-mib 0`` for the
+By default each device is taken to hold only 24 MiB (``--device-memory-mib``), less than this
+model needs on one rank with Adam even with one micro-batch in flight, and less than two
+replicas need even with the Adam state sharded between them, so that on 2 ranks the plan
+must pipeline it; pass ``--device-memory-mib 0`` for the
 device's real size.
 
 The line marked below is the only change a single-device script needs: ``rannc_fx.compile``
@@ -69,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=128, help="hidden size")
     p.add_argument("--seq", type=int, default=64, help="tokens per sample")
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
-    p.add_argument("--device-memory-mib", type=int, default=28,
+    p.add_argument("--device-memory-mib", type=int, default=24,
                    help="memory per device the plan must fit (0: the device's real size)")
     p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=5,

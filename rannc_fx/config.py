@@ -53,6 +53,13 @@ class Config(BaseModel):
         description="activation recomputation: None = searched per stage, True = every stage, "
         "False = none",
     )
+    zero: Literal[0, 1] | None = Field(
+        default=None,
+        description="ZeRO level inside each stage's replicas: None = searched per stage (1 "
+        "only where a stage does not fit without it, or where it shortens the step); 0 = "
+        "none; 1 = every stage with more than one replica shards its optimizer state over "
+        "them (runtime/zero.py)",
+    )
 
     # -- placement -------------------------------------------------------------------------
     device: str | None = Field(

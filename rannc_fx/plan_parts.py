@@ -88,6 +88,8 @@ class Stage(BaseModel):
     optimizer_ms: float = 0.0
     accumulate_ms: float = 0.0  # adding one micro-batch's gradients into .grad
     recompute: bool = False  # forward again before each backward (fwd_ms more per micro-batch)
+    zero: int = Field(default=0, ge=0, le=1)  # 1: optimizer state sharded over the replicas
+    gather_ms: float = 0.0  # zero = 1: all-gathering the stepped parameters after the step
     memory: MemoryEstimate
 
     @property

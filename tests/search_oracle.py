@@ -2,8 +2,10 @@
 
 Plain Python: loops over blocks, no numpy, nothing from the search but its dataclasses.
 ``stage_figures`` is the cost model of ``rannc_fx/passes/search/model.py``'s docstring written
-out again. ``brute_force`` enumerates every plan (micro-batch count, stage boundaries,
-replicas, schedule and each stage's recomputation: all 2^S choices); ``pareto`` keeps
+out again. A stage's recomputation and ZeRO-1 follow the stated policy (``variant``): the
+first of (plain, sharded, recomputing, both) that fits, an unsharded one passed over where its
+sharded twin's u is smaller. ``brute_force`` enumerates every plan (micro-batch count, stage
+boundaries, replicas, schedule; each stage's variant by the policy); ``pareto`` keeps
 (sum t, max u) labels per DP state, per total stage count under 1F1B so that a stage's
 position from the end is known; ``least_largest_stage`` is the least largest-stage memory
 over every plan (what ``NoFeasiblePlan.largest_stage_bytes`` reports).
@@ -18,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rannc_fx.passes.search import CostTable, SearchSpace, StageChoice
 
@@ -47,14 +49,18 @@ class Figures:
     overlap: float
     in_flight: int
     recompute: bool
+    zero: bool
+    gather_s: float
     t: float
     u: float
     memory: float
 
 
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
-                  recompute: bool) -> Figures:
-    """Blocks [i, j) on r replicas, m micro-batches, n of them in flight."""
+                  recompute: bool, zero: bool = False) -> Figures:
+    """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``zero``: the
+    optimizer state sharded over the r replicas (one replica: no effect)."""
+    zero = zero and r > 1
     B, G = table.num_blocks, space.global_batch
     q = -(-G // (m * r))
     k = [int(x) for x in table.sizes].index(q)
@@ -74,12 +80,16 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
     opt = 0.0 if table.optimizer_s is None else float(table.optimizer_s[i][j])
     acc = 0.0 if table.accumulate_s is None else float(table.accumulate_s[i][j])
-    u = (m - 1) * (t + acc) + ar + opt
+    ag = 0.0
+    if zero:  # each replica steps 1 / r of the parameters, then they all-gather them
+        opt = opt / r
+        ag = (r - 1) / r * grad / ar_bw + (r - 1) * space.link_latency
+    u = (m - 1) * (t + acc) + ar + ag + opt
     activations = A if recompute else n * A
     # recomputing, a micro-batch in flight keeps its inputs; its outputs went on and R
     # makes them again, for one micro-batch at a time
     buffers = n * cin + cout if recompute else n * (cin + cout)
-    state = grad * space.optimizer_state_factor
+    state = grad * space.optimizer_state_factor / (r if zero else 1)
     # every micro-batch's batched model outputs until they go home, and the local batch's
     outputs = space.output_bytes
     if table.out is not None:
@@ -100,9 +110,37 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         # way to the gradients; second: one input fewer, activations and gradients side by side
         peak = max(m * cin + cout + max(A, grad), (m - 1) * cin + cout + A + grad)
     overlap = grad + activations + buffers - peak
+    # after the backwards the all-reduce copies a bucket of the gradients beside them
+    copy = min(grad, space.reduce_bucket) if r > 1 else 0.0
+    ws = max(ws, grad + copy - peak)
     return Figures(q, F, Bw, F if recompute else 0.0, comm, ar, opt, acc, param, grad, state,
-                   activations, buffers, ws, outputs, overlap, n, recompute, t, u,
+                   activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, t, u,
                    param + state + peak + ws + outputs)
+
+
+CHAIN = ((False, False), (False, True), (True, False), (True, True))
+
+
+def allowed(space: SearchSpace) -> list[tuple[bool, bool]]:
+    return [(rho, zeta) for rho, zeta in CHAIN
+            if space.recompute in (None, rho) and space.zero in (None, zeta)]
+
+
+def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
+            budget: float | None = None) -> Figures | None:
+    """The stage as the policy runs it: its first allowed variant that fits (``budget``, the
+    space's if None), passing over an unsharded one whose sharded twin is allowed and has a
+    smaller u; None if none fits."""
+    budget = space.memory_budget if budget is None else budget
+    ok = allowed(space)
+    for rho, zeta in ok:
+        f = stage_figures(table, space, i, j, r, m, n, rho, zeta)
+        if not zeta and (rho, True) in ok and \
+                stage_figures(table, space, i, j, r, m, n, rho, True).u < f.u:
+            continue
+        if f.memory <= budget:
+            return f
+    return None
 
 
 def in_flight(schedule: str, m: int, d: int) -> int:
@@ -128,7 +166,7 @@ def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice
     """The step time and each stage's figures of a plan."""
     S = len(stages)
     figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
-                          in_flight(schedule, m, S - s), st.recompute)
+                          in_flight(schedule, m, S - s), st.recompute, st.zero)
             for s, st in enumerate(stages)]
     return sum(f.t for f in figs) + max(f.u for f in figs), figs
 
@@ -150,14 +188,6 @@ class Verdict:
     loose: Best | None = None
     plain_fits: bool = False
 
-    def offer(self, step: float, mem: float, budget: float, plan: Best, plain: bool) -> None:
-        if mem <= budget * (1 + SLACK):
-            if self.loose is None or step < self.loose.step:
-                self.loose = plan
-            self.plain_fits |= plain
-            if mem <= budget * (1 - SLACK) and (self.strict is None or step < self.strict.step):
-                self.strict = plan
-
 
 def stage_counts(space: SearchSpace, B: int) -> list[int]:
     if space.replicas is not None:
@@ -165,12 +195,6 @@ def stage_counts(space: SearchSpace, B: int) -> list[int]:
     if space.stages is not None:
         return [space.stages]
     return list(range(1, min(B, space.world_size) + 1))
-
-
-def _rho_choices(space: SearchSpace, S: int) -> list[tuple[bool, ...]]:
-    if space.recompute is None:
-        return list(itertools.product((False, True), repeat=S))
-    return [(space.recompute,) * S]
 
 
 def plans(table: CostTable, space: SearchSpace
@@ -189,47 +213,52 @@ def plans(table: CostTable, space: SearchSpace
 
 
 def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
-    """Every plan of the space (tiny inputs)."""
-    budget = space.memory_budget
-    memo: dict[tuple[int, int, int, int, int, bool], Figures] = {}
-
-    def fig(i: int, j: int, r: int, m: int, n: int, rho: bool) -> Figures:
-        key = (i, j, r, m, n, rho)
-        if key not in memo:
-            memo[key] = stage_figures(table, space, i, j, r, m, n, rho)
-        return memo[key]
-
+    """Every plan of the space (tiny inputs), each stage at the policy's variant: the optimum
+    within the strict budget and within the loose one (the policy decided at each)."""
     out = Verdict()
+    plain_space = replace(space, recompute=False, zero=False)
     for m, bounds, reps in plans(table, space):
         S = len(reps)
-        # the space's choices, and plain GPipe to tell whether one fits
-        plain = ("gpipe", (False,) * S)
-        choices = [(sc, rhos) for sc in space.schedules for rhos in _rho_choices(space, S)]
-        for schedule, rhos in choices + ([plain] * (plain not in choices)):
-            figs = [fig(bounds[s], bounds[s + 1], reps[s], m, in_flight(schedule, m, S - s),
-                        rhos[s]) for s in range(S)]
-            step = sum(f.t for f in figs) + max(f.u for f in figs)
-            mem = max(f.memory for f in figs)
-            if (schedule, rhos) not in choices:
-                out.plain_fits |= mem <= budget * (1 + SLACK)
-                continue
-            stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s], rhos[s])
-                           for s in range(S))
-            out.offer(step, mem, budget, Best(step, m, schedule, stages),
-                      (schedule, rhos) == plain)
+        # plain GPipe, to tell whether one fits
+        plain = [stage_figures(table, plain_space, bounds[s], bounds[s + 1], reps[s], m, m,
+                               False) for s in range(S)]
+        out.plain_fits |= max(f.memory for f in plain) <= space.memory_budget * (1 + SLACK)
+    for side in ("strict", "loose"):
+        budget = space.memory_budget * (1 - SLACK if side == "strict" else 1 + SLACK)
+        memo: dict[tuple[int, int, int, int, int], Figures | None] = {}
+        best: Best | None = None
+        for m, bounds, reps in plans(table, space):
+            S = len(reps)
+            for schedule in space.schedules:
+                got = []
+                for s in range(S):
+                    key = (bounds[s], bounds[s + 1], reps[s], m, in_flight(schedule, m, S - s))
+                    if key not in memo:
+                        memo[key] = variant(table, space, *key, budget)
+                    got.append(memo[key])
+                figs = [f for f in got if f is not None]
+                if len(figs) < S:
+                    continue
+                step = sum(f.t for f in figs) + max(f.u for f in figs)
+                if best is None or step < best.step:
+                    stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s],
+                                               figs[s].recompute, figs[s].zero)
+                                   for s in range(S))
+                    best = Best(step, m, schedule, stages)
+        setattr(out, side, best)
     return out
 
 
 def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
     """The least largest-stage memory over the space's plans, by enumeration (oracle figures)."""
     best = math.inf
-    rhos = (False, True) if space.recompute is None else (space.recompute,)
     memo: dict[tuple[int, int, int, int, int], float] = {}
 
     def least(i: int, j: int, r: int, m: int, n: int) -> float:
         if (i, j, r, m, n) not in memo:
-            memo[i, j, r, m, n] = min(stage_figures(table, space, i, j, r, m, n, rho).memory
-                                      for rho in rhos)
+            memo[i, j, r, m, n] = min(
+                stage_figures(table, space, i, j, r, m, n, rho, zeta).memory
+                for rho, zeta in allowed(space))
         return memo[i, j, r, m, n]
 
     for m, bounds, reps in plans(table, space):
@@ -258,11 +287,10 @@ def _front(new: list[Label]) -> list[Label]:
 def pareto(table: CostTable, space: SearchSpace) -> Best | None:
     """Exact optimum by labels (sum of t, max of u) per (block, ranks, stages so far), for
     each m, schedule and -- under 1F1B or when forced -- total stage count S, so that a stage's
-    position from the end is known; each recomputation choice is a label of its own. No
-    pruning beyond dominance."""
-    B, W, G, budget = table.num_blocks, space.world_size, space.global_batch, space.memory_budget
-    rhos = (False, True) if space.recompute is None else (space.recompute,)
-    memo: dict[tuple[int, int, int, int, int, bool], Figures] = {}
+    position from the end is known; each stage at the policy's variant. No pruning beyond
+    dominance."""
+    B, W, G = table.num_blocks, space.world_size, space.global_batch
+    memo: dict[tuple[int, int, int, int, int], Figures | None] = {}
     best: Best | None = None
 
     def extend(labels: dict[tuple[int, int, int], list[Label]], j: int, used: int, s: int,
@@ -275,14 +303,13 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
                 prev = labels.get((i, used - r, max(s - 1, 0)))
                 if r > used or m * r > G or not prev:
                     continue
-                for rho in rhos:
-                    key = (i, j, r, m, n, rho)
-                    if key not in memo:
-                        memo[key] = stage_figures(table, space, i, j, r, m, n, rho)
-                    f = memo[key]
-                    if f.memory <= budget:
-                        st = StageChoice(i, j, r, rho)
-                        new += [(a + f.t, max(b, f.u), (*p, st)) for a, b, p in prev]
+                key = (i, j, r, m, n)
+                if key not in memo:
+                    memo[key] = variant(table, space, i, j, r, m, n)
+                f = memo[key]
+                if f is not None:
+                    st = StageChoice(i, j, r, f.recompute, f.zero)
+                    new += [(a + f.t, max(b, f.u), (*p, st)) for a, b, p in prev]
         return _front(new)
 
     for m, schedule in itertools.product(sorted(set(space.micro_batches)), space.schedules):

@@ -73,9 +73,10 @@ def _train_module():  # type: ignore[no-untyped-def]
 
 
 def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
-    """README: with its default 28 MiB per device the main job's model fits no single rank
-    with Adam even with one micro-batch in flight, and on 2 ranks the search (nothing forced)
-    picks two stages, 1F1B, 8 micro-batches, the tied embedding on both. Planned here with
+    """README: with its default 24 MiB per device the main job's model fits no single rank
+    with Adam even with one micro-batch in flight, nor two replicas with the Adam state
+    sharded between them, and on 2 ranks the search (nothing forced) picks two stages, 1F1B,
+    16 micro-batches, the tied embedding on both. Planned here with
     the script's own options and model, costed analytically (the same on any machine; the
     job measures its costs and printed the same plan on this one)."""
     import torch
@@ -88,7 +89,7 @@ def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
     args = train.parse_args()
     cfg = train.config(args).model_copy(update={"cost_model": "analytic", "profile_cache_dir": None,
                                                  "profile_repeats": 1})
-    assert cfg.device_memory == 28 * 2**20 and cfg.stages is None and cfg.micro_batches is None
+    assert cfg.device_memory == 24 * 2**20 and cfg.stages is None and cfg.micro_batches is None
     model = TransformerLM(args.vocab, args.d_model, layers=args.layers, seq=args.seq)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     ids = torch.zeros(2 * args.batch, args.seq, dtype=torch.long)  # 2 ranks' local batches
@@ -100,12 +101,14 @@ def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
 
     chosen = plan(2)
     assert [st.replicas for st in chosen.stages] == [1, 1]
-    assert chosen.schedule == "1f1b" and chosen.micro_batches == 8
+    assert chosen.schedule == "1f1b" and chosen.micro_batches == 16
     assert [sp.name for sp in chosen.shared_params] == ["embed.weight"]
     assert all(st.memory.total <= chosen.memory_budget for st in chosen.stages)
     # one rank, one micro-batch in flight (1F1B on one stage), recomputing: still too big
     with pytest.raises(ValueError, match=r"no plan fits 1 device"):
         plan(1, micro_batches=2 * args.batch, schedule="1f1b", recompute=True)
-    # and the model replicated on both ranks does not fit either
+    # and the model replicated on both ranks does not fit either, sharded or not
     with pytest.raises(ValueError, match=r"no plan fits 2 devices"):
         plan(2, stages=1)
+    with pytest.raises(ValueError, match=r"no plan fits 2 devices"):
+        plan(2, stages=1, zero=1)

@@ -205,10 +205,12 @@ def test_1f1b_needs_one_scalar_loss():
 
 
 def _plan_in(mib: float, **options) -> Plan:
-    """The 4-layer LM on 2 ranks of ``mib`` MiB each, analytic costs (the same on any machine)."""
+    """The 4-layer LM on 2 ranks of ``mib`` MiB each, analytic costs (the same on any machine);
+    the optimizer state unsharded unless ``zero`` is given (the tests below are about the
+    budget's other ways out)."""
     model, args, kwargs = gpt_example(layers=4)
     cfg = CFG.model_copy(update={"device_memory": int(mib * 2**20), "cost_model": "analytic",
-                                 **options})
+                                 "zero": 0, **options})
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
 
 
@@ -227,13 +229,37 @@ def test_memory_margin_is_kept_free_of_the_plan():
     assert f"memory budget {4.2:.1f} MiB" in kept.summary()
 
 
+def test_the_search_shards_the_optimizer_state_where_that_beats_pipelining():
+    """At 4.2 MiB two unsharded replicas of the whole model fit with no micro-batch count: the
+    plan pipelines 2 stages. With the Adam state halved (ZeRO-1, searched) the two replicas fit
+    with one micro-batch, and the step is shorter for it."""
+    plain = _plan_in(6, memory_margin=0.3)
+    assert [st.replicas for st in plain.stages] == [1, 1]
+    with pytest.raises(ValueError, match="no plan fits"):
+        _plan_in(6, memory_margin=0.3, stages=1)
+    sharded = _plan_in(6, memory_margin=0.3, zero=None)
+    assert [st.replicas for st in sharded.stages] == [2] and sharded.micro_batches == 1
+    st = sharded.stages[0]
+    assert st.zero == 1 and st.memory.total <= sharded.memory_budget
+    # fp32 Adam keeps 2 bytes of state per parameter byte: each replica half of it
+    assert st.memory.optimizer_state == st.memory.params
+    whole = _plan_in(7, memory_margin=0.3, stages=1, micro_batches=1, zero=None)
+    assert whole.stages[0].zero == 0  # where it fits unsharded, sharding only costs time
+    assert st.gather_ms > 0
+    assert st.optimizer_ms == pytest.approx(whole.stages[0].optimizer_ms / 2)
+    assert sharded.predicted_step_ms < plain.predicted_step_ms
+    head, _, row = sharded.summary().splitlines()[1:4]
+    end = head.index(" zero") + len(" zero")  # the columns are right-aligned
+    assert row[:end].split()[-1] == "1"
+
+
 def test_max_micro_batches_bounds_the_searched_count():
-    """With 4.2 MiB the search picks 4 micro-batches on one stage; allowed at most 2 (or 3:
+    """With 4.48 MiB the search picks 4 micro-batches on one stage; allowed at most 2 (or 3:
     1 and 2 are the counts up to 3 it tries for a batch of 8), it pipelines 2 stages instead."""
-    free = _plan_in(6, memory_margin=0.3)
+    free = _plan_in(6.4, memory_margin=0.3)
     assert free.micro_batches == 4 and len(free.stages) == 1
     for most in (2, 3):
-        bounded = _plan_in(6, memory_margin=0.3, max_micro_batches=most)
+        bounded = _plan_in(6.4, memory_margin=0.3, max_micro_batches=most)
         assert bounded.micro_batches == 2, most
         assert [st.replicas for st in bounded.stages] == [1, 1]
         assert all(st.memory.total <= bounded.memory_budget for st in bounded.stages)

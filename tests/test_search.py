@@ -112,11 +112,12 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
         replicas = tuple(int(b - a) for a, b in zip([0, *cuts], [*cuts, W], strict=True))
     schedules = [("gpipe", "1f1b"), ("gpipe",), ("1f1b",)][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     recompute = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
+    zero = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     space = SearchSpace(world_size=W, global_batch=G, memory_budget=1.0,
                         link_bandwidth=float(rng.uniform(0.5, 5)),
                         optimizer_state_factor=float(rng.choice([0.0, 0.5, 2.0])),
                         micro_batches=mbs, stages=stages, replicas=replicas,
-                        schedules=schedules, recompute=recompute)
+                        schedules=schedules, recompute=recompute, zero=zero)
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     table = dataclasses.replace(table, act=table.act * 3)  # activations that matter
     budget = rng.uniform(0.3, 2.0) * (table.param_bytes[0, B] * 3 + table.act.sum() / 2 + 2)
@@ -148,7 +149,7 @@ def outcome(fn, table: CostTable, space: SearchSpace) -> SearchResult | None:
 
 
 _TIMES = ("fwd_s", "bwd_s", "recompute_s", "comm_s", "allreduce_s", "optimizer_s",
-          "accumulate_s")
+          "accumulate_s", "gather_s")
 _BYTES = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "workspace",
           "outputs", "overlap")
 
@@ -167,24 +168,30 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert tuple(s.replicas for s in st) == space.replicas
     if space.recompute is not None:
         assert all(s.recompute == space.recompute for s in st)
+    if space.zero is not None:
+        assert all(s.zero == (space.zero and s.replicas > 1) for s in st)
     assert res.schedule in space.schedules
     assert res.evaluation.fits
     step, figs = plan_figures(table, space, st, m, res.schedule)
     assert res.evaluation.step_s == pytest.approx(step, rel=1e-9, abs=1e-12)
     for c, f in zip(res.evaluation.stages, figs, strict=True):
-        assert (c.samples, c.in_flight, c.recompute) == (f.samples, f.in_flight, f.recompute)
+        assert (c.samples, c.in_flight, c.recompute, c.zero) == (
+            f.samples, f.in_flight, f.recompute, f.zero)
         for name in _TIMES:
             assert getattr(c, name) == pytest.approx(getattr(f, name), rel=1e-9, abs=1e-12)
         for name in _BYTES:  # StageCost rounds each part to whole bytes
             assert abs(getattr(c, name) - getattr(f, name)) <= 0.5 + 1e-9 * abs(getattr(f, name))
         assert c.time_s == pytest.approx(f.t, rel=1e-9, abs=1e-12)
         assert f.memory <= space.memory_budget * (1 + SLACK)
-    if space.recompute is None:  # a stage recomputes only where it does not fit without
-        for s, f in zip(st, figs, strict=True):
-            if s.recompute:
-                plain = stage_figures(table, space, s.start, s.end, s.replicas, m, f.in_flight,
-                                      False)
-                assert plain.memory > space.memory_budget * (1 - SLACK)
+    for s, f in zip(st, figs, strict=True):  # the policy: a variant only where needed
+        args = (table, space, s.start, s.end, s.replicas, m, f.in_flight)
+        if s.recompute and space.recompute is None:  # no unsharded variant fits
+            for zeta in {False, s.zero} if space.zero is None else {bool(space.zero)}:
+                assert stage_figures(*args, False, zeta).memory > \
+                    space.memory_budget * (1 - SLACK)
+        if s.zero and space.zero is None:  # its twin does not fit or has more u
+            twin = stage_figures(*args, s.recompute, False)
+            assert twin.memory > space.memory_budget * (1 - SLACK) or twin.u > f.u
     assert evaluate(table, space, st, m, res.schedule) == res.evaluation
 
 
@@ -216,7 +223,7 @@ def compare_pareto(table: CostTable, space: SearchSpace) -> SearchResult | None:
 def test_matches_brute_force_small(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seen = {"none fits": 0, "plain fits": 0, "needs recompute or 1f1b": 0, "1f1b": 0,
-            "recompute": 0}
+            "recompute": 0, "zero": 0, "zero and recompute": 0}
     for _ in range(150):
         got, want = compare(*random_case(rng, 6, 5, tight=0.5))
         if got is None:
@@ -225,10 +232,13 @@ def test_matches_brute_force_small(seed: int) -> None:
         seen["plain fits" if want.plain_fits else "needs recompute or 1f1b"] += 1
         seen["1f1b"] += got.schedule == "1f1b"
         seen["recompute"] += any(s.recompute for s in got.stages)
+        seen["zero"] += any(s.zero for s in got.stages)
+        seen["zero and recompute"] += any(s.zero and s.recompute for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
     assert 20 < seen["none fits"] < 100 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
+    assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -331,7 +341,7 @@ def test_evaluate_by_hand() -> None:
     # 3 blocks, 2 sizes; the plan is [0, 2) on 1 replica and [2, 3) on 2, with m = 2
     # and global batch 8: stage 0 has 4 samples per replica (size index 1), stage 1 has 2.
     table = by_hand_table()
-    space = SearchSpace(world_size=3, global_batch=8, memory_budget=1000, link_bandwidth=2.0,
+    space = SearchSpace(world_size=3, global_batch=8, memory_budget=1100, link_bandwidth=2.0,
                         optimizer_state_factor=2.0, micro_batches=(2,))
     ev = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2)
     s0, s1 = ev.stages
@@ -340,9 +350,15 @@ def test_evaluate_by_hand() -> None:
     assert (s0.activations, s0.comm_buffers, s0.workspace, s0.in_flight) == (120, 8, 9, 2)
     assert (s1.samples, s1.fwd_s, s1.bwd_s, s1.comm_s, s1.allreduce_s) == (2, 3, 6, 2, 100)
     # the gradients (200) appear as the first backward frees one micro-batch's activations
-    # (30): the peak holds 2 x 2 cut bytes + max(60, 30 + 200); overlap 200 + 60 + 4 - 234
-    assert (s1.activations, s1.comm_buffers, s1.workspace, s1.overlap) == (60, 4, 1, 30)
-    assert s1.memory == 250 + 200 + 400 + 60 + 4 + 1 - 30 == 885
+    # (30): the peak holds 2 x 2 cut bytes + max(60, 30 + 200); overlap 200 + 60 + 4 - 234.
+    # After the backwards the all-reduce of its 2 replicas copies the 200 gradient bytes (one
+    # bucket): 400 against the backward's 234 + workspace 1, so the transient is 400 - 234
+    assert (s1.activations, s1.comm_buffers, s1.workspace, s1.overlap) == (60, 4, 166, 30)
+    assert s1.memory == 250 + 200 + 400 + 60 + 4 + 166 - 30 == 1050
+    # buckets of 50 bytes: 250 against 235
+    small = evaluate(table, dataclasses.replace(space, reduce_bucket=50),
+                     (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).stages[1]
+    assert (small.workspace, small.memory) == (16, 900)
     # t = 22 and 11; step = 33 + max(1 * 22 + 0, 1 * 11 + 100)
     assert ev.step_s == 33 + 111
     assert ev.fits and s0.memory == 737 - 60  # overlap 150 + 120 + 8 - (8 + max(120, 60 + 150))
@@ -363,7 +379,7 @@ def test_evaluate_by_hand() -> None:
     ev = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2)
     assert [c.accumulate_s for c in ev.stages] == [15, 20]
     assert ev.step_s == 35 + max(23 + 15 + 3.5, 12 + 20 + 201 + 3)
-    assert not evaluate(table, dataclasses.replace(space, memory_budget=884),
+    assert not evaluate(table, dataclasses.replace(space, memory_budget=1049),
                         (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).fits
     with pytest.raises(ValueError, match="replicas sum"):
         evaluate(table, space, (StageChoice(0, 3, 2),), 2)
@@ -375,8 +391,10 @@ def test_evaluate_by_hand() -> None:
 
 def test_evaluate_recompute_and_1f1b_by_hand() -> None:
     table = by_hand_table()
+    # one-byte all-reduce buckets: the copy stays below the backward's peak (the transient
+    # itself: test_evaluate_by_hand)
     space = SearchSpace(world_size=3, global_batch=8, memory_budget=1000, link_bandwidth=2.0,
-                        optimizer_state_factor=2.0, micro_batches=(2,))
+                        optimizer_state_factor=2.0, micro_batches=(2,), reduce_bucket=1)
     plan = (StageChoice(0, 2, 1, recompute=True), StageChoice(2, 3, 2))
     ev = evaluate(table, space, plan, 2)
     s0, s1 = ev.stages
@@ -415,7 +433,8 @@ def test_evaluate_model_outputs_by_hand() -> None:
     out[:, 2] = table.sizes * 5.0  # 5 bytes per sample
     table = dataclasses.replace(table, out=out)
     space = SearchSpace(world_size=3, global_batch=8, memory_budget=1000, link_bandwidth=2.0,
-                        optimizer_state_factor=2.0, micro_batches=(2,), output_bytes=7.0)
+                        optimizer_state_factor=2.0, micro_batches=(2,), output_bytes=7.0,
+                        reduce_bucket=1)  # as above
     plan = (StageChoice(0, 2, 1), StageChoice(2, 3, 2))
     for schedule in ("gpipe", "1f1b"):
         s0, s1 = evaluate(table, space, plan, 2, schedule).stages
@@ -568,7 +587,8 @@ def test_smallest_world_size_is_exact_for_monotone_tables(seed: int) -> None:
         space = SearchSpace(world_size=W, global_batch=G, memory_budget=1.0, link_bandwidth=1.0,
                             micro_batches=(1, 2, 4), schedules=[("gpipe", "1f1b"), ("gpipe",),
                                                                 ("1f1b",)][k % 3],
-                            recompute=[None, False][k % 2])
+                            recompute=[None, False][k % 2],
+                            zero=False)  # sharding: more replicas, less memory (a hint only)
         table = random_table(rng, B, tuple(range(1, G + 1)), monotone=True)
         static = max(table.param_bytes[b, b + 1] + 3 * table.grad_bytes[b, b + 1] for b in range(B))
         budget = float(static + rng.uniform(0.5, 3) * table.act.max())

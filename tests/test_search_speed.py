@@ -211,7 +211,7 @@ def test_stages_that_fit_nowhere_are_never_edges() -> None:
     for m in (1, 2, 4):
         a, b = c.gpipe(m), every.gpipe(m)
         assert a is not None and b is not None
-        for f in ("start", "end", "reps", "t", "u", "mem", "rho"):
+        for f in ("start", "end", "reps", "t", "u", "mem", "kind"):
             assert np.array_equal(getattr(a, f), getattr(b, f))
         fa, fb = c.one_f_one_b(m), every.one_f_one_b(m)
         assert (fa is None) == (fb is None)

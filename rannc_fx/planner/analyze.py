@@ -45,6 +45,7 @@ from ..passes.shapes import shapes_pass
 from ..passes.shapes_symbolic import SymbolicValues
 from ..passes.tail import TailCost, find_tail, insert_tail_inputs, tail_cost
 from ..plan import loss_output
+from ..runtime.comm import BUCKET_BYTES
 from ..values import ValueSpec, dtype_itemsize
 
 __all__ = ["Analysis", "Captured", "Target", "analyze", "capture_model", "pick_target"]
@@ -316,6 +317,8 @@ def _search_space(
         replicas=cfg.replicas,
         schedules=schedules,
         recompute=cfg.recompute,
+        zero=None if cfg.zero is None else bool(cfg.zero),
+        reduce_bucket=BUCKET_BYTES,
     )
 
 

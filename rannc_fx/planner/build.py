@@ -94,6 +94,8 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             optimizer_ms=ms * cost.optimizer_s,
             accumulate_ms=ms * cost.accumulate_s,
             recompute=choice.recompute,
+            zero=int(cost.zero),
+            gather_ms=ms * cost.gather_s,
             memory=MemoryEstimate(
                 params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
                 activations=cost.activations, comm_buffers=cost.comm_buffers,

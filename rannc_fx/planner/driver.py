@@ -5,6 +5,7 @@ through ``plan_model``; every rank splits through ``split_stages``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ from ..passes.split import split_pass
 from ..plan import Plan
 from ..progress import Progress
 from ..values import ValueSpec
-from .analyze import Target, analyze
+from .analyze import Analysis, Target, analyze
 from .build import build_plan
 from .virtual import virtual_variants
 from .zero_bubble import zero_bubble
@@ -78,9 +79,19 @@ def plan_model(
         ) from None
     p = Progress("plan")
     seconds = time.perf_counter() - t0
-    plan = build_plan(a, result, search_seconds=seconds)
-    plan = zero_bubble(a, result, plan, lambda r: build_plan(a, r, search_seconds=seconds))
-    plan = virtual_variants(a, result, plan, lambda r: build_plan(a, r, search_seconds=seconds))
+    plan = _with_schedules(a, result, seconds)
+    if a.space.zero is None and any(st.zero for st in result.stages):
+        # the schedules tried after the search keep its lanes: the plan it makes without
+        # sharding may suit them better (the 100 B BERT's on 33 A100s does, under ZBV)
+        b = dataclasses.replace(a, space=dataclasses.replace(a.space, zero=False))
+        try:
+            other = _with_schedules(b, search_pass(b.table, b.space), seconds)
+        except NoFeasiblePlan:
+            other = None
+        if other is not None and _step(other) < _step(plan):
+            log.info("plan: without sharding, %s: simulated step %.2f ms against %.2f ms",
+                     other.schedule, _step(other), _step(plan))
+            plan = other
     p.done(
         "built the plan in %.2f s: %d stages on %d ranks, %d cut value(s), %d shared parameter(s), "
         "predicted step %.2f ms (schedule simulated: %.2f ms)", p.seconds, len(plan.stages),
@@ -88,6 +99,19 @@ def plan_model(
         plan.simulated_step_ms or plan.predicted_step_ms,
     )  # fmt: skip
     return Planned(plan, a.captured, a.values, a.started)
+
+
+def _with_schedules(a: Analysis, result: SearchResult, seconds: float) -> Plan:
+    """The searched plan, or ZB-H1, interleaved 1F1B or ZBV on its stages where shorter."""
+    def build(r: SearchResult) -> Plan:
+        return build_plan(a, r, search_seconds=seconds)
+
+    plan = zero_bubble(a, result, build(result), build)
+    return virtual_variants(a, result, plan, build)
+
+
+def _step(plan: Plan) -> float:
+    return plan.simulated_step_ms or plan.predicted_step_ms
 
 
 def run_search(table: CostTable, space: SearchSpace) -> SearchResult:

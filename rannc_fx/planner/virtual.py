@@ -13,9 +13,11 @@ schedule puts it (``plan.lane_layout``):
   point by point (``held_units``; a split backward's micro-batch counts twice between its
   ``B`` and its ``W``), and a lane's memory is its stages' at the point where their sum
   peaks (``search.evaluate.lane_memory``), against the memory budget;
-  where a lane does not fit, its stage holding the most activations recomputes, one at a
-  time, the boundaries balanced again each time (unless ``Config.recompute`` is set), then
-  each recomputing stage whose lane fits without runs without; where a lane recomputing
+  where a lane does not fit, its stages first shard their optimizer state over the lane's
+  replicas (ZeRO-1, unless ``Config.zero`` is set), then its stage holding the most
+  activations recomputes, one at a time, the boundaries balanced again each time (unless
+  ``Config.recompute`` is set); then each recomputing stage, and after them each sharding
+  stage, whose lane fits without runs without; where a lane sharding and recomputing
   everything does not fit the variant is dropped;
 - the step is the simulator's (no closed form: the order of a lane's stages is the point).
   A recomputing stage under ZBV holds a micro-batch's inputs until its ``B`` and what ``R``
@@ -143,51 +145,61 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
         return out
 
     recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
+    zero = [(result.stages[lane_of[s]].zero or bool(a.space.zero)) and reps[s] > 1
+            for s in range(v * lanes)]
     while True:
         bounds = balanced_stages(a, reps, m, recompute)
         if bounds is None:
             return None
-        stages = tuple(StageChoice(i, j, r, rho)
-                       for (i, j), r, rho in zip(bounds, reps, recompute, strict=True))
+        stages = tuple(StageChoice(i, j, r, rho, z) for (i, j), r, rho, z
+                       in zip(bounds, reps, recompute, zero, strict=True))
         ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
                       in_flight_counts=counts, lane_units=units_of(recompute))
         if ev.fits:
-            if a.config.recompute is None:  # give back what the lanes can hold after all
-                stages, ev = _undo_recompute(a, stages, m, schedule, layout, counts, units_of,
-                                             ev)
+            # give back what the lanes can hold after all: recomputation, then sharding
+            for field, forced in (("recompute", a.config.recompute), ("zero", a.space.zero)):
+                if forced is None:
+                    stages, ev = _undo(a, stages, field, m, schedule, layout, counts,
+                                       units_of, ev)
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
-        if a.config.recompute is not None:
-            return None  # recomputation is the user's to choose
-        # each lane over the budget recomputes its stage that holds the most activations
+        # each lane over the budget shards its stages' optimizer state, else recomputes its
+        # stage that holds the most activations
         more = False
         for lane in layout:
             if sum(ev.stages[s].memory for s in lane) <= a.space.memory_budget:
                 continue
+            unsharded = [s for s in lane if not zero[s] and reps[s] > 1]
+            if unsharded and a.space.zero is None:
+                for s in unsharded:
+                    zero[s] = True
+                more = True
+                continue
             free = [s for s in lane if not recompute[s]]
-            if free:
+            if free and a.config.recompute is None:
                 recompute[max(free, key=lambda s: ev.stages[s].activations)] = True
                 more = True
         if not more:
             return None
 
 
-def _undo_recompute(a: Analysis, stages: tuple[StageChoice, ...], m: int, schedule: str,
-                    layout: tuple[tuple[int, ...], ...], counts: list[int],
-                    units_of: Callable[[Sequence[bool]], list[np.ndarray]],
-                    ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
-    """The same boundaries with each recomputing stage, slowest forward first, running
-    without recomputation where its lane still fits (balancing again could only move
-    boundaries the first pass already weighed)."""
-    order = sorted((s for s, st in enumerate(stages) if st.recompute),
+def _undo(a: Analysis, stages: tuple[StageChoice, ...], field: str, m: int, schedule: str,
+          layout: tuple[tuple[int, ...], ...], counts: list[int],
+          units_of: Callable[[Sequence[bool]], list[np.ndarray]],
+          ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
+    """The same boundaries with each stage that recomputes (or shards: ``field``), slowest
+    forward first, running without where its lane still fits (and, for sharding, where that
+    is not slower; balancing again could only move boundaries the first pass already
+    weighed)."""
+    order = sorted((s for s, st in enumerate(stages) if getattr(st, field)),
                    key=lambda s: -ev.stages[s].fwd_s)
     for s in order:
-        trial = tuple(dataclasses.replace(st, recompute=False) if k == s else st
+        trial = tuple(dataclasses.replace(st, **{field: False}) if k == s else st
                       for k, st in enumerate(stages))
         got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
                        in_flight_counts=counts,
                        lane_units=units_of([st.recompute for st in trial]))
-        if got.fits:
+        if got.fits and (field == "recompute" or got.step_s <= ev.step_s):
             stages, ev = trial, got
     return stages, ev
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,10 @@ from ..plan import Plan
 from .failures import Board, PeerFailed, board
 
 __all__ = [
+    "BUCKET_BYTES",
     "CommError",
     "agree",
+    "buckets",
     "clean_exit",
     "Groups",
     "Message",
@@ -38,6 +40,7 @@ __all__ = [
     "backend_for",
     "build_groups",
     "check_same_plan",
+    "collective",
     "init_distributed",
     "post",
 ]
@@ -280,29 +283,62 @@ def all_reduce_flat(
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        who = f"ranks {list(ranks)}" if ranks else "all ranks"
+        def start(async_op: bool, flat: torch.Tensor = flat) -> Any:
+            return dist.all_reduce(flat, op=op, group=group, async_op=async_op)
 
-        def failed(e: RuntimeError, who: str = who) -> CommError:
-            return CommError(
-                f"rank {_rank()}: all-reduce of {what} among {who} failed: {e}; a rank that "
-                "died or never reached this step (it must run forward and backward too) is the "
-                "cause"
-            )
-
-        try:
-            if groups is not None and groups.board is not None and flat.device.type == "cpu":
-                work = dist.all_reduce(flat, op=op, group=group, async_op=True)
-                groups.board.wait([work], lambda _: f"in the all-reduce of {what}",
-                                  timeout_s=groups.timeout_s, on_error=lambda _, e: failed(e))
-            else:
-                dist.all_reduce(flat, op=op, group=group)
-        except RuntimeError as e:
-            if isinstance(e, CommError | PeerFailed):
-                raise
-            raise failed(e) from e
+        collective(start, f"all-reduce of {what}", ranks=ranks, groups=groups,
+                   cpu=flat.device.type == "cpu")
         for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True):
             out[i] = piece.view_as(tensors[i])
     return [t for t in out if t is not None]
+
+
+# The most bytes one bucket of a flat collective copies (a gradient all-reduce, ZeRO-1's
+# all-gather): the transient copy of a stage's gradients or parameters stays within it
+BUCKET_BYTES = 64 * 2**20
+
+T = TypeVar("T", bound=torch.Tensor)
+
+
+def buckets(tensors: Sequence[T], cap: int) -> list[list[T]]:
+    """``tensors`` in order, cut into runs of at most ``cap`` bytes (a larger one alone)."""
+    out: list[list[T]] = []
+    size = cap
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if size + n > cap or not out:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out
+
+
+def collective(
+    start: Callable[[bool], Any], what: str, *, ranks: Sequence[int] = (),
+    groups: Groups | None = None, cpu: bool = True,
+) -> None:  # fmt: skip
+    """Run one collective, ``start(async_op)``, as ``CommError`` naming ``what`` and the
+    ranks when it fails; with ``groups`` (a step's) on CPU tensors, waiting reads the failure
+    board, so a peer that raised is ``PeerFailed`` at once rather than a timeout."""
+    who = f"ranks {list(ranks)}" if ranks else "all ranks"
+
+    def failed(e: RuntimeError) -> CommError:
+        return CommError(
+            f"rank {_rank()}: {what} among {who} failed: {e}; a rank that died or never "
+            "reached this step (it must run forward and backward too) is the cause"
+        )
+
+    try:
+        if groups is not None and groups.board is not None and cpu:
+            groups.board.wait([start(True)], lambda _: f"in the {what}",
+                              timeout_s=groups.timeout_s, on_error=lambda _, e: failed(e))
+        else:
+            start(False)
+    except RuntimeError as e:
+        if isinstance(e, CommError | PeerFailed):
+            raise
+        raise failed(e) from e
 
 
 def _rank() -> int:

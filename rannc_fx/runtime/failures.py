@@ -153,17 +153,24 @@ class _Waiter:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            try:
-                for i, w in enumerate(job.works):
-                    job.current = i
-                    w.wait()
-            except RuntimeError as e:
-                job.done.set_exception(_WorkFailed(job.current, e))
-            except BaseException as e:
-                job.done.set_exception(e)
-            else:
-                job.done.set_result(None)
+            self._finish(self._queue.get())
+
+    @staticmethod
+    def _finish(job: _Job) -> None:
+        """Wait on the job's works, then drop them: a work holds its tensors (an all-gather's
+        buffers, a step's last messages), which must not live on until the next job."""
+        try:
+            for i, w in enumerate(job.works):
+                job.current = i
+                w.wait()
+        except RuntimeError as e:
+            job.done.set_exception(_WorkFailed(job.current, e))
+        except BaseException as e:
+            job.done.set_exception(e)
+        else:
+            job.done.set_result(None)
+        finally:
+            job.works = ()
 
 
 _WAITER: list[_Waiter] = []

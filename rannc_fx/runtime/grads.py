@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan import Plan
-from .comm import Groups, all_reduce_flat
+from . import comm
+from .comm import Groups, all_reduce_flat, buckets
 from .lane import graph_modules
 
 __all__ = ["GradSync"]
@@ -101,10 +102,14 @@ class GradSync:
                 )
             )
         for group, ps, what, ranks in todo:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-            reduced = all_reduce_flat(grads, group, what=what, ranks=ranks, groups=self.groups)
-            for p, r in zip(ps, reduced, strict=True):
-                p.grad = r
+            # a bucket at a time: the flat copy is a bucket's, not the whole stage's gradients
+            for bucket in buckets(ps, comm.BUCKET_BYTES):
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+                reduced = all_reduce_flat(grads, group, what=what, ranks=ranks,
+                                          groups=self.groups)
+                del grads
+                for p, r in zip(bucket, reduced, strict=True):
+                    p.grad = r
 
     def merge(self) -> None:
         """Add the set-aside gradients back: ``.grad`` = earlier calls' + this step's."""

@@ -134,7 +134,8 @@ def _predicted(
             if a.kind in (Kind.F, Kind.B):
                 comm += st.comm_ms / 2
             elif a.kind is Kind.REDUCE:
-                comm += sum(plan.stages[s].allreduce_ms for s in topology.lanes[k])
+                comm += sum(plan.stages[s].allreduce_ms + plan.stages[s].gather_ms
+                            for s in topology.lanes[k])
             busy += d * 1e3
         busy -= comm
         lane = {"busy_ms": busy, "comm_ms": comm,

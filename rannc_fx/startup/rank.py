@@ -35,6 +35,7 @@ from ..progress import note
 from ..runtime import BatchSizes
 from ..runtime.comm import CommError, agree
 from ..runtime.lane import LaneModules, graph_modules
+from ..runtime.zero import shard_optimizer
 from ..state.checkpoint import StateNames
 from .amp import AmpSpecs, amp_state, autocast_as
 from .placement import InitFn, Placement, free_others, place_stage
@@ -134,6 +135,11 @@ def set_up_rank(
         state=lambda: amp_state(device_type),
         retype=amp.retype if amp is not None else _planned_only(planned_amp),
         check=cfg.check_batches,
+    )  # fmt: skip
+    shard_optimizer(
+        optimizer, plan, rank,
+        {s: gm for s, gm in zip(sorted(mine), graph_modules(stage), strict=True)},
+        lambda: batches.default.groups,  # type: ignore[union-attr]
     )  # fmt: skip
     note("compiled %s for %d rank(s) in %.2f s total (plan, split, placement)",
          captured.model_name, world, time.perf_counter() - started)

@@ -15,7 +15,9 @@ state and group settings travel with its name, whichever stage holds it on load.
 
 Each rank holds only its stage, so each rank's dicts hold only that. Replicas of a stage,
 and every stage holding a shared weight, return the same keys; torch.distributed.checkpoint
-writes each key once. ``full=True`` gathers everything to rank 0 on the CPU instead
+writes each key once. Where a stage shards its optimizer state (ZeRO-1, ``runtime/zero.py``)
+each replica returns the state of its own share, so the replicas' keys are disjoint and
+their union is the stage's; loading gives each replica its share. ``full=True`` gathers everything to rank 0 on the CPU instead
 (``gather.py``). ``get_state_dict`` and ``set_state_dict`` also take a plain ``nn.Module``,
 which holds everything: the single-process model saves and loads the same checkpoints.
 """
@@ -31,6 +33,7 @@ from torch import nn
 
 from ..device import device_of
 from ..runtime.comm import agree
+from ..runtime.zero import paused, steps
 from .gather import gather_full
 
 __all__ = ["RankPart", "StateNames", "get_state_dict", "load_local", "set_state_dict"]
@@ -215,6 +218,7 @@ def _check_model(names: StateNames, sd: Mapping[str, Any]) -> list[str]:
 def _optim_flat(optimizer: torch.optim.Optimizer, names: StateNames) -> dict[str, Any]:
     by_id = names.names_of()
     fresh = _fresh_state(optimizer)
+    mine = steps(optimizer)  # ZeRO-1: the state of this replica's share only
     out: dict[str, Any] = {}
     for group in optimizer.param_groups:
         settings = {k: v for k, v in group.items() if k != "params"}
@@ -226,7 +230,7 @@ def _optim_flat(optimizer: torch.optim.Optimizer, names: StateNames) -> dict[str
                     "rank's part of the model: pass the optimizer given to compile() (made "
                     "over the model's parameters)"
                 )
-            state = optimizer.state.get(p) or fresh.get(p, {})
+            state = (optimizer.state.get(p) or fresh.get(p, {})) if mine(p) else {}
             for name in keys:
                 out.update({f"state.{name}.{k}": v for k, v in state.items()})
                 out.update({f"param_groups.{name}.{k}": v for k, v in settings.items()})
@@ -240,9 +244,10 @@ def _fresh_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
     makes the state's entries (so a checkpoint can be loaded into them); they are zeroed
     (for Adam, zero moments at step 0 are the fresh state) and the optimizer keeps none.
     """
+    mine = steps(optimizer)
     empty = [
         p for g in optimizer.param_groups for p in g["params"]
-        if p.requires_grad and not optimizer.state.get(p)
+        if p.requires_grad and not optimizer.state.get(p) and mine(p)
     ]  # fmt: skip
     if not empty:
         return {}
@@ -256,7 +261,8 @@ def _fresh_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
         for g in optimizer.param_groups:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        optimizer.step()
+        with paused(optimizer):  # no all-gather: the other replicas take no such step
+            optimizer.step()
     finally:
         for g, lr in zip(optimizer.param_groups, lrs, strict=True):
             if lr is not None:
@@ -314,8 +320,11 @@ def _check_optim(optimizer: torch.optim.Optimizer, names: StateNames,
         )
     fresh = _fresh_state(optimizer)
     by_id = names.names_of()
+    mine = steps(optimizer)
     missing, other = [], []
     for p in (p for g in optimizer.param_groups for p in g["params"]):
+        if not mine(p):  # another replica keeps its state (ZeRO-1)
+            continue
         keys = by_id.get(id(p), [])
         want = set(optimizer.state.get(p) or fresh.get(p, {}))
         name, got = flat.first("state", keys)
@@ -356,6 +365,7 @@ def _check_optim(optimizer: torch.optim.Optimizer, names: StateNames,
 def _load_optim(optimizer: torch.optim.Optimizer, names: StateNames,
                 osd: Mapping[str, Any]) -> None:
     by_id = names.names_of()
+    mine = steps(optimizer)
     flat = _FlatOptim.of(osd, names.param_names)
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
@@ -366,7 +376,7 @@ def _load_optim(optimizer: torch.optim.Optimizer, names: StateNames,
         for p in group["params"]:
             keys = by_id.get(id(p), [])
             _, given = flat.first("state", keys)
-            if given:
+            if given and mine(p):
                 state[index] = dict(given)
             _, saved = flat.first("param_groups", keys)
             settings.update({k: v for k, v in saved.items() if k in settings})

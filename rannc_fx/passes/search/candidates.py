@@ -1,12 +1,13 @@
-"""Candidate stages of one micro-batch count: their costs, recomputation and in-flight limits.
+"""Candidate stages of one micro-batch count: their costs, variants and in-flight limits.
 
 This module imports numpy only (no torch). Every stage [i, j) x replica count r is costed
-from ``model.StageTerms`` (computed once per size and reused for every m):
+from ``model.StageTerms`` (computed once per size and reused for every m). A stage's variants
+(``model.VARIANTS``: recomputation, ZeRO-1) form a chain; a stage takes the first that fits:
 
-* ``gpipe(m)``: the stages as the GPipe DP sees them (n = m), each without recomputation if
-  it fits, else with it (or as ``SearchSpace.recompute`` forces), dropped if neither fits;
-* ``one_f_one_b(m)``: under 1F1B, for each stage the largest n with which it fits without and
-  with recomputation, its variants (as ``layers.Entries`` on demand), and the relaxed edges --
+* ``gpipe(m)``: the stages as the GPipe DP sees them (n = m), each at its first variant that
+  fits among those ``SearchSpace.recompute`` and ``zero`` allow, dropped if none does;
+* ``one_f_one_b(m)``: under 1F1B, for each stage the largest n with which each variant fits,
+  its variants (as ``layers.Entries`` on demand), and the relaxed edges --
   each stage at its cheapest variant, as if it were the last stage (n = 1): a lower bound on
   its weight at any position, for the bounds of the search;
 * ``stage(...)``: one stage at a given n (a GPipe plan re-costed under 1F1B);
@@ -22,36 +23,59 @@ import numpy as np
 from .kernel import Edges, States
 from .layers import Entries
 from .model import (
+    VARIANTS,
     CostTable,
     SearchSpace,
     StageTerms,
-    allreduce_s,
     bottleneck_s,
     range_max,
     range_sum,
+    reduce_transient,
     samples_per_replica,
     size_index,
     stage_terms,
+    state_saved,
+    update_s,
+    variants,
 )
 
-__all__ = ["Candidates", "OneFOneB", "depth_limit", "max_in_flight"]
+__all__ = ["Candidates", "OneFOneB", "depth_limit", "dominated", "max_in_flight"]
+
+_ZERO = np.array([z for _, z in VARIANTS])
 
 
-def max_in_flight(terms: StageTerms, recompute: bool, m: int, budget: float) -> np.ndarray:
-    """The largest n in [0, m] with ``terms.memory(n, recompute) <= budget`` (0: none).
+def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
+    """(..., variants): an unsharded variant whose sharded twin is allowed and has a smaller u
+    (the twin's memory is never more and its t the same: the stage takes the twin)."""
+    out = np.zeros(u.shape, bool)
+    for v in kinds:
+        if not _ZERO[v] and v + 1 in kinds:
+            out[..., v] = u[..., v + 1] < u[..., v]
+    return out
+
+
+def max_in_flight(terms: StageTerms, recompute: bool, m: int, budget: float,
+                  saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0
+                  ) -> np.ndarray:
+    """The largest n in [0, m] with ``terms.memory(n, recompute, transient) - saved <=
+    budget`` (0: none; ``saved``: ZeRO-1's ``model.state_saved``, ``transient`` the
+    all-reduce's ``model.reduce_transient``).
 
     Memory grows with n, so a division estimates the limit and the formula itself settles
     it: the limit agrees with ``evaluate`` to the last bit.
     """
+    def mem(n: np.ndarray | int) -> np.ndarray:
+        return terms.memory(n, recompute, transient) - saved
+
     per = terms.cuts - terms.cout if recompute else terms.act + terms.cuts
-    one = terms.memory(1, recompute)
+    one = mem(1)
     with np.errstate(divide="ignore", invalid="ignore"):
         est = np.floor(1 + (budget - one) / per)
     est = np.where(per > 0, est, np.where(one <= budget, m, 0))
     n = np.clip(np.nan_to_num(est, nan=0.0), 0, m).astype(np.int64)
     while True:
-        up = (n < m) & (terms.memory(n + 1, recompute) <= budget)
-        down = (n > 0) & (terms.memory(n, recompute) > budget)
+        up = (n < m) & (mem(n + 1) <= budget)
+        down = (n > 0) & (mem(n) > budget)
         if not (up.any() or down.any()):
             return n
         n += up.astype(np.int64) - down.astype(np.int64)
@@ -70,23 +94,24 @@ def depth_limit(fit: np.ndarray, lo: np.ndarray, m: int) -> int:
 
 @dataclass(frozen=True)
 class OneFOneB:
-    """The 1F1B view of one m: the relaxed edges, and per edge both variants' t, u and the
+    """The 1F1B view of one m: the relaxed edges, and per edge every variant's t, u and the
     largest n that fits (0: none; -1: the variant is not allowed, its t and u meaningless).
 
-    Variant 0 (no recomputation) is valid for n in [1, fit0]; variant 1 where variant 0
-    does not fit, n in [fit0 + 1, fit1] (from 1 when variant 0 is not allowed).
+    Variant v (``model.VARIANTS``) is valid where the variants before it do not fit:
+    n in [1 + max(fit[:v]), fit[v]].
     """
 
     m: int
     edges: Edges
-    t: np.ndarray  # (edges, 2)
+    t: np.ndarray  # (edges, len(VARIANTS))
     u: np.ndarray
     fit: np.ndarray
 
     @property
     def lo(self) -> np.ndarray:
-        return np.stack([np.ones(len(self.fit), np.int64), np.maximum(self.fit[:, 0], 0) + 1],
-                        axis=1)
+        before = np.maximum.accumulate(np.maximum(self.fit, 0), axis=1)
+        return np.concatenate((np.ones((len(self.fit), 1), np.int64), before[:, :-1] + 1),
+                              axis=1)
 
     @property
     def exists(self) -> np.ndarray:
@@ -98,29 +123,29 @@ class OneFOneB:
         return depth_limit(self.fit[ok], self.lo[ok], self.m)
 
     def entries(self, mask: np.ndarray) -> Entries:
-        """The variants in ``mask`` (edges, 2), sorted by (end, reps, start, variant)."""
+        """The variants in ``mask`` (edges, variants), sorted by (end, reps, start, variant)."""
         e, lo = self.edges, self.lo
         x, v = np.nonzero(mask & self.exists)
         order = np.lexsort((v, e.start[x], e.reps[x], e.end[x]))
         x, v = x[order], v[order]
         return Entries(e.start[x], e.end[x], e.reps[x], self.t[x, v], self.u[x, v],
-                       v.astype(bool), lo[x, v], self.fit[x, v], x)
+                       v, lo[x, v], self.fit[x, v], x)
 
-    def exact(self, path: list[int]) -> tuple[list[float], list[float], list[bool],
+    def exact(self, path: list[int]) -> tuple[list[float], list[float], list[int],
                                                bool] | None:
-        """t, u and recomputation of the stages of ``path`` at their true positions, and
-        whether every one fits at n = m (so GPipe runs them alike); None if one does not fit."""
-        ts, us, rhos, alike = [], [], [], True
+        """t, u and variant of the stages of ``path`` at their true positions, and whether
+        every one fits at n = m (so GPipe runs them alike); None if one does not fit."""
+        ts, us, kinds, alike = [], [], [], True
         for s, x in enumerate(path):
             n = min(self.m, len(path) - s)
-            kind = next((v for v in (0, 1) if self.fit[x, v] >= n), None)
+            kind = next((v for v in range(len(VARIANTS)) if self.fit[x, v] >= n), None)
             if kind is None:
                 return None
             ts.append(float(self.t[x, kind]))
             us.append(float(self.u[x, kind]))
-            rhos.append(bool(kind))
+            kinds.append(kind)
             alike &= bool(self.fit[x, kind] >= self.m)  # GPipe (n = m) picks the same variant
-        return ts, us, rhos, alike
+        return ts, us, kinds, alike
 
 
 class Candidates:
@@ -134,8 +159,10 @@ class Candidates:
         self.acc = range_sum(table.accumulate_s, iu, ju)
         self.opt = range_sum(table.optimizer_s, iu, ju)
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
+        self.kinds = variants(space)
         self._terms: dict[tuple[int, int], StageTerms] = {}
-        self._fixed: np.ndarray | None = None
+        self._fixed: dict[bool, np.ndarray] = {}
+        self._saved: dict[bool, np.ndarray] = {}
         self.live = self._live()
 
     def _live(self) -> np.ndarray:
@@ -143,9 +170,10 @@ class Candidates:
 
         With every activation, cut, workspace and output size nonnegative, a stage's memory
         (``model.stage_memory``) is at least fl(fl(params + fl(grads * factor)) + grads): the
-        gradients are held at its peak, and rounding is monotone. A stage above the budget by
-        that alone fits nowhere; at 1024 ranks most long stages are such, and the (stages x
-        replica counts) arrays below then skip them.
+        gradients are held at its peak, and rounding is monotone; ZeRO-1 on every rank keeps
+        1 / world_size of the state (a relative 1e-9 below that for its rounding). A stage
+        above the budget by that alone fits nowhere; at 1024 ranks most long stages are such,
+        and the (stages x replica counts) arrays below then skip them.
         """
         t, sp = self.table, self.space
         every = np.arange(len(self.iu))
@@ -154,7 +182,11 @@ class Candidates:
                 and sp.output_bytes >= 0):
             return every
         params = np.asarray(t.param_bytes, float)[self.iu, self.ju]
-        least = params + self.grad * sp.optimizer_state_factor + self.grad
+        if any(VARIANTS[v][1] for v in self.kinds) and sp.world_size > 1:
+            least = (params + self.grad * sp.optimizer_state_factor / sp.world_size
+                     + self.grad) * (1 - 1e-9)
+        else:
+            least = params + self.grad * sp.optimizer_state_factor + self.grad
         return every[~(least > sp.memory_budget)]
 
     def terms(self, k: int, m: int) -> StageTerms:
@@ -163,6 +195,26 @@ class Candidates:
             ws = range_max(self.table.workspace[k])[self.iu, self.ju]
             self._terms[(k, m)] = stage_terms(self.table, self.space, k, self.iu, self.ju, ws, m)
         return self._terms[(k, m)]
+
+    def memory(self, terms: StageTerms, n: int, kind: int, r: int,
+               rows: np.ndarray | None = None) -> np.ndarray:
+        """The memory of the stages ``terms`` holds (rows of them, all if None) on r replicas
+        with n in flight, as variant ``kind``."""
+        rho, zeta = VARIANTS[kind]
+        return terms.memory(n, rho, self.transient(r, rows)) - self.saved(zeta, r, rows)
+
+    def transient(self, r: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """``model.reduce_transient`` of the stages (rows; all if None) on r replicas."""
+        grad = self.grad if rows is None else self.grad[rows]
+        return reduce_transient(self.space, grad, np.array(r))
+
+    def saved(self, zero: bool, r: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """``model.state_saved`` of the stages (rows; all if None) on r replicas."""
+        if zero not in self._saved:  # every stage at every replica count, once
+            every = np.arange(1, self.space.world_size + 1)
+            self._saved[zero] = state_saved(self.space, self.grad[:, None], every[None, :], zero)
+        col = self._saved[zero][:, r - 1]
+        return col if rows is None else col[rows]
 
     def replicas(self, m: int) -> np.ndarray:
         """The replica counts a stage may have with m micro-batches."""
@@ -174,19 +226,24 @@ class Candidates:
     def size(self, m: int, r: int) -> int:
         return self.kidx[samples_per_replica(self.space.global_batch, m, r)]
 
-    def _u(self, m: int, t: np.ndarray, reps: np.ndarray, rows: np.ndarray | None = None
-           ) -> np.ndarray:
-        """u of the stages (rows; all if None) at each replica count (columns) given t."""
-        if self._fixed is None:  # ar_s + opt_s of every stage at every replica count, once
-            every = np.arange(1, self.space.world_size + 1)
-            self._fixed = allreduce_s(self.space, self.grad[:, None], every[None, :]) \
-                + self.opt[:, None]
-        fixed = self._fixed[:, reps - 1] if rows is None else self._fixed[rows[:, None], reps - 1]
+    def _u(self, m: int, t: np.ndarray, reps: np.ndarray, rows: np.ndarray | None = None,
+           zero: bool | np.ndarray = False) -> np.ndarray:
+        """u of the stages (rows; all if None) at each replica count (columns) given t, with
+        ZeRO-1 where ``zero`` (broadcast against t)."""
+        def fixed(z: bool) -> np.ndarray:
+            if z not in self._fixed:  # up_s of every stage at every replica count, once
+                every = np.arange(1, self.space.world_size + 1)
+                self._fixed[z] = update_s(self.space, self.grad[:, None], self.opt[:, None],
+                                          every[None, :], z)
+            f = self._fixed[z]
+            return f[:, reps - 1] if rows is None else f[rows[:, None], reps - 1]
+
+        up = np.where(zero, fixed(True), fixed(False)) if np.any(zero) else fixed(False)
         acc = self.acc if rows is None else self.acc[rows]
-        return bottleneck_s(m, t, acc[:, None], fixed)
+        return bottleneck_s(m, t, acc[:, None], up)
 
     def _edges(self, keep: np.ndarray, reps: np.ndarray, t: np.ndarray, u: np.ndarray,
-               mem: np.ndarray, rho: np.ndarray, rows: np.ndarray | None = None) -> Edges:
+               mem: np.ndarray, kind: np.ndarray, rows: np.ndarray | None = None) -> Edges:
         """Edges from the flat indices ``keep`` of (stage rows x replica columns) arrays."""
         pair, col = np.divmod(keep, len(reps))
         if rows is not None:
@@ -194,35 +251,41 @@ class Candidates:
         small = np.int32  # halves the index arrays; blocks and ranks are far below 2**31
         return Edges(self.iu.astype(small)[pair], self.ju.astype(small)[pair],
                      reps.astype(small)[col], t.ravel()[keep], u.ravel()[keep],
-                     mem.ravel()[keep], rho.ravel()[keep])
+                     mem.ravel()[keep], kind.ravel()[keep].astype(np.int8))
 
     def gpipe(self, m: int) -> Edges | None:
-        """Stages under GPipe (n = m) that fit, each without recomputation if it can, else with
-        it. None when no replica count is allowed."""
+        """Stages under GPipe (n = m) that fit, each at its first variant that fits. None when
+        no replica count is allowed."""
         reps = self.replicas(m)
         if not len(reps):
             return None
         sp, rows = self.space, self.live
-        P = len(rows)
-        T, M, RHO = np.empty((P, len(reps))), np.empty((P, len(reps))), np.empty(
-            (P, len(reps)), bool)
-        done: dict[int, int] = {}  # size index -> a column already holding its t and memory
+        P, R = len(rows), len(reps)
+        T, U, M = (np.full((P, R), np.inf) for _ in range(3))
+        KIND = np.full((P, R), self.kinds[-1], np.int64)
+        done: dict[int, tuple[StageTerms, np.ndarray]] = {}  # size -> its terms and t per rho
         for c, r in enumerate(reps.tolist()):
             k = self.size(m, r)
-            if k in done:
-                T[:, c], M[:, c], RHO[:, c] = T[:, done[k]], M[:, done[k]], RHO[:, done[k]]
-                continue
-            done[k], terms = c, self.terms(k, m).take(rows)
-            if sp.recompute is not None:
-                RHO[:, c] = sp.recompute
-                T[:, c], M[:, c] = terms.time(sp.recompute), terms.memory(m, sp.recompute)
-                continue
-            mem0, mem1 = terms.memory(m, False), terms.memory(m, True)
-            rho = (mem0 > sp.memory_budget) & (mem1 <= sp.memory_budget)
-            RHO[:, c], M[:, c] = rho, np.where(rho, mem1, mem0)
-            T[:, c] = np.where(rho, terms.time(True), terms.time(False))
+            if k not in done:
+                terms = self.terms(k, m).take(rows)
+                done[k] = (terms, np.stack([terms.time(rho) for rho in (False, True)]))
+            terms, times = done[k]
+            rr = np.array([r])
+            us = np.zeros((P, len(VARIANTS)))
+            for v in self.kinds:
+                us[:, v] = self._u(m, times[int(VARIANTS[v][0])][:, None], rr, rows,
+                                   bool(_ZERO[v]))[:, 0]
+            skip = dominated(us, self.kinds)
+            unset = np.ones(P, bool)
+            for v in self.kinds:
+                rho = VARIANTS[v][0]
+                mem = self.memory(terms, m, v, r, rows)
+                take = unset & ~skip[:, v] & (mem <= sp.memory_budget)
+                T[take, c], U[take, c], M[take, c] = times[int(rho)][take], us[take, v], mem[take]
+                KIND[take, c] = v
+                unset &= ~take
         keep = np.flatnonzero(M.ravel() <= sp.memory_budget)
-        return self._edges(keep, reps, T, self._u(m, T, reps, rows), M, RHO, rows)
+        return self._edges(keep, reps, T, U, M, KIND, rows)
 
     def least_memory(self, m: int, n: int) -> Edges | None:
         """Every stage with its least memory (over the allowed variants) at n in flight."""
@@ -232,23 +295,24 @@ class Candidates:
         M = np.empty((len(self.iu), len(reps)))
         for c, r in enumerate(reps.tolist()):
             terms = self.terms(self.size(m, r), m)
-            M[:, c] = np.min([terms.memory(n, v) for v in self.variants()], axis=0)
+            M[:, c] = np.min([self.memory(terms, n, v, r) for v in self.kinds], axis=0)
         zero = np.zeros(M.shape)
-        return self._edges(np.arange(M.size), reps, zero, zero, M, zero.astype(bool))
+        return self._edges(np.arange(M.size), reps, zero, zero, M, zero.astype(np.int64))
 
-    def variants(self) -> list[bool]:
-        """The recomputation choices a stage may take."""
-        rc = self.space.recompute
-        return [False, True] if rc is None else [rc]
-
-    def stage(self, i: int, j: int, r: int, m: int, n: int) -> tuple[float, float, bool] | None:
-        """t, u and recomputation of the stage [i, j) on r replicas with n in flight, its
-        first variant that fits; None if none does."""
+    def stage(self, i: int, j: int, r: int, m: int, n: int) -> tuple[float, float, int] | None:
+        """t, u and variant of the stage [i, j) on r replicas with n in flight, its first
+        variant that fits; None if none does."""
         pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r), m)
-        for v in self.variants():
-            if terms.memory(n, v)[pair][0] <= self.space.memory_budget:
-                t = terms.time(v)[pair]
-                return float(t[0]), float(self._u(m, t[:, None], np.array([r]), pair)[0, 0]), v
+        ts, us = np.zeros(len(VARIANTS)), np.zeros(len(VARIANTS))
+        for v in self.kinds:
+            rho, zeta = VARIANTS[v]
+            t = terms.time(rho)[pair]
+            ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, zeta)[0, 0]
+        skip = dominated(us, self.kinds)
+        one = terms.take(pair)
+        for v in self.kinds:
+            if not skip[v] and self.memory(one, n, v, r, pair)[0] <= self.space.memory_budget:
+                return float(ts[v]), float(us[v]), v
         return None
 
     def one_f_one_b(self, m: int, below: float = np.inf, *, gains_only: bool = False
@@ -259,36 +323,46 @@ class Candidates:
         reps = self.replicas(m)
         if not len(reps):
             return None
-        sp, R, allowed = self.space, len(reps), [int(v) for v in self.variants()]
+        sp, R, V, first = self.space, len(reps), len(VARIANTS), VARIANTS[self.kinds[0]]
         ks = [self.size(m, r) for r in reps.tolist()]
         live = self.live  # the others fit nowhere: they never make an edge
         by_k = {k: self.terms(k, m).take(live) for k in dict.fromkeys(ks)}
         # no variant beats the first allowed one's t + u: only stages that can still win
-        t_first = np.stack([by_k[k].time(bool(allowed[0])) for k in ks], axis=1)
-        can_win = t_first + self._u(m, t_first, reps, live) < below
+        t_first = np.stack([by_k[k].time(first[0]) for k in ks], axis=1)
+        can_win = t_first + self._u(m, t_first, reps, live, first[1]) < below
         if gains_only:
-            full = np.stack([by_k[k].memory(m, bool(allowed[0])) for k in ks], axis=1)
+            full = np.stack([self.memory(by_k[k], m, self.kinds[0], r, live)
+                             for k, r in zip(ks, reps.tolist(), strict=True)], axis=1)
             if not (can_win & (full > sp.memory_budget)).any():
                 return None
         rows = live[can_win.any(axis=1)]
-        T, FIT = np.zeros((len(rows), R, 2)), np.full((len(rows), R, 2), -1, np.int64)
-        done: dict[int, int] = {}  # size index -> a column already holding its figures
-        for c, k in enumerate(ks):
-            if k in done:
-                T[:, c], FIT[:, c] = T[:, done[k]], FIT[:, done[k]]
-                continue
-            done[k], terms = c, self.terms(k, m).take(rows)
-            for v in allowed:
-                T[:, c, v] = terms.time(bool(v))
-                FIT[:, c, v] = max_in_flight(terms, bool(v), m, sp.memory_budget)
-        U = np.stack([self._u(m, T[:, :, v], reps, rows) for v in (0, 1)], axis=2)
-        # a stage's cheapest variant that fits somewhere (at n = 1) stands for it
-        rho = FIT[:, :, 0] < 1
-        t, u = np.where(rho, T[:, :, 1], T[:, :, 0]), np.where(rho, U[:, :, 1], U[:, :, 0])
-        ok = (np.where(rho, FIT[:, :, 1], FIT[:, :, 0]) >= 1) & (t + u < below)
+        T, FIT = np.zeros((len(rows), R, V)), np.full((len(rows), R, V), -1, np.int64)
+        done: dict[tuple[int, bool], np.ndarray] = {}  # (size, rho) -> fit on one replica
+        for c, (k, r) in enumerate(zip(ks, reps.tolist(), strict=True)):
+            terms = self.terms(k, m).take(rows)
+            for v in self.kinds:
+                rho, zeta = VARIANTS[v]
+                T[:, c, v] = terms.time(rho)
+                if r > 1:
+                    FIT[:, c, v] = max_in_flight(terms, rho, m, sp.memory_budget,
+                                                 self.saved(zeta, r, rows),
+                                                 self.transient(r, rows))
+                else:  # one replica: nothing to shard or all-reduce, one figure per size
+                    if (k, rho) not in done:
+                        done[(k, rho)] = max_in_flight(terms, rho, m, sp.memory_budget)
+                    FIT[:, c, v] = done[(k, rho)]
+        U = np.stack([self._u(m, T[:, :, v], reps, rows, bool(_ZERO[v])) for v in range(V)],
+                     axis=2)
+        FIT[dominated(U, self.kinds)] = -1
+        # a stage's first variant that fits somewhere (at n = 1) stands for it
+        fits = FIT >= 1
+        kind = np.where(fits.any(axis=2), np.argmax(fits, axis=2), 0)
+        t = np.take_along_axis(T, kind[:, :, None], 2)[:, :, 0]
+        u = np.take_along_axis(U, kind[:, :, None], 2)[:, :, 0]
+        ok = fits.any(axis=2) & (t + u < below)
         keep = np.flatnonzero(ok.ravel())
         if not len(keep):
             return None
-        edges = self._edges(keep, reps, t, u, np.zeros(t.shape), rho, rows)
-        return OneFOneB(m, edges, T.reshape(-1, 2)[keep], U.reshape(-1, 2)[keep],
-                        FIT.reshape(-1, 2)[keep])
+        edges = self._edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
+        return OneFOneB(m, edges, T.reshape(-1, V)[keep], U.reshape(-1, V)[keep],
+                        FIT.reshape(-1, V)[keep])

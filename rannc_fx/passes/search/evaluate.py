@@ -24,9 +24,12 @@ from .model import (
     kept_cuts,
     outputs_held,
     range_sum,
+    reduce_transient,
     samples_per_replica,
     size_index,
     stage_terms,
+    state_saved,
+    update_s,
 )
 
 __all__ = ["evaluate", "lane_memory", "plan_step"]
@@ -37,6 +40,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
     micro-batch's activations, cut values in and out, and out alone."""
     i, j, r, rho = st.start, st.end, st.replicas, st.recompute
+    zeta = st.zero and r > 1
     q = samples_per_replica(space.global_batch, m, r)
     if q not in kidx:
         raise ValueError(f"the cost table has no costs for {q} samples per replica; "
@@ -45,27 +49,35 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]), m)
     t = float(terms.time(rho)[0])
     grad = float(table.grad_bytes[i, j])
-    ar = float(allreduce_s(space, np.array([grad]), np.array([r]))[0])
+    g, rr = np.array([grad]), np.array([r])
+    ar = float(allreduce_s(space, g, rr)[0])
     opt, acc = float(range_sum(table.optimizer_s, ii, jj)[0]), float(
         range_sum(table.accumulate_s, ii, jj)[0])
-    u = float(bottleneck_s(m, np.array([t]), np.array([acc]), np.array([ar + opt]))[0])
+    up = update_s(space, g, np.array([opt]), rr, zeta)
+    u = float(bottleneck_s(m, np.array([t]), np.array([acc]), up)[0])
+    saved = state_saved(space, g, rr, zeta)
+    tr = reduce_transient(space, g, rr)
     fwd, act, cuts = float(table.fwd[k, i:j].sum()), float(terms.act[0]), float(terms.cuts[0])
     cout = float(terms.cout[0])
     kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, rho)[0])
+    held = float(held_bytes(g, np.array([act]), np.array([cuts]), np.array([cout]), n, m,
+                            rho)[0])
+    # the largest transient: an op's workspace, or the all-reduce's copy beyond what the
+    # backwards held (memory = fixed + max(held + ws, G + tr))
+    ws = max(float(terms.ws[0]), grad + float(tr[0]) - held)
     cost = StageCost(
         samples=q, fwd_s=fwd, bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
-        allreduce_s=ar, optimizer_s=opt, accumulate_s=acc,
+        allreduce_s=ar, optimizer_s=opt / r if zeta else opt, accumulate_s=acc,
+        gather_s=float(up[0]) - ar - opt / r if zeta else 0.0, zero=zeta,
         params=round(float(table.param_bytes[i, j])), grads=round(grad),
-        optimizer_state=round(grad * space.optimizer_state_factor),
+        optimizer_state=round(grad * space.optimizer_state_factor - float(saved[0])),
         activations=round(act if rho else n * act), comm_buffers=round(kept),
-        overlap=round(grad + (act if rho else n * act) + kept
-                      - float(held_bytes(np.array([grad]), np.array([act]), np.array([cuts]),
-                                         np.array([cout]), n, m, rho)[0])),
-        workspace=round(float(terms.ws[0])), recompute=rho, in_flight=n,
+        overlap=round(grad + (act if rho else n * act) + kept - held),
+        workspace=round(ws), recompute=rho, in_flight=n,
         recompute_s=fwd if rho else 0.0,
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
-    return cost, t, u, float(terms.memory(n, rho)[0]), (act, cuts, cout)
+    return cost, t, u, float((terms.memory(n, rho, tr) - saved)[0]), (act, cuts, cout)
 
 
 def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:

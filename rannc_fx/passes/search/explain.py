@@ -14,7 +14,17 @@ import numpy as np
 from . import kernel, layers
 from .candidates import Candidates
 from .kernel import Edges
-from .model import CostTable, SearchSpace, range_max, stage_memory, stage_terms
+from .model import (
+    VARIANTS,
+    CostTable,
+    SearchSpace,
+    range_max,
+    reduce_transient,
+    stage_memory,
+    stage_terms,
+    state_saved,
+    variants,
+)
 
 __all__ = ["NoFeasiblePlan", "no_plan"]
 
@@ -82,11 +92,16 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
         at = (where[0][idx], where[1][idx])
         fixed, grads, act, cuts, cout, ws = (
             stacked[f][at][:, None] for f in ("fixed", "grads", "act", "cuts", "cout", "ws"))
-        return np.min([stage_memory(fixed, grads, act, cuts, cout, ws, n, m, v)
-                       for v in cands.variants()], axis=0)
+        reps, grad = e.reps[idx].astype(np.int64), cands.grad[where[1][idx]]
+        tr = reduce_transient(sp, grad, reps)[:, None]
+        return np.min([stage_memory(fixed, grads, act, cuts, cout, ws, n, m, VARIANTS[v][0], tr)
+                       - state_saved(sp, grad, reps, VARIANTS[v][1])[:, None]
+                       for v in cands.kinds], axis=0)
 
+    sharded = any(VARIANTS[v][1] for v in cands.kinds)
     V = layers.forward(layers.Entries.chain(e.start, e.end, e.reps), weights, L, B,
-                       bottleneck=True, keys=(where[0],))  # a stage's weights: its size
+                       bottleneck=True,  # a stage's weights: its size (and replicas, sharded)
+                       keys=(where[0], e.reps) if sharded else (where[0],))
     return float(V[B, L.final])
 
 
@@ -146,7 +161,9 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
 
     A cheap memory-only check that assumes a stage never needs more memory with more replicas
     (fewer samples each). A replica count whose samples are not in the table is costed at the
-    next larger size in it, so a size it names does fit.
+    next larger size in it, so a size it names does fit. Sharding (ZeRO-1) is costed at the
+    fewest replicas that reach a size; more would keep less state, so with it the size named
+    may be more than needed.
     """
     B, G = table.num_blocks, space.global_batch
     r_max, sizes = G // m, np.asarray(table.sizes)
@@ -157,7 +174,8 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
     one_f = "1f1b" in space.schedules
     ns = range(1, min(m, s_max) + 1) if one_f else [m]
     iu, ju = np.triu_indices(B + 1, 1)
-    variants = [False, True] if space.recompute is None else [space.recompute]
+    kinds = variants(space)
+    grad = np.asarray(table.grad_bytes, float)[iu, ju]
     r_need = {n: np.full(len(iu), np.inf) for n in ns}  # fewest replicas that make it fit
     for k, size in enumerate(sizes.tolist()):
         r = -(-G // (m * int(size)))  # fewest replicas with q <= size
@@ -165,7 +183,10 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
             continue
         terms = stage_terms(table, space, k, iu, ju, range_max(table.workspace[k])[iu, ju], m)
         for n in ns:
-            mem = np.min([terms.memory(n, v) for v in variants], axis=0)
+            mem = np.min([terms.memory(n, VARIANTS[v][0],  # ZeRO-1 at these r (no more)
+                                       reduce_transient(space, grad, np.array(r)))
+                          - state_saved(space, grad, np.array(r), VARIANTS[v][1])
+                          for v in kinds], axis=0)
             r_need[n] = np.where(mem <= space.memory_budget, np.minimum(r_need[n], r), r_need[n])
     need = {n: np.full((B + 1, B + 1), np.inf) for n in ns}
     for n in ns:

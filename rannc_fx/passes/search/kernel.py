@@ -125,7 +125,8 @@ class _Rows:
 @dataclass(frozen=True)
 class Edges:
     """Candidate stages of one m: blocks [start, end) on ``reps`` replicas, with t, u, memory
-    and whether the stage recomputes (``rho``).
+    and the stage's variant (``kind``: an index into ``model.VARIANTS``, recomputation and
+    sharding).
 
     Sorted by end block (the DPs walk them in groups of one end block).
     """
@@ -136,11 +137,11 @@ class Edges:
     t: np.ndarray
     u: np.ndarray
     mem: np.ndarray
-    rho: np.ndarray
+    kind: np.ndarray
 
     def take(self, idx: np.ndarray) -> Edges:
         return Edges(self.start[idx], self.end[idx], self.reps[idx], self.t[idx], self.u[idx],
-                     self.mem[idx], self.rho[idx])
+                     self.mem[idx], self.kind[idx])
 
 
 def groups(key: np.ndarray, num_blocks: int) -> np.ndarray:

@@ -111,8 +111,8 @@ def build_layers(space: SearchSpace, cap: int) -> Layers:
 
 @dataclass(frozen=True)
 class Entries:
-    """Stage variants of one m: blocks [start, end) on ``reps`` replicas, recomputing or not
-    (``rho``), valid where the in-flight count n is in [lo, fit]; ``edge`` is the stage's
+    """Stage variants of one m: blocks [start, end) on ``reps`` replicas, of variant ``kind``
+    (an index into ``model.VARIANTS``), valid where the in-flight count n is in [lo, fit]; ``edge`` is the stage's
     index among the relaxed edges. Sorted by end block."""
 
     start: np.ndarray
@@ -120,7 +120,7 @@ class Entries:
     reps: np.ndarray
     t: np.ndarray
     u: np.ndarray
-    rho: np.ndarray
+    kind: np.ndarray
     lo: np.ndarray
     fit: np.ndarray
     edge: np.ndarray
@@ -139,7 +139,7 @@ class Entries:
         return (self.lo[idx, None] <= n) & (n <= self.fit[idx, None])
 
 
-_FIELDS = ("start", "end", "reps", "t", "u", "rho", "lo", "fit", "edge")
+_FIELDS = ("start", "end", "reps", "t", "u", "kind", "lo", "fit", "edge")
 
 
 class _Rows:
@@ -184,7 +184,7 @@ def forward(e: Entries, weights: Weights, L: Layers, num_blocks: int, *,
     op = np.maximum if bottleneck else np.add
     windows = None if keys is None or L.prev is None else runs_and_tables(
         np.arange(len(e.start)), e.end, e.start, e.reps, keys, B, L.prev, L.width,
-        kind=e.rho if len(e.rho) else None)  # a chain's entries have no variants
+        kind=e.kind if len(e.kind) else None)  # a chain's entries have no variants
     if windows is not None:
         _forward_runs(V, weights, *windows, L, B, op)
         return V

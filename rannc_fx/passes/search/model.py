@@ -19,9 +19,16 @@ once:
                          (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
     acc_s    = accumulate_s[i, j]             (micro-batch 2.. adds its gradients into .grad)
     opt_s    = optimizer_s[i, j]              (the optimizer step of the range's parameters)
-    u_s      = (m - 1) * (t_s + acc_s) + ar_s + opt_s
+    up_s     = ar_s + opt_s                                   (zeta = 0)
+             = ar_s + (ag_s + opt_s / r)                      (zeta = 1, r > 1)
+    ag_s     = (r - 1) / r * grad_bytes[i, j] / ar_bw + (r - 1) * link_lat
+                         (ring all-gather of the stepped parameters: half an all-reduce)
+    u_s      = (m - 1) * (t_s + acc_s) + up_s
     step     = sum_s t_s  +  max_s u_s
     memory_s = param_bytes[i, j] + grad_bytes[i, j] * optimizer_state_factor
+               - zeta * grad_bytes[i, j] * optimizer_state_factor * (r - 1) / r
+                         (ZeRO-1, zeta = 1: each replica keeps the optimizer state of 1 / r
+                          of the stage's parameters, ``runtime/zero.py``)
                + G + n * (A + cin + cout)      (rho = False)
                + G + n * cin + cout + A        (rho = True: a micro-batch in flight keeps only
                                                 the stage's inputs; one micro-batch's
@@ -30,6 +37,9 @@ once:
                - overlap
                + max(workspace[k, i:j])
                + m * sum(out[k, i:j]) + output_bytes
+             (the last three terms but ``fixed``'s are the backward's peak; the larger of it
+              and G + tr is taken, tr = [r > 1] min(G, reduce_bucket): after the backwards
+              the gradient all-reduce copies a bucket of them at a time)
                          (batched model outputs such as logits: the stage keeps every
                           micro-batch's until they go home at the end of the forwards, and
                           every rank assembles its local batch's, output_bytes)
@@ -51,6 +61,13 @@ but one micro-batch's and the gradients) and the larger of the first backward (e
 micro-batch's inputs, then one micro-batch's activations or the gradients) and the second
 (one micro-batch fewer inputs, one micro-batch's activations and the gradients) with it.
 Gradients kept from earlier calls (accumulation without ``zero_grad``) coexist with all of it.
+
+The sharding zeta (0 or 1) is chosen per stage, like rho: it changes only the stage's fixed
+memory and its once-a-step u, so with a fixed n a stage's variants form a chain from fastest to
+smallest -- (rho, zeta) = (0, 0), (0, 1), (1, 0), (1, 1) -- and a stage takes the first that
+fits. Sharding comes before recomputation: it costs one all-gather a step where
+recomputation costs a forward per micro-batch. (0, 0) is never slower than the others and
+(1, 0) never slower than (1, 1); only (0, 1) against (1, 0) is a choice of policy.
 
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
 bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer
@@ -84,19 +101,25 @@ __all__ = [
     "StageChoice",
     "StageCost",
     "StageTerms",
+    "VARIANTS",
     "allreduce_s",
     "bottleneck_s",
+    "choice",
     "in_flight",
     "needed_sizes",
     "held_bytes",
     "kept_cuts",
     "outputs_held",
     "range_max",
+    "reduce_transient",
     "range_sum",
     "samples_per_replica",
     "size_index",
     "stage_memory",
     "stage_terms",
+    "state_saved",
+    "update_s",
+    "variants",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -145,7 +168,9 @@ class SearchSpace:
     replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
     schedules: tuple[str, ...] = SCHEDULES  # candidates; forced = one candidate
     recompute: bool | None = None  # None: per stage, only where needed; True / False: all / none
+    zero: bool | None = None  # ZeRO-1 over a stage's replicas: as ``recompute`` (r = 1: never)
     output_bytes: float = 0.0  # batched model outputs of one rank's local batch (every rank)
+    reduce_bucket: float = 64 * 2**20  # bytes the gradient all-reduce copies at a time
 
 
 @dataclass(frozen=True)
@@ -154,6 +179,7 @@ class StageChoice:
     end: int  # exclusive
     replicas: int
     recompute: bool = False  # run the forward again before each backward; keep only cut values
+    zero: bool = False  # ZeRO-1: the optimizer state sharded over the replicas (r > 1)
 
 
 @dataclass(frozen=True)
@@ -184,6 +210,8 @@ class StageCost:
     recompute_s: float = 0.0
     outputs: int = 0  # batched model outputs held: m micro-batches' and the local batch's
     overlap: int = 0  # of the parts above, the bytes that never coexist (see the docstring)
+    gather_s: float = 0.0  # ag_s: ZeRO-1's all-gather of the stepped parameters
+    zero: bool = False
 
     @property
     def time_s(self) -> float:
@@ -258,9 +286,10 @@ class StageTerms:
     def time(self, recompute: bool) -> np.ndarray:
         return (self.fb + self.fwd if recompute else self.fb) + self.comm
 
-    def memory(self, n: int | np.ndarray, recompute: bool) -> np.ndarray:
+    def memory(self, n: int | np.ndarray, recompute: bool,
+               transient: np.ndarray | float = 0.0) -> np.ndarray:
         return stage_memory(self.fixed, self.grads, self.act, self.cuts, self.cout, self.ws, n,
-                            self.m, recompute)
+                            self.m, recompute, transient)
 
     def take(self, idx: np.ndarray) -> StageTerms:
         return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in _TERMS}, m=self.m)
@@ -291,9 +320,16 @@ def held_bytes(grads: np.ndarray, act: np.ndarray, cuts: np.ndarray, cout: np.nd
 
 def stage_memory(fixed: np.ndarray, grads: np.ndarray, act: np.ndarray, cuts: np.ndarray,
                  cout: np.ndarray, ws: np.ndarray, n: int | np.ndarray, m: int,
-                 recompute: bool) -> np.ndarray:
-    """memory_s from ``StageTerms``' parts, n micro-batches in flight (broadcasting)."""
-    return fixed + held_bytes(grads, act, cuts, cout, n, m, recompute) + ws
+                 recompute: bool, transient: np.ndarray | float = 0.0) -> np.ndarray:
+    """memory_s from ``StageTerms``' parts, n micro-batches in flight, ``transient`` the
+    all-reduce's copy (``reduce_transient``) beside the gradients after the backwards."""
+    held = held_bytes(grads, act, cuts, cout, n, m, recompute)
+    return fixed + np.maximum(held + ws, grads + transient)
+
+
+def reduce_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.ndarray:
+    """tr: the bytes the gradient all-reduce of r replicas copies at once (0 for r = 1)."""
+    return np.where(np.asarray(reps) > 1, np.minimum(grad, space.reduce_bucket), 0.0)
 
 
 def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
@@ -329,6 +365,41 @@ def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.nd
     r = np.asarray(reps, float)
     bw = space.allreduce_bandwidth or space.link_bandwidth
     return 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
+
+
+def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.ndarray,
+             zero: bool | np.ndarray) -> np.ndarray:
+    """up_s: the once-a-step part of u, all-reduce and optimizer step (broadcasting)."""
+    ar = allreduce_s(space, grad, reps)
+    r = np.asarray(reps, float)
+    bw = space.allreduce_bandwidth or space.link_bandwidth
+    sharded = ar + ((r - 1) / r * grad / bw + (r - 1) * space.link_latency + opt / r)
+    return np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)
+
+
+def state_saved(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
+                zero: bool | np.ndarray) -> np.ndarray:
+    """Optimizer-state bytes a replica does not keep under ZeRO-1 (0 without it)."""
+    r = np.asarray(reps, float)
+    state = grad * space.optimizer_state_factor
+    return np.where(np.asarray(zero) & (r > 1), state - state / r, 0.0)
+
+
+# A stage's variants, (recompute, zero), in the order a stage takes the first that fits
+VARIANTS: tuple[tuple[bool, bool], ...] = ((False, False), (False, True), (True, False),
+                                           (True, True))
+
+
+def choice(start: int, end: int, replicas: int, kind: int) -> StageChoice:
+    """The stage of variant ``kind`` (one replica: nothing to shard)."""
+    rho, zeta = VARIANTS[kind]
+    return StageChoice(start, end, replicas, rho, zeta and replicas > 1)
+
+
+def variants(space: SearchSpace) -> list[int]:
+    """Indices into ``VARIANTS`` the space allows, in chain order."""
+    return [v for v, (rho, zeta) in enumerate(VARIANTS)
+            if space.recompute in (None, rho) and space.zero in (None, zeta)]
 
 
 def bottleneck_s(m: int, t: np.ndarray, acc: np.ndarray, fixed_s: np.ndarray) -> np.ndarray:

@@ -63,6 +63,7 @@ from .model import (
     SearchSpace,
     StageChoice,
     _check,
+    choice,
 )
 
 __all__ = ["SearchProgress", "search_pass"]
@@ -137,18 +138,19 @@ class _Run:
             assert got is not None  # fewer in flight than under GPipe
             ts.append(got[0])
             us.append(got[1])
-            out.append(StageChoice(st.start, st.end, st.replicas, got[2]))
-        alike = all(a.recompute == b.recompute for a, b in zip(stages, out, strict=True))
+            out.append(choice(st.start, st.end, st.replicas, got[2]))
+        alike = all((a.recompute, a.zero) == (b.recompute, b.zero)
+                    for a, b in zip(stages, out, strict=True))
         self.best.offer(ts, us, tuple(out), m, self.label(m, alike))
 
     def offer_exact(self, ff: OneFOneB, path: list[int]) -> None:
         """Offer a plan of relaxed edges at its true 1F1B cost, if it fits."""
         got = ff.exact(path)
         if got is not None:
-            ts, us, rhos, alike = got
+            ts, us, kinds, alike = got
             e = ff.edges
-            stages = tuple(StageChoice(int(e.start[x]), int(e.end[x]), int(e.reps[x]), rho)
-                           for x, rho in zip(path, rhos, strict=True))
+            stages = tuple(choice(int(e.start[x]), int(e.end[x]), int(e.reps[x]), kind)
+                           for x, kind in zip(path, kinds, strict=True))
             self.best.offer(ts, us, stages, ff.m, self.label(ff.m, alike))
 
 
@@ -165,8 +167,8 @@ class _Flat:
     def offer(self, path: list[int]) -> tuple[float, float]:
         """Offer the plan of ``path``; returns its (sum of t, max u) as this DP costs it."""
         e, run = self.e, self.run
-        stages = tuple(StageChoice(int(e.start[k]), int(e.end[k]), int(e.reps[k]),
-                                   bool(e.rho[k])) for k in path)
+        stages = tuple(choice(int(e.start[k]), int(e.end[k]), int(e.reps[k]), int(e.kind[k]))
+                       for k in path)
         ts, us = [float(x) for x in e.t[path]], [float(x) for x in e.u[path]]
         if "gpipe" in run.space.schedules:
             run.best.offer(ts, us, stages, self.m, "gpipe")
@@ -225,8 +227,8 @@ class _Layered:
         if not np.isfinite(V[B, L.final]):
             return math.inf, math.inf
         path = layers.backtrack(e, weights, V, L, B)
-        stages = tuple(StageChoice(int(e.start[k]), int(e.end[k]), int(e.reps[k]),
-                                   bool(e.rho[k])) for k in path)
+        stages = tuple(choice(int(e.start[k]), int(e.end[k]), int(e.reps[k]), int(e.kind[k]))
+                       for k in path)
         alike = bool((e.fit[path] >= m).all())
         return run.best.offer([float(x) for x in e.t[path]], [float(x) for x in e.u[path]],
                               stages, m, run.label(m, alike))
@@ -237,7 +239,7 @@ class _Layered:
         through = kernel.through_bound(ff.edges, pre, kernel.backward(ff.edges, st, B), st, B)
         lb = through[:, None] + ff.t + np.maximum(ff.u, u_min)
         self.e = ff.entries(lb < self.run.best.step)
-        self.lb = lb[self.e.edge, self.e.rho.astype(int)]
+        self.lb = lb[self.e.edge, self.e.kind.astype(int)]
         self.keep(np.ones(len(self.lb), bool))
 
     def keep(self, mask: np.ndarray) -> None:

@@ -1,0 +1,234 @@
+"""ZeRO-1 inside a stage (``runtime/zero.py``): each replica keeps the optimizer state of its
+share and the replicas all-gather the stepped parameters; the training is the one process's
+(loss and every parameter after several Adam steps), with clipping, recomputation, both
+schedules, unequal replica counts and a tied embedding; checkpoints cross between sharded
+and unsharded plans."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.testing import assert_close
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.models import TransformerLM, gpt_example, mlp_example
+from rannc_fx.runtime import comm
+from rannc_fx.runtime.comm import buckets
+from rannc_fx.runtime.zero import owners, shard_of
+
+from .dist_utils import assert_like_reference, run_ranks
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+GLOBAL = 6
+STEPS = 3
+
+
+def test_owners_share_whole_tensors_largest_first_to_the_least_loaded() -> None:
+    sizes = [10, 3, 7, 7, 1, 2, 9]
+    got = owners(sizes, 3)
+    assert got == owners(sizes, 3)  # the same on every replica
+    load = [sum(n for n, o in zip(sizes, got, strict=True) if o == r) for r in range(3)]
+    # LPT: no replica holds more than an equal share plus its largest tensor
+    assert max(load) <= sum(sizes) / 3 + max(sizes)
+    assert sorted(load) == [12, 13, 14]
+    assert owners([5, 5], 4) == [0, 1]  # more replicas than tensors: some own nothing
+    assert owners([], 2) == []
+
+
+def test_buckets_cut_whole_tensors_in_order() -> None:
+    ps = [torch.zeros(n) for n in (3, 5, 2, 10, 1, 1)]  # 4 bytes an element
+    assert [[p.numel() for p in b] for b in buckets(ps, 24)] == [[3], [5], [2], [10], [1, 1]]
+    assert [[p.numel() for p in b] for b in buckets(ps, 400)] == [[3, 5, 2, 10, 1, 1]]
+    assert [len(b) for b in buckets([torch.zeros(12, dtype=torch.float16)] * 3, 24)] == [1, 1, 1]
+    assert buckets([], 24) == []
+
+
+def _data() -> tuple[TransformerLM, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    model, args, kwargs = gpt_example(batch=GLOBAL)
+    assert isinstance(model, TransformerLM)
+    return model, args, kwargs
+
+
+def _adam(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
+
+
+def _step(model: Any, opt: torch.optim.Optimizer, args: Any, kwargs: Any,
+          clip: float | None) -> float:
+    loss = model(*args, **kwargs)["loss"]
+    loss.backward()
+    if clip is not None:
+        if isinstance(model, rannc_fx.CompiledModel):
+            model.clip_grad_norm_(clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+    return float(loss.item())
+
+
+def _local(rank: int, world: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    n = GLOBAL // world
+    cut = lambda t: t[rank * n : (rank + 1) * n]  # noqa: E731
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
+              schedule: str | None = None, recompute: bool | None = None
+              ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
+    model, args, kwargs = _data()
+    opt = _adam(model)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
+                 micro_batches=2, schedule=schedule, recompute=recompute, zero=zero)
+    largs, lkwargs = _local(rank, world, args, kwargs)
+    return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
+            opt, largs, lkwargs)
+
+
+def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
+           recompute: bool, clip: float | None) -> tuple[list[float], dict[str, Any]]:
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, 1, schedule=schedule,
+                                      recompute=recompute)
+    losses = [_step(cm, opt, args, kwargs, clip) for _ in range(STEPS)]
+    ref, rargs, rkwargs = _data()
+    ref_opt = _adam(ref)
+    want = [_step(ref, ref_opt, rargs, rkwargs, clip) for _ in range(STEPS)]
+    assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
+    assert_like_reference(cm.stages, ref, **TOL)
+    me = cm.plan.stages_of_rank(rank)[0]
+    shard = shard_of(opt)
+    kept = {id(p) for p in opt.state}
+    ps = list(dict.fromkeys(p for gm in cm.stages for p in gm.parameters()))
+    return losses, {
+        "stage": me.index, "replicas": me.replicas, "zero": me.zero,
+        "sharded": shard is not None,
+        "kept": len(kept & {id(p) for p in ps}), "params": len(ps),
+        "state_bytes": sum(v.numel() * v.element_size() for p in opt.state
+                           for v in opt.state[p].values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0),  # not the step
+        "largest": 2 * max(p.numel() * p.element_size() for p in ps),  # Adam: 2 moments
+        "predicted": me.memory.optimizer_state,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "replicas,schedule,recompute,clip",
+    [((2, 1), "gpipe", False, None), ((1, 2), "1f1b", True, 0.5), ((2,), "1f1b", False, 0.5)],
+    ids=["first-stage-sharded-gpipe", "last-stage-sharded-1f1b-recompute-clip",
+         "one-stage-two-replicas-clip"],
+)
+def test_sharded_training_is_the_one_process_training(replicas, schedule, recompute, clip,
+                                                     monkeypatch):
+    if len(replicas) == 1:  # many all-gathers of a few tensors each (the workers fork after)
+        monkeypatch.setattr(comm, "BUCKET_BYTES", 4096)
+    world = sum(replicas)
+    got = run_ranks(_train, world, replicas, schedule, recompute, clip, timeout_s=30.0,
+                    wall_s=180.0)
+    by_stage: dict[int, list[dict[str, Any]]] = {}
+    for _, info in got:
+        by_stage.setdefault(info["stage"], []).append(info)
+    for infos in by_stage.values():
+        r = infos[0]["replicas"]
+        assert all(i["zero"] == (1 if r > 1 else 0) for i in infos)
+        assert all(i["sharded"] == (r > 1) for i in infos)
+        if r > 1:
+            # each replica keeps the state of a share; together every parameter's once
+            assert sum(i["kept"] for i in infos) == infos[0]["params"]
+            if infos[0]["params"] >= 4 * r:  # enough tensors that every replica gets some
+                assert all(i["kept"] > 0 for i in infos)
+            whole = sum(i["state_bytes"] for i in infos)
+            assert abs(whole - r * infos[0]["predicted"]) <= r  # the plan: 1/r of it each
+            for i in infos:  # an LPT share: within the largest tensor's state of 1/r
+                assert i["state_bytes"] <= whole / r + i["largest"]
+
+
+def _scaled(rank: int, world: int, inf_on: int | None) -> float:
+    """GradScaler over a sharded stage: an inf on one replica skips the step everywhere."""
+    local = 4
+    torch.manual_seed(0)
+    model, (x, y), _ = mlp_example(batch=local * world)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(2, 1),
+                 micro_batches=2, zero=1)
+    cut = lambda t: t[rank * local : (rank + 1) * local]  # noqa: E731
+    cm = rannc_fx.compile(model, opt, cfg, example_args=(cut(x), cut(y)))
+    assert (shard_of(opt) is not None) == (rank < 2)  # the first stage's two replicas
+    scaler, ref_scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler(
+        "cpu", init_scale=2.0**10)
+    for step in range(3):
+        for m, sc, o, args in ((cm, scaler, opt, (cut(x), cut(y))),
+                               (ref, ref_scaler, ref_opt, (x, y))):
+            sc.scale(m(*args)).backward()
+            if step == 1 and inf_on is not None and (m is ref or rank == inf_on):
+                list(m.parameters())[-1].grad.view(-1)[0] = float("inf")
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    assert_like_reference(cm.stages, ref, **TOL)
+    return scaler.get_scale()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inf_on", [None, 1])
+def test_grad_scaler_over_a_sharded_stage_steps_like_one_process(inf_on):
+    scales = run_ranks(_scaled, 3, inf_on, timeout_s=30.0, wall_s=120.0)
+    assert set(scales) == {2.0**10 if inf_on is None else 2.0**9}
+
+
+# -- checkpoints across sharded and unsharded plans --------------------------------------------
+def _save(rank: int, world: int, replicas: tuple[int, ...], zero: int, path: str
+          ) -> list[float]:
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero)
+    losses = [_step(cm, opt, args, kwargs, None) for _ in range(STEPS)]
+    msd, osd = rannc_fx.get_state_dict(cm, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return losses
+
+
+def _resume(rank: int, world: int, replicas: tuple[int, ...], zero: int, path: str
+            ) -> tuple[list[float], bytes | None]:
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero)
+    msd, osd = rannc_fx.get_state_dict(cm, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    rannc_fx.set_state_dict(cm, opt, model_state_dict=msd, optim_state_dict=osd)
+    losses = [_step(cm, opt, args, kwargs, None) for _ in range(STEPS)]
+    full = rannc_fx.get_state_dict(cm, opt, full=True)
+    if rank != 0:
+        return losses, None
+    buf = io.BytesIO()  # tensors cross the process boundary as bytes, not shared memory
+    torch.save(full[1], buf)
+    return losses, buf.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_as,resumed_as", [(((1, 2), 1), ((2, 1), 0)),
+                                                 (((2, 1), 0), ((1, 2), 1))],
+                         ids=["sharded-to-unsharded", "unsharded-to-sharded"])
+def test_checkpoints_cross_between_sharded_and_unsharded_plans(tmp_path, saved_as, resumed_as):
+    ref, args, kwargs = _data()
+    ref_opt = _adam(ref)
+    want = [_step(ref, ref_opt, args, kwargs, None) for _ in range(2 * STEPS)]
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save, 3, *saved_as, path, timeout_s=30.0, wall_s=180.0)
+    assert_close(torch.tensor(saved[0]), torch.tensor(want[:STEPS]), **TOL)
+    got = run_ranks(_resume, 3, *resumed_as, path, timeout_s=30.0, wall_s=180.0)
+    for losses, _ in got:
+        assert_close(torch.tensor(losses), torch.tensor(want[STEPS:]), **TOL)
+    assert got[0][1] is not None
+    full = torch.load(io.BytesIO(got[0][1]))
+    _, ref_osd = rannc_fx.get_state_dict(ref, ref_opt)
+    assert set(full) == set(ref_osd)  # the shares' union: every parameter's state once
+    for k, v in ref_osd.items():
+        if isinstance(v, torch.Tensor):
+            assert_close(full[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
