@@ -1,7 +1,7 @@
-"""What sharding the optimizer state inside a stage's replicas (ZeRO-1) buys in the plans:
-the smallest world size that fits a model, the largest model that fits a world, and the
-predicted step of a plan, each with sharding forbidden (``Config(zero=0)``, before) and
-searched (``Config(zero=None)``, after), in one process.
+"""What sharding the optimizer state inside a stage's replicas (ZeRO-1) and keeping it in
+host memory buy in the plans: the smallest world size that fits a model, the largest model
+that fits a world, and the predicted step of a plan, each with both forbidden
+(``Config(zero=0, offload=False)``, before) and both searched (after), in one process.
 
 The models are HF ``BertForPreTraining`` built on the meta device (``plan_time.bert``),
 planned with the analytic cost model of a ``DeviceSpec`` preset; every figure is the plan's
@@ -33,10 +33,11 @@ from rannc_fx.plan import Plan  # noqa: E402
 GiB = 1024**3
 
 
-def plan(layers: int, a: argparse.Namespace, world: int, zero: int | None) -> Plan | str:
-    """The plan, or why none fits."""
+def plan(layers: int, a: argparse.Namespace, world: int, searched: bool) -> Plan | str:
+    """The plan with sharding and offloading searched (or both forbidden), or why none fits."""
     model, args, kwargs, _ = bert(layers, a.hidden, heads=a.heads, seq=a.seq)
-    cfg = Config(profile_cache_dir=None, zero=zero)
+    cfg = Config(profile_cache_dir=None) if searched else Config(
+        profile_cache_dir=None, zero=0, offload=False)
     try:
         return rannc_fx.partition(model, args, kwargs, world_size=world, device=a.device,
                                   config=cfg, global_batch=a.global_batch).plan
@@ -49,11 +50,15 @@ def describe(p: Plan | str) -> str:
         return p
     reps = "/".join(str(s.replicas) for s in p.stages)
     sharded = sum(s.zero for s in p.stages)
+    off = sum(s.offload for s in p.stages)
+    host = max(s.host_bytes for s in p.stages) / GiB
     rc = sum(s.recompute for s in p.stages)
     worst = max(s.memory.total for s in p.stages) / p.memory_budget
     sim = f" ({p.simulated_step_ms / 1e3:.2f} s simulated)" if p.simulated_step_ms else ""
     return (f"{len(p.stages)} stages (replicas {reps}), {p.schedule}, m={p.micro_batches}, "
-            f"recompute {rc}/{len(p.stages)}, ZeRO-1 {sharded}/{len(p.stages)}, largest stage "
+            f"recompute {rc}/{len(p.stages)}, ZeRO-1 {sharded}/{len(p.stages)}, offload "
+            f"{off}/{len(p.stages)}" + (f" (host {host:.1f} GiB a rank at most)" if off else "")
+            + ", largest stage "
             f"{100 * worst:.0f} % of budget; step {p.predicted_step_ms / 1e3:.2f} s{sim}")
 
 
@@ -73,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=int, default=32)
     p.add_argument("--worlds", type=int, nargs="+", default=[33, 32, 24, 16])
     a = p.parse_args(argv)
-    print("| case | zero=0 (before) | zero searched (after) | both planned in |\n|---|---|---|---:|")
+    print("| case | zero=0, offload=False (before) | both searched (after) | both planned in "
+          "|\n|---|---|---|---:|")
     cases: list[tuple[str, int, int]] = []
     if a.goal == "smallest":
         cases = [(f"{a.layers[0]} x {a.hidden} on {w} x {a.device}", a.layers[0], w)
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                  for n in a.layers]
     for what, layers, world in cases:
         t0 = time.perf_counter()
-        before, after = plan(layers, a, world, 0), plan(layers, a, world, None)
+        before, after = plan(layers, a, world, False), plan(layers, a, world, True)
         print(row(what, before, after, time.perf_counter() - t0), flush=True)
         if a.goal == "step" and isinstance(before, Plan) and isinstance(after, Plan):
             print(f"\nafter / before, predicted step: "

@@ -53,6 +53,13 @@ class Config(BaseModel):
         description="activation recomputation: None = searched per stage, True = every stage, "
         "False = none",
     )
+    offload: bool | None = Field(
+        default=None,
+        description="optimizer state in host memory, brought to the device a bucket at a "
+        "time for the step: None = searched per stage (only where it does not fit otherwise, "
+        "after sharding; only on a device whose DeviceSpec has host_bandwidth and "
+        "host_memory_bytes); True = every stage; False = none",
+    )
     zero: Literal[0, 1] | None = Field(
         default=None,
         description="ZeRO level inside each stage's replicas: None = searched per stage (1 "

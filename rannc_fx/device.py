@@ -13,7 +13,9 @@ __all__ = ["DeviceSpec", "GiB", "device_of"]
 GiB = 1024**3
 
 # Dense peak rates as the vendors list them (no sparsity); the interconnect figure is the
-# per-GPU bandwidth of the usual fabric for that part (NVLink within a node).
+# per-GPU bandwidth of the usual fabric for that part (NVLink within a node). The host
+# figures are a DGX node's per GPU: its host memory over its 8 GPUs, and what one GPU's PCIe
+# link moves in practice (gen3 x16 about 12 GB/s, gen4 24, gen5 50).
 _PRESETS: dict[str, dict[str, Any]] = {
     "v100-32gb": dict(
         memory_bytes=32 * GiB,
@@ -21,6 +23,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         memory_bandwidth=900e9,
         interconnect_bandwidth=150e9,
         interconnect_latency=10e-6,
+        host_bandwidth=12e9,
+        host_memory_bytes=64 * GiB,
     ),
     "a100-40gb": dict(
         memory_bytes=40 * GiB,
@@ -28,6 +32,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         memory_bandwidth=1555e9,
         interconnect_bandwidth=300e9,
         interconnect_latency=10e-6,
+        host_bandwidth=24e9,
+        host_memory_bytes=128 * GiB,
     ),
     "a100-80gb": dict(
         memory_bytes=80 * GiB,
@@ -35,6 +41,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         memory_bandwidth=2039e9,
         interconnect_bandwidth=300e9,
         interconnect_latency=10e-6,
+        host_bandwidth=24e9,
+        host_memory_bytes=256 * GiB,
     ),
     "h100-80gb": dict(
         memory_bytes=80 * GiB,
@@ -42,6 +50,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         memory_bandwidth=3350e9,
         interconnect_bandwidth=450e9,
         interconnect_latency=10e-6,
+        host_bandwidth=50e9,
+        host_memory_bytes=256 * GiB,
     ),
     "h200-141gb": dict(
         memory_bytes=141 * GiB,
@@ -49,6 +59,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         memory_bandwidth=4800e9,
         interconnect_bandwidth=450e9,
         interconnect_latency=10e-6,
+        host_bandwidth=50e9,
+        host_memory_bytes=256 * GiB,
     ),
     # A commodity CPU host running gloo over loopback: a few cores, tens of GB. gloo moves
     # about 0.6 GB/s between two processes here, with ~50-100 us per message; compile()
@@ -59,6 +71,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         memory_bandwidth=20e9,
         interconnect_bandwidth=1e9,
         interconnect_latency=80e-6,
+        # no host figures: host and device are one memory, offloading frees nothing
     ),
 }
 
@@ -70,6 +83,9 @@ class DeviceSpec(BaseModel):
     is device-memory bytes/s; ``interconnect_bandwidth`` is the bytes/s one device can send
     to a peer (point-to-point, and ring all-reduce unless ``allreduce_bandwidth`` says
     otherwise) and ``interconnect_latency`` the seconds one message costs whatever its size.
+    ``host_bandwidth`` is the bytes/s between the device and its host's memory, each way, and
+    ``host_memory_bytes`` the host memory one device may fill with offloaded optimizer state
+    (a node's, over its devices); None: no offloading.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -82,6 +98,8 @@ class DeviceSpec(BaseModel):
     interconnect_latency: float = Field(default=0.0, ge=0)
     # bytes/s of a ring all-reduce's traffic, the reduction included; None: the link's
     allreduce_bandwidth: float | None = Field(default=None, gt=0)
+    host_bandwidth: float | None = Field(default=None, gt=0)
+    host_memory_bytes: int | None = Field(default=None, gt=0)
     # Fraction of peak that real kernels reach; the analytic cost model divides by it.
     efficiency: float = Field(default=0.5, gt=0, le=1)
 

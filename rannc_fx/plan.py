@@ -320,8 +320,8 @@ class Plan(BaseModel):
             + f", device {self.device.name} ({self.cost_model} costs)"
         )
         cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
-                "recompute", "zero", "in flight", "comm ms", "accum ms", "allred ms",
-                "optim ms", "memory", "of budget")
+                "recompute", "zero", "offload", "in flight", "comm ms", "accum ms",
+                "allred ms", "optim ms", "memory", "of budget")
         rows = []
         for st in self.stages:
             nparam = st.memory.params
@@ -336,11 +336,12 @@ class Plan(BaseModel):
                 f"{st.bwd_ms:.2f}",
                 "yes" if st.recompute else "no",
                 str(st.zero),
+                f"{_human_bytes(st.host_bytes)}" if st.offload else "no",
                 str(self.in_flight(st.index)),
                 f"{st.comm_ms:.2f}",
                 f"{st.accumulate_ms:.2f}",
                 f"{st.allreduce_ms:.2f}" + (f"+{st.gather_ms:.2f}" if st.zero else ""),
-                f"{st.optimizer_ms:.2f}",
+                f"{st.optimizer_ms:.2f}" + (f"+{st.host_ms:.2f}" if st.offload else ""),
                 _human_bytes(st.memory.total),
                 f"{100 * st.memory.total / self.memory_budget:.0f}%",
             ))

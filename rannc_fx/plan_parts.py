@@ -90,6 +90,9 @@ class Stage(BaseModel):
     recompute: bool = False  # forward again before each backward (fwd_ms more per micro-batch)
     zero: int = Field(default=0, ge=0, le=1)  # 1: optimizer state sharded over the replicas
     gather_ms: float = 0.0  # zero = 1: all-gathering the stepped parameters after the step
+    offload: bool = False  # the (share of the) optimizer state in host memory
+    host_ms: float = 0.0  # offload: its state to the device and back, each step
+    host_bytes: int = 0  # offload: the optimizer state each replica keeps in host memory
     memory: MemoryEstimate
 
     @property

@@ -51,15 +51,19 @@ class Figures:
     recompute: bool
     zero: bool
     gather_s: float
+    offload: bool
+    host_s: float
+    host_state: float
     t: float
     u: float
     memory: float
 
 
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
-                  recompute: bool, zero: bool = False) -> Figures:
+                  recompute: bool, zero: bool = False, offload: bool = False) -> Figures:
     """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``zero``: the
-    optimizer state sharded over the r replicas (one replica: no effect)."""
+    optimizer state sharded over the r replicas (one replica: no effect); ``offload``: this
+    replica's state in host memory, moved to the device and back each step."""
     zero = zero and r > 1
     B, G = table.num_blocks, space.global_batch
     q = -(-G // (m * r))
@@ -84,12 +88,15 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     if zero:  # each replica steps 1 / r of the parameters, then they all-gather them
         opt = opt / r
         ag = (r - 1) / r * grad / ar_bw + (r - 1) * space.link_latency
-    u = (m - 1) * (t + acc) + ar + ag + opt
+    share = grad * space.optimizer_state_factor / (r if zero else 1)
+    host = share if offload else 0.0
+    moved = 2 * host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
+    u = (m - 1) * (t + acc) + ar + ag + opt + moved
     activations = A if recompute else n * A
     # recomputing, a micro-batch in flight keeps its inputs; its outputs went on and R
     # makes them again, for one micro-batch at a time
     buffers = n * cin + cout if recompute else n * (cin + cout)
-    state = grad * space.optimizer_state_factor / (r if zero else 1)
+    state = 0.0 if offload else share
     # every micro-batch's batched model outputs until they go home, and the local batch's
     outputs = space.output_bytes
     if table.out is not None:
@@ -112,18 +119,25 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     overlap = grad + activations + buffers - peak
     # after the backwards the all-reduce copies a bucket of the gradients beside them
     copy = min(grad, space.reduce_bucket) if r > 1 else 0.0
+    if offload:  # or a bucket's state brought in for its step
+        copy = max(copy, min(host, space.reduce_bucket * space.optimizer_state_factor))
     ws = max(ws, grad + copy - peak)
     return Figures(q, F, Bw, F if recompute else 0.0, comm, ar, opt, acc, param, grad, state,
-                   activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, t, u,
+                   activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, offload, moved, host, t, u,
                    param + state + peak + ws + outputs)
 
 
-CHAIN = ((False, False), (False, True), (True, False), (True, True))
+# (recompute, zero, offload): the policy's order
+CHAIN = ((False, False, False), (False, True, False), (False, True, True),
+         (False, False, True), (True, False, False), (True, True, False), (True, True, True),
+         (True, False, True))
 
 
-def allowed(space: SearchSpace) -> list[tuple[bool, bool]]:
-    return [(rho, zeta) for rho, zeta in CHAIN
-            if space.recompute in (None, rho) and space.zero in (None, zeta)]
+def allowed(space: SearchSpace) -> list[tuple[bool, bool, bool]]:
+    host = space.host_bandwidth is not None and space.host_budget > 0
+    return [(rho, zeta, omega) for rho, zeta, omega in CHAIN
+            if space.recompute in (None, rho) and space.zero in (None, zeta)
+            and space.offload in (None, omega) and (host or not omega)]
 
 
 def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
@@ -133,12 +147,12 @@ def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int
     smaller u; None if none fits."""
     budget = space.memory_budget if budget is None else budget
     ok = allowed(space)
-    for rho, zeta in ok:
-        f = stage_figures(table, space, i, j, r, m, n, rho, zeta)
-        if not zeta and (rho, True) in ok and \
-                stage_figures(table, space, i, j, r, m, n, rho, True).u < f.u:
+    for rho, zeta, omega in ok:
+        f = stage_figures(table, space, i, j, r, m, n, rho, zeta, omega)
+        if not zeta and (rho, True, omega) in ok and \
+                stage_figures(table, space, i, j, r, m, n, rho, True, omega).u < f.u:
             continue
-        if f.memory <= budget:
+        if f.memory <= budget and f.host_state <= space.host_budget:
             return f
     return None
 
@@ -166,7 +180,7 @@ def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice
     """The step time and each stage's figures of a plan."""
     S = len(stages)
     figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
-                          in_flight(schedule, m, S - s), st.recompute, st.zero)
+                          in_flight(schedule, m, S - s), st.recompute, st.zero, st.offload)
             for s, st in enumerate(stages)]
     return sum(f.t for f in figs) + max(f.u for f in figs), figs
 
@@ -242,7 +256,8 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
                 step = sum(f.t for f in figs) + max(f.u for f in figs)
                 if best is None or step < best.step:
                     stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s],
-                                               figs[s].recompute, figs[s].zero)
+                                               figs[s].recompute, figs[s].zero,
+                                               figs[s].offload)
                                    for s in range(S))
                     best = Best(step, m, schedule, stages)
         setattr(out, side, best)
@@ -256,9 +271,9 @@ def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
 
     def least(i: int, j: int, r: int, m: int, n: int) -> float:
         if (i, j, r, m, n) not in memo:
-            memo[i, j, r, m, n] = min(
-                stage_figures(table, space, i, j, r, m, n, rho, zeta).memory
-                for rho, zeta in allowed(space))
+            figs = [stage_figures(table, space, i, j, r, m, n, *v) for v in allowed(space)]
+            memo[i, j, r, m, n] = min(f.memory if f.host_state <= space.host_budget
+                                      else math.inf for f in figs)
         return memo[i, j, r, m, n]
 
     for m, bounds, reps in plans(table, space):
@@ -308,7 +323,7 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
                     memo[key] = variant(table, space, i, j, r, m, n)
                 f = memo[key]
                 if f is not None:
-                    st = StageChoice(i, j, r, f.recompute, f.zero)
+                    st = StageChoice(i, j, r, f.recompute, f.zero, f.offload)
                     new += [(a + f.t, max(b, f.u), (*p, st)) for a, b, p in prev]
         return _front(new)
 

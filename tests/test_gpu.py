@@ -114,3 +114,31 @@ def _fp16(rank: int, world: int) -> list[float]:
 def test_float16_with_the_grad_scaler_follows_torchs_scaler():
     scales = run_ranks(_fp16, 1, timeout_s=60.0, wall_s=180.0, init=False)[0]
     assert scales == [2.0**10, 2.0**9, 2.0**9]
+
+
+def _offloaded(rank: int, world: int) -> list[int]:
+    """Adam's state in host memory on one GPU: it trains like the CPU model, the moments are
+    on the host between steps (pinned), and the device holds no more than a bucket of them."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, (x, y), _ = mlp_example(batch=8)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    cm = rannc_fx.compile(model, opt, Config(offload=True, **CFG), example_args=(x, y))
+    assert cm.plan.stages[0].offload
+    for _ in range(3):
+        for m, o, args in ((cm, opt, (x.cuda(), y.cuda())), (ref, ref_opt, (x, y))):
+            m(*args).backward()
+            o.step()
+            o.zero_grad()
+    moments = [v for p in cm.stages[0].parameters() for v in opt.state[p].values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    assert moments and all(v.device.type == "cpu" and v.is_pinned() for v in moments)
+    for name, p in cm.stages[0].named_parameters():
+        assert_close(p.cpu(), ref.get_parameter(name), **FP32)
+    return [cm.plan.stages[0].memory.optimizer_state]
+
+
+def test_offloaded_optimizer_state_lives_on_the_host_and_trains_like_the_cpu_model():
+    state = run_ranks(_offloaded, 1, timeout_s=60.0, wall_s=180.0, init=False)[0]
+    assert state == [0]  # the plan keeps none of it on the device

@@ -117,8 +117,10 @@ def test_a_model_too_big_for_the_devices_says_by_how_much_and_what_fits():
     with torch.device("meta"):
         model = TransformerLM(vocab=32000, d_model=1024, layers=8, seq=64)
     ids = torch.zeros(8, 64, dtype=torch.long)
-    cfg = CFG.model_copy(update={"device_memory": 1 * 1024**3})
-    with pytest.raises(ValueError, match=r"GiB.*world size"):
+    # half a GiB: even with the Adam state in host memory (searched) the parameters and
+    # gradients of half the model do not fit
+    cfg = CFG.model_copy(update={"device_memory": 512 * 1024**2})
+    with pytest.raises(ValueError, match=r"MiB over.*smallest world size that fits is \d"):
         rannc_fx.partition(model, (ids,), {"labels": ids}, world_size=2, device="v100-32gb",
                            config=cfg)
 
@@ -206,11 +208,11 @@ def test_1f1b_needs_one_scalar_loss():
 
 def _plan_in(mib: float, **options) -> Plan:
     """The 4-layer LM on 2 ranks of ``mib`` MiB each, analytic costs (the same on any machine);
-    the optimizer state unsharded unless ``zero`` is given (the tests below are about the
-    budget's other ways out)."""
+    the optimizer state unsharded and on the device unless ``zero`` or ``offload`` is given
+    (the tests below are about the budget's other ways out)."""
     model, args, kwargs = gpt_example(layers=4)
     cfg = CFG.model_copy(update={"device_memory": int(mib * 2**20), "cost_model": "analytic",
-                                 "zero": 0, **options})
+                                 "zero": 0, "offload": False, **options})
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
 
 

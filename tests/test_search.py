@@ -23,6 +23,7 @@ from rannc_fx.passes.search import (
 from .search_oracle import (
     SLACK,
     Verdict,
+    allowed,
     brute_force,
     least_largest_stage,
     pareto,
@@ -113,21 +114,28 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
     schedules = [("gpipe", "1f1b"), ("gpipe",), ("1f1b",)][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     recompute = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     zero = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
+    offload = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     space = SearchSpace(world_size=W, global_batch=G, memory_budget=1.0,
                         link_bandwidth=float(rng.uniform(0.5, 5)),
                         optimizer_state_factor=float(rng.choice([0.0, 0.5, 2.0])),
                         micro_batches=mbs, stages=stages, replicas=replicas,
-                        schedules=schedules, recompute=recompute, zero=zero)
+                        schedules=schedules, recompute=recompute, zero=zero,
+                        offload=offload)
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     table = dataclasses.replace(table, act=table.act * 3)  # activations that matter
     budget = rng.uniform(0.3, 2.0) * (table.param_bytes[0, B] * 3 + table.act.sum() / 2 + 2)
     space = dataclasses.replace(space, **random_links(rng),
                                 output_bytes=float(rng.uniform(0, 1)) if rng.uniform() < 0.3
                                 else 0.0)
+    if space.offload or rng.uniform() < 0.5:  # a host to offload to, its budget now and then
+        state = float(table.grad_bytes[0, B]) * space.optimizer_state_factor  # binding
+        space = dataclasses.replace(space, host_bandwidth=float(rng.uniform(0.2, 5)),
+                                    host_budget=float(rng.uniform(0.1, 1.5)) * (state + 1))
     if rng.uniform() < tight:
         least = least_largest_stage(table, space)
         plain = least_largest_stage(table, dataclasses.replace(space, schedules=("gpipe",),
-                                                               recompute=False))
+                                                               recompute=False, zero=False,
+                                                               offload=False))
         if math.isfinite(least):
             budget = least + rng.uniform(0, 1.2) * ((plain if math.isfinite(plain) else 2 * least)
                                                     - least)
@@ -149,9 +157,9 @@ def outcome(fn, table: CostTable, space: SearchSpace) -> SearchResult | None:
 
 
 _TIMES = ("fwd_s", "bwd_s", "recompute_s", "comm_s", "allreduce_s", "optimizer_s",
-          "accumulate_s", "gather_s")
+          "accumulate_s", "gather_s", "host_s")
 _BYTES = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "workspace",
-          "outputs", "overlap")
+          "outputs", "overlap", "host_state")
 
 
 def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> None:
@@ -170,13 +178,16 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert all(s.recompute == space.recompute for s in st)
     if space.zero is not None:
         assert all(s.zero == (space.zero and s.replicas > 1) for s in st)
+    if space.offload is not None:
+        assert all(s.offload == space.offload for s in st)
     assert res.schedule in space.schedules
     assert res.evaluation.fits
     step, figs = plan_figures(table, space, st, m, res.schedule)
+    assert all(f.host_state <= space.host_budget for f in figs)
     assert res.evaluation.step_s == pytest.approx(step, rel=1e-9, abs=1e-12)
     for c, f in zip(res.evaluation.stages, figs, strict=True):
-        assert (c.samples, c.in_flight, c.recompute, c.zero) == (
-            f.samples, f.in_flight, f.recompute, f.zero)
+        assert (c.samples, c.in_flight, c.recompute, c.zero, c.offload) == (
+            f.samples, f.in_flight, f.recompute, f.zero, f.offload)
         for name in _TIMES:
             assert getattr(c, name) == pytest.approx(getattr(f, name), rel=1e-9, abs=1e-12)
         for name in _BYTES:  # StageCost rounds each part to whole bytes
@@ -185,11 +196,14 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert f.memory <= space.memory_budget * (1 + SLACK)
     for s, f in zip(st, figs, strict=True):  # the policy: a variant only where needed
         args = (table, space, s.start, s.end, s.replicas, m, f.in_flight)
-        if s.recompute and space.recompute is None:  # no unsharded variant fits
-            for zeta in {False, s.zero} if space.zero is None else {bool(space.zero)}:
-                assert stage_figures(*args, False, zeta).memory > \
-                    space.memory_budget * (1 - SLACK)
-        if s.zero and space.zero is None:  # its twin does not fit or has more u
+        if s.recompute and space.recompute is None:  # no variant without it fits
+            for rho, zeta, omega in allowed(space):
+                g = stage_figures(*args, rho, zeta, omega)
+                assert rho or g.memory > space.memory_budget * (1 - SLACK) or \
+                    g.host_state > space.host_budget or (  # or its sharded twin is faster
+                        not zeta and (rho, True, omega) in allowed(space)
+                        and stage_figures(*args, rho, True, omega).u < g.u)
+        if s.zero and space.zero is None and not s.offload:  # its twin: no fit, or more u
             twin = stage_figures(*args, s.recompute, False)
             assert twin.memory > space.memory_budget * (1 - SLACK) or twin.u > f.u
     assert evaluate(table, space, st, m, res.schedule) == res.evaluation
@@ -223,7 +237,7 @@ def compare_pareto(table: CostTable, space: SearchSpace) -> SearchResult | None:
 def test_matches_brute_force_small(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seen = {"none fits": 0, "plain fits": 0, "needs recompute or 1f1b": 0, "1f1b": 0,
-            "recompute": 0, "zero": 0, "zero and recompute": 0}
+            "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0}
     for _ in range(150):
         got, want = compare(*random_case(rng, 6, 5, tight=0.5))
         if got is None:
@@ -234,11 +248,13 @@ def test_matches_brute_force_small(seed: int) -> None:
         seen["recompute"] += any(s.recompute for s in got.stages)
         seen["zero"] += any(s.zero for s in got.stages)
         seen["zero and recompute"] += any(s.zero and s.recompute for s in got.stages)
+        seen["offload"] += any(s.offload for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
     assert 20 < seen["none fits"] < 100 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
     assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen
+    assert seen["offload"] > 10, seen
 
 
 @pytest.mark.parametrize("seed", range(3))

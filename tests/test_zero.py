@@ -81,21 +81,24 @@ def _local(rank: int, world: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
 
 
 def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
-              schedule: str | None = None, recompute: bool | None = None
+              schedule: str | None = None, recompute: bool | None = None,
+              offload: bool | None = False,
               ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     opt = _adam(model)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
-                 micro_batches=2, schedule=schedule, recompute=recompute, zero=zero)
+                 micro_batches=2, schedule=schedule, recompute=recompute, zero=zero,
+                 offload=offload)
     largs, lkwargs = _local(rank, world, args, kwargs)
     return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
             opt, largs, lkwargs)
 
 
 def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
-           recompute: bool, clip: float | None) -> tuple[list[float], dict[str, Any]]:
+           recompute: bool, clip: float | None, offload: bool = False
+           ) -> tuple[list[float], dict[str, Any]]:
     cm, opt, args, kwargs = _compiled(rank, world, replicas, 1, schedule=schedule,
-                                      recompute=recompute)
+                                      recompute=recompute, offload=offload)
     losses = [_step(cm, opt, args, kwargs, clip) for _ in range(STEPS)]
     ref, rargs, rkwargs = _data()
     ref_opt = _adam(ref)
@@ -115,6 +118,10 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
                            if isinstance(v, torch.Tensor) and v.dim() > 0),  # not the step
         "largest": 2 * max(p.numel() * p.element_size() for p in ps),  # Adam: 2 moments
         "predicted": me.memory.optimizer_state,
+        "offload": me.offload, "host_bytes": me.host_bytes,
+        "host_params": len(shard.host.params) if shard is not None and shard.host else 0,
+        "bucketed": shard is not None and shard.host is not None and len(
+            comm.buckets(shard.host.params, comm.BUCKET_BYTES)) > 1,
     }
 
 
@@ -186,19 +193,38 @@ def test_grad_scaler_over_a_sharded_stage_steps_like_one_process(inf_on):
     assert set(scales) == {2.0**10 if inf_on is None else 2.0**9}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas,schedule,recompute", [((2, 1), "1f1b", False),
+                                                         ((1, 1), "gpipe", True)],
+                         ids=["sharded-and-offloaded-1f1b", "offloaded-gpipe-recompute"])
+def test_offloaded_state_steps_in_buckets_like_one_process(replicas, schedule, recompute,
+                                                           monkeypatch):
+    """Host and device are one memory here: the state's path (bucket by bucket, the user's
+    optimizer stepping each bucket) and its numerics are what is tested."""
+    monkeypatch.setattr(comm, "BUCKET_BYTES", 64 * 1024)  # several buckets a stage
+    got = run_ranks(_train, sum(replicas), replicas, schedule, recompute, 0.5, True,
+                    timeout_s=30.0, wall_s=180.0)
+    assert any(info["bucketed"] for _, info in got)  # a rank that stepped several buckets
+    for _, info in got:
+        assert info["offload"] and info["host_params"] > 0
+        # the plan's device keeps none of the state; the host this replica's share of it
+        assert info["predicted"] == 0 and info["host_bytes"] > 0
+        assert abs(info["state_bytes"] - info["host_bytes"]) <= info["largest"]
+
+
 # -- checkpoints across sharded and unsharded plans --------------------------------------------
-def _save(rank: int, world: int, replicas: tuple[int, ...], zero: int, path: str
-          ) -> list[float]:
-    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero)
+def _save(rank: int, world: int, replicas: tuple[int, ...], zero: int, offload: bool,
+          path: str) -> list[float]:
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero, offload=offload)
     losses = [_step(cm, opt, args, kwargs, None) for _ in range(STEPS)]
     msd, osd = rannc_fx.get_state_dict(cm, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     return losses
 
 
-def _resume(rank: int, world: int, replicas: tuple[int, ...], zero: int, path: str
-            ) -> tuple[list[float], bytes | None]:
-    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero)
+def _resume(rank: int, world: int, replicas: tuple[int, ...], zero: int, offload: bool,
+            path: str) -> tuple[list[float], bytes | None]:
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero, offload=offload)
     msd, osd = rannc_fx.get_state_dict(cm, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
     rannc_fx.set_state_dict(cm, opt, model_state_dict=msd, optim_state_dict=osd)
@@ -212,9 +238,9 @@ def _resume(rank: int, world: int, replicas: tuple[int, ...], zero: int, path: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved_as,resumed_as", [(((1, 2), 1), ((2, 1), 0)),
-                                                 (((2, 1), 0), ((1, 2), 1))],
-                         ids=["sharded-to-unsharded", "unsharded-to-sharded"])
+@pytest.mark.parametrize("saved_as,resumed_as", [(((1, 2), 1, False), ((2, 1), 0, False)),
+                                                 (((2, 1), 0, False), ((1, 2), 1, True))],
+                         ids=["sharded-to-unsharded", "unsharded-to-sharded-offloaded"])
 def test_checkpoints_cross_between_sharded_and_unsharded_plans(tmp_path, saved_as, resumed_as):
     ref, args, kwargs = _data()
     ref_opt = _adam(ref)

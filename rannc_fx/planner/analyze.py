@@ -304,6 +304,7 @@ def _search_space(
     schedules = (cfg.schedule,) if cfg.schedule in ("gpipe", "1f1b") else ("1f1b",) if (
         cfg.schedule in ("interleaved", "zbv")) else (
         ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
+    host_bw, host_budget = _host(spec, cfg)
     return SearchSpace(
         world_size=world_size,
         global_batch=global_batch,
@@ -318,8 +319,22 @@ def _search_space(
         schedules=schedules,
         recompute=cfg.recompute,
         zero=None if cfg.zero is None else bool(cfg.zero),
+        offload=cfg.offload,
+        host_bandwidth=host_bw,
+        host_budget=host_budget,
         reduce_bucket=BUCKET_BYTES,
     )
+
+
+def _host(spec: DeviceSpec, cfg: Config) -> tuple[float | None, float]:
+    """The host the search may offload optimizer state to: the device's, less the margin.
+    Forced onto a device without one (the CPU, whose host is its own memory), offloading
+    runs the same path, costed as if the host were apart and unbounded."""
+    if spec.host_bandwidth is not None and spec.host_memory_bytes is not None:
+        return spec.host_bandwidth, spec.host_memory_bytes * (1 - cfg.memory_margin)
+    if cfg.offload:
+        return spec.host_bandwidth or spec.memory_bandwidth, math.inf
+    return None, 0.0
 
 
 def _local_output_bytes(captured: CapturedGraph, values: dict[str, ValueSpec],

@@ -96,6 +96,9 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             recompute=choice.recompute,
             zero=int(cost.zero),
             gather_ms=ms * cost.gather_s,
+            offload=cost.offload,
+            host_ms=ms * cost.host_s,
+            host_bytes=cost.host_state,
             memory=MemoryEstimate(
                 params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
                 activations=cost.activations, comm_buffers=cost.comm_buffers,

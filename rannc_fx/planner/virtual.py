@@ -147,24 +147,29 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
     zero = [(result.stages[lane_of[s]].zero or bool(a.space.zero)) and reps[s] > 1
             for s in range(v * lanes)]
+    offload = [result.stages[lane_of[s]].offload or bool(a.space.offload)
+               for s in range(v * lanes)]
+    host = a.space.offload is None and a.space.host_bandwidth is not None and \
+        a.space.host_budget > 0
     while True:
         bounds = balanced_stages(a, reps, m, recompute)
         if bounds is None:
             return None
-        stages = tuple(StageChoice(i, j, r, rho, z) for (i, j), r, rho, z
-                       in zip(bounds, reps, recompute, zero, strict=True))
+        stages = tuple(StageChoice(i, j, r, rho, z, o) for (i, j), r, rho, z, o
+                       in zip(bounds, reps, recompute, zero, offload, strict=True))
         ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
                       in_flight_counts=counts, lane_units=units_of(recompute))
         if ev.fits:
-            # give back what the lanes can hold after all: recomputation, then sharding
-            for field, forced in (("recompute", a.config.recompute), ("zero", a.space.zero)):
+            # give back what the lanes can hold after all: recomputation, offloading, sharding
+            for field, forced in (("recompute", a.config.recompute),
+                                  ("offload", a.space.offload), ("zero", a.space.zero)):
                 if forced is None:
                     stages, ev = _undo(a, stages, field, m, schedule, layout, counts,
                                        units_of, ev)
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
-        # each lane over the budget shards its stages' optimizer state, else recomputes its
-        # stage that holds the most activations
+        # each lane over the budget shards its stages' optimizer state, else offloads it,
+        # else recomputes its stage that holds the most activations
         more = False
         for lane in layout:
             if sum(ev.stages[s].memory for s in lane) <= a.space.memory_budget:
@@ -173,6 +178,12 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
             if unsharded and a.space.zero is None:
                 for s in unsharded:
                     zero[s] = True
+                more = True
+                continue
+            kept = [s for s in lane if not offload[s]]
+            if kept and host:
+                for s in kept:
+                    offload[s] = True
                 more = True
                 continue
             free = [s for s in lane if not recompute[s]]
@@ -199,7 +210,7 @@ def _undo(a: Analysis, stages: tuple[StageChoice, ...], field: str, m: int, sche
         got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
                        in_flight_counts=counts,
                        lane_units=units_of([st.recompute for st in trial]))
-        if got.fits and (field == "recompute" or got.step_s <= ev.step_s):
+        if got.fits and (field != "zero" or got.step_s <= ev.step_s):
             stages, ev = trial, got
     return stages, ev
 

@@ -212,7 +212,8 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
             return 1e-3 * (st.bwd_ms * w * (1 + SPLIT_OVERHEAD) + acc)
         if a.kind is Kind.REDUCE:  # every stage of its lane
             return 1e-3 * sum(plan.stages[j].allreduce_ms + plan.stages[j].optimizer_ms
-                              + plan.stages[j].gather_ms for j in lane[a.stage])
+                              + plan.stages[j].gather_ms + plan.stages[j].host_ms
+                              for j in lane[a.stage])
         return 0.0
 
     return of

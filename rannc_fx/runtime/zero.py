@@ -15,6 +15,9 @@ their gradients are the same. A shared parameter (a tied embedding and LM head) 
 among each holding stage's replicas like the others: its gradient is the same on every holder
 after its all-reduce, so each stage's owner steps it alike.
 
+A stage whose plan offloads its optimizer state (``offload.py``) keeps this replica's share
+of it in host memory: the pre-hook steps those parameters there, a bucket at a time.
+
 Torch's ``ZeroRedundancyOptimizer`` is not used because it builds its own optimizer from a
 class and keyword arguments: the optimizer the user made, the LR scheduler and
 ``GradScaler`` bound to it, would no longer be the one that steps. Here the user's optimizer
@@ -35,6 +38,7 @@ from torch import nn
 from ..plan import Plan
 from . import comm
 from .comm import Groups, buckets, collective
+from .offload import HostState
 
 __all__ = ["OptimizerShard", "owners", "paused", "shard_of", "shard_optimizer", "steps"]
 
@@ -53,22 +57,33 @@ def owners(numels: Sequence[int], replicas: int) -> list[int]:
 
 
 class OptimizerShard:
-    """This replica's share of a stage's parameters and the hooks that step only it."""
+    """This replica's share of a stage's parameters and the hooks that step only it; where
+    the state is offloaded (``offload.HostState``), the hooks step it a bucket at a time."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                 replica: int, replicas: int, stage: int, groups: Callable[[], Groups]):
-        """``params``: the stage's sharded parameters, in the same order on every replica;
-        ``groups``: the executor's current groups (they are made again after a failure)."""
+    def __init__(self, optimizer: torch.optim.Optimizer, sharded: Sequence[nn.Parameter],
+                 replica: int, replicas: int, stage: int, groups: Callable[[], Groups],
+                 offloaded: Sequence[nn.Parameter] = ()):
+        """``sharded``: the parameters sharded over the replicas, in the same order on every
+        replica; ``offloaded``: those whose state (this replica's share of it) lives in host
+        memory; ``groups``: the executor's current groups (made again after a failure)."""
         self.optimizer, self.replica, self.replicas, self.stage = optimizer, replica, replicas, stage
         self._groups = groups
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self.params = [p for p in params if id(p) in held]
-        owner = owners([p.numel() for p in self.params], replicas)
-        self.owner = {id(p): o for p, o in zip(self.params, owner, strict=True)}
+        self.sharded = [p for p in sharded if id(p) in held]
+        owner = owners([p.numel() for p in self.sharded], replicas)
+        self.owner = {id(p): o for p, o in zip(self.sharded, owner, strict=True)}
+        self.params = list({id(p): p for p in (*self.sharded, *offloaded) if id(p) in held}
+                           .values())
+        mine = [p for p in offloaded if id(p) in held and self.steps(p)]
+        self.host = HostState(optimizer, mine) if mine else None
         self._aside: dict[int, torch.Tensor | None] = {}
         self._on = True
-        self._handles = (optimizer.register_step_pre_hook(self._before),
-                         optimizer.register_step_post_hook(self._after))
+        self._handles = [optimizer.register_step_pre_hook(self._before),
+                         optimizer.register_step_post_hook(self._after)]
+        if self.host is not None:
+            host = self.host
+            self._handles.append(optimizer.register_load_state_dict_post_hook(
+                lambda _: host.settle()))
         _SHARDS[optimizer] = self
 
     def steps(self, p: torch.Tensor) -> bool:
@@ -77,13 +92,7 @@ class OptimizerShard:
 
     @property
     def others(self) -> list[nn.Parameter]:
-        return [p for p in self.params if not self.steps(p)]
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this replica holds for the stage's sharded parameters."""
-        return sum(v.numel() * v.element_size() for p in self.params
-                   for v in self.optimizer.state.get(p, {}).values()
-                   if isinstance(v, torch.Tensor))
+        return [p for p in self.sharded if not self.steps(p)]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -97,15 +106,22 @@ class OptimizerShard:
         self._aside = {}
         for p in self.others:
             self._aside[id(p)], p.grad = p.grad, None
+        if self.host is not None:  # the offloaded state's parameters step here, in buckets
+            mine = {id(p): p.grad for p in self.host.params}
+            for p in self.host.params:
+                p.grad = None
+            self._aside.update(mine)
+            self.host.step_in_buckets(mine, args, kwargs)
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._on:
             return
-        for p in self.others:
+        for p in self.params:
             if id(p) in self._aside:
                 p.grad = self._aside[id(p)]
         self._aside = {}
-        self.gather()
+        if self.replicas > 1 and self.sharded:
+            self.gather()
 
     def gather(self) -> None:
         """Every replica's stepped share to every replica: all-gathers of buckets of whole
@@ -115,7 +131,7 @@ class OptimizerShard:
         groups = self._groups()
         group = groups.stage[self.stage]
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self.params:
+        for p in self.sharded:
             by_dtype.setdefault(p.dtype, []).append(p)
         with torch.no_grad():
             for dtype, ps in by_dtype.items():
@@ -154,19 +170,21 @@ def shard_optimizer(optimizer: torch.optim.Optimizer | None, plan: Plan, rank: i
                     modules: dict[int, nn.Module], groups: Callable[[], Groups]
                     ) -> OptimizerShard | None:
     """Shard ``optimizer`` over the replicas of this rank's stages whose plan says ``zero =
-    1`` (``modules``: this rank's stage modules by index); None where none does. A lane's
-    stages share their ranks, so one share and one group serve all of them."""
+    1``, and offload the state of those that say ``offload`` (``modules``: this rank's stage
+    modules by index); None where none does either. A lane's stages share their ranks, so
+    one share and one group serve all of them."""
     zero = [s for s in modules if plan.stages[s].zero >= 1 and plan.stages[s].replicas > 1]
-    if optimizer is None or not zero:
+    off = [s for s in modules if plan.stages[s].offload]
+    if optimizer is None or not (zero or off):
         return None
-    params: dict[int, nn.Parameter] = {}
-    for s in zero:
-        for p in modules[s].parameters():
-            if p.requires_grad:
-                params.setdefault(id(p), p)
-    st = plan.stages[zero[0]]
-    return OptimizerShard(optimizer, list(params.values()), st.ranks.index(rank), st.replicas,
-                          st.index, groups)
+
+    def trained(stages: list[int]) -> list[nn.Parameter]:
+        return list({id(p): p for s in stages for p in modules[s].parameters()
+                     if p.requires_grad}.values())
+
+    st = plan.stages[(zero or off)[0]]
+    return OptimizerShard(optimizer, trained(zero), st.ranks.index(rank), st.replicas,
+                          st.index, groups, offloaded=trained(off))
 
 
 def shard_of(optimizer: torch.optim.Optimizer | None) -> OptimizerShard | None:

@@ -27,10 +27,11 @@ from .model import (
     CostTable,
     SearchSpace,
     StageTerms,
+    after_transient,
     bottleneck_s,
+    host_state,
     range_max,
     range_sum,
-    reduce_transient,
     samples_per_replica,
     size_index,
     stage_terms,
@@ -41,7 +42,10 @@ from .model import (
 
 __all__ = ["Candidates", "OneFOneB", "depth_limit", "dominated", "max_in_flight"]
 
-_ZERO = np.array([z for _, z in VARIANTS])
+# each unsharded variant's sharded twin: the same recomputation and offloading
+_TWIN = {k: next(j for j, w in enumerate(VARIANTS)
+                 if w.zero and (w.recompute, w.offload) == (v.recompute, v.offload))
+         for k, v in enumerate(VARIANTS) if not v.zero}
 
 
 def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
@@ -49,8 +53,8 @@ def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
     (the twin's memory is never more and its t the same: the stage takes the twin)."""
     out = np.zeros(u.shape, bool)
     for v in kinds:
-        if not _ZERO[v] and v + 1 in kinds:
-            out[..., v] = u[..., v + 1] < u[..., v]
+        if v in _TWIN and _TWIN[v] in kinds:
+            out[..., v] = u[..., _TWIN[v]] < u[..., v]
     return out
 
 
@@ -58,8 +62,8 @@ def max_in_flight(terms: StageTerms, recompute: bool, m: int, budget: float,
                   saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0
                   ) -> np.ndarray:
     """The largest n in [0, m] with ``terms.memory(n, recompute, transient) - saved <=
-    budget`` (0: none; ``saved``: ZeRO-1's ``model.state_saved``, ``transient`` the
-    all-reduce's ``model.reduce_transient``).
+    budget`` (0: none; ``saved``: ``model.state_saved``, -inf where the variant cannot be,
+    ``transient``: ``model.after_transient``).
 
     Memory grows with n, so a division estimates the limit and the formula itself settles
     it: the limit agrees with ``evaluate`` to the last bit.
@@ -161,8 +165,8 @@ class Candidates:
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
         self.kinds = variants(space)
         self._terms: dict[tuple[int, int], StageTerms] = {}
-        self._fixed: dict[bool, np.ndarray] = {}
-        self._saved: dict[bool, np.ndarray] = {}
+        self._fixed: dict[tuple[bool, bool], np.ndarray] = {}
+        self._saved: dict[tuple[bool, bool], np.ndarray] = {}
         self.live = self._live()
 
     def _live(self) -> np.ndarray:
@@ -182,7 +186,9 @@ class Candidates:
                 and sp.output_bytes >= 0):
             return every
         params = np.asarray(t.param_bytes, float)[self.iu, self.ju]
-        if any(VARIANTS[v][1] for v in self.kinds) and sp.world_size > 1:
+        if any(VARIANTS[v].offload for v in self.kinds):
+            least = (params + self.grad) * (1 - 1e-9)
+        elif any(VARIANTS[v].zero for v in self.kinds) and sp.world_size > 1:
             least = (params + self.grad * sp.optimizer_state_factor / sp.world_size
                      + self.grad) * (1 - 1e-9)
         else:
@@ -199,21 +205,36 @@ class Candidates:
     def memory(self, terms: StageTerms, n: int, kind: int, r: int,
                rows: np.ndarray | None = None) -> np.ndarray:
         """The memory of the stages ``terms`` holds (rows of them, all if None) on r replicas
-        with n in flight, as variant ``kind``."""
-        rho, zeta = VARIANTS[kind]
-        return terms.memory(n, rho, self.transient(r, rows)) - self.saved(zeta, r, rows)
+        with n in flight, as variant ``kind`` (infinite where its host share does not fit)."""
+        saved, tr = self.offsets(kind, r, rows)
+        return terms.memory(n, VARIANTS[kind].recompute, tr) - saved
 
-    def transient(self, r: int, rows: np.ndarray | None = None) -> np.ndarray:
-        """``model.reduce_transient`` of the stages (rows; all if None) on r replicas."""
+    def offsets(self, kind: int, r: int | np.ndarray, rows: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """What variant ``kind`` on r replicas takes off the stages' memory (``state_saved``;
+        -inf where the offloaded state is over the host budget) and its ``after_transient``
+        (``r``: one count, or one per row)."""
+        v, sp = VARIANTS[kind], self.space
         grad = self.grad if rows is None else self.grad[rows]
-        return reduce_transient(self.space, grad, np.array(r))
+        saved = self.saved(v.zero, v.offload, r, rows)
+        if v.offload:
+            over = host_state(sp, grad, np.array(r), v.zero, True) > sp.host_budget
+            saved = np.where(over, -np.inf, saved)
+        return saved, after_transient(sp, grad, np.array(r), v.zero, v.offload)
 
-    def saved(self, zero: bool, r: int, rows: np.ndarray | None = None) -> np.ndarray:
-        """``model.state_saved`` of the stages (rows; all if None) on r replicas."""
-        if zero not in self._saved:  # every stage at every replica count, once
+    def saved(self, zero: bool, offload: bool, r: int | np.ndarray,
+              rows: np.ndarray | None = None) -> np.ndarray:
+        """``model.state_saved`` of the stages (rows; all if None) on r replicas (one count,
+        or one per row)."""
+        key = (zero, offload)
+        if key not in self._saved:  # every stage at every replica count, once
             every = np.arange(1, self.space.world_size + 1)
-            self._saved[zero] = state_saved(self.space, self.grad[:, None], every[None, :], zero)
-        col = self._saved[zero][:, r - 1]
+            self._saved[key] = state_saved(self.space, self.grad[:, None], every[None, :],
+                                           zero, offload)
+        if np.ndim(r):
+            assert rows is not None
+            return self._saved[key][rows, np.asarray(r) - 1]
+        col = self._saved[key][:, int(r) - 1]
         return col if rows is None else col[rows]
 
     def replicas(self, m: int) -> np.ndarray:
@@ -227,18 +248,17 @@ class Candidates:
         return self.kidx[samples_per_replica(self.space.global_batch, m, r)]
 
     def _u(self, m: int, t: np.ndarray, reps: np.ndarray, rows: np.ndarray | None = None,
-           zero: bool | np.ndarray = False) -> np.ndarray:
-        """u of the stages (rows; all if None) at each replica count (columns) given t, with
-        ZeRO-1 where ``zero`` (broadcast against t)."""
-        def fixed(z: bool) -> np.ndarray:
-            if z not in self._fixed:  # up_s of every stage at every replica count, once
-                every = np.arange(1, self.space.world_size + 1)
-                self._fixed[z] = update_s(self.space, self.grad[:, None], self.opt[:, None],
-                                          every[None, :], z)
-            f = self._fixed[z]
-            return f[:, reps - 1] if rows is None else f[rows[:, None], reps - 1]
-
-        up = np.where(zero, fixed(True), fixed(False)) if np.any(zero) else fixed(False)
+           kind: int = 0) -> np.ndarray:
+        """u of the stages (rows; all if None) at each replica count (columns) given t, as
+        variant ``kind`` (its sharding and offloading)."""
+        v = VARIANTS[kind]
+        key = (v.zero, v.offload)
+        if key not in self._fixed:  # up_s of every stage at every replica count, once
+            every = np.arange(1, self.space.world_size + 1)
+            self._fixed[key] = update_s(self.space, self.grad[:, None], self.opt[:, None],
+                                        every[None, :], v.zero, v.offload)
+        f = self._fixed[key]
+        up = f[:, reps - 1] if rows is None else f[rows[:, None], reps - 1]
         acc = self.acc if rows is None else self.acc[rows]
         return bottleneck_s(m, t, acc[:, None], up)
 
@@ -273,12 +293,12 @@ class Candidates:
             rr = np.array([r])
             us = np.zeros((P, len(VARIANTS)))
             for v in self.kinds:
-                us[:, v] = self._u(m, times[int(VARIANTS[v][0])][:, None], rr, rows,
-                                   bool(_ZERO[v]))[:, 0]
+                us[:, v] = self._u(m, times[int(VARIANTS[v].recompute)][:, None], rr, rows,
+                                   v)[:, 0]
             skip = dominated(us, self.kinds)
             unset = np.ones(P, bool)
             for v in self.kinds:
-                rho = VARIANTS[v][0]
+                rho = VARIANTS[v].recompute
                 mem = self.memory(terms, m, v, r, rows)
                 take = unset & ~skip[:, v] & (mem <= sp.memory_budget)
                 T[take, c], U[take, c], M[take, c] = times[int(rho)][take], us[take, v], mem[take]
@@ -305,9 +325,8 @@ class Candidates:
         pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r), m)
         ts, us = np.zeros(len(VARIANTS)), np.zeros(len(VARIANTS))
         for v in self.kinds:
-            rho, zeta = VARIANTS[v]
-            t = terms.time(rho)[pair]
-            ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, zeta)[0, 0]
+            t = terms.time(VARIANTS[v].recompute)[pair]
+            ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, v)[0, 0]
         skip = dominated(us, self.kinds)
         one = terms.take(pair)
         for v in self.kinds:
@@ -323,13 +342,13 @@ class Candidates:
         reps = self.replicas(m)
         if not len(reps):
             return None
-        sp, R, V, first = self.space, len(reps), len(VARIANTS), VARIANTS[self.kinds[0]]
+        sp, R, V, first = self.space, len(reps), len(VARIANTS), self.kinds[0]
         ks = [self.size(m, r) for r in reps.tolist()]
         live = self.live  # the others fit nowhere: they never make an edge
         by_k = {k: self.terms(k, m).take(live) for k in dict.fromkeys(ks)}
         # no variant beats the first allowed one's t + u: only stages that can still win
-        t_first = np.stack([by_k[k].time(first[0]) for k in ks], axis=1)
-        can_win = t_first + self._u(m, t_first, reps, live, first[1]) < below
+        t_first = np.stack([by_k[k].time(VARIANTS[first].recompute) for k in ks], axis=1)
+        can_win = t_first + self._u(m, t_first, reps, live, first) < below
         if gains_only:
             full = np.stack([self.memory(by_k[k], m, self.kinds[0], r, live)
                              for k, r in zip(ks, reps.tolist(), strict=True)], axis=1)
@@ -341,18 +360,16 @@ class Candidates:
         for c, (k, r) in enumerate(zip(ks, reps.tolist(), strict=True)):
             terms = self.terms(k, m).take(rows)
             for v in self.kinds:
-                rho, zeta = VARIANTS[v]
+                rho = VARIANTS[v].recompute
                 T[:, c, v] = terms.time(rho)
-                if r > 1:
+                if r > 1 or VARIANTS[v].offload:
                     FIT[:, c, v] = max_in_flight(terms, rho, m, sp.memory_budget,
-                                                 self.saved(zeta, r, rows),
-                                                 self.transient(r, rows))
+                                                 *self.offsets(v, r, rows))
                 else:  # one replica: nothing to shard or all-reduce, one figure per size
                     if (k, rho) not in done:
                         done[(k, rho)] = max_in_flight(terms, rho, m, sp.memory_budget)
                     FIT[:, c, v] = done[(k, rho)]
-        U = np.stack([self._u(m, T[:, :, v], reps, rows, bool(_ZERO[v])) for v in range(V)],
-                     axis=2)
+        U = np.stack([self._u(m, T[:, :, v], reps, rows, v) for v in range(V)], axis=2)
         FIT[dominated(U, self.kinds)] = -1
         # a stage's first variant that fits somewhere (at n = 1) stands for it
         fits = FIT >= 1

@@ -5,6 +5,7 @@ This module imports numpy only (no torch).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -17,14 +18,15 @@ from .model import (
     SearchSpace,
     StageChoice,
     StageCost,
+    after_transient,
     allreduce_s,
     bottleneck_s,
     held_bytes,
+    host_state,
     in_flight,
     kept_cuts,
     outputs_held,
     range_sum,
-    reduce_transient,
     samples_per_replica,
     size_index,
     stage_terms,
@@ -40,7 +42,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
     micro-batch's activations, cut values in and out, and out alone."""
     i, j, r, rho = st.start, st.end, st.replicas, st.recompute
-    zeta = st.zero and r > 1
+    zeta, omega = st.zero and r > 1, st.offload
     q = samples_per_replica(space.global_batch, m, r)
     if q not in kidx:
         raise ValueError(f"the cost table has no costs for {q} samples per replica; "
@@ -53,10 +55,12 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     ar = float(allreduce_s(space, g, rr)[0])
     opt, acc = float(range_sum(table.optimizer_s, ii, jj)[0]), float(
         range_sum(table.accumulate_s, ii, jj)[0])
-    up = update_s(space, g, np.array([opt]), rr, zeta)
+    up = update_s(space, g, np.array([opt]), rr, zeta, omega)
+    base = update_s(space, g, np.array([opt]), rr, zeta)  # without the host traffic
     u = float(bottleneck_s(m, np.array([t]), np.array([acc]), up)[0])
-    saved = state_saved(space, g, rr, zeta)
-    tr = reduce_transient(space, g, rr)
+    saved = state_saved(space, g, rr, zeta, omega)
+    tr = after_transient(space, g, rr, zeta, omega)
+    host = float(host_state(space, g, rr, zeta, omega)[0])
     fwd, act, cuts = float(table.fwd[k, i:j].sum()), float(terms.act[0]), float(terms.cuts[0])
     cout = float(terms.cout[0])
     kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, rho)[0])
@@ -68,7 +72,8 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     cost = StageCost(
         samples=q, fwd_s=fwd, bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
         allreduce_s=ar, optimizer_s=opt / r if zeta else opt, accumulate_s=acc,
-        gather_s=float(up[0]) - ar - opt / r if zeta else 0.0, zero=zeta,
+        gather_s=float(base[0]) - ar - opt / r if zeta else 0.0, zero=zeta,
+        offload=omega, host_s=float(up[0] - base[0]), host_state=round(host),
         params=round(float(table.param_bytes[i, j])), grads=round(grad),
         optimizer_state=round(grad * space.optimizer_state_factor - float(saved[0])),
         activations=round(act if rho else n * act), comm_buffers=round(kept),
@@ -77,7 +82,10 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         recompute_s=fwd if rho else 0.0,
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
-    return cost, t, u, float((terms.memory(n, rho, tr) - saved)[0]), (act, cuts, cout)
+    mem = float((terms.memory(n, rho, tr) - saved)[0])
+    if host > space.host_budget:  # offloaded state the host cannot hold
+        mem = math.inf
+    return cost, t, u, mem, (act, cuts, cout)
 
 
 def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
@@ -142,7 +150,8 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
         shares = lane_memory([costs[s] for s in lane], [got[s][4] for s in lane], units)
         for s, c in zip(lane, shares, strict=True):
             costs[s] = c
-        fits = fits and sum(c.memory for c in shares) <= space.memory_budget
+        fits = fits and sum(c.memory for c in shares) <= space.memory_budget and \
+            sum(c.host_state for c in shares) <= space.host_budget
     return Evaluation(step, tuple(costs), fits)
 
 

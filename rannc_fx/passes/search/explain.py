@@ -18,8 +18,11 @@ from .model import (
     VARIANTS,
     CostTable,
     SearchSpace,
+    StageTerms,
+    Variant,
+    after_transient,
+    host_state,
     range_max,
-    reduce_transient,
     stage_memory,
     stage_terms,
     state_saved,
@@ -92,13 +95,16 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
         at = (where[0][idx], where[1][idx])
         fixed, grads, act, cuts, cout, ws = (
             stacked[f][at][:, None] for f in ("fixed", "grads", "act", "cuts", "cout", "ws"))
-        reps, grad = e.reps[idx].astype(np.int64), cands.grad[where[1][idx]]
-        tr = reduce_transient(sp, grad, reps)[:, None]
-        return np.min([stage_memory(fixed, grads, act, cuts, cout, ws, n, m, VARIANTS[v][0], tr)
-                       - state_saved(sp, grad, reps, VARIANTS[v][1])[:, None]
-                       for v in cands.kinds], axis=0)
+        reps, rows = e.reps[idx].astype(np.int64), where[1][idx]
 
-    sharded = any(VARIANTS[v][1] for v in cands.kinds)
+        def variant(k: int) -> np.ndarray:
+            saved, tr = cands.offsets(k, reps, rows)
+            return stage_memory(fixed, grads, act, cuts, cout, ws, n, m, VARIANTS[k].recompute,
+                                tr[:, None]) - saved[:, None]
+
+        return np.min([variant(k) for k in cands.kinds], axis=0)
+
+    sharded = any(VARIANTS[v].zero or VARIANTS[v].offload for v in cands.kinds)
     V = layers.forward(layers.Entries.chain(e.start, e.end, e.reps), weights, L, B,
                        bottleneck=True,  # a stage's weights: its size (and replicas, sharded)
                        keys=(where[0], e.reps) if sharded else (where[0],))
@@ -183,10 +189,7 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
             continue
         terms = stage_terms(table, space, k, iu, ju, range_max(table.workspace[k])[iu, ju], m)
         for n in ns:
-            mem = np.min([terms.memory(n, VARIANTS[v][0],  # ZeRO-1 at these r (no more)
-                                       reduce_transient(space, grad, np.array(r)))
-                          - state_saved(space, grad, np.array(r), VARIANTS[v][1])
-                          for v in kinds], axis=0)
+            mem = np.min([_at(space, terms, grad, n, r, VARIANTS[v]) for v in kinds], axis=0)
             r_need[n] = np.where(mem <= space.memory_budget, np.minimum(r_need[n], r), r_need[n])
     need = {n: np.full((B + 1, B + 1), np.inf) for n in ns}
     for n in ns:
@@ -200,3 +203,14 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
     fits = [max(lo, int(least[s, 0])) for s in counts
             if np.isfinite(least[s, 0]) and max(lo, least[s, 0]) <= min(hi, s * r_max)]
     return min(fits, default=None)
+
+
+def _at(space: SearchSpace, terms: StageTerms, grad: np.ndarray, n: int, r: int,
+        v: Variant) -> np.ndarray:
+    """The stages' memory as variant ``v`` on r replicas (infinite where its offloaded state
+    is over the host budget)."""
+    rr = np.array(r)
+    mem = terms.memory(n, v.recompute, after_transient(space, grad, rr, v.zero, v.offload)) \
+        - state_saved(space, grad, rr, v.zero, v.offload)
+    host = host_state(space, grad, rr, v.zero, v.offload)
+    return np.where(host > space.host_budget, np.inf, mem)

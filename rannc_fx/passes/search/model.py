@@ -89,6 +89,7 @@ for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,6 +103,7 @@ __all__ = [
     "StageCost",
     "StageTerms",
     "VARIANTS",
+    "Variant",
     "allreduce_s",
     "bottleneck_s",
     "choice",
@@ -111,7 +113,8 @@ __all__ = [
     "kept_cuts",
     "outputs_held",
     "range_max",
-    "reduce_transient",
+    "after_transient",
+    "host_state",
     "range_sum",
     "samples_per_replica",
     "size_index",
@@ -169,6 +172,9 @@ class SearchSpace:
     schedules: tuple[str, ...] = SCHEDULES  # candidates; forced = one candidate
     recompute: bool | None = None  # None: per stage, only where needed; True / False: all / none
     zero: bool | None = None  # ZeRO-1 over a stage's replicas: as ``recompute`` (r = 1: never)
+    offload: bool | None = None  # optimizer state in host memory: as ``recompute``
+    host_bandwidth: float | None = None  # bytes/s device <-> host; None: nothing to offload to
+    host_budget: float = 0.0  # host bytes a device may fill with offloaded state
     output_bytes: float = 0.0  # batched model outputs of one rank's local batch (every rank)
     reduce_bucket: float = 64 * 2**20  # bytes the gradient all-reduce copies at a time
 
@@ -180,6 +186,7 @@ class StageChoice:
     replicas: int
     recompute: bool = False  # run the forward again before each backward; keep only cut values
     zero: bool = False  # ZeRO-1: the optimizer state sharded over the replicas (r > 1)
+    offload: bool = False  # the (share of the) optimizer state kept in host memory
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,9 @@ class StageCost:
     overlap: int = 0  # of the parts above, the bytes that never coexist (see the docstring)
     gather_s: float = 0.0  # ag_s: ZeRO-1's all-gather of the stepped parameters
     zero: bool = False
+    offload: bool = False
+    host_s: float = 0.0  # the offloaded state to the device and back, each step
+    host_state: int = 0  # bytes of optimizer state in host memory
 
     @property
     def time_s(self) -> float:
@@ -322,14 +332,22 @@ def stage_memory(fixed: np.ndarray, grads: np.ndarray, act: np.ndarray, cuts: np
                  cout: np.ndarray, ws: np.ndarray, n: int | np.ndarray, m: int,
                  recompute: bool, transient: np.ndarray | float = 0.0) -> np.ndarray:
     """memory_s from ``StageTerms``' parts, n micro-batches in flight, ``transient`` the
-    all-reduce's copy (``reduce_transient``) beside the gradients after the backwards."""
+    all-reduce's or the offloaded step's bucket (``after_transient``) beside the gradients
+    after the backwards."""
     held = held_bytes(grads, act, cuts, cout, n, m, recompute)
     return fixed + np.maximum(held + ws, grads + transient)
 
 
-def reduce_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.ndarray:
-    """tr: the bytes the gradient all-reduce of r replicas copies at once (0 for r = 1)."""
-    return np.where(np.asarray(reps) > 1, np.minimum(grad, space.reduce_bucket), 0.0)
+def after_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
+                    zero: bool | np.ndarray = False, offload: bool | np.ndarray = False
+                    ) -> np.ndarray:
+    """tr: what exists beside the gradients after the backwards, at most: the gradient
+    all-reduce's copy of a bucket of them (r > 1), or, offloaded, a bucket's optimizer state
+    brought to the device for its step."""
+    copy = np.where(np.asarray(reps) > 1, np.minimum(grad, space.reduce_bucket), 0.0)
+    bucket = np.minimum(host_state(space, grad, reps, zero, True),
+                        space.reduce_bucket * space.optimizer_state_factor)
+    return np.where(np.asarray(offload), np.maximum(copy, bucket), copy)
 
 
 def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
@@ -368,38 +386,71 @@ def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.nd
 
 
 def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.ndarray,
-             zero: bool | np.ndarray) -> np.ndarray:
-    """up_s: the once-a-step part of u, all-reduce and optimizer step (broadcasting)."""
+             zero: bool | np.ndarray, offload: bool | np.ndarray = False) -> np.ndarray:
+    """up_s: the once-a-step part of u, all-reduce, optimizer step and, offloaded, the
+    replica's optimizer state to the device and back (broadcasting)."""
     ar = allreduce_s(space, grad, reps)
     r = np.asarray(reps, float)
     bw = space.allreduce_bandwidth or space.link_bandwidth
     sharded = ar + ((r - 1) / r * grad / bw + (r - 1) * space.link_latency + opt / r)
-    return np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)
+    up = np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)
+    if space.host_bandwidth is None or not np.any(offload):
+        return up
+    moved = 2 * host_state(space, grad, reps, zero, True) / space.host_bandwidth
+    return np.where(np.asarray(offload), up + moved, up)
+
+
+def host_state(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
+               zero: bool | np.ndarray, offload: bool | np.ndarray) -> np.ndarray:
+    """Optimizer-state bytes a replica keeps in host memory: its share (ZeRO-1) or all of it
+    where offloaded, else 0."""
+    r = np.asarray(reps, float)
+    state = grad * space.optimizer_state_factor
+    mine = np.where(np.asarray(zero) & (r > 1), state / r, state)
+    return np.where(np.asarray(offload), mine, 0.0)
 
 
 def state_saved(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
-                zero: bool | np.ndarray) -> np.ndarray:
-    """Optimizer-state bytes a replica does not keep under ZeRO-1 (0 without it)."""
+                zero: bool | np.ndarray, offload: bool | np.ndarray = False) -> np.ndarray:
+    """Optimizer-state bytes a replica does not keep on its device: the other replicas'
+    shares under ZeRO-1, all of it offloaded (0 with neither)."""
     r = np.asarray(reps, float)
     state = grad * space.optimizer_state_factor
-    return np.where(np.asarray(zero) & (r > 1), state - state / r, 0.0)
+    return np.where(np.asarray(offload), state,
+                    np.where(np.asarray(zero) & (r > 1), state - state / r, 0.0))
 
 
-# A stage's variants, (recompute, zero), in the order a stage takes the first that fits
-VARIANTS: tuple[tuple[bool, bool], ...] = ((False, False), (False, True), (True, False),
-                                           (True, True))
+class Variant(NamedTuple):
+    """How a stage holds its activations and optimizer state."""
+
+    recompute: bool
+    zero: bool  # ZeRO-1 over its replicas (none to shard over: no effect)
+    offload: bool = False  # its (share of the) optimizer state in host memory
+
+
+# A stage's variants in the order a stage takes the first that fits: offloaded, sharded
+# first (the state moved each step is then a share); recomputation after all of them
+VARIANTS: tuple[Variant, ...] = (
+    Variant(False, False), Variant(False, True), Variant(False, True, True),
+    Variant(False, False, True), Variant(True, False), Variant(True, True),
+    Variant(True, True, True), Variant(True, False, True),
+)
 
 
 def choice(start: int, end: int, replicas: int, kind: int) -> StageChoice:
     """The stage of variant ``kind`` (one replica: nothing to shard)."""
-    rho, zeta = VARIANTS[kind]
-    return StageChoice(start, end, replicas, rho, zeta and replicas > 1)
+    v = VARIANTS[kind]
+    return StageChoice(start, end, replicas, v.recompute, v.zero and replicas > 1, v.offload)
 
 
 def variants(space: SearchSpace) -> list[int]:
-    """Indices into ``VARIANTS`` the space allows, in chain order."""
-    return [v for v, (rho, zeta) in enumerate(VARIANTS)
-            if space.recompute in (None, rho) and space.zero in (None, zeta)]
+    """Indices into ``VARIANTS`` the space allows, in chain order (offloading only where the
+    device has a host to offload to)."""
+    host = space.host_bandwidth is not None and space.host_budget > 0
+    return [k for k, v in enumerate(VARIANTS)
+            if space.recompute in (None, v.recompute)
+            and space.zero in (None, v.zero) and space.offload in (None, v.offload)
+            and (host or not v.offload)]
 
 
 def bottleneck_s(m: int, t: np.ndarray, acc: np.ndarray, fixed_s: np.ndarray) -> np.ndarray:
@@ -444,6 +495,11 @@ def _check(table: CostTable, space: SearchSpace) -> None:
             raise ValueError(f"stages={space.stages} but replicas={list(space.replicas)}")
     if space.stages is not None and space.stages < 1:
         raise ValueError(f"stages={space.stages}: need at least one stage")
+    if space.offload and (space.host_bandwidth is None or space.host_budget <= 0):
+        raise ValueError("offload=True but the device has no host memory to offload to "
+                         f"(host_bandwidth={space.host_bandwidth}, host budget "
+                         f"{space.host_budget:g} bytes): describe it in the DeviceSpec "
+                         "(host_bandwidth, host_memory_bytes), or leave offload to the search")
     missing = sorted(set(needed_sizes(space)) - set(size_index(table)))
     if missing:
         raise ValueError(f"the cost table has no costs for {missing} samples per replica; "
