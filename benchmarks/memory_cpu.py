@@ -193,17 +193,27 @@ def measure(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: t
 
 def run_variant(base: GPT, cfg: Config, ids: torch.Tensor, labels: torch.Tensor,
                 steps: int) -> tuple[Any, dict[str, float]]:
+    """The plan and the step's peaks; and the bytes of parameters, gradients (after a step's
+    backwards) and Adam state (not its step count) this rank holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local = ids.shape[0] // world
     mine = slice(rank * local, (rank + 1) * local)
     model = copy.deepcopy(base)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     cm = rannc_fx.compile(model, opt, cfg)
+    got: dict[str, float] = {}
     for _ in range(2):  # plan, then a warm step (allocator pools, optimizer state)
         cm(ids[mine], labels[mine]).backward()
+        held = list(dict.fromkeys(p for st in cm.stages for p in st.parameters()))
+        got["params"] = sum(p.numel() * p.element_size() for p in held)
+        got["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in held
+                           if p.grad is not None)
         opt.step()
         opt.zero_grad()
-    return cm.plan, measure(cm, opt, ids[mine], labels[mine], steps)
+    got["state"] = sum(v.numel() * v.element_size() for p in opt.state
+                       for v in opt.state[p].values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return cm.plan, {**got, **measure(cm, opt, ids[mine], labels[mine], steps)}
 
 
 def _row(name: str, plan: Any, got: dict[str, float]) -> str:
@@ -220,14 +230,17 @@ def _row(name: str, plan: Any, got: dict[str, float]) -> str:
             f"{100 * (step_pred - got['heap']) / got['heap']:+.1f}% |")
 
 
-def _print_rows(rows: list[str]) -> None:
+_HEAD = ("| variant | stage | recompute | in flight | predicted activations MiB | measured "
+         "saved peak MiB | error | predicted step memory MiB | measured heap peak above step "
+         "start MiB | error |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def _print_rows(rows: list[str], head: str = _HEAD) -> None:
+    """Every rank's rows on rank 0, variant by variant, under ``head``."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     if dist.get_rank() == 0:
-        print("| variant | stage | recompute | in flight | predicted activations MiB | measured "
-              "saved peak MiB | error | predicted step memory MiB | measured heap peak above "
-              "step start MiB | error |")
-        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        print(head)
         for i in range(len(rows)):
             for r in everyone:
                 print(r[i])
@@ -248,8 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         for level in (0, 1):
             cfg = Config(replicas=reps, micro_batches=args.micro_batches, schedule="1f1b",
                          zero=level, **common)
-            rows.append(_zero_row(f"zero={level}", *_held(base, cfg, ids, labels, args.steps)))
-        _print_zero(rows)
+            rows.append(_zero_row(f"zero={level}",
+                                  *run_variant(base, cfg, ids, labels, args.steps)))
+        _print_rows(rows, "| variant | rank | stage | replicas | zero | params MiB predicted / "
+                    "measured | grads | optimizer state | step heap peak |\n"
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     elif args.mode == "schedules":
         for schedule in args.schedules:
             for recompute in (False, True):
@@ -287,32 +303,6 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def _held(base: GPT, cfg: Config, ids: torch.Tensor, labels: torch.Tensor, steps: int
-          ) -> tuple[Any, dict[str, float]]:
-    """The plan, the step's peaks, and the bytes of parameters, gradients and Adam state this
-    rank holds (the gradients after a step's backwards)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = ids.shape[0] // world
-    mine = slice(rank * local, (rank + 1) * local)
-    model = copy.deepcopy(base)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    cm = rannc_fx.compile(model, opt, cfg)
-    got: dict[str, float] = {}
-    for _ in range(2):  # plan, then a warm step (the optimizer state exists after it)
-        cm(ids[mine], labels[mine]).backward()
-        held = list(dict.fromkeys(p for st in cm.stages for p in st.parameters()))
-        got["params"] = sum(p.numel() * p.element_size() for p in held)
-        got["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in held
-                           if p.grad is not None)
-        opt.step()
-        opt.zero_grad()
-    got["state"] = sum(v.numel() * v.element_size() for p in opt.state
-                       for v in opt.state[p].values()
-                       if isinstance(v, torch.Tensor) and v.dim() > 0)  # not Adam's step count
-    got.update(measure(cm, opt, ids[mine], labels[mine], steps))
-    return cm.plan, got
-
-
 def _zero_row(name: str, plan: Any, got: dict[str, float]) -> str:
     held = plan.stages_of_rank(dist.get_rank())
     mem = {k: sum(getattr(st.memory, f) for st in held)
@@ -325,18 +315,6 @@ def _zero_row(name: str, plan: Any, got: dict[str, float]) -> str:
     return (f"| {name} | {dist.get_rank()} | {'+'.join(str(st.index) for st in held)} | "
             f"{held[0].replicas} | {held[0].zero} | {cells} | {step_pred / MiB:.2f} / "
             f"{got['heap'] / MiB:.2f} ({100 * (step_pred - got['heap']) / got['heap']:+.1f}%) |")
-
-
-def _print_zero(rows: list[str]) -> None:
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, rows)
-    if dist.get_rank() == 0:
-        print("| variant | rank | stage | replicas | zero | params MiB predicted / measured | "
-              "grads | optimizer state | step heap peak |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for i in range(len(rows)):
-            for r in everyone:
-                print(r[i])
 
 
 def _gpipe_need(base: GPT, ids: torch.Tensor, labels: torch.Tensor, world: int,

@@ -17,15 +17,15 @@ from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.models import TransformerLM, gpt_example, mlp_example
+from rannc_fx.models import mlp_example
 from rannc_fx.runtime import comm
 from rannc_fx.runtime.comm import buckets
 from rannc_fx.runtime.zero import owners, shard_of
 
 from .dist_utils import assert_like_reference, run_ranks
+from .test_checkpoint import _adam, _data, _local  # the tied-embedding LM and its Adam
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-GLOBAL = 6
 STEPS = 3
 
 
@@ -49,17 +49,6 @@ def test_buckets_cut_whole_tensors_in_order() -> None:
     assert buckets([], 24) == []
 
 
-def _data() -> tuple[TransformerLM, tuple[Any, ...], dict[str, Any]]:
-    torch.manual_seed(0)
-    model, args, kwargs = gpt_example(batch=GLOBAL)
-    assert isinstance(model, TransformerLM)
-    return model, args, kwargs
-
-
-def _adam(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
-
-
 def _step(model: Any, opt: torch.optim.Optimizer, args: Any, kwargs: Any,
           clip: float | None) -> float:
     loss = model(*args, **kwargs)["loss"]
@@ -72,12 +61,6 @@ def _step(model: Any, opt: torch.optim.Optimizer, args: Any, kwargs: Any,
     opt.step()
     opt.zero_grad()
     return float(loss.item())
-
-
-def _local(rank: int, world: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    n = GLOBAL // world
-    cut = lambda t: t[rank * n : (rank + 1) * n]  # noqa: E731
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
 def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,

@@ -80,16 +80,25 @@ def plan_model(
     p = Progress("plan")
     seconds = time.perf_counter() - t0
     plan = _with_schedules(a, result, seconds)
-    if a.space.zero is None and any(st.zero for st in result.stages):
-        # the schedules tried after the search keep its lanes: the plan it makes without
-        # sharding may suit them better (the 100 B BERT's on 33 A100s does, under ZBV)
-        b = dataclasses.replace(a, space=dataclasses.replace(a.space, zero=False))
+    # the schedules tried after the search keep its lanes: the plan it makes without
+    # offloading, or without sharding either, may suit them better (the 100 B BERT's on 33
+    # A100s does under ZBV, the 512-layer BERT-large's on 32 V100s interleaved)
+    sp = a.space
+    alternatives: list[SearchSpace] = []
+    if sp.offload is None and any(st.offload for st in result.stages):
+        alternatives.append(dataclasses.replace(sp, offload=False))
+    if sp.zero is None and any(st.zero or st.offload for st in result.stages):
+        alternatives.append(dataclasses.replace(
+            sp, zero=False, offload=False if sp.offload is None else sp.offload))
+    for space in alternatives:
+        b = dataclasses.replace(a, space=space)
+        forbid = {"zero": space.zero, "offload": space.offload}
         try:
             other = _with_schedules(b, search_pass(b.table, b.space), seconds)
         except NoFeasiblePlan:
-            other = None
-        if other is not None and _step(other) < _step(plan):
-            log.info("plan: without sharding, %s: simulated step %.2f ms against %.2f ms",
+            continue
+        if _step(other) < _step(plan):
+            log.info("plan: with %s, %s: simulated step %.2f ms against %.2f ms", forbid,
                      other.schedule, _step(other), _step(plan))
             plan = other
     p.done(
