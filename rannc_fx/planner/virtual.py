@@ -198,14 +198,17 @@ def _undo(a: Analysis, stages: tuple[StageChoice, ...], field: str, m: int, sche
           layout: tuple[tuple[int, ...], ...], counts: list[int],
           units_of: Callable[[Sequence[bool]], list[np.ndarray]],
           ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
-    """The same boundaries with each stage that recomputes (or shards: ``field``), slowest
-    forward first, running without where its lane still fits (and, for sharding, where that
-    is not slower; balancing again could only move boundaries the first pass already
-    weighed)."""
-    order = sorted((s for s, st in enumerate(stages) if getattr(st, field)),
-                   key=lambda s: -ev.stages[s].fwd_s)
-    for s in order:
-        trial = tuple(dataclasses.replace(st, **{field: False}) if k == s else st
+    """The same boundaries with each stage that recomputes, slowest forward first, or each
+    lane whose stages offload or shard (``field``: the lanes took those whole), running
+    without where its lane still fits (and, for sharding, where that is not slower;
+    balancing again could only move boundaries the first pass already weighed)."""
+    if field == "recompute":
+        order = [[s] for s in sorted((s for s, st in enumerate(stages) if st.recompute),
+                                     key=lambda s: -ev.stages[s].fwd_s)]
+    else:
+        order = [[s for s in lane if getattr(stages[s], field)] for lane in layout]
+    for group in (g for g in order if g):
+        trial = tuple(dataclasses.replace(st, **{field: False}) if k in group else st
                       for k, st in enumerate(stages))
         got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
                        in_flight_counts=counts,

@@ -202,7 +202,7 @@ class Candidates:
             self._terms[(k, m)] = stage_terms(self.table, self.space, k, self.iu, self.ju, ws, m)
         return self._terms[(k, m)]
 
-    def memory(self, terms: StageTerms, n: int, kind: int, r: int,
+    def memory(self, terms: StageTerms, n: int, kind: int, r: int | np.ndarray,
                rows: np.ndarray | None = None) -> np.ndarray:
         """The memory of the stages ``terms`` holds (rows of them, all if None) on r replicas
         with n in flight, as variant ``kind`` (infinite where its host share does not fit)."""
@@ -213,9 +213,11 @@ class Candidates:
                 ) -> tuple[np.ndarray, np.ndarray]:
         """What variant ``kind`` on r replicas takes off the stages' memory (``state_saved``;
         -inf where the offloaded state is over the host budget) and its ``after_transient``
-        (``r``: one count, or one per row)."""
+        (``r``: one count, one per row, or a (1, columns) row of them for every row)."""
         v, sp = VARIANTS[kind], self.space
         grad = self.grad if rows is None else self.grad[rows]
+        if np.ndim(r) == 2:  # (1, columns): one replica count a column, every row
+            grad = grad[:, None]
         saved = self.saved(v.zero, v.offload, r, rows)
         if v.offload:
             over = host_state(sp, grad, np.array(r), v.zero, True) > sp.host_budget
@@ -227,15 +229,19 @@ class Candidates:
         """``model.state_saved`` of the stages (rows; all if None) on r replicas (one count,
         or one per row)."""
         key = (zero, offload)
-        if key not in self._saved:  # every stage at every replica count, once
+        if key not in self._saved:  # every replica count (rows) for every stage, once
             every = np.arange(1, self.space.world_size + 1)
-            self._saved[key] = state_saved(self.space, self.grad[:, None], every[None, :],
+            self._saved[key] = state_saved(self.space, self.grad[None, :], every[:, None],
                                            zero, offload)
+        table = self._saved[key]  # (replica counts, stages)
+        if np.ndim(r) == 2:  # (1, columns)
+            picked = table[np.asarray(r)[0] - 1]  # (columns, stages)
+            return (picked if rows is None else picked[:, rows]).T
         if np.ndim(r):
             assert rows is not None
-            return self._saved[key][rows, np.asarray(r) - 1]
-        col = self._saved[key][:, int(r) - 1]
-        return col if rows is None else col[rows]
+            return table[np.asarray(r) - 1, rows]
+        row = table[int(r) - 1]
+        return row if rows is None else row[rows]
 
     def replicas(self, m: int) -> np.ndarray:
         """The replica counts a stage may have with m micro-batches."""
@@ -283,27 +289,27 @@ class Candidates:
         P, R = len(rows), len(reps)
         T, U, M = (np.full((P, R), np.inf) for _ in range(3))
         KIND = np.full((P, R), self.kinds[-1], np.int64)
-        done: dict[int, tuple[StageTerms, np.ndarray]] = {}  # size -> its terms and t per rho
-        for c, r in enumerate(reps.tolist()):
-            k = self.size(m, r)
-            if k not in done:
-                terms = self.terms(k, m).take(rows)
-                done[k] = (terms, np.stack([terms.time(rho) for rho in (False, True)]))
-            terms, times = done[k]
-            rr = np.array([r])
-            us = np.zeros((P, len(VARIANTS)))
+        ks = np.array([self.size(m, r) for r in reps.tolist()])
+        for k in dict.fromkeys(ks.tolist()):  # the columns of one size at once
+            cols = np.flatnonzero(ks == k)
+            terms = self.terms(k, m).take(rows)
+            wide, rr = terms.column(), reps[cols]
+            times = {rho: np.broadcast_to(terms.time(rho)[:, None], (P, len(cols)))
+                     for rho in (False, True)}
+            us = np.zeros((P, len(cols), len(VARIANTS)))
             for v in self.kinds:
-                us[:, v] = self._u(m, times[int(VARIANTS[v].recompute)][:, None], rr, rows,
-                                   v)[:, 0]
+                us[:, :, v] = self._u(m, times[VARIANTS[v].recompute], rr, rows, v)
             skip = dominated(us, self.kinds)
-            unset = np.ones(P, bool)
+            unset = np.ones((P, len(cols)), bool)
+            t, u, mem_, kind = (np.full((P, len(cols)), x) for x in (np.inf, np.inf, np.inf,
+                                                                      self.kinds[-1]))
             for v in self.kinds:
-                rho = VARIANTS[v].recompute
-                mem = self.memory(terms, m, v, r, rows)
-                take = unset & ~skip[:, v] & (mem <= sp.memory_budget)
-                T[take, c], U[take, c], M[take, c] = times[int(rho)][take], us[take, v], mem[take]
-                KIND[take, c] = v
+                mem = self.memory(wide, m, v, rr[None, :], rows)
+                take = unset & ~skip[:, :, v] & (mem <= sp.memory_budget)
+                t[take] = times[VARIANTS[v].recompute][take]
+                u[take], mem_[take], kind[take] = us[:, :, v][take], mem[take], v
                 unset &= ~take
+            T[:, cols], U[:, cols], M[:, cols], KIND[:, cols] = t, u, mem_, kind
         keep = np.flatnonzero(M.ravel() <= sp.memory_budget)
         return self._edges(keep, reps, T, U, M, KIND, rows)
 
@@ -356,19 +362,15 @@ class Candidates:
                 return None
         rows = live[can_win.any(axis=1)]
         T, FIT = np.zeros((len(rows), R, V)), np.full((len(rows), R, V), -1, np.int64)
-        done: dict[tuple[int, bool], np.ndarray] = {}  # (size, rho) -> fit on one replica
-        for c, (k, r) in enumerate(zip(ks, reps.tolist(), strict=True)):
+        for k in dict.fromkeys(ks):  # the columns of one size at once: (rows, columns) arrays
+            cols = np.flatnonzero(np.array(ks) == k)
             terms = self.terms(k, m).take(rows)
+            wide = terms.column()
             for v in self.kinds:
                 rho = VARIANTS[v].recompute
-                T[:, c, v] = terms.time(rho)
-                if r > 1 or VARIANTS[v].offload:
-                    FIT[:, c, v] = max_in_flight(terms, rho, m, sp.memory_budget,
-                                                 *self.offsets(v, r, rows))
-                else:  # one replica: nothing to shard or all-reduce, one figure per size
-                    if (k, rho) not in done:
-                        done[(k, rho)] = max_in_flight(terms, rho, m, sp.memory_budget)
-                    FIT[:, c, v] = done[(k, rho)]
+                T[:, cols, v] = terms.time(rho)[:, None]
+                FIT[:, cols, v] = max_in_flight(wide, rho, m, sp.memory_budget,
+                                                *self.offsets(v, reps[cols][None, :], rows))
         U = np.stack([self._u(m, T[:, :, v], reps, rows, v) for v in range(V)], axis=2)
         FIT[dominated(U, self.kinds)] = -1
         # a stage's first variant that fits somewhere (at n = 1) stands for it

@@ -304,6 +304,11 @@ class StageTerms:
     def take(self, idx: np.ndarray) -> StageTerms:
         return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in _TERMS}, m=self.m)
 
+    def column(self) -> StageTerms:
+        """The terms as (stages, 1) columns, to broadcast against (stages, k) arrays."""
+        return StageTerms(**{f: np.asarray(getattr(self, f))[:, None] for f in _TERMS},
+                          m=self.m)
+
 
 _TERMS = ("fb", "fwd", "comm", "fixed", "grads", "act", "cuts", "cout", "ws")
 
