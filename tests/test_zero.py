@@ -241,3 +241,28 @@ def test_checkpoints_cross_between_sharded_and_unsharded_plans(tmp_path, saved_a
     for k, v in ref_osd.items():
         if isinstance(v, torch.Tensor):
             assert_close(full[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_offloaded_fused_adam_with_the_grad_scaler_steps_like_one_process():
+    """A fused optimizer unscales inside its step (GradScaler's grad_scale and found_inf, set
+    on the optimizer): every bucket's step unscales and skips alike (one process: the alone
+    path offloads too)."""
+    model, (x, y), _ = mlp_example(batch=8)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)
+    cm = rannc_fx.compile(model, opt, Config(offload=True, profile_cache_dir=None,
+                                             profile_repeats=1), example_args=(x, y))
+    assert shard_of(opt) is not None and cm.plan.stages[0].offload
+    scaler, ref_scaler = (rannc_fx.GradScaler("cpu", init_scale=2.0**10),
+                          torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    for step in range(3):
+        for m, o, sc in ((cm, opt, scaler), (ref, ref_opt, ref_scaler)):
+            sc.scale(m(x, y)).backward()
+            if step == 1:  # an overflow: the step is skipped and the scale halves
+                next(iter(m.parameters())).grad.view(-1)[0] = float("inf")
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**9
+    assert_like_reference(cm.stages, ref, **TOL)

@@ -6,7 +6,9 @@ The user's optimizer object still steps: ``step_in_buckets`` calls its unhooked 
 a bucket with only that bucket's gradients set (an optimizer skips a parameter without a
 gradient), from the step's pre-hook (``zero.OptimizerShard``), so the user's ``step()``
 itself then finds no gradient and changes nothing. A closure cannot be re-run a bucket at a
-time, so a step with one is refused. Scalars (Adam's step count) stay where the optimizer
+time, so a step with one is refused; other keyword arguments reach every bucket's step (a
+fused optimizer reads ``GradScaler``'s ``grad_scale`` and ``found_inf`` off itself, so
+every bucket's step unscales and skips as the whole step would). Scalars (Adam's step count) stay where the optimizer
 keeps them. On a CUDA device the host copies are pinned; on the CPU host and device are the
 same memory and the copies change nothing but run the same logic.
 """
@@ -39,7 +41,8 @@ class HostState:
                         kwargs: Any) -> None:
         """Step the parameters with a gradient in ``grads`` (by id; their ``.grad`` is None
         now), a bucket at a time, their state on the device only for their bucket's step."""
-        if args[1:] or kwargs.get("closure") is not None:  # args: the step's, self first
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: self
+        if closure is not None:
             raise ValueError(
                 "optimizer.step() got a closure, but the optimizer state is offloaded to host "
                 "memory and steps a bucket of parameters at a time: a closure (LBFGS) cannot be "
@@ -55,7 +58,7 @@ class HostState:
                 p.grad = grads[id(p)]
                 self._to(p, p.device)
             try:
-                step(self.optimizer)
+                step(self.optimizer, **kwargs)
             finally:
                 for p in bucket:
                     self._to(p, self.host)
