@@ -100,7 +100,7 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
                            for v in opt.state[p].values()
                            if isinstance(v, torch.Tensor) and v.dim() > 0),  # not the step
         "largest": 2 * max(p.numel() * p.element_size() for p in ps),  # Adam: 2 moments
-        "predicted": me.memory.optimizer_state,
+        "predicted": sum(st.memory.optimizer_state for st in cm.plan.stages_of_rank(rank)),
         "offload": me.offload, "host_bytes": me.host_bytes,
         "host_params": len(shard.host.params) if shard is not None and shard.host else 0,
         "bucketed": shard is not None and shard.host is not None and len(
@@ -111,9 +111,10 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "replicas,schedule,recompute,clip",
-    [((2, 1), "gpipe", False, None), ((1, 2), "1f1b", True, 0.5), ((2,), "1f1b", False, 0.5)],
+    [((2, 1), "gpipe", False, None), ((1, 2), "1f1b", True, 0.5), ((2,), "1f1b", False, 0.5),
+     ((2, 1), "interleaved", False, 0.5)],
     ids=["first-stage-sharded-gpipe", "last-stage-sharded-1f1b-recompute-clip",
-         "one-stage-two-replicas-clip"],
+         "one-stage-two-replicas-clip", "interleaved-a-lane-of-two-replicas"],
 )
 def test_sharded_training_is_the_one_process_training(replicas, schedule, recompute, clip,
                                                      monkeypatch):
@@ -178,8 +179,10 @@ def test_grad_scaler_over_a_sharded_stage_steps_like_one_process(inf_on):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas,schedule,recompute", [((2, 1), "1f1b", False),
-                                                         ((1, 1), "gpipe", True)],
-                         ids=["sharded-and-offloaded-1f1b", "offloaded-gpipe-recompute"])
+                                                         ((1, 1), "gpipe", True),
+                                                         ((1, 2), "gpipe", True)],
+                         ids=["sharded-and-offloaded-1f1b", "offloaded-gpipe-recompute",
+                              "last-stage-sharded-and-offloaded-gpipe-recompute"])
 def test_offloaded_state_steps_in_buckets_like_one_process(replicas, schedule, recompute,
                                                            monkeypatch):
     """Host and device are one memory here: the state's path (bucket by bucket, the user's
