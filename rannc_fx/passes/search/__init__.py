@@ -1,8 +1,11 @@
-"""Search stage boundaries, replicas, micro-batches, schedule and recomputation exactly.
+"""Search stage boundaries, replicas, micro-batches, schedule, recomputation, sharding and
+offloading exactly.
 
 The search imports numpy only (no torch); its modules, in the order a search uses them:
 
     model       the cost model (its docstring has the formulas), the types
+    variants    a stage's variants (recomputation, sharding, offloading) and the terms
+                that depend on its replica count
     evaluate    one plan's step time and per-stage costs under it
     candidates  every stage of one micro-batch count, costed; 1F1B's in-flight limits
     windows     range minima: stages that differ only in consecutive replica counts and

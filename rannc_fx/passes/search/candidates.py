@@ -23,18 +23,20 @@ import numpy as np
 from .kernel import Edges, States
 from .layers import Entries
 from .model import (
-    VARIANTS,
     CostTable,
     SearchSpace,
     StageTerms,
-    after_transient,
     bottleneck_s,
-    host_state,
     range_max,
     range_sum,
     samples_per_replica,
     size_index,
     stage_terms,
+)
+from .variants import (
+    VARIANTS,
+    after_transient,
+    host_state,
     state_saved,
     update_s,
     variants,

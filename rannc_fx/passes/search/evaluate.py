@@ -18,11 +18,8 @@ from .model import (
     SearchSpace,
     StageChoice,
     StageCost,
-    after_transient,
-    allreduce_s,
     bottleneck_s,
     held_bytes,
-    host_state,
     in_flight,
     kept_cuts,
     outputs_held,
@@ -30,6 +27,11 @@ from .model import (
     samples_per_replica,
     size_index,
     stage_terms,
+)
+from .variants import (
+    after_transient,
+    allreduce_s,
+    host_state,
     state_saved,
     update_s,
 )

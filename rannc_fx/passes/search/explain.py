@@ -15,16 +15,18 @@ from . import kernel, layers
 from .candidates import Candidates
 from .kernel import Edges
 from .model import (
-    VARIANTS,
     CostTable,
     SearchSpace,
     StageTerms,
-    Variant,
-    after_transient,
-    host_state,
     range_max,
     stage_memory,
     stage_terms,
+)
+from .variants import (
+    VARIANTS,
+    Variant,
+    after_transient,
+    host_state,
     state_saved,
     variants,
 )

@@ -89,7 +89,6 @@ for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
@@ -102,27 +101,18 @@ __all__ = [
     "StageChoice",
     "StageCost",
     "StageTerms",
-    "VARIANTS",
-    "Variant",
-    "allreduce_s",
     "bottleneck_s",
-    "choice",
     "in_flight",
     "needed_sizes",
     "held_bytes",
     "kept_cuts",
     "outputs_held",
     "range_max",
-    "after_transient",
-    "host_state",
     "range_sum",
     "samples_per_replica",
     "size_index",
     "stage_memory",
     "stage_terms",
-    "state_saved",
-    "update_s",
-    "variants",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -343,18 +333,6 @@ def stage_memory(fixed: np.ndarray, grads: np.ndarray, act: np.ndarray, cuts: np
     return fixed + np.maximum(held + ws, grads + transient)
 
 
-def after_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
-                    zero: bool | np.ndarray = False, offload: bool | np.ndarray = False
-                    ) -> np.ndarray:
-    """tr: what exists beside the gradients after the backwards, at most: the gradient
-    all-reduce's copy of a bucket of them (r > 1), or, offloaded, a bucket's optimizer state
-    brought to the device for its step."""
-    copy = np.where(np.asarray(reps) > 1, np.minimum(grad, space.reduce_bucket), 0.0)
-    bucket = np.minimum(host_state(space, grad, reps, zero, True),
-                        space.reduce_bucket * space.optimizer_state_factor)
-    return np.where(np.asarray(offload), np.maximum(copy, bucket), copy)
-
-
 def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
                 ws: np.ndarray, m: int) -> StageTerms:
     """The terms of the stages [i, j) at size index k with m micro-batches, given their
@@ -381,81 +359,6 @@ def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j:
         return np.full(np.shape(i), float(space.output_bytes))
     out = np.concatenate(([0.0], np.cumsum(table.out[k])))
     return m * (out[j] - out[i]) + space.output_bytes
-
-
-def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.ndarray:
-    """ar_s of stages with ``grad`` gradient bytes on ``reps`` replicas (broadcasting)."""
-    r = np.asarray(reps, float)
-    bw = space.allreduce_bandwidth or space.link_bandwidth
-    return 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
-
-
-def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.ndarray,
-             zero: bool | np.ndarray, offload: bool | np.ndarray = False) -> np.ndarray:
-    """up_s: the once-a-step part of u, all-reduce, optimizer step and, offloaded, the
-    replica's optimizer state to the device and back (broadcasting)."""
-    ar = allreduce_s(space, grad, reps)
-    r = np.asarray(reps, float)
-    bw = space.allreduce_bandwidth or space.link_bandwidth
-    sharded = ar + ((r - 1) / r * grad / bw + (r - 1) * space.link_latency + opt / r)
-    up = np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)
-    if space.host_bandwidth is None or not np.any(offload):
-        return up
-    moved = 2 * host_state(space, grad, reps, zero, True) / space.host_bandwidth
-    return np.where(np.asarray(offload), up + moved, up)
-
-
-def host_state(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
-               zero: bool | np.ndarray, offload: bool | np.ndarray) -> np.ndarray:
-    """Optimizer-state bytes a replica keeps in host memory: its share (ZeRO-1) or all of it
-    where offloaded, else 0."""
-    r = np.asarray(reps, float)
-    state = grad * space.optimizer_state_factor
-    mine = np.where(np.asarray(zero) & (r > 1), state / r, state)
-    return np.where(np.asarray(offload), mine, 0.0)
-
-
-def state_saved(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
-                zero: bool | np.ndarray, offload: bool | np.ndarray = False) -> np.ndarray:
-    """Optimizer-state bytes a replica does not keep on its device: the other replicas'
-    shares under ZeRO-1, all of it offloaded (0 with neither)."""
-    r = np.asarray(reps, float)
-    state = grad * space.optimizer_state_factor
-    return np.where(np.asarray(offload), state,
-                    np.where(np.asarray(zero) & (r > 1), state - state / r, 0.0))
-
-
-class Variant(NamedTuple):
-    """How a stage holds its activations and optimizer state."""
-
-    recompute: bool
-    zero: bool  # ZeRO-1 over its replicas (none to shard over: no effect)
-    offload: bool = False  # its (share of the) optimizer state in host memory
-
-
-# A stage's variants in the order a stage takes the first that fits: offloaded, sharded
-# first (the state moved each step is then a share); recomputation after all of them
-VARIANTS: tuple[Variant, ...] = (
-    Variant(False, False), Variant(False, True), Variant(False, True, True),
-    Variant(False, False, True), Variant(True, False), Variant(True, True),
-    Variant(True, True, True), Variant(True, False, True),
-)
-
-
-def choice(start: int, end: int, replicas: int, kind: int) -> StageChoice:
-    """The stage of variant ``kind`` (one replica: nothing to shard)."""
-    v = VARIANTS[kind]
-    return StageChoice(start, end, replicas, v.recompute, v.zero and replicas > 1, v.offload)
-
-
-def variants(space: SearchSpace) -> list[int]:
-    """Indices into ``VARIANTS`` the space allows, in chain order (offloading only where the
-    device has a host to offload to)."""
-    host = space.host_bandwidth is not None and space.host_budget > 0
-    return [k for k, v in enumerate(VARIANTS)
-            if space.recompute in (None, v.recompute)
-            and space.zero in (None, v.zero) and space.offload in (None, v.offload)
-            and (host or not v.offload)]
 
 
 def bottleneck_s(m: int, t: np.ndarray, acc: np.ndarray, fixed_s: np.ndarray) -> np.ndarray:

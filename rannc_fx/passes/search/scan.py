@@ -63,6 +63,8 @@ from .model import (
     SearchSpace,
     StageChoice,
     _check,
+)
+from .variants import (
     choice,
 )
 

@@ -1,0 +1,107 @@
+"""A stage's variants and the terms that depend on its replica count: how it holds its
+activations (recomputation) and its optimizer state (sharded over its replicas, ZeRO-1; in
+host memory, offloaded), and what those cost once a step and after the backwards.
+
+This module imports numpy only (no torch). ``model``'s docstring has the formulas; here are
+the ones a variant changes: up_s (all-reduce, all-gather, optimizer step, the offloaded
+state's round trip), the state a replica keeps on its device and on its host, and the
+transient after the backwards. A stage takes the first variant of ``VARIANTS`` that fits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .model import SearchSpace, StageChoice
+
+__all__ = ["VARIANTS", "Variant", "after_transient", "allreduce_s", "choice", "host_state",
+           "state_saved", "update_s", "variants"]
+
+
+def after_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
+                    zero: bool | np.ndarray = False, offload: bool | np.ndarray = False
+                    ) -> np.ndarray:
+    """tr: what exists beside the gradients after the backwards, at most: the gradient
+    all-reduce's copy of a bucket of them (r > 1), or, offloaded, a bucket's optimizer state
+    brought to the device for its step."""
+    copy = np.where(np.asarray(reps) > 1, np.minimum(grad, space.reduce_bucket), 0.0)
+    bucket = np.minimum(host_state(space, grad, reps, zero, True),
+                        space.reduce_bucket * space.optimizer_state_factor)
+    return np.where(np.asarray(offload), np.maximum(copy, bucket), copy)
+
+
+def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.ndarray:
+    """ar_s of stages with ``grad`` gradient bytes on ``reps`` replicas (broadcasting)."""
+    r = np.asarray(reps, float)
+    bw = space.allreduce_bandwidth or space.link_bandwidth
+    return 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
+
+
+def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.ndarray,
+             zero: bool | np.ndarray, offload: bool | np.ndarray = False) -> np.ndarray:
+    """up_s: the once-a-step part of u, all-reduce, optimizer step and, offloaded, the
+    replica's optimizer state to the device and back (broadcasting)."""
+    ar = allreduce_s(space, grad, reps)
+    r = np.asarray(reps, float)
+    bw = space.allreduce_bandwidth or space.link_bandwidth
+    sharded = ar + ((r - 1) / r * grad / bw + (r - 1) * space.link_latency + opt / r)
+    up = np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)
+    if space.host_bandwidth is None or not np.any(offload):
+        return up
+    moved = 2 * host_state(space, grad, reps, zero, True) / space.host_bandwidth
+    return np.where(np.asarray(offload), up + moved, up)
+
+
+def host_state(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
+               zero: bool | np.ndarray, offload: bool | np.ndarray) -> np.ndarray:
+    """Optimizer-state bytes a replica keeps in host memory: its share (ZeRO-1) or all of it
+    where offloaded, else 0."""
+    r = np.asarray(reps, float)
+    state = grad * space.optimizer_state_factor
+    mine = np.where(np.asarray(zero) & (r > 1), state / r, state)
+    return np.where(np.asarray(offload), mine, 0.0)
+
+
+def state_saved(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
+                zero: bool | np.ndarray, offload: bool | np.ndarray = False) -> np.ndarray:
+    """Optimizer-state bytes a replica does not keep on its device: the other replicas'
+    shares under ZeRO-1, all of it offloaded (0 with neither)."""
+    r = np.asarray(reps, float)
+    state = grad * space.optimizer_state_factor
+    return np.where(np.asarray(offload), state,
+                    np.where(np.asarray(zero) & (r > 1), state - state / r, 0.0))
+
+
+class Variant(NamedTuple):
+    """How a stage holds its activations and optimizer state."""
+
+    recompute: bool
+    zero: bool  # ZeRO-1 over its replicas (none to shard over: no effect)
+    offload: bool = False  # its (share of the) optimizer state in host memory
+
+
+# A stage's variants in the order a stage takes the first that fits: offloaded, sharded
+# first (the state moved each step is then a share); recomputation after all of them
+VARIANTS: tuple[Variant, ...] = (
+    Variant(False, False), Variant(False, True), Variant(False, True, True),
+    Variant(False, False, True), Variant(True, False), Variant(True, True),
+    Variant(True, True, True), Variant(True, False, True),
+)
+
+
+def choice(start: int, end: int, replicas: int, kind: int) -> StageChoice:
+    """The stage of variant ``kind`` (one replica: nothing to shard)."""
+    v = VARIANTS[kind]
+    return StageChoice(start, end, replicas, v.recompute, v.zero and replicas > 1, v.offload)
+
+
+def variants(space: SearchSpace) -> list[int]:
+    """Indices into ``VARIANTS`` the space allows, in chain order (offloading only where the
+    device has a host to offload to)."""
+    host = space.host_bandwidth is not None and space.host_budget > 0
+    return [k for k, v in enumerate(VARIANTS)
+            if space.recompute in (None, v.recompute)
+            and space.zero in (None, v.zero) and space.offload in (None, v.offload)
+            and (host or not v.offload)]
