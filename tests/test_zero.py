@@ -269,3 +269,34 @@ def test_offloaded_fused_adam_with_the_grad_scaler_steps_like_one_process():
             o.zero_grad()
     assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**9
     assert_like_reference(cm.stages, ref, **TOL)
+
+
+def test_an_offloaded_step_that_fails_keeps_the_gradients(monkeypatch):
+    """A closure is refused, and a bucket's step that raises leaves .grad as it was: the
+    step can be retried (one process: the alone path offloads too)."""
+    model, (x, y), _ = mlp_example(batch=8)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cm = rannc_fx.compile(model, opt, Config(offload=True, profile_cache_dir=None,
+                                             profile_repeats=1), example_args=(x, y))
+    cm(x, y).backward()
+    grads = {n: p.grad.clone() for n, p in cm.stages[0].named_parameters()}
+
+    def kept() -> None:
+        for n, p in cm.stages[0].named_parameters():
+            assert p.grad is not None and torch.equal(p.grad, grads[n]), n
+
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+    kept()
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(type(opt).step, "__wrapped__", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        opt.step()
+    kept()
+    monkeypatch.undo()
+    before = {n: p.detach().clone() for n, p in cm.stages[0].named_parameters()}
+    opt.step()  # the retry steps
+    assert any(not torch.equal(p, before[n]) for n, p in cm.stages[0].named_parameters())

@@ -37,21 +37,26 @@ class HostState:
         self._pin = any(p.device.type == "cuda" for p in self.params)
         self._bufs: dict[tuple[int, str], torch.Tensor] = {}  # the host copies, kept
 
-    def step_in_buckets(self, grads: dict[int, torch.Tensor | None], args: Any,
-                        kwargs: Any) -> None:
-        """Step the parameters with a gradient in ``grads`` (by id; their ``.grad`` is None
-        now), a bucket at a time, their state on the device only for their bucket's step."""
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: self
+    def check(self, args: Any, kwargs: Any) -> None:
+        """Refuse a step (its pre-hook's ``args``, self first, and ``kwargs``) that cannot
+        run a bucket at a time: one with a closure, or of an optimizer without a torch.optim
+        step."""
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is not None:
             raise ValueError(
                 "optimizer.step() got a closure, but the optimizer state is offloaded to host "
                 "memory and steps a bucket of parameters at a time: a closure (LBFGS) cannot be "
                 "re-run per bucket; use Config(offload=False)"
             )
-        step = getattr(type(self.optimizer).step, "__wrapped__", None)
-        if step is None:  # every torch.optim.Optimizer's step is wrapped for its hooks
+        if getattr(type(self.optimizer).step, "__wrapped__", None) is None:
             raise TypeError(f"{type(self.optimizer).__name__}.step is not a torch.optim "
                             "step: its state cannot be offloaded; use Config(offload=False)")
+
+    def step_in_buckets(self, grads: dict[int, torch.Tensor | None], kwargs: Any) -> None:
+        """Step the parameters with a gradient in ``grads`` (by id; their ``.grad`` is None
+        now), a bucket at a time, their state on the device only for their bucket's step
+        (``check`` passed)."""
+        step = type(self.optimizer).step.__wrapped__  # type: ignore[attr-defined]  # hooks
         todo = [p for p in self.params if grads.get(id(p)) is not None]
         for bucket in buckets(todo, comm.BUCKET_BYTES):
             for p in bucket:

@@ -74,53 +74,60 @@ class OptimizerShard:
         self.owner = {id(p): o for p, o in zip(self.sharded, owner, strict=True)}
         self.params = list({id(p): p for p in (*self.sharded, *offloaded) if id(p) in held}
                            .values())
+        self.others = [p for p in self.sharded if not self.steps(p)]
+        # the all-gather's rounds, once: per dtype, round b holds each replica's b-th bucket
+        self._rounds: list[list[list[nn.Parameter]]] = []
+        for dtype in dict.fromkeys(p.dtype for p in self.sharded):
+            cut = [buckets([p for p in self.sharded
+                            if p.dtype == dtype and self.owner[id(p)] == r], comm.BUCKET_BYTES)
+                   for r in range(replicas)]
+            self._rounds += [[x[b] if b < len(x) else [] for x in cut]
+                             for b in range(max(len(x) for x in cut))]
         mine = [p for p in offloaded if id(p) in held and self.steps(p)]
         self.host = HostState(optimizer, mine) if mine else None
         self._aside: dict[int, torch.Tensor | None] = {}
         self._on = True
-        self._handles = [optimizer.register_step_pre_hook(self._before),
-                         optimizer.register_step_post_hook(self._after)]
+        optimizer.register_step_pre_hook(self._before)
+        optimizer.register_step_post_hook(self._after)
         if self.host is not None:
             host = self.host
-            self._handles.append(optimizer.register_load_state_dict_post_hook(
-                lambda _: host.settle()))
+            optimizer.register_load_state_dict_post_hook(lambda _: host.settle())
         _SHARDS[optimizer] = self
 
     def steps(self, p: torch.Tensor) -> bool:
         """Whether this replica steps ``p`` (and keeps its optimizer state)."""
         return self.owner.get(id(p), self.replica) == self.replica
 
-    @property
-    def others(self) -> list[nn.Parameter]:
-        return [p for p in self.sharded if not self.steps(p)]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        _SHARDS.pop(self.optimizer, None)
-
     # -- the step ---------------------------------------------------------------------------
     def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._on:
             return
+        if self.host is not None:
+            self.host.check(args, kwargs)  # before any gradient is set aside
         self._aside = {}
         for p in self.others:
             self._aside[id(p)], p.grad = p.grad, None
-        if self.host is not None:  # the offloaded state's parameters step here, in buckets
-            mine = {id(p): p.grad for p in self.host.params}
-            for p in self.host.params:
-                p.grad = None
-            self._aside.update(mine)
-            self.host.step_in_buckets(mine, args, kwargs)
+        if self.host is None:
+            return
+        mine = {id(p): p.grad for p in self.host.params}  # they step here, in buckets
+        for p in self.host.params:
+            p.grad = None
+        self._aside.update(mine)
+        try:
+            self.host.step_in_buckets(mine, kwargs)
+        except BaseException:  # the step failed: .grad as the step found it
+            self._after(optimizer, args, kwargs, gather=False)
+            raise
 
-    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any,
+               gather: bool = True) -> None:
         if not self._on:
             return
         for p in self.params:
             if id(p) in self._aside:
                 p.grad = self._aside[id(p)]
         self._aside = {}
-        if self.replicas > 1 and self.sharded:
+        if gather and self.replicas > 1 and self.sharded:
             self.gather()
 
     def gather(self) -> None:
@@ -130,16 +137,10 @@ class OptimizerShard:
         largest tensor) whatever the stage's size."""
         groups = self._groups()
         group = groups.stage[self.stage]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self.sharded:
-            by_dtype.setdefault(p.dtype, []).append(p)
         with torch.no_grad():
-            for dtype, ps in by_dtype.items():
-                cut = [buckets([p for p in ps if self.owner[id(p)] == r], comm.BUCKET_BYTES)
-                       for r in range(self.replicas)]
-                for b in range(max(len(x) for x in cut)):
-                    self._gather_round([x[b] if b < len(x) else [] for x in cut], groups,
-                                       group, dtype, ps[0].device)
+            for shares in self._rounds:
+                p = next(p for share in shares for p in share)
+                self._gather_round(shares, groups, group, p.dtype, p.device)
 
     def _gather_round(self, shares: list[list[nn.Parameter]], groups: Groups,
                       group: dist.ProcessGroup | None, dtype: torch.dtype,
