@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedules", nargs="+",
                    choices=("gpipe", "1f1b", "zbh1", "interleaved", "zbv"),
                    default=["gpipe", "1f1b", "zbh1"], help="schedules: the schedules measured")
+    p.add_argument("--recompute", nargs="+", choices=("none", "stage", "layers"),
+                   default=["none", "stage"], help="schedules: recomputation, none, of whole "
+                   "stages, or layer by layer (default: none stage)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zbh1"), default=None,
                    help="budget: force the schedule (default: searched); gpipe leaves "
                    "recomputation as the only way to fit")
@@ -223,11 +226,15 @@ def _row(name: str, plan: Any, got: dict[str, float]) -> str:
     step_pred = sum(st.memory.total - st.memory.params - st.memory.optimizer_state
                     for st in held)
     return (f"| {name} | {'+'.join(str(st.index) for st in held)} | "
-            f"{'+'.join('yes' if st.recompute else 'no' for st in held)} | "
+            f"{'+'.join(_recomputes(st) for st in held)} | "
             f"{'+'.join(str(plan.in_flight(st.index)) for st in held)} | {act / MiB:.2f} | "
             f"{got['saved'] / MiB:.2f} | {100 * (act - got['saved']) / got['saved']:+.1f}% | "
             f"{step_pred / MiB:.2f} | {got['heap'] / MiB:.2f} | "
             f"{100 * (step_pred - got['heap']) / got['heap']:+.1f}% |")
+
+
+def _recomputes(st: Any) -> str:
+    return ("layers" if st.checkpoints else "yes") if st.recompute else "no"
 
 
 _HEAD = ("| variant | stage | recompute | in flight | predicted activations MiB | measured "
@@ -268,11 +275,14 @@ def main(argv: list[str] | None = None) -> None:
                     "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     elif args.mode == "schedules":
         for schedule in args.schedules:
-            for recompute in (False, True):
+            for recompute in args.recompute:
+                layers = {"none": None, "stage": False, "layers": True}[recompute]
                 cfg = Config(replicas=(1,) * world, micro_batches=args.micro_batches,
-                             schedule=schedule, recompute=recompute, **common)
+                             schedule=schedule, recompute=recompute != "none",
+                             recompute_layers=layers, **common)
                 plan, got = run_variant(base, cfg, ids, labels, args.steps)
-                rows.append(_row(f"{schedule}{' + recompute' if recompute else ''}", plan, got))
+                rows.append(_row(f"{schedule}{'' if recompute == 'none' else ' + ' + recompute}",
+                                 plan, got))
         _print_rows(rows)
     else:
         need = _gpipe_need(base, ids, labels, world, Config(**common))

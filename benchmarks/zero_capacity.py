@@ -1,7 +1,8 @@
-"""What sharding the optimizer state inside a stage's replicas (ZeRO-1) and keeping it in
-host memory buy in the plans: the smallest world size that fits a model, the largest model
-that fits a world, and the predicted step of a plan, each with both forbidden
-(``Config(zero=0, offload=False)``, before) and both searched (after), in one process.
+"""What sharding the optimizer state inside a stage's replicas (ZeRO-1), keeping it in host
+memory and recomputing layer by layer buy in the plans: the smallest world size that fits a
+model, the largest model that fits a world, and the predicted step of a plan, each with
+those ``--without`` names forbidden (``Config(zero=0, offload=False,
+recompute_layers=False)``, before) and all searched (after), in one process.
 
 The models are HF ``BertForPreTraining`` built on the meta device (``plan_time.bert``),
 planned with the analytic cost model of a ``DeviceSpec`` preset; every figure is the plan's
@@ -33,11 +34,16 @@ from rannc_fx.plan import Plan  # noqa: E402
 GiB = 1024**3
 
 
+FORBID = {"zero": {"zero": 0}, "offload": {"offload": False},
+          "layers": {"recompute_layers": False}}
+
+
 def plan(layers: int, a: argparse.Namespace, world: int, searched: bool) -> Plan | str:
-    """The plan with sharding and offloading searched (or both forbidden), or why none fits."""
+    """The plan with everything searched (or what ``--without`` names forbidden), or why
+    none fits."""
     model, args, kwargs, _ = bert(layers, a.hidden, heads=a.heads, seq=a.seq)
-    cfg = Config(profile_cache_dir=None) if searched else Config(
-        profile_cache_dir=None, zero=0, offload=False)
+    forbid = {} if searched else {k: v for f in a.without for k, v in FORBID[f].items()}
+    cfg = Config(profile_cache_dir=None, **forbid)
     try:
         return rannc_fx.partition(model, args, kwargs, world_size=world, device=a.device,
                                   config=cfg, global_batch=a.global_batch).plan
@@ -53,10 +59,11 @@ def describe(p: Plan | str) -> str:
     off = sum(s.offload for s in p.stages)
     host = max(s.host_bytes for s in p.stages) / GiB
     rc = sum(s.recompute for s in p.stages)
+    lay = sum(bool(s.checkpoints) for s in p.stages)
     worst = max(s.memory.total for s in p.stages) / p.memory_budget
     sim = f" ({p.simulated_step_ms / 1e3:.2f} s simulated)" if p.simulated_step_ms else ""
     return (f"{len(p.stages)} stages (replicas {reps}), {p.schedule}, m={p.micro_batches}, "
-            f"recompute {rc}/{len(p.stages)}, ZeRO-1 {sharded}/{len(p.stages)}, offload "
+            f"recompute {rc}/{len(p.stages)} ({lay} layer by layer), ZeRO-1 {sharded}/{len(p.stages)}, offload "
             f"{off}/{len(p.stages)}" + (f" (host {host:.1f} GiB a rank at most)" if off else "")
             + ", largest stage "
             f"{100 * worst:.0f} % of budget; step {p.predicted_step_ms / 1e3:.2f} s{sim}")
@@ -77,9 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--world-size", type=int, default=32)
     p.add_argument("--worlds", type=int, nargs="+", default=[33, 32, 24, 16])
+    p.add_argument("--without", nargs="+", choices=tuple(FORBID), default=list(FORBID),
+                   help="what the 'before' plans may not use: ZeRO-1 (zero), offloading "
+                   "(offload), recomputation layer by layer (layers)")
     a = p.parse_args(argv)
-    print("| case | zero=0, offload=False (before) | both searched (after) | both planned in "
-          "|\n|---|---|---|---:|")
+    print(f"| case | without {', '.join(a.without)} (before) | all searched (after) | both "
+          "planned in |\n|---|---|---|---:|")
     cases: list[tuple[str, int, int]] = []
     if a.goal == "smallest":
         cases = [(f"{a.layers[0]} x {a.hidden} on {w} x {a.device}", a.layers[0], w)

@@ -53,6 +53,14 @@ class Config(BaseModel):
         description="activation recomputation: None = searched per stage, True = every stage, "
         "False = none",
     )
+    recompute_layers: bool | None = Field(
+        default=None,
+        description="how a stage recomputes: layer by layer (True: it keeps only the inputs "
+        "of its layers, the submodules of an nn.ModuleList or nn.Sequential, and runs each "
+        "layer's forward once more inside the backward) or its whole forward at once (False: "
+        "it keeps all its activations from its recomputation to its backward); None = "
+        "searched per stage",
+    )
     offload: bool | None = Field(
         default=None,
         description="optimizer state in host memory, brought to the device a bucket at a "
@@ -209,6 +217,13 @@ class Config(BaseModel):
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} applies to schedule='interleaved' (zbv "
                 f"runs 2 a lane), not schedule={self.schedule!r}"
+            )
+        if self.recompute_layers and self.schedule in ("zbh1", "zbv", "interleaved"):
+            raise ValueError(
+                f"recompute_layers=True with schedule={self.schedule!r}: its stages recompute "
+                "whole (ZB-H1 and ZBV split each backward in two, and recomputing layer by "
+                "layer runs inside one backward; interleaved lanes are costed so); use "
+                "recompute_layers=None, or schedule '1f1b', 'gpipe' or None"
             )
         if self.micro_batches is not None and self.micro_batches > self.max_micro_batches:
             raise ValueError(

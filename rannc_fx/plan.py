@@ -172,6 +172,11 @@ class Plan(BaseModel):
                 f"replica counts {[s.replicas for s in self.stages]} (a lane's counted once) "
                 f"sum to {next_rank}, not the world size {self.world_size}"
             )
+        for st in self.stages:
+            if st.checkpoints and not st.recompute:
+                raise ValueError(f"stage {st.index} has checkpoints {list(st.checkpoints)[:3]} "
+                                 "but does not recompute: checkpoints are where a recomputing "
+                                 "stage's R keeps values")
         for d in self.dynamic_dims:
             spec = self.inputs[d.input] if d.input < len(self.inputs) else None
             if spec is None or spec.kind != "tensor" or d.dim >= len(spec.shape) or spec.shape[
@@ -334,7 +339,7 @@ class Plan(BaseModel):
                 str(st.samples),
                 f"{st.fwd_ms:.2f}",
                 f"{st.bwd_ms:.2f}",
-                "yes" if st.recompute else "no",
+                ("layers" if st.checkpoints else "yes") if st.recompute else "no",
                 str(st.zero),
                 f"{_human_bytes(st.host_bytes)}" if st.offload else "no",
                 str(self.in_flight(st.index)),

@@ -3,8 +3,8 @@
 Plain Python: loops over blocks, no numpy, nothing from the search but its dataclasses.
 ``stage_figures`` is the cost model of ``rannc_fx/passes/search/model.py``'s docstring written
 out again. A stage's recomputation and ZeRO-1 follow the stated policy (``variant``): the
-first of (plain, sharded, recomputing, both) that fits, an unsharded one passed over where its
-sharded twin's u is smaller. ``brute_force`` enumerates every plan (micro-batch count, stage
+first of (plain, sharded, recomputing, both, then recomputing layer by layer) that fits, an
+unsharded one passed over where its sharded twin's u is smaller. ``brute_force`` enumerates every plan (micro-batch count, stage
 boundaries, replicas, schedule; each stage's variant by the policy); ``pareto`` keeps
 (sum t, max u) labels per DP state, per total stage count under 1F1B so that a stage's
 position from the end is known; ``least_largest_stage`` is the least largest-stage memory
@@ -57,13 +57,33 @@ class Figures:
     t: float
     u: float
     memory: float
+    layers: bool = False
+
+
+def layer_transient(table: CostTable, k: int, i: int, j: int, A: float) -> float:
+    """What the stage [i, j) holds of one micro-batch during a backward that recomputes it
+    layer by layer: the values entering each of its segments after the first (each counted
+    at the first segment start it crosses) and the largest segment's activations, the first
+    and last clipped to the stage; A where the stage lies in one segment."""
+    sg = table.segments
+    assert sg is not None
+    si, sj = int(sg.first[i]), int(sg.last[j])
+    if si == sj:
+        return A
+    kept = sum(float(sg.kept[k][s]) for s in range(si + 1, sj + 1))
+    parts = [float(sg.head[k][i]), float(sg.tail[k][j])]
+    parts += [float(sg.act[k][s]) for s in range(si + 1, sj)]
+    return kept + max(parts)
 
 
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
-                  recompute: bool, zero: bool = False, offload: bool = False) -> Figures:
-    """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``zero``: the
-    optimizer state sharded over the r replicas (one replica: no effect); ``offload``: this
-    replica's state in host memory, moved to the device and back each step."""
+                  recompute: int, zero: bool = False, offload: bool = False) -> Figures:
+    """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``recompute``: 0,
+    1 (the forward again before each backward) or 2 (layer by layer: the backward runs each
+    layer's forward once more); ``zero``: the optimizer state sharded over the r replicas
+    (one replica: no effect); ``offload``: this replica's state in host memory, moved to the
+    device and back each step."""
+    rho, recompute = int(recompute), bool(recompute)
     zero = zero and r > 1
     B, G = table.num_blocks, space.global_batch
     q = -(-G // (m * r))
@@ -75,10 +95,12 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         Bw += float(table.bwd[k][b])
         A += float(table.act[k][b])
         ws = max(ws, float(table.workspace[k][b]))
+    if rho == 2:  # one micro-batch's activations: its layers' inputs and one layer's
+        A = layer_transient(table, k, i, j, A)
     cin, cout = float(table.cut[k][i]), float(table.cut[k][j])
     messages = (1 if i > 0 else 0) + (1 if j < B else 0)
     comm = 2 * (cin + cout) / space.link_bandwidth + 2 * space.link_latency * messages
-    t = F + Bw + (F if recompute else 0.0) + comm
+    t = F + Bw + rho * F + comm
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
     ar_bw = space.allreduce_bandwidth or space.link_bandwidth
     ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
@@ -122,21 +144,23 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     if offload:  # or a bucket's state brought in for its step
         copy = max(copy, min(host, space.reduce_bucket * space.optimizer_state_factor))
     ws = max(ws, grad + copy - peak)
-    return Figures(q, F, Bw, F if recompute else 0.0, comm, ar, opt, acc, param, grad, state,
+    return Figures(q, F, Bw, rho * F, comm, ar, opt, acc, param, grad, state,
                    activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, offload, moved, host, t, u,
-                   param + state + peak + ws + outputs)
+                   param + state + peak + ws + outputs, rho == 2)
 
 
 # (recompute, zero, offload): the policy's order
-CHAIN = ((False, False, False), (False, True, False), (False, True, True),
-         (False, False, True), (True, False, False), (True, True, False), (True, True, True),
-         (True, False, True))
+CHAIN = tuple((rho, zeta, omega) for rho in (0, 1, 2)
+              for zeta, omega in ((False, False), (True, False), (True, True), (False, True)))
 
 
-def allowed(space: SearchSpace) -> list[tuple[bool, bool, bool]]:
+def allowed(space: SearchSpace, table: CostTable) -> list[tuple[int, bool, bool]]:
     host = space.host_bandwidth is not None and space.host_budget > 0
+    rhos = {None: (0, 1, 2), False: (0,), True: (1, 2)}[space.recompute]
+    rhos = tuple(x for x in rhos if {None: True, False: x != 2, True: x != 1}[space.layers]
+                 and (table.segments is not None or x != 2))
     return [(rho, zeta, omega) for rho, zeta, omega in CHAIN
-            if space.recompute in (None, rho) and space.zero in (None, zeta)
+            if rho in rhos and space.zero in (None, zeta)
             and space.offload in (None, omega) and (host or not omega)]
 
 
@@ -146,7 +170,7 @@ def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int
     space's if None), passing over an unsharded one whose sharded twin is allowed and has a
     smaller u; None if none fits."""
     budget = space.memory_budget if budget is None else budget
-    ok = allowed(space)
+    ok = allowed(space, table)
     for rho, zeta, omega in ok:
         f = stage_figures(table, space, i, j, r, m, n, rho, zeta, omega)
         if not zeta and (rho, True, omega) in ok and \
@@ -180,7 +204,7 @@ def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice
     """The step time and each stage's figures of a plan."""
     S = len(stages)
     figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
-                          in_flight(schedule, m, S - s), st.recompute, st.zero, st.offload)
+                          in_flight(schedule, m, S - s), st.level, st.zero, st.offload)
             for s, st in enumerate(stages)]
     return sum(f.t for f in figs) + max(f.u for f in figs), figs
 
@@ -257,7 +281,7 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
                 if best is None or step < best.step:
                     stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s],
                                                figs[s].recompute, figs[s].zero,
-                                               figs[s].offload)
+                                               figs[s].offload, figs[s].layers)
                                    for s in range(S))
                     best = Best(step, m, schedule, stages)
         setattr(out, side, best)
@@ -271,7 +295,8 @@ def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
 
     def least(i: int, j: int, r: int, m: int, n: int) -> float:
         if (i, j, r, m, n) not in memo:
-            figs = [stage_figures(table, space, i, j, r, m, n, *v) for v in allowed(space)]
+            figs = [stage_figures(table, space, i, j, r, m, n, *v)
+                    for v in allowed(space, table)]
             memo[i, j, r, m, n] = min(f.memory if f.host_state <= space.host_budget
                                       else math.inf for f in figs)
         return memo[i, j, r, m, n]
@@ -323,7 +348,7 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
                     memo[key] = variant(table, space, i, j, r, m, n)
                 f = memo[key]
                 if f is not None:
-                    st = StageChoice(i, j, r, f.recompute, f.zero, f.offload)
+                    st = StageChoice(i, j, r, f.recompute, f.zero, f.offload, f.layers)
                     new += [(a + f.t, max(b, f.u), (*p, st)) for a, b, p in prev]
         return _front(new)
 

@@ -43,7 +43,8 @@ def test_stages_compose_to_the_model(name, world_size):
     model.eval()  # BatchNorm: compare without updating running statistics twice
     parted = rannc_fx.partition(model, args, kwargs, world_size=world_size, config=CFG)
     plan = parted.plan
-    assert sum(s.replicas for s in plan.stages) == world_size
+    # an interleaved plan's lanes share ranks: each lane's replicas count once
+    assert sum(plan.stages[lane[0]].replicas for lane in plan.lanes) == world_size
     assert len(parted.stages) == len(plan.stages)
     assert Plan.from_json(plan.to_json()) == plan
 
@@ -208,11 +209,13 @@ def test_1f1b_needs_one_scalar_loss():
 
 def _plan_in(mib: float, **options) -> Plan:
     """The 4-layer LM on 2 ranks of ``mib`` MiB each, analytic costs (the same on any machine);
-    the optimizer state unsharded and on the device unless ``zero`` or ``offload`` is given
-    (the tests below are about the budget's other ways out)."""
+    the optimizer state unsharded and on the device, recomputation (where any) of whole
+    stages, unless ``zero``, ``offload`` or ``recompute_layers`` is given (the tests below are
+    about the budget's other ways out)."""
     model, args, kwargs = gpt_example(layers=4)
     cfg = CFG.model_copy(update={"device_memory": int(mib * 2**20), "cost_model": "analytic",
-                                 "zero": 0, "offload": False, **options})
+                                 "zero": 0, "offload": False, "recompute_layers": False,
+                                 **options})
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
 
 

@@ -13,6 +13,7 @@ from rannc_fx.passes.search import (
     NoFeasiblePlan,
     SearchResult,
     SearchSpace,
+    Segments,
     StageChoice,
     evaluate,
     needed_sizes,
@@ -92,6 +93,31 @@ def _outputs(rng: np.random.Generator, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def random_segments(rng: np.random.Generator, table: CostTable) -> Segments:
+    """Layers over the table's blocks: 1-3 nodes a block sharing its activations at random,
+    segments starting at random nodes (some inside blocks), random bytes entering each."""
+    Q, B = table.act.shape
+    nodes = rng.integers(1, 4, B)
+    owner = np.repeat(np.arange(B), nodes)
+    share = rng.uniform(0.1, 1.0, len(owner))
+    share /= np.bincount(owner, share)[owner]
+    act = table.act[:, owner] * share[None, :]  # (Q, N)
+    N = len(owner)
+    xs = np.unique(np.concatenate(([0], rng.choice(np.arange(1, N), int(rng.integers(
+        1, N)), replace=False)))) if N > 1 else np.array([0])
+    cum = np.concatenate((np.zeros((Q, 1)), np.cumsum(act, axis=1)), axis=1)
+    ends = np.append(xs, N)
+    posb = np.concatenate(([0], np.cumsum(nodes)))
+    first = np.searchsorted(xs, posb, side="right") - 1
+    last = np.maximum(np.searchsorted(xs, posb, side="left") - 1, 0)
+    kept = rng.uniform(0, 0.3, (Q, len(xs))) * table.cut.mean()
+    kept[:, 0] = 0.0
+    return Segments(starts=tuple(f"n{x}" for x in xs), act=cum[:, ends[1:]] - cum[:, ends[:-1]],
+                    kept=kept, first=first, last=last,
+                    head=cum[:, ends[np.minimum(first + 1, len(xs))]] - cum[:, posb],
+                    tail=cum[:, posb] - cum[:, xs[last]])
+
+
 def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, tight: float = 0.0,
                 ) -> tuple[CostTable, SearchSpace]:
     """A random space (schedules, recomputation, forced stages or replicas now and then).
@@ -115,14 +141,17 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
     recompute = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     zero = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     offload = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
+    layers = [None, True, False][int(rng.choice(3, p=[0.6, 0.2, 0.2]))]
     space = SearchSpace(world_size=W, global_batch=G, memory_budget=1.0,
                         link_bandwidth=float(rng.uniform(0.5, 5)),
                         optimizer_state_factor=float(rng.choice([0.0, 0.5, 2.0])),
                         micro_batches=mbs, stages=stages, replicas=replicas,
                         schedules=schedules, recompute=recompute, zero=zero,
-                        offload=offload)
+                        offload=offload, layers=layers)
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     table = dataclasses.replace(table, act=table.act * 3)  # activations that matter
+    if layers or rng.uniform() < 0.6:  # a model with layers to recompute one by one
+        table = dataclasses.replace(table, segments=random_segments(rng, table))
     budget = rng.uniform(0.3, 2.0) * (table.param_bytes[0, B] * 3 + table.act.sum() / 2 + 2)
     space = dataclasses.replace(space, **random_links(rng),
                                 output_bytes=float(rng.uniform(0, 1)) if rng.uniform() < 0.3
@@ -135,7 +164,7 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
         least = least_largest_stage(table, space)
         plain = least_largest_stage(table, dataclasses.replace(space, schedules=("gpipe",),
                                                                recompute=False, zero=False,
-                                                               offload=False))
+                                                               offload=False, layers=None))
         if math.isfinite(least):
             budget = least + rng.uniform(0, 1.2) * ((plain if math.isfinite(plain) else 2 * least)
                                                     - least)
@@ -180,6 +209,9 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert all(s.zero == (space.zero and s.replicas > 1) for s in st)
     if space.offload is not None:
         assert all(s.offload == space.offload for s in st)
+    if space.layers is not None:
+        assert all(s.layers == (space.layers and s.recompute) for s in st)
+    assert all(s.recompute or not s.layers for s in st)
     assert res.schedule in space.schedules
     assert res.evaluation.fits
     step, figs = plan_figures(table, space, st, m, res.schedule)
@@ -196,15 +228,15 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert f.memory <= space.memory_budget * (1 + SLACK)
     for s, f in zip(st, figs, strict=True):  # the policy: a variant only where needed
         args = (table, space, s.start, s.end, s.replicas, m, f.in_flight)
-        if s.recompute and space.recompute is None:  # no variant without it fits
-            for rho, zeta, omega in allowed(space):
+        if s.recompute:  # no variant recomputing less fits
+            for rho, zeta, omega in allowed(space, table):
                 g = stage_figures(*args, rho, zeta, omega)
-                assert rho or g.memory > space.memory_budget * (1 - SLACK) or \
+                assert rho >= s.level or g.memory > space.memory_budget * (1 - SLACK) or \
                     g.host_state > space.host_budget or (  # or its sharded twin is faster
-                        not zeta and (rho, True, omega) in allowed(space)
+                        not zeta and (rho, True, omega) in allowed(space, table)
                         and stage_figures(*args, rho, True, omega).u < g.u)
         if s.zero and space.zero is None and not s.offload:  # its twin: no fit, or more u
-            twin = stage_figures(*args, s.recompute, False)
+            twin = stage_figures(*args, s.level, False)
             assert twin.memory > space.memory_budget * (1 - SLACK) or twin.u > f.u
     assert evaluate(table, space, st, m, res.schedule) == res.evaluation
 
@@ -237,7 +269,7 @@ def compare_pareto(table: CostTable, space: SearchSpace) -> SearchResult | None:
 def test_matches_brute_force_small(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seen = {"none fits": 0, "plain fits": 0, "needs recompute or 1f1b": 0, "1f1b": 0,
-            "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0}
+            "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0, "layers": 0}
     for _ in range(150):
         got, want = compare(*random_case(rng, 6, 5, tight=0.5))
         if got is None:
@@ -249,12 +281,13 @@ def test_matches_brute_force_small(seed: int) -> None:
         seen["zero"] += any(s.zero for s in got.stages)
         seen["zero and recompute"] += any(s.zero and s.recompute for s in got.stages)
         seen["offload"] += any(s.offload for s in got.stages)
+        seen["layers"] += any(s.layers for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
     assert 20 < seen["none fits"] < 100 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
     assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen
-    assert seen["offload"] > 10, seen
+    assert seen["offload"] > 10 and seen["layers"] > 2, seen
 
 
 @pytest.mark.parametrize("seed", range(3))

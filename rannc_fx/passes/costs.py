@@ -12,10 +12,11 @@ import torch
 from ..progress import note
 from ..values import ValueSpec
 from .capture import CapturedGraph
+from .checkpoints import layer_segments
 from .group import BlockGraph
 from .optcost import SizeCurve
 from .profile import Profile
-from .search import CostTable
+from .search import CostTable, Segments
 from .tail import TailCost
 
 __all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
@@ -121,6 +122,7 @@ def build_cost_table(
     owner = np.repeat(np.arange(nb), [len(b) for b in blocks.blocks])
     w = interpolation_weights(profile.batch_sizes, sizes)  # (Q, P)
     per_block = {}
+    segments: Segments | None = None
     for field in _FIELDS:
         # clamped per node, as Profile.at does, before summing (or taking the max) per block
         node_vals = np.maximum(_node_series(profile, names, field) @ w.T, 0.0)  # (N, Q)
@@ -129,6 +131,9 @@ def build_cost_table(
         acc = np.zeros((nb, len(sizes)))
         (np.maximum if field == "workspace_bytes" else np.add).at(acc, owner, node_vals)
         per_block[field] = acc.T.copy()  # (Q, B)
+        if field == "saved_bytes":
+            segments = layer_segments(captured.gm, blocks, values, node_vals,
+                                      np.asarray(sizes))
 
     if tail is not None:
         last = per_block["workspace_bytes"][:, nb - 1]
@@ -178,6 +183,7 @@ def build_cost_table(
         optimizer_s=_per_tensor(nb, grad_uses, grads, optimizer),
         accumulate_s=_per_tensor(nb, grad_uses, grads, accumulate),
         out=out if out.any() else None,
+        segments=segments,
     )
     note("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
          time.perf_counter() - t0)

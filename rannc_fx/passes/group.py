@@ -97,6 +97,9 @@ class BlockGraph(BaseModel):
     blocks: tuple[tuple[str, ...], ...]
     params: tuple[tuple[str, ...], ...]
     boundary: tuple[tuple[str, ...], ...]
+    # the first node of every atomic group: where a block, or a segment of a stage that
+    # recomputes layer by layer (``passes/checkpoints.py``), may start
+    group_starts: tuple[str, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -198,6 +201,7 @@ def group_pass(
         params=tuple(tuple(p) for p in block_params(captured, blocks, values,
                                                      recomputed=recomputed)),
         boundary=tuple(tuple(v) for v in crossing_values(gm, block_of, len(blocks), recomputed)),
+        group_starts=tuple(g[0] for g in groups),
     )
     note("grouped %d nodes into %d blocks in %.2f s", len(position), len(blocks),
          time.perf_counter() - t0)

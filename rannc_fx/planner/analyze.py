@@ -318,6 +318,7 @@ def _search_space(
         replicas=cfg.replicas,
         schedules=schedules,
         recompute=cfg.recompute,
+        layers=cfg.recompute_layers,
         zero=None if cfg.zero is None else bool(cfg.zero),
         offload=cfg.offload,
         host_bandwidth=host_bw,

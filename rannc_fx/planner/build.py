@@ -94,6 +94,8 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             optimizer_ms=ms * cost.optimizer_s,
             accumulate_ms=ms * cost.accumulate_s,
             recompute=choice.recompute,
+            checkpoints=(a.table.segments.inside(choice.start, choice.end)
+                         if choice.layers and a.table.segments is not None else ()),
             zero=int(cost.zero),
             gather_ms=ms * cost.gather_s,
             offload=cost.offload,

@@ -9,7 +9,8 @@ lowered schedule. What one step keeps between actions lives in a ``StepState`` (
                 arguments and (unless the stage recomputes) the outputs for the backward
     SEND_F i    send micro-batch i's cut values to the consumer replicas
     R i         run micro-batch i's forward again with gradients, on the random state and
-                buffers its F saw (only stages that recompute)
+                buffers its F saw (only stages that recompute; layer by layer, as checkpointed
+                segments, where the stage has checkpoints: ``recompute.py``)
     RECV_B i    post the receives of the gradients of micro-batch i's cut values
     B i         wait for them, add the loss seed (its share of the global batch), backward
                 (only to the stage's inputs where the schedule has a W i: ``backward_split``)
@@ -40,6 +41,7 @@ from .checks import check_stage_outputs
 from .comm import Groups, Message, Pending, post
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
+from .recompute import build_segmented, check_segmentable
 from .routing import RankRoutes, Transfer
 from .step import StepState
 from .tail import TailRunner
@@ -91,6 +93,14 @@ class StageRunner:
         # forward updates (BufferSync restores it before the next micro-batch)
         self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
         self.trainable = [p for p in module.parameters() if p.requires_grad]
+        # recomputation layer by layer: what R runs (``recompute.py``); F runs ``module``.
+        # Every rank checks every stage: one that went on would wait for this one's messages
+        check_segmentable(plan)
+        self.segmented = build_segmented(
+            module, stage.checkpoints, recompute_scope=buffers.recompute_scope,
+            placed={n for b in plan.iter_stage_blocks(stage.index) for n in b.nodes},
+            name=f"stage {stage.index}",
+        ) if stage.checkpoints else None
 
     # -- messages --------------------------------------------------------------------------------
     def _mine(self, which: str, i: int, peer: int | None = None) -> list[Transfer]:
@@ -282,7 +292,7 @@ class StageRunner:
             _rng_restored(step.rng.pop(i), self.device),
             self.buffers.recompute_scope(),
         ):
-            step.outs[i] = self._run(step.args[i])
+            step.outs[i] = self._run(step.args[i], self.segmented)
 
     def backward(self, step: StepState, i: int) -> None:
         recv: dict[Transfer, torch.Tensor] = {}
@@ -327,8 +337,8 @@ class StageRunner:
         if work is not None:
             backward_weights(work)
 
-    def _run(self, args: list[Any]) -> tuple[Any, ...]:
-        outs = self.module(*args)
+    def _run(self, args: list[Any], module: fx.GraphModule | None = None) -> tuple[Any, ...]:
+        outs = (self.module if module is None else module)(*args)
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
 

@@ -4,6 +4,8 @@ offloading exactly.
 The search imports numpy only (no torch); its modules, in the order a search uses them:
 
     model       the cost model (its docstring has the formulas), the types
+    segments    recomputation layer by layer: what a stage holds while its backward
+                recomputes its layers
     variants    a stage's variants (recomputation, sharding, offloading) and the terms
                 that depend on its replica count
     evaluate    one plan's step time and per-stage costs under it
@@ -30,6 +32,7 @@ from .model import (
     samples_per_replica,
 )
 from .scan import SearchProgress, search_pass
+from .segments import Segments
 
 __all__ = [
     "SCHEDULES",
@@ -39,6 +42,7 @@ __all__ = [
     "SearchProgress",
     "SearchResult",
     "SearchSpace",
+    "Segments",
     "StageChoice",
     "StageCost",
     "evaluate",

@@ -60,11 +60,11 @@ def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
     return out
 
 
-def max_in_flight(terms: StageTerms, recompute: bool, m: int, budget: float,
+def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
                   saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0
                   ) -> np.ndarray:
     """The largest n in [0, m] with ``terms.memory(n, recompute, transient) - saved <=
-    budget`` (0: none; ``saved``: ``model.state_saved``, -inf where the variant cannot be,
+    budget`` (``recompute``: rho, 0, 1 or 2; 0: none; ``saved``: ``model.state_saved``, -inf where the variant cannot be,
     ``transient``: ``model.after_transient``).
 
     Memory grows with n, so a division estimates the limit and the formula itself settles
@@ -165,7 +165,11 @@ class Candidates:
         self.acc = range_sum(table.accumulate_s, iu, ju)
         self.opt = range_sum(table.optimizer_s, iu, ju)
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
-        self.kinds = variants(space)
+        self.kinds = variants(space, table.segments is not None)
+        if space.layers and space.recompute is not False and table.segments is None:
+            raise ValueError("recompute_layers=True, but the model has no layers to recompute "
+                             "one by one (submodules of an nn.ModuleList or nn.Sequential): "
+                             "use recompute_layers=None or False")
         self._terms: dict[tuple[int, int], StageTerms] = {}
         self._fixed: dict[tuple[bool, bool], np.ndarray] = {}
         self._saved: dict[tuple[bool, bool], np.ndarray] = {}
@@ -297,7 +301,7 @@ class Candidates:
             terms = self.terms(k, m).take(rows)
             wide, rr = terms.column(), reps[cols]
             times = {rho: np.broadcast_to(terms.time(rho)[:, None], (P, len(cols)))
-                     for rho in (False, True)}
+                     for rho in (0, 1, 2)}
             us = np.zeros((P, len(cols), len(VARIANTS)))
             for v in self.kinds:
                 us[:, :, v] = self._u(m, times[VARIANTS[v].recompute], rr, rows, v)

@@ -43,7 +43,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
            m: int, n: int) -> tuple[StageCost, float, float, float, tuple[float, float, float]]:
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
     micro-batch's activations, cut values in and out, and out alone."""
-    i, j, r, rho = st.start, st.end, st.replicas, st.recompute
+    i, j, r, rho = st.start, st.end, st.replicas, st.level
     zeta, omega = st.zero and r > 1, st.offload
     q = samples_per_replica(space.global_batch, m, r)
     if q not in kidx:
@@ -63,11 +63,12 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     saved = state_saved(space, g, rr, zeta, omega)
     tr = after_transient(space, g, rr, zeta, omega)
     host = float(host_state(space, g, rr, zeta, omega)[0])
-    fwd, act, cuts = float(table.fwd[k, i:j].sum()), float(terms.act[0]), float(terms.cuts[0])
+    fwd, cuts = float(table.fwd[k, i:j].sum()), float(terms.cuts[0])
+    act = float((terms.seg if rho == 2 else terms.act)[0])
     cout = float(terms.cout[0])
-    kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, rho)[0])
+    kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, bool(rho))[0])
     held = float(held_bytes(g, np.array([act]), np.array([cuts]), np.array([cout]), n, m,
-                            rho)[0])
+                            bool(rho))[0])
     # the largest transient: an op's workspace, or the all-reduce's copy beyond what the
     # backwards held (memory = fixed + max(held + ws, G + tr))
     ws = max(float(terms.ws[0]), grad + float(tr[0]) - held)
@@ -80,8 +81,8 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         optimizer_state=round(grad * space.optimizer_state_factor - float(saved[0])),
         activations=round(act if rho else n * act), comm_buffers=round(kept),
         overlap=round(grad + (act if rho else n * act) + kept - held),
-        workspace=round(ws), recompute=rho, in_flight=n,
-        recompute_s=fwd if rho else 0.0,
+        workspace=round(ws), recompute=bool(rho), in_flight=n,
+        recompute_s=rho * fwd,
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     mem = float((terms.memory(n, rho, tr) - saved)[0])

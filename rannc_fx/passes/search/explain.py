@@ -87,7 +87,7 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
     ks = {r: cands.size(m, r) for r in np.unique(e.reps).tolist()}
     col = {k: c for c, k in enumerate(dict.fromkeys(ks.values()))}
     stacked = {f: np.stack([getattr(cands.terms(k, m), f) for k in col])
-               for f in ("fixed", "grads", "act", "cuts", "cout", "ws")}
+               for f in ("fixed", "grads", "act", "seg", "cuts", "cout", "ws")}
     where = (np.array([col[ks[int(r)]] for r in e.reps]),
              e.end.astype(np.int64) * (e.end - 1) // 2 + e.start)  # (size, pair of cands)
     L = layers.build_layers(sp, min(m, layers.max_depth(sp, B)))
@@ -95,14 +95,16 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
 
     def weights(idx: np.ndarray) -> np.ndarray:
         at = (where[0][idx], where[1][idx])
-        fixed, grads, act, cuts, cout, ws = (
-            stacked[f][at][:, None] for f in ("fixed", "grads", "act", "cuts", "cout", "ws"))
+        fixed, grads, act, seg, cuts, cout, ws = (
+            stacked[f][at][:, None]
+            for f in ("fixed", "grads", "act", "seg", "cuts", "cout", "ws"))
         reps, rows = e.reps[idx].astype(np.int64), where[1][idx]
 
         def variant(k: int) -> np.ndarray:
             saved, tr = cands.offsets(k, reps, rows)
-            return stage_memory(fixed, grads, act, cuts, cout, ws, n, m, VARIANTS[k].recompute,
-                                tr[:, None]) - saved[:, None]
+            rho = VARIANTS[k].recompute
+            return stage_memory(fixed, grads, seg if rho == 2 else act, cuts, cout, ws, n, m,
+                                bool(rho), tr[:, None]) - saved[:, None]
 
         return np.min([variant(k) for k in cands.kinds], axis=0)
 
@@ -182,7 +184,7 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
     one_f = "1f1b" in space.schedules
     ns = range(1, min(m, s_max) + 1) if one_f else [m]
     iu, ju = np.triu_indices(B + 1, 1)
-    kinds = variants(space)
+    kinds = variants(space, table.segments is not None)
     grad = np.asarray(table.grad_bytes, float)[iu, ju]
     r_need = {n: np.full(len(iu), np.inf) for n in ns}  # fewest replicas that make it fit
     for k, size in enumerate(sizes.tolist()):

@@ -5,7 +5,7 @@ This module imports numpy only (no torch). All times are in seconds, sizes in by
 A stage covers blocks [i, j) with r replicas; with m micro-batches each replica handles
 q = ceil(global_batch / (m * r)) samples per micro-batch, and ``k`` is the index of q in
 ``table.sizes``. The schedule sigma ("gpipe" or "1f1b") is chosen for the whole plan, the
-activation recomputation rho (True or False) per stage; d is the stage's position from the
+activation recomputation rho (0 none, 1 the stage's forward, 2 layer by layer) per stage; d is the stage's position from the
 end (the last stage has d = 1). n is how many micro-batches' activations the stage holds at
 once:
 
@@ -14,7 +14,8 @@ once:
     F, Bw, A = sum(fwd[k, i:j]), sum(bwd[k, i:j]), sum(act[k, i:j])
     cin,cout = cut[k, i], cut[k, j]
     t_s      = F + Bw + rho * F + 2 * (cin + cout) / link_bw + 2 * link_lat * ([i > 0] + [j < B])
-                         (recomputation runs the stage's forward again before each backward)
+                         (recomputation runs the stage's forward again before each backward;
+                          layer by layer, the backward runs each layer's forward once more)
     ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
                          (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
     acc_s    = accumulate_s[i, j]             (micro-batch 2.. adds its gradients into .grad)
@@ -30,10 +31,13 @@ once:
                          (ZeRO-1, zeta = 1: each replica keeps the optimizer state of 1 / r
                           of the stage's parameters, ``runtime/zero.py``)
                + G + n * (A + cin + cout)      (rho = False)
-               + G + n * cin + cout + A        (rho = True: a micro-batch in flight keeps only
+               + G + n * cin + cout + A        (rho = 1: a micro-batch in flight keeps only
                                                 the stage's inputs; one micro-batch's
                                                 activations and outputs exist during its
-                                                backward)
+                                                backward; rho = 2: as rho = 1 with A
+                                                replaced by K + a_max, the inputs of the
+                                                stage's layers and one layer's activations,
+                                                ``segments``)
                - overlap
                + max(workspace[k, i:j])
                + m * sum(out[k, i:j]) + output_bytes
@@ -92,6 +96,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .segments import Segments
+
 __all__ = [
     "SCHEDULES",
     "CostTable",
@@ -141,6 +147,7 @@ class CostTable:
     optimizer_s: np.ndarray | None = None
     accumulate_s: np.ndarray | None = None
     out: np.ndarray | None = None  # (Q, B): bytes of batched model outputs each block makes
+    segments: Segments | None = None  # the layers, for recomputation layer by layer
 
     @property
     def num_blocks(self) -> int:
@@ -161,6 +168,8 @@ class SearchSpace:
     replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
     schedules: tuple[str, ...] = SCHEDULES  # candidates; forced = one candidate
     recompute: bool | None = None  # None: per stage, only where needed; True / False: all / none
+    # recomputing layer by layer (``segments``) or the whole stage: None searched per stage
+    layers: bool | None = None
     zero: bool | None = None  # ZeRO-1 over a stage's replicas: as ``recompute`` (r = 1: never)
     offload: bool | None = None  # optimizer state in host memory: as ``recompute``
     host_bandwidth: float | None = None  # bytes/s device <-> host; None: nothing to offload to
@@ -177,6 +186,12 @@ class StageChoice:
     recompute: bool = False  # run the forward again before each backward; keep only cut values
     zero: bool = False  # ZeRO-1: the optimizer state sharded over the replicas (r > 1)
     offload: bool = False  # the (share of the) optimizer state kept in host memory
+    layers: bool = False  # recompute layer by layer (``segments``; with recompute only)
+
+    @property
+    def level(self) -> int:
+        """rho: 0 no recomputation, 1 the stage's forward again, 2 layer by layer."""
+        return 2 if self.layers else int(self.recompute)
 
 
 @dataclass(frozen=True)
@@ -273,23 +288,26 @@ class StageTerms:
     """
 
     fb: np.ndarray  # F + Bw
-    fwd: np.ndarray  # F: what recomputation runs again
+    fwd: np.ndarray  # F: what recomputation runs again (twice layer by layer)
     comm: np.ndarray  # 2 (cin + cout) / link_bw + 2 lat ([i > 0] + [j < B])
     fixed: np.ndarray  # params + grads * optimizer_state_factor + m out + output_bytes
     grads: np.ndarray  # G
     act: np.ndarray  # A
+    seg: np.ndarray  # K + a_max: what recomputing layer by layer holds instead of A
     cuts: np.ndarray  # cin + cout
     cout: np.ndarray  # cout: a recomputing stage sends it on and rebuilds it in R
     ws: np.ndarray  # max workspace
     m: int  # micro-batches
 
-    def time(self, recompute: bool) -> np.ndarray:
-        return (self.fb + self.fwd if recompute else self.fb) + self.comm
+    def time(self, rho: int) -> np.ndarray:
+        """t at recomputation level rho (0, 1 or 2: forwards run again before a backward)."""
+        again = self.fb if not rho else self.fb + self.fwd if rho == 1 else self.fb + 2 * self.fwd
+        return again + self.comm
 
-    def memory(self, n: int | np.ndarray, recompute: bool,
+    def memory(self, n: int | np.ndarray, rho: int,
                transient: np.ndarray | float = 0.0) -> np.ndarray:
-        return stage_memory(self.fixed, self.grads, self.act, self.cuts, self.cout, self.ws, n,
-                            self.m, recompute, transient)
+        return stage_memory(self.fixed, self.grads, self.seg if rho == 2 else self.act,
+                            self.cuts, self.cout, self.ws, n, self.m, bool(rho), transient)
 
     def take(self, idx: np.ndarray) -> StageTerms:
         return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in _TERMS}, m=self.m)
@@ -300,7 +318,7 @@ class StageTerms:
                           m=self.m)
 
 
-_TERMS = ("fb", "fwd", "comm", "fixed", "grads", "act", "cuts", "cout", "ws")
+_TERMS = ("fb", "fwd", "comm", "fixed", "grads", "act", "seg", "cuts", "cout", "ws")
 
 
 def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
@@ -344,12 +362,14 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     act = np.concatenate(([0.0], np.cumsum(table.act[k])))
     both = cut[i] + cut[j]
     edges = (i > 0).astype(float) + (j < table.num_blocks).astype(float)
+    A = act[j] - act[i]
+    seg = A if table.segments is None else table.segments.transient(k, i, j, A)
     return StageTerms(
         fb=fb[j] - fb[i], fwd=fwd[j] - fwd[i],
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
         fixed=np.asarray(table.param_bytes, float)[i, j] + grad * space.optimizer_state_factor
         + outputs_held(table, space, k, i, j, m),
-        grads=grad, act=act[j] - act[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
+        grads=grad, act=A, seg=seg, cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
 
 
 def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,

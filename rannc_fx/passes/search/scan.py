@@ -141,7 +141,7 @@ class _Run:
             ts.append(got[0])
             us.append(got[1])
             out.append(choice(st.start, st.end, st.replicas, got[2]))
-        alike = all((a.recompute, a.zero) == (b.recompute, b.zero)
+        alike = all((a.level, a.zero) == (b.level, b.zero)
                     for a, b in zip(stages, out, strict=True))
         self.best.offer(ts, us, tuple(out), m, self.label(m, alike))
 

@@ -1,0 +1,122 @@
+"""Where a stage that recomputes layer by layer starts its segments: the model's layers.
+
+A recomputing stage runs its forward again (R) right before each backward. Layer by layer,
+R keeps only the values entering each *segment* of the stage, and the backward runs each
+segment's forward a third time just before that segment's backward (``runtime/recompute``),
+so one segment's activations exist at a time rather than the whole stage's. The segments
+are the model's layers, as every framework's activation checkpointing takes them (a
+transformer block, a residual block): a node belongs to the innermost submodule on its
+``nn_module_stack`` whose name ends in an index (a child of an ``nn.ModuleList`` or
+``nn.Sequential``, ``encoder.layer.3``; a T5 block's sub-layers ``block.3.layer.0``), or to
+none; a run of nodes of none between two nodes of one layer (a mask made where it is read)
+belongs to that layer. A segment starts wherever that changes, moved on to the next atomic
+group's start (``group_atomic``: no in-place write of one segment reaches another's input).
+
+``layer_segments`` returns the segments' costs for the search (``search.Segments``): each
+segment's activations and, for each value that crosses a segment start, its bytes at the
+first start it crosses (graph inputs and recomputed values never cross, as for a stage
+boundary). None where the graph has no layers to cut at.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from torch import fx
+
+from ..values import ValueSpec
+from .group import BlockGraph
+from .group_boundary import recomputed_values
+from .search import Segments
+
+__all__ = ["layer_of", "layer_segments"]
+
+
+def layer_of(node: fx.Node) -> str | None:
+    """The innermost indexed submodule on the node's module stack (None: outside layers)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = str(list(stack.values())[-1][0])
+    parts = path.split(".")
+    idx = [k for k, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[: idx[-1] + 1]) if idx else None
+
+
+def _layers(nodes: list[fx.Node]) -> list[str | None]:
+    """Each node's layer, a run of layerless nodes between two of one layer absorbed in it."""
+    layers = [layer_of(n) for n in nodes]
+    last: tuple[int, str] | None = None  # the previous node with a layer
+    for x, lay in enumerate(layers):
+        if lay is None:
+            continue
+        if last is not None and last[1] == lay and last[0] < x - 1:
+            layers[last[0] + 1:x] = [lay] * (x - last[0] - 1)
+        last = (x, lay)
+    return layers
+
+
+def _cut(crossing: list[tuple[int, int, np.ndarray]], n: int) -> np.ndarray:
+    """Bytes (at the largest size) crossing the place before each of n + 1 positions."""
+    diff = np.zeros(n + 2)
+    for p, last, nbytes in crossing:
+        diff[p + 1] += nbytes[-1]
+        diff[last + 1] -= nbytes[-1]
+    return np.cumsum(diff)[: n + 1]
+
+
+def _starts(layers: list[str | None], allowed: list[int], cut: np.ndarray) -> np.ndarray:
+    """Segment starts: 0 and each place the layer changes, moved to the group start before
+    or after it that fewer bytes cross."""
+    allowed = allowed or list(range(len(layers)))
+    out = [0]
+    for x in range(1, len(layers)):
+        if layers[x] == layers[x - 1]:
+            continue
+        a = int(np.searchsorted(allowed, x, side="right")) - 1
+        near = [allowed[c] for c in (a, a + 1) if 0 <= c < len(allowed)]
+        if near:
+            out.append(min(near, key=lambda y: (cut[y], abs(y - x))))
+    return np.unique(np.asarray(out))
+
+
+def layer_segments(gm: fx.GraphModule, blocks: BlockGraph, values: dict[str, ValueSpec],
+                   act: np.ndarray, sizes: np.ndarray) -> Segments | None:
+    """The segments of the chain ``blocks`` of ``gm``; ``act`` (N, Q) is each node's saved
+    bytes at each size, the nodes in block order."""
+    names = [n for b in blocks.blocks for n in b]
+    pos = {n: x for x, n in enumerate(names)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    layers = _layers([by_name[n] for n in names])
+    N = len(names)
+    recomputed = recomputed_values(gm, values)
+    q = np.asarray(sizes, float)
+    crossing: list[tuple[int, int, np.ndarray]] = []  # producer, last reader, bytes by size
+    for name in names:
+        spec = values.get(name)
+        if spec is None or spec.kind != "tensor" or name in recomputed:
+            continue
+        p = pos[name]
+        last = max((pos[u.name] for u in by_name[name].users if u.name in pos), default=p)
+        if last > p:
+            one, two = spec.nbytes_for(1), spec.nbytes_for(2)
+            crossing.append((p, last, (two - one) * q + (2 * one - two)))
+    xs = _starts(layers, sorted(pos[g] for g in blocks.group_starts if g in pos),
+                 _cut(crossing, N))
+    if len(xs) < 2:
+        return None
+    S = len(xs)
+    cum = np.concatenate((np.zeros((1, act.shape[1])), np.cumsum(act, axis=0))).T  # (Q, N+1)
+    ends = np.append(xs, N)
+    seg_act = cum[:, ends[1:]] - cum[:, ends[:-1]]
+    kept = np.zeros((len(sizes), S))
+    for p, last, nbytes in crossing:
+        t = int(np.searchsorted(xs, p, side="right"))  # the first start after its producer
+        if t < S and xs[t] <= last:
+            kept[:, t] += nbytes
+    posb = np.array([pos[b[0]] for b in blocks.blocks] + [N])
+    first = np.searchsorted(xs, posb, side="right") - 1  # as a stage's start
+    last_ = np.maximum(np.searchsorted(xs, posb, side="left") - 1, 0)  # as a stage's end
+    head = cum[:, ends[np.minimum(first + 1, S)]] - cum[:, posb]
+    tail = cum[:, posb] - cum[:, xs[last_]]
+    return Segments(starts=tuple(names[x] for x in xs), act=seg_act, kept=kept,
+                    first=first, last=last_, head=head, tail=tail)
