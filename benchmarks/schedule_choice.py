@@ -6,7 +6,8 @@ Each workload of ``plan_time.WORKLOADS`` (a meta-device BertForPreTraining retur
 pre-training loss, so every schedule is eligible) is analyzed once; the search then runs with
 GPipe only, 1F1B only, and both (as ``Config(schedule=None)`` does), and the planner's
 zero-bubble and interleaving steps (``planner/zero_bubble.py``, ``planner/virtual.py``) are
-applied to the last. ``gpt-13b`` is a meta-device GPT-2 architecture at GPT-3 13B's shape
+applied to the last, also on the plans searched without recomputation layer by layer,
+offloading and sharding, as the planner does (``planner.driver.choose``). ``gpt-13b`` is a meta-device GPT-2 architecture at GPT-3 13B's shape
 (40 layers of 5120, 40 heads, sequence 2048, global batch 64) returning its LM loss
 (``labels=``) on 16 A100-80GB. Per workload: the best
 GPipe/1F1B plan's simulated step and bubble (the share of the step its bottleneck stage does
@@ -27,9 +28,8 @@ from plan_time import WORKLOADS, bert, environment  # noqa: E402
 from rannc_fx import Config, Plan  # noqa: E402
 from rannc_fx.planner.analyze import analyze  # noqa: E402
 from rannc_fx.planner.build import build_plan  # noqa: E402
-from rannc_fx.planner.driver import run_search  # noqa: E402
+from rannc_fx.planner.driver import choose, run_search  # noqa: E402
 from rannc_fx.planner.virtual import virtual_variants  # noqa: E402
-from rannc_fx.planner.zero_bubble import zero_bubble  # noqa: E402
 
 
 def bubble(plan: Plan) -> float:
@@ -67,9 +67,8 @@ def run(name: str) -> str:
         b = dataclasses.replace(a, space=space)
         result = run_search(b.table, b.space)
         plan = build_plan(b, result)
-        if label == "searched":
-            plan = zero_bubble(b, result, plan, lambda r, b=b: build_plan(b, r))
-            plan = virtual_variants(b, result, plan, lambda r, b=b: build_plan(b, r))
+        if label == "searched":  # what the planner makes of it (``driver.choose``)
+            plan = choose(b, result)
         plans[label] = plan
     best = min((plans["gpipe"], plans["1f1b"]), key=lambda p: p.simulated_step_ms or 0.0)
     chosen = plans["searched"]

@@ -19,7 +19,14 @@ from ..config import Config
 from ..device import DeviceSpec
 from ..passes.capture import CapturedGraph
 from ..passes.optcost import ParameterCosts
-from ..passes.search import CostTable, NoFeasiblePlan, SearchResult, SearchSpace, search_pass
+from ..passes.search import (
+    CostTable,
+    NoFeasiblePlan,
+    SearchResult,
+    SearchSpace,
+    StageChoice,
+    search_pass,
+)
 from ..passes.split import split_pass
 from ..plan import Plan
 from ..progress import Progress
@@ -29,7 +36,7 @@ from .build import build_plan
 from .virtual import virtual_variants
 from .zero_bubble import zero_bubble
 
-__all__ = ["Planned", "plan_model", "run_search", "split_stages"]
+__all__ = ["Planned", "choose", "plan_model", "run_search", "split_stages"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -79,28 +86,7 @@ def plan_model(
         ) from None
     p = Progress("plan")
     seconds = time.perf_counter() - t0
-    plan = _with_schedules(a, result, seconds)
-    # the schedules tried after the search keep its lanes: the plan it makes without
-    # offloading, or without sharding either, may suit them better (the 100 B BERT's on 33
-    # A100s does under ZBV, the 512-layer BERT-large's on 32 V100s interleaved)
-    sp = a.space
-    alternatives: list[SearchSpace] = []
-    if sp.offload is None and any(st.offload for st in result.stages):
-        alternatives.append(dataclasses.replace(sp, offload=False))
-    if sp.zero is None and any(st.zero or st.offload for st in result.stages):
-        alternatives.append(dataclasses.replace(
-            sp, zero=False, offload=False if sp.offload is None else sp.offload))
-    for space in alternatives:
-        b = dataclasses.replace(a, space=space)
-        forbid = {"zero": space.zero, "offload": space.offload}
-        try:
-            other = _with_schedules(b, search_pass(b.table, b.space), seconds)
-        except NoFeasiblePlan:
-            continue
-        if _step(other) < _step(plan):
-            log.info("plan: with %s, %s: simulated step %.2f ms against %.2f ms", forbid,
-                     other.schedule, _step(other), _step(plan))
-            plan = other
+    plan = choose(a, result, seconds)
     p.done(
         "built the plan in %.2f s: %d stages on %d ranks, %d cut value(s), %d shared parameter(s), "
         "predicted step %.2f ms (schedule simulated: %.2f ms)", p.seconds, len(plan.stages),
@@ -110,6 +96,40 @@ def plan_model(
     return Planned(plan, a.captured, a.values, a.started)
 
 
+def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
+    """The plan: the searched one, or a schedule the search does not cost on its stages or
+    lanes (``_with_schedules``), or the same on the plans searched without what the first
+    used, where its simulated step is shorter."""
+    plan = _with_schedules(a, result, seconds)
+    # the schedules tried after the search keep its lanes: the plan it makes without
+    # recomputing layer by layer, then also without offloading, then without sharding either,
+    # may suit them better (the 1024-layer BERT-large's on 32 V100s interleaved, the 100 B
+    # BERT's on 33 A100s under ZBV, the 512-layer BERT-large's interleaved)
+    space, current = a.space, result
+    for field in ("layers", "offload", "zero"):
+        if getattr(a.space, field) is not None or not any(_uses(st, field)
+                                                         for st in current.stages):
+            continue  # forced by the user, or not used
+        if field == "layers":
+            space = dataclasses.replace(space, layers=False)
+        else:  # without sharding, without offloading either (unless the user forced it)
+            space = dataclasses.replace(space, offload=False if field == "offload" or (
+                a.space.offload is None) else a.space.offload)
+            if field == "zero":
+                space = dataclasses.replace(space, zero=False)
+        b = dataclasses.replace(a, space=space)
+        try:
+            current = search_pass(b.table, b.space)
+        except NoFeasiblePlan:
+            break
+        other = _with_schedules(b, current, seconds)
+        if _step(other) < _step(plan):
+            log.info("plan: with %s=False too, %s: simulated step %.2f ms against %.2f ms",
+                     field, other.schedule, _step(other), _step(plan))
+            plan = other
+    return plan
+
+
 def _with_schedules(a: Analysis, result: SearchResult, seconds: float) -> Plan:
     """The searched plan, or ZB-H1, interleaved 1F1B or ZBV on its stages where shorter."""
     def build(r: SearchResult) -> Plan:
@@ -117,6 +137,12 @@ def _with_schedules(a: Analysis, result: SearchResult, seconds: float) -> Plan:
 
     plan = zero_bubble(a, result, build(result), build)
     return virtual_variants(a, result, plan, build)
+
+
+def _uses(st: StageChoice, field: str) -> bool:
+    """The searched stage recomputes layer by layer, offloads, or shards (or offloads)."""
+    return st.layers if field == "layers" else st.offload if field == "offload" else (
+        st.zero or st.offload)
 
 
 def _step(plan: Plan) -> float:
