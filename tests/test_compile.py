@@ -92,6 +92,8 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
         assert cm.plan.schedule == cfg["schedule"] and f"schedule {cfg['schedule']}" in repr(cm)
     if cfg.get("recompute") is not None:
         assert all(st.recompute == cfg["recompute"] for st in cm.plan.stages)
+    if cfg.get("recompute_layers"):  # every stage that holds a layer start recomputes by layer
+        assert any(st.checkpoints for st in cm.plan.stages)
     # the user's Adam was timed for the plan: every stage with parameters has a step cost
     assert all((st.optimizer_ms > 0) == (st.memory.grads > 0) for st in cm.plan.stages)
     return _loss(out).item()

@@ -42,6 +42,15 @@ def test_hf_trains_like_one_process(name, world, cfg):
         ("tied-llama", 4, dict(replicas=(2, 2), micro_batches=2, schedule="interleaved",
                                virtual_stages=2, recompute=True)),
         ("t5", 2, dict(replicas=(1, 1), micro_batches=2, schedule="interleaved")),
+        # recomputation layer by layer: T5's position bias and encoder output enter every
+        # decoder layer, Llama's rotary tables are buffers every layer reads, BERT's mask is
+        # made where it is read
+        ("t5", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe", recompute=True,
+                       recompute_layers=True)),
+        ("tied-llama", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b",
+                               recompute=True, recompute_layers=True)),
+        ("bert", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b", recompute=True,
+                         recompute_layers=True)),
     ],
 )
 def test_hf_schedules_and_recomputation(name, world, cfg):

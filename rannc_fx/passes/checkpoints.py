@@ -9,8 +9,10 @@ transformer block, a residual block): a node belongs to the innermost submodule 
 ``nn_module_stack`` whose name ends in an index (a child of an ``nn.ModuleList`` or
 ``nn.Sequential``, ``encoder.layer.3``; a T5 block's sub-layers ``block.3.layer.0``), or to
 none; a run of nodes of none between two nodes of one layer (a mask made where it is read)
-belongs to that layer. A segment starts wherever that changes, moved on to the next atomic
-group's start (``group_atomic``: no in-place write of one segment reaches another's input).
+belongs to that layer. A segment starts wherever that changes, moved to the atomic group
+start before or after it that fewer bytes cross (``group_atomic``: no in-place write of one
+segment reaches another's input), and past any value recomputed where it is read (a mask:
+the stage holds a copy under another name).
 
 ``layer_segments`` returns the segments' costs for the search (``search.Segments``): each
 segment's activations and, for each value that crosses a segment start, its bytes at the
@@ -102,6 +104,11 @@ def layer_segments(gm: fx.GraphModule, blocks: BlockGraph, values: dict[str, Val
             crossing.append((p, last, (two - one) * q + (2 * one - two)))
     xs = _starts(layers, sorted(pos[g] for g in blocks.group_starts if g in pos),
                  _cut(crossing, N))
+    # a recomputed value is rebuilt where it is read, under another name: a segment starts
+    # at the first node after it that the stage keeps as it is
+    xs = np.unique([next((y for y in range(x, N) if names[y] not in recomputed), N) if x else 0
+                    for x in xs])
+    xs = xs[xs < N]
     if len(xs) < 2:
         return None
     S = len(xs)

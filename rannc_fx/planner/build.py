@@ -7,7 +7,7 @@ import logging
 from typing import Literal
 
 from ..passes.capture import CapturedGraph
-from ..passes.search import SearchResult
+from ..passes.search import SearchResult, StageChoice
 from ..passes.shapes_dynamic import Dynamic, dynamic_pass
 from ..passes.split import stage_interfaces
 from ..passes.split_interface import StageInterface, dimension_source
@@ -29,6 +29,15 @@ from .analyze import Analysis
 log = logging.getLogger("rannc_fx")
 
 __all__ = ["build_plan"]
+
+
+def _checkpoints(a: Analysis, choice: StageChoice) -> tuple[str, ...]:
+    """Where a stage that recomputes layer by layer starts its segments (none in the tail,
+    which runs outside the stage)."""
+    if not choice.layers or a.table.segments is None:
+        return ()
+    tail = set(a.captured.tail.nodes) if a.captured.tail is not None else set()
+    return tuple(n for n in a.table.segments.inside(choice.start, choice.end) if n not in tail)
 
 
 def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0) -> Plan:
@@ -94,8 +103,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             optimizer_ms=ms * cost.optimizer_s,
             accumulate_ms=ms * cost.accumulate_s,
             recompute=choice.recompute,
-            checkpoints=(a.table.segments.inside(choice.start, choice.end)
-                         if choice.layers and a.table.segments is not None else ()),
+            checkpoints=_checkpoints(a, choice),
             zero=int(cost.zero),
             gather_ms=ms * cost.gather_s,
             offload=cost.offload,
