@@ -89,10 +89,11 @@ class Stage(BaseModel):
     accumulate_ms: float = 0.0  # adding one micro-batch's gradients into .grad
     recompute: bool = False  # forward again before each backward (fwd_ms more per micro-batch)
     # recomputation layer by layer: the nodes (in graph order) each of which starts a segment
-    # of the stage. R then keeps only each segment's inputs, and the backward runs each
-    # segment's forward a third time just before its backward (fwd_ms more again); empty:
-    # R keeps every activation of the stage until its backward
+    # of the stage. R then keeps only each segment's inputs (and its last segment's
+    # activations), and the backward runs each other segment's forward a third time just
+    # before its backward (again_ms); empty: R keeps every activation of the stage
     checkpoints: tuple[str, ...] = ()
+    again_ms: float = 0.0  # with checkpoints: the forwards each backward runs again
     zero: int = Field(default=0, ge=0, le=1)  # 1: optimizer state sharded over the replicas
     gather_ms: float = 0.0  # zero = 1: all-gathering the stepped parameters after the step
     offload: bool = False  # the (share of the) optimizer state in host memory

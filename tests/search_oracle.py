@@ -95,12 +95,17 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         Bw += float(table.bwd[k][b])
         A += float(table.act[k][b])
         ws = max(ws, float(table.workspace[k][b]))
+    again = 0.0  # layer by layer, the backward runs every layer's forward but the last again
     if rho == 2:  # one micro-batch's activations: its layers' inputs and one layer's
         A = layer_transient(table, k, i, j, A)
+        sg = table.segments
+        assert sg is not None
+        if int(sg.first[i]) != int(sg.last[j]):
+            again = F - float(sg.tail_fwd[k][j])
     cin, cout = float(table.cut[k][i]), float(table.cut[k][j])
     messages = (1 if i > 0 else 0) + (1 if j < B else 0)
     comm = 2 * (cin + cout) / space.link_bandwidth + 2 * space.link_latency * messages
-    t = F + Bw + rho * F + comm
+    t = F + Bw + (F if rho else 0.0) + again + comm
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
     ar_bw = space.allreduce_bandwidth or space.link_bandwidth
     ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
@@ -144,7 +149,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     if offload:  # or a bucket's state brought in for its step
         copy = max(copy, min(host, space.reduce_bucket * space.optimizer_state_factor))
     ws = max(ws, grad + copy - peak)
-    return Figures(q, F, Bw, rho * F, comm, ar, opt, acc, param, grad, state,
+    return Figures(q, F, Bw, (F if rho else 0.0) + again, comm, ar, opt, acc, param, grad, state,
                    activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, offload, moved, host, t, u,
                    param + state + peak + ws + outputs, rho == 2)
 

@@ -102,6 +102,7 @@ def random_segments(rng: np.random.Generator, table: CostTable) -> Segments:
     share = rng.uniform(0.1, 1.0, len(owner))
     share /= np.bincount(owner, share)[owner]
     act = table.act[:, owner] * share[None, :]  # (Q, N)
+    fwd = table.fwd[:, owner] * share[None, :]
     N = len(owner)
     xs = np.unique(np.concatenate(([0], rng.choice(np.arange(1, N), int(rng.integers(
         1, N)), replace=False)))) if N > 1 else np.array([0])
@@ -112,10 +113,11 @@ def random_segments(rng: np.random.Generator, table: CostTable) -> Segments:
     last = np.maximum(np.searchsorted(xs, posb, side="left") - 1, 0)
     kept = rng.uniform(0, 0.3, (Q, len(xs))) * table.cut.mean()
     kept[:, 0] = 0.0
+    f = np.concatenate((np.zeros((Q, 1)), np.cumsum(fwd, axis=1)), axis=1)
     return Segments(starts=tuple(f"n{x}" for x in xs), act=cum[:, ends[1:]] - cum[:, ends[:-1]],
                     kept=kept, first=first, last=last,
                     head=cum[:, ends[np.minimum(first + 1, len(xs))]] - cum[:, posb],
-                    tail=cum[:, posb] - cum[:, xs[last]])
+                    tail=cum[:, posb] - cum[:, xs[last]], tail_fwd=f[:, posb] - f[:, xs[last]])
 
 
 def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, tight: float = 0.0,

@@ -82,9 +82,9 @@ def _starts(layers: list[str | None], allowed: list[int], cut: np.ndarray) -> np
 
 
 def layer_segments(gm: fx.GraphModule, blocks: BlockGraph, values: dict[str, ValueSpec],
-                   act: np.ndarray, sizes: np.ndarray) -> Segments | None:
-    """The segments of the chain ``blocks`` of ``gm``; ``act`` (N, Q) is each node's saved
-    bytes at each size, the nodes in block order."""
+                   act: np.ndarray, fwd: np.ndarray, sizes: np.ndarray) -> Segments | None:
+    """The segments of the chain ``blocks`` of ``gm``; ``act`` and ``fwd`` (N, Q) are each
+    node's saved bytes and forward seconds at each size, the nodes in block order."""
     names = [n for b in blocks.blocks for n in b]
     pos = {n: x for x, n in enumerate(names)}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -125,5 +125,7 @@ def layer_segments(gm: fx.GraphModule, blocks: BlockGraph, values: dict[str, Val
     last_ = np.maximum(np.searchsorted(xs, posb, side="left") - 1, 0)  # as a stage's end
     head = cum[:, ends[np.minimum(first + 1, S)]] - cum[:, posb]
     tail = cum[:, posb] - cum[:, xs[last_]]
+    f = np.concatenate((np.zeros((1, fwd.shape[1])), np.cumsum(fwd, axis=0))).T
     return Segments(starts=tuple(names[x] for x in xs), act=seg_act, kept=kept,
-                    first=first, last=last_, head=head, tail=tail)
+                    first=first, last=last_, head=head, tail=tail,
+                    tail_fwd=f[:, posb] - f[:, xs[last_]])

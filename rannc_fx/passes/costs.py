@@ -16,7 +16,7 @@ from .checkpoints import layer_segments
 from .group import BlockGraph
 from .optcost import SizeCurve
 from .profile import Profile
-from .search import CostTable, Segments
+from .search import CostTable
 from .tail import TailCost
 
 __all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
@@ -121,8 +121,7 @@ def build_cost_table(
     names = [n for b in blocks.blocks for n in b]
     owner = np.repeat(np.arange(nb), [len(b) for b in blocks.blocks])
     w = interpolation_weights(profile.batch_sizes, sizes)  # (Q, P)
-    per_block = {}
-    segments: Segments | None = None
+    per_block, per_node = {}, {}
     for field in _FIELDS:
         # clamped per node, as Profile.at does, before summing (or taking the max) per block
         node_vals = np.maximum(_node_series(profile, names, field) @ w.T, 0.0)  # (N, Q)
@@ -131,10 +130,11 @@ def build_cost_table(
         acc = np.zeros((nb, len(sizes)))
         (np.maximum if field == "workspace_bytes" else np.add).at(acc, owner, node_vals)
         per_block[field] = acc.T.copy()  # (Q, B)
-        if field == "saved_bytes":
-            segments = layer_segments(captured.gm, blocks, values, node_vals,
-                                      np.asarray(sizes))
+        if field in ("saved_bytes", "fwd_s"):
+            per_node[field] = node_vals
 
+    segments = layer_segments(captured.gm, blocks, values, per_node["saved_bytes"],
+                              per_node["fwd_s"], np.asarray(sizes))
     if tail is not None:
         last = per_block["workspace_bytes"][:, nb - 1]
         np.maximum(last, float(tail.held_bytes), out=last)

@@ -104,6 +104,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             accumulate_ms=ms * cost.accumulate_s,
             recompute=choice.recompute,
             checkpoints=_checkpoints(a, choice),
+            again_ms=ms * (cost.recompute_s - cost.fwd_s) if choice.layers else 0.0,
             zero=int(cost.zero),
             gather_ms=ms * cost.gather_s,
             offload=cost.offload,

@@ -207,8 +207,7 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
             walk = SPLIT_NODE_MS * st.num_nodes
             return 1e-3 * (st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + walk + st.comm_ms / 2)
         if a.kind is Kind.B:  # layer by layer, each layer's forward runs again inside it
-            again = st.fwd_ms if st.checkpoints else 0.0
-            return 1e-3 * (st.bwd_ms + again + st.comm_ms / 2 + acc)
+            return 1e-3 * (st.bwd_ms + st.again_ms + st.comm_ms / 2 + acc)
         if a.kind is Kind.W:
             return 1e-3 * (st.bwd_ms * w * (1 + SPLIT_OVERHEAD) + acc)
         if a.kind is Kind.REDUCE:  # every stage of its lane

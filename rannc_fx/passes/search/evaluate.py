@@ -82,7 +82,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         activations=round(act if rho else n * act), comm_buffers=round(kept),
         overlap=round(grad + (act if rho else n * act) + kept - held),
         workspace=round(ws), recompute=bool(rho), in_flight=n,
-        recompute_s=rho * fwd,
+        recompute_s=0.0 if not rho else fwd if rho == 1 else fwd + float(terms.again[0]),
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     mem = float((terms.memory(n, rho, tr) - saved)[0])

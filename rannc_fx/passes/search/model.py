@@ -13,9 +13,11 @@ once:
              = min(m, d)         (1f1b: a stage d from the end runs at most d forwards ahead)
     F, Bw, A = sum(fwd[k, i:j]), sum(bwd[k, i:j]), sum(act[k, i:j])
     cin,cout = cut[k, i], cut[k, j]
-    t_s      = F + Bw + rho * F + 2 * (cin + cout) / link_bw + 2 * link_lat * ([i > 0] + [j < B])
+    t_s      = F + Bw + [rho > 0] F + [rho = 2] F' + 2 (cin + cout) / link_bw
+               + 2 link_lat ([i > 0] + [j < B])
                          (recomputation runs the stage's forward again before each backward;
-                          layer by layer, the backward runs each layer's forward once more)
+                          layer by layer, the backward runs each layer's forward once more
+                          but the last's: F' = ``segments.again``)
     ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
                          (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
     acc_s    = accumulate_s[i, j]             (micro-batch 2.. adds its gradients into .grad)
@@ -288,7 +290,8 @@ class StageTerms:
     """
 
     fb: np.ndarray  # F + Bw
-    fwd: np.ndarray  # F: what recomputation runs again (twice layer by layer)
+    fwd: np.ndarray  # F: what recomputation runs again
+    again: np.ndarray  # layer by layer, what the backward runs once more (F less the last layer)
     comm: np.ndarray  # 2 (cin + cout) / link_bw + 2 lat ([i > 0] + [j < B])
     fixed: np.ndarray  # params + grads * optimizer_state_factor + m out + output_bytes
     grads: np.ndarray  # G
@@ -301,8 +304,9 @@ class StageTerms:
 
     def time(self, rho: int) -> np.ndarray:
         """t at recomputation level rho (0, 1 or 2: forwards run again before a backward)."""
-        again = self.fb if not rho else self.fb + self.fwd if rho == 1 else self.fb + 2 * self.fwd
-        return again + self.comm
+        if not rho:
+            return self.fb + self.comm
+        return (self.fb + self.fwd if rho == 1 else self.fb + self.fwd + self.again) + self.comm
 
     def memory(self, n: int | np.ndarray, rho: int,
                transient: np.ndarray | float = 0.0) -> np.ndarray:
@@ -318,7 +322,7 @@ class StageTerms:
                           m=self.m)
 
 
-_TERMS = ("fb", "fwd", "comm", "fixed", "grads", "act", "seg", "cuts", "cout", "ws")
+_TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "cuts", "cout", "ws")
 
 
 def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
@@ -362,10 +366,12 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     act = np.concatenate(([0.0], np.cumsum(table.act[k])))
     both = cut[i] + cut[j]
     edges = (i > 0).astype(float) + (j < table.num_blocks).astype(float)
-    A = act[j] - act[i]
-    seg = A if table.segments is None else table.segments.transient(k, i, j, A)
+    A, F = act[j] - act[i], fwd[j] - fwd[i]
+    sg = table.segments
+    seg = A if sg is None else sg.transient(k, i, j, A)
+    again = F if sg is None else sg.again(k, i, j, F)
     return StageTerms(
-        fb=fb[j] - fb[i], fwd=fwd[j] - fwd[i],
+        fb=fb[j] - fb[i], fwd=F, again=again,
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
         fixed=np.asarray(table.param_bytes, float)[i, j] + grad * space.optimizer_state_factor
         + outputs_held(table, space, k, i, j, m),

@@ -17,7 +17,12 @@ block):
     transient  = K + a_max
 
 ``head[b]`` is what the segment holding boundary b's first node makes from there to its end,
-``tail[b]`` what the segment ending at boundary b makes from its start to there. This
+``tail[b]`` what the segment ending at boundary b makes from its start to there.
+
+Time: R runs the stage's forward, every segment but the last checkpointed, and the backward
+runs each checkpointed segment's forward again; the last segment's activations are kept
+from R. So the forwards run again beyond R are F - ``tail_fwd[j]`` (0 where s_i = s_j: a
+stage inside one segment recomputes whole). This
 transient replaces the stage's activations A in the recomputing stage's memory
 (``model.StageTerms.seg``). A value that crosses a segment start and also enters the stage
 (it was made in the stage's first segment before the stage began) is counted in both K and
@@ -38,7 +43,8 @@ class Segments:
     """The segments of the chain, per size (Q) and per block boundary (B + 1).
 
     ``starts`` names each segment's first node (the first segment's too); ``act`` and
-    ``kept`` are (Q, S); ``first``, ``last`` (B + 1,); ``head`` and ``tail`` (Q, B + 1).
+    ``kept`` are (Q, S); ``first``, ``last`` (B + 1,); ``head``, ``tail`` and ``tail_fwd``
+    (Q, B + 1), the last the forward seconds of what ``tail`` holds.
     """
 
     starts: tuple[str, ...]
@@ -48,6 +54,7 @@ class Segments:
     last: np.ndarray
     head: np.ndarray
     tail: np.ndarray
+    tail_fwd: np.ndarray
 
     @property
     def count(self) -> int:
@@ -56,6 +63,11 @@ class Segments:
     def inside(self, i: int, j: int) -> tuple[str, ...]:
         """The segment starts inside the stage [i, j): its checkpoints (``Stage.checkpoints``)."""
         return self.starts[int(self.first[i]) + 1:int(self.last[j]) + 1]
+
+    def again(self, k: int, i: np.ndarray, j: np.ndarray, fwd: np.ndarray) -> np.ndarray:
+        """The forward seconds the backwards of the stages [i, j) run again, layer by layer
+        (every segment but the stage's last); ``fwd`` is each one's F."""
+        return np.where(self.first[i] == self.last[j], 0.0, fwd - self.tail_fwd[k][j])
 
     def transient(self, k: int, i: np.ndarray, j: np.ndarray, act: np.ndarray) -> np.ndarray:
         """K + a_max of the stages [i, j) at size index k; ``act`` is each one's A."""
