@@ -13,7 +13,8 @@ import pytest
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
-from rannc_fx.passes.search.model import CostTable, SearchSpace, stage_terms
+from rannc_fx.passes.search.model import CostTable, SearchSpace
+from rannc_fx.passes.search.terms import stage_terms
 from rannc_fx.planner.virtual import balanced_stages
 
 WIDE = dict(d_model=512, layers=8, seq=512)  # analytic V100 costs: the same plan every run

@@ -45,8 +45,8 @@ from ..passes.search.model import (
     range_max,
     samples_per_replica,
     size_index,
-    stage_terms,
 )
+from ..passes.search.terms import stage_terms
 from ..plan import Plan, lane_layout
 from ..runtime.actions import Action, Kind, in_flight
 from ..runtime.schedule import make_schedule

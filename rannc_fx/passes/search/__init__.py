@@ -6,6 +6,7 @@ The search imports numpy only (no torch); its modules, in the order a search use
     model       the cost model (its docstring has the formulas), the types
     segments    recomputation layer by layer: what a stage holds while its backward
                 recomputes its layers
+    terms       the formulas: one stage's time and memory terms
     variants    a stage's variants (recomputation, sharding, offloading) and the terms
                 that depend on its replica count
     evaluate    one plan's step time and per-stage costs under it

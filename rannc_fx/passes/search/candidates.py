@@ -25,14 +25,13 @@ from .layers import Entries
 from .model import (
     CostTable,
     SearchSpace,
-    StageTerms,
     bottleneck_s,
     range_max,
     range_sum,
     samples_per_replica,
     size_index,
-    stage_terms,
 )
+from .terms import StageTerms, stage_terms
 from .variants import (
     VARIANTS,
     after_transient,

@@ -19,15 +19,12 @@ from .model import (
     StageChoice,
     StageCost,
     bottleneck_s,
-    held_bytes,
     in_flight,
-    kept_cuts,
-    outputs_held,
     range_sum,
     samples_per_replica,
     size_index,
-    stage_terms,
 )
+from .terms import held_bytes, kept_cuts, outputs_held, stage_terms
 from .variants import (
     after_transient,
     allreduce_s,

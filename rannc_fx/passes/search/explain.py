@@ -17,11 +17,9 @@ from .kernel import Edges
 from .model import (
     CostTable,
     SearchSpace,
-    StageTerms,
     range_max,
-    stage_memory,
-    stage_terms,
 )
+from .terms import StageTerms, stage_memory, stage_terms
 from .variants import (
     VARIANTS,
     Variant,

@@ -1,0 +1,121 @@
+"""The cost model's formulas (``model``'s docstring states them): one stage's time and memory
+terms at one size, as arrays over stages [i, j).
+
+This module imports numpy only (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model import CostTable, SearchSpace
+
+__all__ = ["StageTerms", "held_bytes", "kept_cuts", "outputs_held", "stage_memory",
+           "stage_terms"]
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """The terms of the stages [i, j) at one size (arrays over the stages, or broadcastable).
+
+    The one place the time and memory formulas are written.
+    """
+
+    fb: np.ndarray  # F + Bw
+    fwd: np.ndarray  # F: what recomputation runs again
+    again: np.ndarray  # layer by layer, what the backward runs once more (F less the last layer)
+    comm: np.ndarray  # 2 (cin + cout) / link_bw + 2 lat ([i > 0] + [j < B])
+    fixed: np.ndarray  # params + grads * optimizer_state_factor + m out + output_bytes
+    grads: np.ndarray  # G
+    act: np.ndarray  # A
+    seg: np.ndarray  # K + a_max: what recomputing layer by layer holds instead of A
+    cuts: np.ndarray  # cin + cout
+    cout: np.ndarray  # cout: a recomputing stage sends it on and rebuilds it in R
+    ws: np.ndarray  # max workspace
+    m: int  # micro-batches
+
+    def time(self, rho: int) -> np.ndarray:
+        """t at recomputation level rho (0, 1 or 2: forwards run again before a backward)."""
+        if not rho:
+            return self.fb + self.comm
+        return (self.fb + self.fwd if rho == 1 else self.fb + self.fwd + self.again) + self.comm
+
+    def memory(self, n: int | np.ndarray, rho: int,
+               transient: np.ndarray | float = 0.0) -> np.ndarray:
+        return stage_memory(self.fixed, self.grads, self.seg if rho == 2 else self.act,
+                            self.cuts, self.cout, self.ws, n, self.m, bool(rho), transient)
+
+    def take(self, idx: np.ndarray) -> StageTerms:
+        return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in _TERMS}, m=self.m)
+
+    def column(self) -> StageTerms:
+        """The terms as (stages, 1) columns, to broadcast against (stages, k) arrays."""
+        return StageTerms(**{f: np.asarray(getattr(self, f))[:, None] for f in _TERMS},
+                          m=self.m)
+
+
+_TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "cuts", "cout", "ws")
+
+
+def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
+              recompute: bool) -> np.ndarray:
+    """Cut values held with n micro-batches in flight: inputs and outputs of each, or, when
+    recomputing, the inputs of each and one micro-batch's outputs."""
+    return n * (cuts - cout) + cout if recompute else n * cuts
+
+
+def held_bytes(grads: np.ndarray, act: np.ndarray, cuts: np.ndarray, cout: np.ndarray,
+               n: int | np.ndarray, m: int, recompute: bool) -> np.ndarray:
+    """Gradients, activations and cut values at the stage's peak (the docstring's formula
+    without the overlap subtracted out: what coexists)."""
+    if recompute:
+        h = kept_cuts(cuts, cout, m, True)
+        full = (np.maximum(h + np.maximum(act, grads), h - (cuts - cout) + act + grads)
+                if m > 1 else h + np.maximum(act, grads))
+        return np.where(n < m, kept_cuts(cuts, cout, n, True) + act + grads, full)
+    return np.where(n < m, n * (act + cuts) + grads,
+                    m * cuts + np.maximum(m * act, (m - 1) * act + grads))
+
+
+def stage_memory(fixed: np.ndarray, grads: np.ndarray, act: np.ndarray, cuts: np.ndarray,
+                 cout: np.ndarray, ws: np.ndarray, n: int | np.ndarray, m: int,
+                 recompute: bool, transient: np.ndarray | float = 0.0) -> np.ndarray:
+    """memory_s from ``StageTerms``' parts, n micro-batches in flight, ``transient`` the
+    all-reduce's or the offloaded step's bucket (``after_transient``) beside the gradients
+    after the backwards."""
+    held = held_bytes(grads, act, cuts, cout, n, m, recompute)
+    return fixed + np.maximum(held + ws, grads + transient)
+
+
+def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
+                ws: np.ndarray, m: int) -> StageTerms:
+    """The terms of the stages [i, j) at size index k with m micro-batches, given their
+    largest workspace."""
+    grad = np.asarray(table.grad_bytes, float)[i, j]
+    cut = np.asarray(table.cut[k], float)
+    fwd = np.concatenate(([0.0], np.cumsum(table.fwd[k])))
+    fb = np.concatenate(([0.0], np.cumsum(table.fwd[k] + table.bwd[k])))
+    act = np.concatenate(([0.0], np.cumsum(table.act[k])))
+    both = cut[i] + cut[j]
+    edges = (i > 0).astype(float) + (j < table.num_blocks).astype(float)
+    A, F = act[j] - act[i], fwd[j] - fwd[i]
+    sg = table.segments
+    seg = A if sg is None else sg.transient(k, i, j, A)
+    again = F if sg is None else sg.again(k, i, j, F)
+    return StageTerms(
+        fb=fb[j] - fb[i], fwd=F, again=again,
+        comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
+        fixed=np.asarray(table.param_bytes, float)[i, j] + grad * space.optimizer_state_factor
+        + outputs_held(table, space, k, i, j, m),
+        grads=grad, act=A, seg=seg, cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
+
+
+def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
+                 m: int) -> np.ndarray:
+    """m * sum(out[k, i:j]) + output_bytes: the batched model outputs the stages hold."""
+    if table.out is None:
+        return np.full(np.shape(i), float(space.output_bytes))
+    out = np.concatenate(([0.0], np.cumsum(table.out[k])))
+    return m * (out[j] - out[i]) + space.output_bytes
