@@ -69,9 +69,11 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
               ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     opt = _adam(model)
+    # the link given, not probed: a probe on loaded cores (milliseconds a message) can make
+    # the search keep every parameter off the replicated stage, leaving nothing to shard
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
                  micro_batches=2, schedule=schedule, recompute=recompute, zero=zero,
-                 offload=offload)
+                 offload=offload, link_bandwidth=1e9, link_latency=2e-5)
     largs, lkwargs = _local(rank, world, args, kwargs)
     return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
             opt, largs, lkwargs)
