@@ -25,12 +25,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_common import (  # noqa: E402
-    GPT,
     add_model_args,
     environment,
     interleave,
-    make_batch,
     median_ratio,
+    start_ranks,
     summarize,
 )
 
@@ -50,14 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    base = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
-    ids, labels = make_batch(a.vocab, a.batch, a.seq)
-    local = a.batch // world
-    mine = slice(rank * local, (rank + 1) * local)
+    rank, world, base, (ids, labels) = start_ranks(a)
     steps: dict[str, Any] = {}
     plans: dict[str, Any] = {}
     for name, options in VARIANTS.items():
@@ -68,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         cm = rannc_fx.compile(model, opt, cfg)
 
         def step(cm: Any = cm, opt: Any = opt) -> None:
-            cm(ids[mine], labels[mine]).backward()
+            cm(ids, labels).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 

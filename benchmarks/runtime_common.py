@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -95,6 +96,19 @@ def make_batch(
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return ids, torch.roll(ids, -1, dims=1)
+
+
+def start_ranks(a: argparse.Namespace) -> tuple[int, int, GPT, tuple[torch.Tensor, torch.Tensor]]:
+    """Under torchrun: one thread, the gloo group, the seeded GPT of ``a``'s shape
+    (``add_model_args``) and this rank's share of the global batch (ids, labels)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
+    ids, labels = make_batch(a.vocab, a.batch, a.seq)
+    mine = slice(rank * (a.batch // world), (rank + 1) * (a.batch // world))
+    return rank, world, model, (ids[mine], labels[mine])
 
 
 # -- timing ----------------------------------------------------------------------------------

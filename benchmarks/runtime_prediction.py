@@ -41,10 +41,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_common import (  # noqa: E402
-    GPT,
     add_model_args,
     environment,
-    make_batch,
+    start_ranks,
     summarize,
 )
 
@@ -212,14 +211,7 @@ def _err(pred: float, meas: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.seq)
-    ids, labels = make_batch(args.vocab, args.batch, args.seq)
-    local = args.batch // world
-    step_args = (ids[rank * local : (rank + 1) * local], labels[rank * local : (rank + 1) * local])
+    rank, world, model, step_args = start_ranks(args)
     cache: dict[str, Any] = {"profile_repeats": args.profile_repeats}
     if not args.profile_cache:
         cache["profile_cache_dir"] = None
