@@ -65,7 +65,7 @@ def _step(model: Any, opt: torch.optim.Optimizer, args: Any, kwargs: Any,
 
 def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
               schedule: str | None = None, recompute: bool | None = None,
-              offload: bool | None = False,
+              offload: bool | None = False, layers: bool | None = None,
               ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     opt = _adam(model)
@@ -73,17 +73,18 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
     # the search keep every parameter off the replicated stage, leaving nothing to shard
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
                  micro_batches=2, schedule=schedule, recompute=recompute, zero=zero,
-                 offload=offload, link_bandwidth=1e9, link_latency=2e-5)
+                 offload=offload, recompute_layers=layers, link_bandwidth=1e9,
+                 link_latency=2e-5)
     largs, lkwargs = _local(rank, world, args, kwargs)
     return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
             opt, largs, lkwargs)
 
 
 def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
-           recompute: bool, clip: float | None, offload: bool = False
-           ) -> tuple[list[float], dict[str, Any]]:
+           recompute: bool, clip: float | None, offload: bool = False,
+           layers: bool | None = None) -> tuple[list[float], dict[str, Any]]:
     cm, opt, args, kwargs = _compiled(rank, world, replicas, 1, schedule=schedule,
-                                      recompute=recompute, offload=offload)
+                                      recompute=recompute, offload=offload, layers=layers)
     losses = [_step(cm, opt, args, kwargs, clip) for _ in range(STEPS)]
     ref, rargs, rkwargs = _data()
     ref_opt = _adam(ref)
@@ -103,7 +104,7 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
                            if isinstance(v, torch.Tensor) and v.dim() > 0),  # not the step
         "largest": 2 * max(p.numel() * p.element_size() for p in ps),  # Adam: 2 moments
         "predicted": sum(st.memory.optimizer_state for st in cm.plan.stages_of_rank(rank)),
-        "offload": me.offload, "host_bytes": me.host_bytes,
+        "offload": me.offload, "host_bytes": me.host_bytes, "layers": len(me.checkpoints),
         "host_params": len(shard.host.params) if shard is not None and shard.host else 0,
         "bucketed": shard is not None and shard.host is not None and len(
             comm.buckets(shard.host.params, comm.BUCKET_BYTES)) > 1,
@@ -177,6 +178,21 @@ def _scaled(rank: int, world: int, inf_on: int | None) -> float:
 def test_grad_scaler_over_a_sharded_stage_steps_like_one_process(inf_on):
     scales = run_ranks(_scaled, 3, inf_on, timeout_s=30.0, wall_s=120.0)
     assert set(scales) == {2.0**10 if inf_on is None else 2.0**9}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sharded_offloaded_and_layered_stages_train_like_one_process(schedule, monkeypatch):
+    """ZeRO-1, the state offloaded and recomputation layer by layer on every stage at once:
+    the last stage's two replicas share its state and step it in buckets, each stage's R
+    keeps only its layers' inputs."""
+    monkeypatch.setattr(comm, "BUCKET_BYTES", 64 * 1024)
+    got = run_ranks(_train, 3, (1, 2), schedule, True, 0.5, True, True, timeout_s=30.0,
+                    wall_s=180.0)
+    infos = [info for _, info in got]
+    assert all(i["layers"] >= 1 and i["offload"] for i in infos)
+    assert [i["zero"] for i in infos] == [int(i["replicas"] > 1) for i in infos]
+    assert any(i["bucketed"] for i in infos)
 
 
 @pytest.mark.slow
