@@ -56,7 +56,7 @@ class Config(BaseModel):
     recompute_layers: bool | None = Field(
         default=None,
         description="how a stage recomputes: layer by layer (True: it keeps only the inputs "
-        "of its layers, the submodules of an nn.ModuleList or nn.Sequential, and runs each "
+        "of its layers, the children of an nn.ModuleList or nn.Sequential of alike modules, and runs each "
         "layer's forward once more inside the backward) or its whole forward at once (False: "
         "it keeps all its activations from its recomputation to its backward); None = "
         "searched per stage",

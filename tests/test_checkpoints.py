@@ -4,6 +4,8 @@ search choosing them where recomputing a whole stage does not fit."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 import rannc_fx
 from rannc_fx import Config
 from rannc_fx.models import gpt_example
-from rannc_fx.passes.checkpoints import layer_of
+from rannc_fx.passes.checkpoints import node_layers
 from rannc_fx.passes.group_boundary import recomputed_values
 from rannc_fx.passes.search import NoFeasiblePlan
 from rannc_fx.passes.search.segments import _range_max
@@ -27,12 +29,20 @@ def _analysis(model: nn.Module, args: tuple, kwargs: dict):
     return analyze(model, args, kwargs, world_size=2, device="cpu", config=CFG)
 
 
-def _layers(a) -> list[list[str | None]]:
+def _layer(node, prefix: str) -> str | None:
+    """``<prefix>.<i>`` where the node's module path has it (the test's own reading)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(path) for path, _ in stack.values()]
+    found = re.search(rf"{re.escape(prefix)}\.\d+", paths[-1]) if paths else None
+    return found.group(0) if found else None
+
+
+def _layers(a, prefix: str) -> list[list[str | None]]:
     """The layer of each node of each segment."""
     gm = {n.name: n for n in a.captured.gm.graph.nodes}
     names = [n for b in a.blocks.blocks for n in b]
     starts = [names.index(s) for s in a.table.segments.starts] + [len(names)]
-    return [[layer_of(gm[n]) for n in names[x:y]]
+    return [[_layer(gm[n], prefix) for n in names[x:y]]
             for x, y in zip(starts, starts[1:], strict=False)]
 
 
@@ -43,7 +53,7 @@ def test_the_lm_has_a_segment_a_layer_each_keeping_its_residual_stream() -> None
     assert sg is not None
     # the embedding, each layer (its first one with the mask made where it is read), the
     # final norm and head
-    assert [set(x) for x in _layers(a)] == [{None}, {None, "encoder.layers.0"},
+    assert [set(x) for x in _layers(a, "encoder.layers")] == [{None}, {None, "encoder.layers.0"},
                                             *({f"encoder.layers.{k}"} for k in range(1, 4)),
                                             {None}]
     # all of the chain's activations, at every size
@@ -65,7 +75,7 @@ def test_hf_models_are_cut_at_their_layers(name: str, prefix: str) -> None:
     sg = a.table.segments
     assert sg is not None
     n = model.config.num_hidden_layers
-    segs = _layers(a)
+    segs = _layers(a, prefix)
     # every layer in a segment of its own, but for a node or two at either end (a segment
     # starts at the atomic group before or after a layer's first node, whichever fewer
     # bytes cross)
@@ -79,6 +89,40 @@ def test_hf_models_are_cut_at_their_layers(name: str, prefix: str) -> None:
     assert (sg.kept >= 0).all()
     # no segment starts at a value a stage rebuilds under another name (BERT's mask)
     assert not set(sg.starts[1:]) & recomputed_values(a.captured.gm, a.values)
+
+
+class _Mixed(nn.Module):
+    """A list of alike residual layers, each an nn.Sequential of unlike modules, and a list of
+    unlike modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.mixed = nn.ModuleList([nn.Linear(8, 8), nn.ReLU()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        for m in self.mixed:
+            x = m(x)
+        return x.sum()
+
+
+def test_layers_are_children_of_a_list_of_alike_modules() -> None:
+    a = _analysis(_Mixed(), (torch.randn(4, 8),), {})
+    gm = {n.name: n for n in a.captured.gm.graph.nodes}
+    names = [n for b in a.blocks.blocks for n in b]
+    got = node_layers([gm[n] for n in names])
+    # each residual layer whole (not its LayerNorm, Linear and Tanh apart); the unlike list's
+    # members are no layers
+    assert [x for x in dict.fromkeys(got) if x is not None] == ["layers.0", "layers.1",
+                                                                 "layers.2"]
+    assert got[-1] is None
+    # a segment starts at each of them, none inside one
+    starts = [_layer(gm[s], "layers") for s in a.table.segments.starts]
+    assert [x for x in starts if x is not None] == ["layers.0", "layers.1", "layers.2"]
+    assert len(a.table.segments.starts) <= 6
 
 
 def test_a_model_without_layers_has_no_segments_and_refuses_to_be_forced() -> None:

@@ -6,10 +6,12 @@ segment's forward a third time just before that segment's backward (``runtime/re
 so one segment's activations exist at a time rather than the whole stage's. The segments
 are the model's layers, as every framework's activation checkpointing takes them (a
 transformer block, a residual block): a node belongs to the innermost submodule on its
-``nn_module_stack`` whose name ends in an index (a child of an ``nn.ModuleList`` or
-``nn.Sequential``, ``encoder.layer.3``; a T5 block's sub-layers ``block.3.layer.0``), or to
-none; a run of nodes of none between two nodes of one layer (a mask made where it is read)
-belongs to that layer. A segment starts wherever that changes, moved to the atomic group
+``nn_module_stack`` that is an indexed child of a container of alike children (an
+``nn.ModuleList`` or ``nn.Sequential`` of one class: ``encoder.layer.3``, a ResNet stage's
+``layers.1``; not the children of ``nn.Sequential(BatchNorm1d, Linear, Tanh)``, nor T5's
+self-attention and feed-forward sub-layers, ``block.3`` being the layer there), or to none; a
+run of nodes of none between two nodes of one layer (a mask made where it is read) belongs
+to that layer. A segment starts wherever that changes, moved to the atomic group
 start before or after it that fewer bytes cross (``group_atomic``: no in-place write of one
 segment reaches another's input), and past any value recomputed where it is read (a mask:
 the stage holds a copy under another name).
@@ -22,6 +24,8 @@ boundary). None where the graph has no layers to cut at.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from torch import fx
 
@@ -30,23 +34,31 @@ from .group import BlockGraph
 from .group_boundary import recomputed_values
 from .search import Segments
 
-__all__ = ["layer_of", "layer_segments"]
+__all__ = ["layer_segments", "node_layers"]
 
 
-def layer_of(node: fx.Node) -> str | None:
-    """The innermost indexed submodule on the node's module stack (None: outside layers)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = str(list(stack.values())[-1][0])
-    parts = path.split(".")
-    idx = [k for k, p in enumerate(parts) if p.isdigit()]
-    return ".".join(parts[: idx[-1] + 1]) if idx else None
+def _stack(node: fx.Node) -> list[tuple[str, str]]:
+    """(path, class) of each module on the node's module stack, outermost first."""
+    return [(str(path), str(cls)) for path, cls in (node.meta.get("nn_module_stack") or {})
+            .values()]
 
 
-def _layers(nodes: list[fx.Node]) -> list[str | None]:
-    """Each node's layer, a run of layerless nodes between two of one layer absorbed in it."""
-    layers = [layer_of(n) for n in nodes]
+def node_layers(nodes: list[fx.Node]) -> list[str | None]:
+    """Each node's layer: the innermost module on its stack that is an indexed child of a
+    container whose indexed children (as the graph calls them) are all of one class, or
+    None; a run of layerless nodes between two of one layer belongs to it."""
+    kinds: dict[str, set[str]] = {}
+    for n in nodes:
+        for path, cls in _stack(n):
+            parent, _, index = path.rpartition(".")
+            if index.isdigit():
+                kinds.setdefault(parent, set()).add(cls)
+    lists = {p for p, k in kinds.items() if len(k) == 1}
+    layers: list[str | None] = []
+    for n in nodes:
+        inside = [path for path, _ in _stack(n)
+                  if path.rpartition(".")[2].isdigit() and path.rpartition(".")[0] in lists]
+        layers.append(inside[-1] if inside else None)
     last: tuple[int, str] | None = None  # the previous node with a layer
     for x, lay in enumerate(layers):
         if lay is None:
@@ -82,16 +94,17 @@ def _starts(layers: list[str | None], allowed: list[int], cut: np.ndarray) -> np
 
 
 def layer_segments(gm: fx.GraphModule, blocks: BlockGraph, values: dict[str, ValueSpec],
-                   act: np.ndarray, fwd: np.ndarray, sizes: np.ndarray) -> Segments | None:
+                   act: np.ndarray, fwd: np.ndarray,
+                   bytes_at: Callable[[ValueSpec], np.ndarray]) -> Segments | None:
     """The segments of the chain ``blocks`` of ``gm``; ``act`` and ``fwd`` (N, Q) are each
-    node's saved bytes and forward seconds at each size, the nodes in block order."""
+    node's saved bytes and forward seconds at each size, the nodes in block order;
+    ``bytes_at(spec)`` a value's bytes at each size (as the cost table counts a cut's)."""
     names = [n for b in blocks.blocks for n in b]
     pos = {n: x for x, n in enumerate(names)}
     by_name = {n.name: n for n in gm.graph.nodes}
-    layers = _layers([by_name[n] for n in names])
+    layers = node_layers([by_name[n] for n in names])
     N = len(names)
     recomputed = recomputed_values(gm, values)
-    q = np.asarray(sizes, float)
     crossing: list[tuple[int, int, np.ndarray]] = []  # producer, last reader, bytes by size
     for name in names:
         spec = values.get(name)
@@ -100,8 +113,7 @@ def layer_segments(gm: fx.GraphModule, blocks: BlockGraph, values: dict[str, Val
         p = pos[name]
         last = max((pos[u.name] for u in by_name[name].users if u.name in pos), default=p)
         if last > p:
-            one, two = spec.nbytes_for(1), spec.nbytes_for(2)
-            crossing.append((p, last, (two - one) * q + (2 * one - two)))
+            crossing.append((p, last, bytes_at(spec)))
     xs = _starts(layers, sorted(pos[g] for g in blocks.group_starts if g in pos),
                  _cut(crossing, N))
     # a recomputed value is rebuilt where it is read, under another name: a segment starts
@@ -115,7 +127,7 @@ def layer_segments(gm: fx.GraphModule, blocks: BlockGraph, values: dict[str, Val
     cum = np.concatenate((np.zeros((1, act.shape[1])), np.cumsum(act, axis=0))).T  # (Q, N+1)
     ends = np.append(xs, N)
     seg_act = cum[:, ends[1:]] - cum[:, ends[:-1]]
-    kept = np.zeros((len(sizes), S))
+    kept = np.zeros((act.shape[1], S))
     for p, last, nbytes in crossing:
         t = int(np.searchsorted(xs, p, side="right"))  # the first start after its producer
         if t < S and xs[t] <= last:

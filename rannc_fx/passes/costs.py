@@ -133,8 +133,6 @@ def build_cost_table(
         if field in ("saved_bytes", "fwd_s"):
             per_node[field] = node_vals
 
-    segments = layer_segments(captured.gm, blocks, values, per_node["saved_bytes"],
-                              per_node["fwd_s"], np.asarray(sizes))
     if tail is not None:
         last = per_block["workspace_bytes"][:, nb - 1]
         np.maximum(last, float(tail.held_bytes), out=last)
@@ -143,6 +141,9 @@ def build_cost_table(
     def bytes_at(spec: ValueSpec) -> np.ndarray:  # at each size, affine in the samples
         one, two = spec.nbytes_for(1), spec.nbytes_for(2)
         return (two - one) * q + (2 * one - two)
+
+    segments = layer_segments(captured.gm, blocks, values, per_node["saved_bytes"],
+                              per_node["fwd_s"], bytes_at)
 
     cut = np.zeros((len(sizes), nb + 1))
     for b, crossing in enumerate(blocks.boundary):

@@ -50,8 +50,8 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from ..plan import Plan
+from .actions import Action, Kind
 from .lowering import lower_plan
-from .schedule import Kind
 
 __all__ = ["Segment", "build_segmented", "check_segmentable", "segment_of"]
 
@@ -83,13 +83,14 @@ class Segment(nn.Module):
         return contextlib.nullcontext(), self._scope()
 
 
-def check_segmentable(plan: Plan) -> None:
+def check_segmentable(plan: Plan, lowered: Sequence[Sequence[Action]] | None = None) -> None:
     """Refuse a plan whose schedule splits the backward of a stage that recomputes layer by
-    layer (the module docstring says why)."""
+    layer (the module docstring says why); ``lowered``: its lanes' lists, if lowered already."""
     layered = {st.index: st for st in plan.stages if st.checkpoints}
     if not layered:
         return
-    split = sorted({a.stage for lane in lower_plan(plan)[1] for a in lane
+    lanes = lowered if lowered is not None else lower_plan(plan)[1]
+    split = sorted({a.stage for lane in lanes for a in lane
                     if a.kind is Kind.W and a.stage in layered})
     if split:
         st = layered[split[0]]

@@ -41,7 +41,7 @@ from .checks import check_stage_outputs
 from .comm import Groups, Message, Pending, post
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
-from .recompute import build_segmented, check_segmentable
+from .recompute import build_segmented
 from .routing import RankRoutes, Transfer
 from .step import StepState
 from .tail import TailRunner
@@ -93,9 +93,7 @@ class StageRunner:
         # forward updates (BufferSync restores it before the next micro-batch)
         self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
         self.trainable = [p for p in module.parameters() if p.requires_grad]
-        # recomputation layer by layer: what R runs (``recompute.py``); F runs ``module``.
-        # Every rank checks every stage: one that went on would wait for this one's messages
-        check_segmentable(plan)
+        # recomputation layer by layer: what R runs (``recompute.py``); F runs ``module``
         self.segmented = build_segmented(
             module, stage.checkpoints, recompute_scope=buffers.recompute_scope,
             placed={n for b in plan.iter_stage_blocks(stage.index) for n in b.nodes},

@@ -1,8 +1,9 @@
 """Candidate stages of one micro-batch count: their costs, variants and in-flight limits.
 
 This module imports numpy only (no torch). Every stage [i, j) x replica count r is costed
-from ``model.StageTerms`` (computed once per size and reused for every m). A stage's variants
-(``model.VARIANTS``: recomputation, ZeRO-1) form a chain; a stage takes the first that fits:
+from ``terms.StageTerms`` (computed once per size and reused for every m). A stage's
+variants (``variants.VARIANTS``: recomputation, sharding, offloading) form a chain; a stage
+takes the first that fits:
 
 * ``gpipe(m)``: the stages as the GPipe DP sees them (n = m), each at its first variant that
   fits among those ``SearchSpace.recompute`` and ``zero`` allow, dropped if none does;
@@ -63,8 +64,8 @@ def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
                   saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0
                   ) -> np.ndarray:
     """The largest n in [0, m] with ``terms.memory(n, recompute, transient) - saved <=
-    budget`` (``recompute``: rho, 0, 1 or 2; 0: none; ``saved``: ``model.state_saved``, -inf where the variant cannot be,
-    ``transient``: ``model.after_transient``).
+    budget`` (0: none; ``recompute``: rho, 0, 1 or 2; ``saved``: ``variants.state_saved``,
+    -inf where the variant cannot be; ``transient``: ``variants.after_transient``).
 
     Memory grows with n, so a division estimates the limit and the formula itself settles
     it: the limit agrees with ``evaluate`` to the last bit.
@@ -102,7 +103,7 @@ class OneFOneB:
     """The 1F1B view of one m: the relaxed edges, and per edge every variant's t, u and the
     largest n that fits (0: none; -1: the variant is not allowed, its t and u meaningless).
 
-    Variant v (``model.VARIANTS``) is valid where the variants before it do not fit:
+    Variant v (``variants.VARIANTS``) is valid where the variants before it do not fit:
     n in [1 + max(fit[:v]), fit[v]].
     """
 
@@ -167,7 +168,7 @@ class Candidates:
         self.kinds = variants(space, table.segments is not None)
         if space.layers and space.recompute is not False and table.segments is None:
             raise ValueError("recompute_layers=True, but the model has no layers to recompute "
-                             "one by one (submodules of an nn.ModuleList or nn.Sequential): "
+                             "one by one (children of an nn.ModuleList or nn.Sequential of alike modules): "
                              "use recompute_layers=None or False")
         self._terms: dict[tuple[int, int], StageTerms] = {}
         self._fixed: dict[tuple[bool, bool], np.ndarray] = {}
@@ -178,7 +179,7 @@ class Candidates:
         """The stages (indices into iu, ju) that may fit at some size, ascending.
 
         With every activation, cut, workspace and output size nonnegative, a stage's memory
-        (``model.stage_memory``) is at least fl(fl(params + fl(grads * factor)) + grads): the
+        (``terms.stage_memory``) is at least fl(fl(params + fl(grads * factor)) + grads): the
         gradients are held at its peak, and rounding is monotone; ZeRO-1 on every rank keeps
         1 / world_size of the state (a relative 1e-9 below that for its rounding). A stage
         above the budget by that alone fits nowhere; at 1024 ranks most long stages are such,
@@ -231,7 +232,7 @@ class Candidates:
 
     def saved(self, zero: bool, offload: bool, r: int | np.ndarray,
               rows: np.ndarray | None = None) -> np.ndarray:
-        """``model.state_saved`` of the stages (rows; all if None) on r replicas (one count,
+        """``variants.state_saved`` of the stages (rows; all if None) on r replicas (one count,
         or one per row)."""
         key = (zero, offload)
         if key not in self._saved:  # every replica count (rows) for every stage, once

@@ -60,8 +60,8 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     saved = state_saved(space, g, rr, zeta, omega)
     tr = after_transient(space, g, rr, zeta, omega)
     host = float(host_state(space, g, rr, zeta, omega)[0])
-    fwd, cuts = float(table.fwd[k, i:j].sum()), float(terms.cuts[0])
-    act = float((terms.seg if rho == 2 else terms.act)[0])
+    cuts = float(terms.cuts[0])
+    act = float(terms.held(rho)[0])
     cout = float(terms.cout[0])
     kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, bool(rho))[0])
     held = float(held_bytes(g, np.array([act]), np.array([cuts]), np.array([cout]), n, m,
@@ -70,7 +70,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     # backwards held (memory = fixed + max(held + ws, G + tr))
     ws = max(float(terms.ws[0]), grad + float(tr[0]) - held)
     cost = StageCost(
-        samples=q, fwd_s=fwd, bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
+        samples=q, fwd_s=float(table.fwd[k, i:j].sum()), bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
         allreduce_s=ar, optimizer_s=opt / r if zeta else opt, accumulate_s=acc,
         gather_s=float(base[0]) - ar - opt / r if zeta else 0.0, zero=zeta,
         offload=omega, host_s=float(up[0] - base[0]), host_state=round(host),
@@ -79,7 +79,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         activations=round(act if rho else n * act), comm_buffers=round(kept),
         overlap=round(grad + (act if rho else n * act) + kept - held),
         workspace=round(ws), recompute=bool(rho), in_flight=n,
-        recompute_s=0.0 if not rho else fwd if rho == 1 else fwd + float(terms.again[0]),
+        recompute_s=float(terms.recomputed(rho)[0]),
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     mem = float((terms.memory(n, rho, tr) - saved)[0])

@@ -19,7 +19,7 @@ from .model import (
     SearchSpace,
     range_max,
 )
-from .terms import StageTerms, stage_memory, stage_terms
+from .terms import TERMS, StageTerms, stage_terms
 from .variants import (
     VARIANTS,
     Variant,
@@ -84,8 +84,7 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
         return math.inf
     ks = {r: cands.size(m, r) for r in np.unique(e.reps).tolist()}
     col = {k: c for c, k in enumerate(dict.fromkeys(ks.values()))}
-    stacked = {f: np.stack([getattr(cands.terms(k, m), f) for k in col])
-               for f in ("fixed", "grads", "act", "seg", "cuts", "cout", "ws")}
+    stacked = {f: np.stack([getattr(cands.terms(k, m), f) for k in col]) for f in TERMS}
     where = (np.array([col[ks[int(r)]] for r in e.reps]),
              e.end.astype(np.int64) * (e.end - 1) // 2 + e.start)  # (size, pair of cands)
     L = layers.build_layers(sp, min(m, layers.max_depth(sp, B)))
@@ -93,16 +92,12 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
 
     def weights(idx: np.ndarray) -> np.ndarray:
         at = (where[0][idx], where[1][idx])
-        fixed, grads, act, seg, cuts, cout, ws = (
-            stacked[f][at][:, None]
-            for f in ("fixed", "grads", "act", "seg", "cuts", "cout", "ws"))
+        terms = StageTerms(**{f: stacked[f][at][:, None] for f in TERMS}, m=m)
         reps, rows = e.reps[idx].astype(np.int64), where[1][idx]
 
         def variant(k: int) -> np.ndarray:
             saved, tr = cands.offsets(k, reps, rows)
-            rho = VARIANTS[k].recompute
-            return stage_memory(fixed, grads, seg if rho == 2 else act, cuts, cout, ws, n, m,
-                                bool(rho), tr[:, None]) - saved[:, None]
+            return terms.memory(n, VARIANTS[k].recompute, tr[:, None]) - saved[:, None]
 
         return np.min([variant(k) for k in cands.kinds], axis=0)
 

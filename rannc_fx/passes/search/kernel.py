@@ -125,7 +125,7 @@ class _Rows:
 @dataclass(frozen=True)
 class Edges:
     """Candidate stages of one m: blocks [start, end) on ``reps`` replicas, with t, u, memory
-    and the stage's variant (``kind``: an index into ``model.VARIANTS``, recomputation and
+    and the stage's variant (``kind``: an index into ``variants.VARIANTS``, recomputation and
     sharding).
 
     Sorted by end block (the DPs walk them in groups of one end block).

@@ -112,7 +112,7 @@ def build_layers(space: SearchSpace, cap: int) -> Layers:
 @dataclass(frozen=True)
 class Entries:
     """Stage variants of one m: blocks [start, end) on ``reps`` replicas, of variant ``kind``
-    (an index into ``model.VARIANTS``), valid where the in-flight count n is in [lo, fit]; ``edge`` is the stage's
+    (an index into ``variants.VARIANTS``), valid where the in-flight count n is in [lo, fit]; ``edge`` is the stage's
     index among the relaxed edges. Sorted by end block."""
 
     start: np.ndarray

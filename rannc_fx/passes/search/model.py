@@ -5,9 +5,9 @@ This module imports numpy only (no torch). All times are in seconds, sizes in by
 A stage covers blocks [i, j) with r replicas; with m micro-batches each replica handles
 q = ceil(global_batch / (m * r)) samples per micro-batch, and ``k`` is the index of q in
 ``table.sizes``. The schedule sigma ("gpipe" or "1f1b") is chosen for the whole plan, the
-activation recomputation rho (0 none, 1 the stage's forward, 2 layer by layer) per stage; d is the stage's position from the
-end (the last stage has d = 1). n is how many micro-batches' activations the stage holds at
-once:
+activation recomputation rho (0 none, 1 the stage's forward, 2 layer by layer) per stage;
+d is the stage's position from the end (the last stage has d = 1). n is how many
+micro-batches' activations the stage holds at once:
 
     n        = m                 (gpipe: every forward before any backward)
              = min(m, d)         (1f1b: a stage d from the end runs at most d forwards ahead)
@@ -32,7 +32,7 @@ once:
                - zeta * grad_bytes[i, j] * optimizer_state_factor * (r - 1) / r
                          (ZeRO-1, zeta = 1: each replica keeps the optimizer state of 1 / r
                           of the stage's parameters, ``runtime/zero.py``)
-               + G + n * (A + cin + cout)      (rho = False)
+               + G + n * (A + cin + cout)      (rho = 0)
                + G + n * cin + cout + A        (rho = 1: a micro-batch in flight keeps only
                                                 the stage's inputs; one micro-batch's
                                                 activations and outputs exist during its
@@ -57,9 +57,9 @@ n < m (1F1B). With n = m (GPipe, or a 1F1B stage whose forwards all come first) 
 while the backwards free activations, and ``overlap`` is what never coexists:
 
     overlap  = 0                                                      (n < m)
-             = G + m (A + c) - m c - max(m A, (m - 1) A + G)           (rho = False, n = m)
-             = G + A + h - max(h + max(A, G), h - cin + A + G)         (rho = True,  n = m > 1)
-             = G + A + h - h - max(A, G)                               (rho = True,  m = 1)
+             = G + m (A + c) - m c - max(m A, (m - 1) A + G)           (rho = 0, n = m)
+             = G + A + h - max(h + max(A, G), h - cin + A + G)         (rho > 0, n = m > 1)
+             = G + A + h - h - max(A, G)                               (rho > 0, m = 1)
     (c = cin + cout, h = m cin + cout)
 
 so the peak is m c + max(m A, (m - 1) A + G) without recomputation (all activations, or all
@@ -68,12 +68,14 @@ micro-batch's inputs, then one micro-batch's activations or the gradients) and t
 (one micro-batch fewer inputs, one micro-batch's activations and the gradients) with it.
 Gradients kept from earlier calls (accumulation without ``zero_grad``) coexist with all of it.
 
-The sharding zeta (0 or 1) is chosen per stage, like rho: it changes only the stage's fixed
-memory and its once-a-step u, so with a fixed n a stage's variants form a chain from fastest to
-smallest -- (rho, zeta) = (0, 0), (0, 1), (1, 0), (1, 1) -- and a stage takes the first that
-fits. Sharding comes before recomputation: it costs one all-gather a step where
-recomputation costs a forward per micro-batch. (0, 0) is never slower than the others and
-(1, 0) never slower than (1, 1); only (0, 1) against (1, 0) is a choice of policy.
+The sharding zeta (0 or 1) and the offloading of the optimizer state are chosen per stage,
+like rho: they change only the stage's fixed memory, its once-a-step u and what exists after
+the backwards, so with a fixed n a stage's variants form a chain from fastest to smallest
+(``variants.VARIANTS``: for rho = 0, 1, 2 in turn, plain, sharded, sharded and offloaded,
+offloaded) and a stage takes the first that fits. Sharding and offloading come before
+recomputation: they cost an all-gather and the state's round trip a step where recomputation
+costs a forward per micro-batch; which of those is faster is a choice of policy, and the
+sharded twin replaces the unsharded variant where its u is smaller.
 
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
 bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer

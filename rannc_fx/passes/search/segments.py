@@ -24,7 +24,7 @@ runs each checkpointed segment's forward again; the last segment's activations a
 from R. So the forwards run again beyond R are F - ``tail_fwd[j]`` (0 where s_i = s_j: a
 stage inside one segment recomputes whole). This
 transient replaces the stage's activations A in the recomputing stage's memory
-(``model.StageTerms.seg``). A value that crosses a segment start and also enters the stage
+(``terms.StageTerms.seg``). A value that crosses a segment start and also enters the stage
 (it was made in the stage's first segment before the stage began) is counted in both K and
 the stage's inputs: the prediction errs on the safe side there.
 """
@@ -55,10 +55,6 @@ class Segments:
     head: np.ndarray
     tail: np.ndarray
     tail_fwd: np.ndarray
-
-    @property
-    def count(self) -> int:
-        return len(self.starts)
 
     def inside(self, i: int, j: int) -> tuple[str, ...]:
         """The segment starts inside the stage [i, j): its checkpoints (``Stage.checkpoints``)."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from .model import CostTable, SearchSpace
 
-__all__ = ["StageTerms", "held_bytes", "kept_cuts", "outputs_held", "stage_memory",
+__all__ = ["TERMS", "StageTerms", "held_bytes", "kept_cuts", "outputs_held", "stage_memory",
            "stage_terms"]
 
 
@@ -38,25 +38,31 @@ class StageTerms:
 
     def time(self, rho: int) -> np.ndarray:
         """t at recomputation level rho (0, 1 or 2: forwards run again before a backward)."""
-        if not rho:
-            return self.fb + self.comm
-        return (self.fb + self.fwd if rho == 1 else self.fb + self.fwd + self.again) + self.comm
+        return self.fb + self.recomputed(rho) + self.comm
+
+    def recomputed(self, rho: int) -> np.ndarray:
+        """The forward seconds run again per micro-batch at level rho."""
+        return 0.0 * self.fwd if not rho else self.fwd if rho == 1 else self.fwd + self.again
+
+    def held(self, rho: int) -> np.ndarray:
+        """One micro-batch's activations at level rho: A, or layer by layer K + a_max."""
+        return self.seg if rho == 2 else self.act
 
     def memory(self, n: int | np.ndarray, rho: int,
                transient: np.ndarray | float = 0.0) -> np.ndarray:
-        return stage_memory(self.fixed, self.grads, self.seg if rho == 2 else self.act,
-                            self.cuts, self.cout, self.ws, n, self.m, bool(rho), transient)
+        return stage_memory(self.fixed, self.grads, self.held(rho), self.cuts, self.cout,
+                            self.ws, n, self.m, bool(rho), transient)
 
     def take(self, idx: np.ndarray) -> StageTerms:
-        return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in _TERMS}, m=self.m)
+        return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in TERMS}, m=self.m)
 
     def column(self) -> StageTerms:
         """The terms as (stages, 1) columns, to broadcast against (stages, k) arrays."""
-        return StageTerms(**{f: np.asarray(getattr(self, f))[:, None] for f in _TERMS},
+        return StageTerms(**{f: np.asarray(getattr(self, f))[:, None] for f in TERMS},
                           m=self.m)
 
 
-_TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "cuts", "cout", "ws")
+TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "cuts", "cout", "ws")
 
 
 def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
