@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedules", nargs="+",
                    choices=("gpipe", "1f1b", "zbh1", "interleaved", "zbv"),
                    default=["gpipe", "1f1b", "zbh1"], help="schedules: the schedules measured")
-    p.add_argument("--recompute", nargs="+", choices=("none", "stage", "layers"),
+    p.add_argument("--recompute", nargs="+", choices=("none", "stage", "layers", "selective"),
                    default=["none", "stage"], help="schedules: recomputation, none, of whole "
                    "stages, or layer by layer (default: none stage)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zbh1"), default=None,
@@ -234,7 +234,8 @@ def _row(name: str, plan: Any, got: dict[str, float]) -> str:
 
 
 def _recomputes(st: Any) -> str:
-    return ("layers" if st.checkpoints else "yes") if st.recompute else "no"
+    return (("layers" if st.checkpoints else "yes") if st.recompute
+            else "selective" if st.selective else "no")
 
 
 _HEAD = ("| variant | stage | recompute | in flight | predicted activations MiB | measured "
@@ -276,10 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     elif args.mode == "schedules":
         for schedule in args.schedules:
             for recompute in args.recompute:
-                layers = {"none": None, "stage": False, "layers": True}[recompute]
+                layers = {"none": None, "stage": False, "layers": True,
+                          "selective": None}[recompute]
                 cfg = Config(replicas=(1,) * world, micro_batches=args.micro_batches,
                              schedule=schedule, recompute=recompute != "none",
-                             recompute_layers=layers, **common)
+                             recompute_layers=layers,
+                             recompute_selective=recompute == "selective", **common)
                 plan, got = run_variant(base, cfg, ids, labels, args.steps)
                 rows.append(_row(f"{schedule}{'' if recompute == 'none' else ' + ' + recompute}",
                                  plan, got))

@@ -1,13 +1,14 @@
-"""What recomputation costs in step time, whole stages against layer by layer, measured on CPU
-ranks beside the plan's prediction.
+"""What recomputation costs in step time, whole stages against layer by layer and selective,
+measured on CPU ranks beside the plan's prediction.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/recompute_layers_time.py
 
 The GPT of ``runtime_common`` (its Blocks as leaf modules) on a forced split (one replica a
-stage), ``--schedule`` and ``--micro-batches`` forced, compiled three times: no
+stage), ``--schedule`` and ``--micro-batches`` forced, compiled four times: no
 recomputation, every stage recomputing whole (``Config(recompute=True,
-recompute_layers=False)``) and every stage layer by layer (``recompute_layers=True``). The
-three run round-robin (``runtime_common.interleave``: each round's steps moments apart under
+recompute_layers=False, recompute_selective=False)``), every stage layer by layer
+(``recompute_layers=True``) and every stage selectively (``recompute_selective=True``). They
+run round-robin (``runtime_common.interleave``: each round's steps moments apart under
 the same load); per variant the median step on rank 0 between barriers, the plan's simulated
 step, and the ratios to no recomputation, measured per round and predicted.
 """
@@ -37,8 +38,10 @@ import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
 
 VARIANTS = {"none": dict(recompute=False),
-            "whole stages": dict(recompute=True, recompute_layers=False),
-            "layer by layer": dict(recompute=True, recompute_layers=True)}
+            "whole stages": dict(recompute=True, recompute_layers=False,
+                                 recompute_selective=False),
+            "layer by layer": dict(recompute=True, recompute_layers=True),
+            "selective": dict(recompute=True, recompute_selective=True)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
             **cache,
         )
         variants = [
-            (f"rannc_fx-{s}{'-recompute' if r else ''}", {"schedule": s, "recompute": r})
+            (f"rannc_fx-{s}{'-recompute' if r else ''}",
+             {"schedule": s, "recompute": r, **({"recompute_selective": False} if r else {})})
             for s in args.schedules
             for r in ((False, True) if args.recompute else (False,))
         ]

@@ -35,7 +35,7 @@ GiB = 1024**3
 
 
 FORBID = {"zero": {"zero": 0}, "offload": {"offload": False},
-          "layers": {"recompute_layers": False}}
+          "layers": {"recompute_layers": False}, "selective": {"recompute_selective": False}}
 
 
 def plan(layers: int, a: argparse.Namespace, world: int, searched: bool) -> Plan | str:
@@ -60,10 +60,11 @@ def describe(p: Plan | str) -> str:
     host = max(s.host_bytes for s in p.stages) / GiB
     rc = sum(s.recompute for s in p.stages)
     lay = sum(bool(s.checkpoints) for s in p.stages)
+    sel = sum(s.selective for s in p.stages)
     worst = max(s.memory.total for s in p.stages) / p.memory_budget
     sim = f" ({p.simulated_step_ms / 1e3:.2f} s simulated)" if p.simulated_step_ms else ""
     return (f"{len(p.stages)} stages (replicas {reps}), {p.schedule}, m={p.micro_batches}, "
-            f"recompute {rc}/{len(p.stages)} ({lay} layer by layer), ZeRO-1 {sharded}/{len(p.stages)}, offload "
+            f"recompute {rc}/{len(p.stages)} ({lay} layer by layer), selective {sel}, ZeRO-1 {sharded}/{len(p.stages)}, offload "
             f"{off}/{len(p.stages)}" + (f" (host {host:.1f} GiB a rank at most)" if off else "")
             + ", largest stage "
             f"{100 * worst:.0f} % of budget; step {p.predicted_step_ms / 1e3:.2f} s{sim}")

@@ -61,6 +61,14 @@ class Config(BaseModel):
         "it keeps all its activations from its recomputation to its backward); None = "
         "searched per stage",
     )
+    recompute_selective: bool | None = Field(
+        default=None,
+        description="selective recomputation: a stage keeps the outputs of its matrix "
+        "products, convolutions and fused attention for every micro-batch in flight and its "
+        "backward reruns the rest of its forward (normalizations, activations, dropout, "
+        "unfused attention scores), instead of running the whole forward again; None = "
+        "searched per stage, True = the only recomputation, False = never",
+    )
     offload: bool | None = Field(
         default=None,
         description="optimizer state in host memory, brought to the device a bucket at a "
@@ -224,6 +232,18 @@ class Config(BaseModel):
                 "whole (ZB-H1 and ZBV split each backward in two, and recomputing layer by "
                 "layer runs inside one backward; interleaved lanes are costed so); use "
                 "recompute_layers=None, or schedule '1f1b', 'gpipe' or None"
+            )
+        if self.recompute_selective and self.schedule in ("zbh1", "zbv"):
+            raise ValueError(
+                f"recompute_selective=True with schedule={self.schedule!r}: ZB-H1 and ZBV "
+                "split each backward in two and selective recomputation reruns inside one "
+                "backward; use recompute_selective=None, or schedule '1f1b', 'gpipe', "
+                "'interleaved' or None"
+            )
+        if self.recompute_selective and self.recompute_layers:
+            raise ValueError(
+                "recompute_selective=True and recompute_layers=True: a stage recomputes "
+                "either selectively or layer by layer; force at most one of them"
             )
         if self.micro_batches is not None and self.micro_batches > self.max_micro_batches:
             raise ValueError(

@@ -177,6 +177,9 @@ class Plan(BaseModel):
                 raise ValueError(f"stage {st.index} has checkpoints {list(st.checkpoints)[:3]} "
                                  "but does not recompute: checkpoints are where a recomputing "
                                  "stage's R keeps values")
+            if st.selective and st.recompute:
+                raise ValueError(f"stage {st.index} recomputes both selectively and whole: "
+                                 "selective recomputation has no R; make the plan again")
         for d in self.dynamic_dims:
             spec = self.inputs[d.input] if d.input < len(self.inputs) else None
             if spec is None or spec.kind != "tensor" or d.dim >= len(spec.shape) or spec.shape[
@@ -339,7 +342,8 @@ class Plan(BaseModel):
                 str(st.samples),
                 f"{st.fwd_ms:.2f}",
                 f"{st.bwd_ms:.2f}",
-                ("layers" if st.checkpoints else "yes") if st.recompute else "no",
+                ("layers" if st.checkpoints else "yes") if st.recompute
+                else "selective" if st.selective else "no",
                 str(st.zero),
                 f"{_human_bytes(st.host_bytes)}" if st.offload else "no",
                 str(self.in_flight(st.index)),

@@ -93,7 +93,11 @@ class Stage(BaseModel):
     # activations), and the backward runs each other segment's forward a third time just
     # before its backward (again_ms); empty: R keeps every activation of the stage
     checkpoints: tuple[str, ...] = ()
-    again_ms: float = 0.0  # with checkpoints: the forwards each backward runs again
+    again_ms: float = 0.0  # with checkpoints or selective: the forwards each backward runs again
+    # selective recomputation (``rannc_fx.selective``, never with ``recompute``): F keeps only
+    # the outputs of its matrix products, convolutions and fused attention, and B reruns the
+    # rest of the forward (again_ms)
+    selective: bool = False
     zero: int = Field(default=0, ge=0, le=1)  # 1: optimizer state sharded over the replicas
     gather_ms: float = 0.0  # zero = 1: all-gathering the stepped parameters after the step
     offload: bool = False  # the (share of the) optimizer state in host memory

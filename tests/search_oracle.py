@@ -3,7 +3,8 @@
 Plain Python: loops over blocks, no numpy, nothing from the search but its dataclasses.
 ``stage_figures`` is the cost model of ``rannc_fx/passes/search/model.py``'s docstring written
 out again. A stage's recomputation and ZeRO-1 follow the stated policy (``variant``): the
-first of (plain, sharded, recomputing, both, then recomputing layer by layer) that fits, an
+first of (plain, sharded, recomputing selectively, recomputing, then recomputing layer by
+layer, each plain, sharded, ...) that fits, an
 unsharded one passed over where its sharded twin's u is smaller. ``brute_force`` enumerates every plan (micro-batch count, stage
 boundaries, replicas, schedule; each stage's variant by the policy); ``pareto`` keeps
 (sum t, max u) labels per DP state, per total stage count under 1F1B so that a stage's
@@ -58,6 +59,7 @@ class Figures:
     u: float
     memory: float
     layers: bool = False
+    selective: bool = False
 
 
 def layer_transient(table: CostTable, k: int, i: int, j: int, A: float) -> float:
@@ -79,21 +81,26 @@ def layer_transient(table: CostTable, k: int, i: int, j: int, A: float) -> float
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
                   recompute: int, zero: bool = False, offload: bool = False) -> Figures:
     """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``recompute``: 0,
-    1 (the forward again before each backward) or 2 (layer by layer: the backward runs each
-    layer's forward once more); ``zero``: the optimizer state sharded over the r replicas
+    1 (the forward again before each backward), 2 (layer by layer: the backward runs each
+    layer's forward once more) or 3 (selectively: every micro-batch in flight keeps what the
+    table's ``kept`` says, and its backward rebuilds the rest, running ``redo`` of its
+    forward again); ``zero``: the optimizer state sharded over the r replicas
     (one replica: no effect); ``offload``: this replica's state in host memory, moved to the
     device and back each step."""
-    rho, recompute = int(recompute), bool(recompute)
+    rho = int(recompute)
+    recompute, selective = rho in (1, 2), rho == 3
     zero = zero and r > 1
     B, G = table.num_blocks, space.global_batch
     q = -(-G // (m * r))
     k = [int(x) for x in table.sizes].index(q)
-    F = Bw = A = 0.0
+    F = Bw = A = keep = redo = 0.0
     ws = -math.inf
     for b in range(i, j):
         F += float(table.fwd[k][b])
         Bw += float(table.bwd[k][b])
         A += float(table.act[k][b])
+        keep += float(table.act[k][b] if table.kept is None else table.kept[k][b])
+        redo += float(table.fwd[k][b] if table.redo is None else table.redo[k][b])
         ws = max(ws, float(table.workspace[k][b]))
     again = 0.0  # layer by layer, the backward runs every layer's forward but the last again
     if rho == 2:  # one micro-batch's activations: its layers' inputs and one layer's
@@ -105,7 +112,8 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     cin, cout = float(table.cut[k][i]), float(table.cut[k][j])
     messages = (1 if i > 0 else 0) + (1 if j < B else 0)
     comm = 2 * (cin + cout) / space.link_bandwidth + 2 * space.link_latency * messages
-    t = F + Bw + (F if rho else 0.0) + again + comm
+    again_s = redo if selective else (F if rho else 0.0) + again
+    t = F + Bw + again_s + comm
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
     ar_bw = space.allreduce_bandwidth or space.link_bandwidth
     ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
@@ -119,7 +127,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     host = share if offload else 0.0
     moved = 2 * host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
     u = (m - 1) * (t + acc) + ar + ag + opt + moved
-    activations = A if recompute else n * A
+    activations = A if recompute else n * keep + A if selective else n * A
     # recomputing, a micro-batch in flight keeps its inputs; its outputs went on and R
     # makes them again, for one micro-batch at a time
     buffers = n * cin + cout if recompute else n * (cin + cout)
@@ -131,7 +139,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     # the gradients come with the backwards: they meet every in-flight micro-batch only if a
     # forward follows the first backward (n < m); else they replace freed activations
     c = cin + cout
-    if n < m:
+    if n < m or selective:  # selective: one micro-batch rebuilt beside all that is kept
         peak = grad + activations + buffers
     elif not recompute:
         # the last forward ends with m micro-batches held; the first backward frees one
@@ -149,21 +157,23 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     if offload:  # or a bucket's state brought in for its step
         copy = max(copy, min(host, space.reduce_bucket * space.optimizer_state_factor))
     ws = max(ws, grad + copy - peak)
-    return Figures(q, F, Bw, (F if rho else 0.0) + again, comm, ar, opt, acc, param, grad, state,
+    return Figures(q, F, Bw, again_s, comm, ar, opt, acc, param, grad, state,
                    activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, offload, moved, host, t, u,
-                   param + state + peak + ws + outputs, rho == 2)
+                   param + state + peak + ws + outputs, rho == 2, selective)
 
 
 # (recompute, zero, offload): the policy's order
-CHAIN = tuple((rho, zeta, omega) for rho in (0, 1, 2)
+CHAIN = tuple((rho, zeta, omega) for rho in (0, 3, 1, 2)
               for zeta, omega in ((False, False), (True, False), (True, True), (False, True)))
 
 
 def allowed(space: SearchSpace, table: CostTable) -> list[tuple[int, bool, bool]]:
     host = space.host_bandwidth is not None and space.host_budget > 0
-    rhos = {None: (0, 1, 2), False: (0,), True: (1, 2)}[space.recompute]
-    rhos = tuple(x for x in rhos if {None: True, False: x != 2, True: x != 1}[space.layers]
-                 and (table.segments is not None or x != 2))
+    rhos = {None: (0, 1, 2, 3), False: (0,), True: (1, 2, 3)}[space.recompute]
+    rhos = tuple(x for x in rhos if {None: True, False: x != 2, True: x in (0, 2)}[space.layers]
+                 and {None: True, False: x != 3, True: x in (0, 3)}[space.selective]
+                 and (table.segments is not None or x != 2)
+                 and (table.kept is not None or x != 3))
     return [(rho, zeta, omega) for rho, zeta, omega in CHAIN
             if rho in rhos and space.zero in (None, zeta)
             and space.offload in (None, omega) and (host or not omega)]
@@ -286,7 +296,8 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
                 if best is None or step < best.step:
                     stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s],
                                                figs[s].recompute, figs[s].zero,
-                                               figs[s].offload, figs[s].layers)
+                                               figs[s].offload, figs[s].layers,
+                                               figs[s].selective)
                                    for s in range(S))
                     best = Best(step, m, schedule, stages)
         setattr(out, side, best)
@@ -353,7 +364,8 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
                     memo[key] = variant(table, space, i, j, r, m, n)
                 f = memo[key]
                 if f is not None:
-                    st = StageChoice(i, j, r, f.recompute, f.zero, f.offload, f.layers)
+                    st = StageChoice(i, j, r, f.recompute, f.zero, f.offload, f.layers,
+                                     f.selective)
                     new += [(a + f.t, max(b, f.u), (*p, st)) for a, b, p in prev]
         return _front(new)
 

@@ -90,8 +90,10 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     assert f"rank {world - 1} " in repr(cm).split("one step:")[1]  # a grid row per rank
     if "schedule" in cfg:
         assert cm.plan.schedule == cfg["schedule"] and f"schedule {cfg['schedule']}" in repr(cm)
-    if cfg.get("recompute") is not None:
-        assert all(st.recompute == cfg["recompute"] for st in cm.plan.stages)
+    if cfg.get("recompute") is not None:  # R, or selectively (the search's first choice)
+        assert all((st.recompute or st.selective) == cfg["recompute"] for st in cm.plan.stages)
+    if cfg.get("recompute_selective") is False:
+        assert not any(st.selective for st in cm.plan.stages)
     if cfg.get("recompute_layers"):  # every stage that holds a layer start recomputes by layer
         assert any(st.checkpoints for st in cm.plan.stages)
     # the user's Adam was timed for the plan: every stage with parameters has a step cost
@@ -124,12 +126,15 @@ def test_trains_like_one_process(name, world, cfg):
 @pytest.mark.parametrize(
     "name,world,cfg",
     [
-        ("mlp", 1, dict(micro_batches=2, recompute=True)),
+        ("mlp", 1, dict(micro_batches=2, recompute=True, recompute_selective=False)),
         ("mlp", 3, dict(replicas=(2, 1), micro_batches=3, schedule="1f1b", recompute=True)),
         ("gpt", 2, dict(replicas=(1, 1), micro_batches=4, schedule="1f1b")),
-        ("gpt", 3, dict(replicas=(1, 1, 1), micro_batches=3, schedule="1f1b", recompute=True)),
+        ("gpt", 3, dict(replicas=(1, 1, 1), micro_batches=3, schedule="1f1b", recompute=True,
+                        recompute_selective=False)),
         ("gpt", 4, dict(replicas=(2, 1, 1), micro_batches=2, schedule="gpipe", recompute=True)),
         ("cnn", 2, dict(replicas=(1, 1), micro_batches=1, schedule="1f1b", recompute=True)),
+        ("cnn", 2, dict(replicas=(1, 1), micro_batches=1, schedule="gpipe", recompute=True,
+                        recompute_selective=False)),
         # several stages a rank (replicas count lanes)
         ("gpt", 2, dict(replicas=(1, 1), micro_batches=4, schedule="interleaved")),
         ("gpt", 3, dict(replicas=(2, 1), micro_batches=2, schedule="zbv")),

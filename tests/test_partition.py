@@ -179,7 +179,7 @@ def test_plan_records_schedule_recomputation_and_the_simulated_step():
 
     model, args, kwargs = gpt_example(layers=4)
     cfg = CFG.model_copy(update={"replicas": (1, 1), "micro_batches": 4, "schedule": "1f1b",
-                                 "recompute": True})
+                                 "recompute": True, "recompute_selective": False})
     plan = rannc_fx.partition(model, args, kwargs, world_size=2, config=cfg).plan
     assert plan.schedule == "1f1b" and all(st.recompute for st in plan.stages)
     assert [plan.in_flight(s) for s in range(2)] == [2, 1]

@@ -77,7 +77,8 @@ def _gpt(dropout: float) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
 def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
     """2 stages on 2 ranks, both recomputing layer by layer (checkpoints: ``_layer_starts``)."""
     model, args, kwargs = _gpt(dropout)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True, replicas=(1, 1),
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+                 recompute_selective=False, replicas=(1, 1),
                  micro_batches=2, schedule=schedule)
     parted = rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)
     return _with_checkpoints(parted)
@@ -222,7 +223,8 @@ def _deep_stage() -> tuple[Plan, fx.GraphModule, tuple[str, ...], dict[str, Any]
     sizes and masks the split pass rebuilt inside it."""
     torch.manual_seed(0)
     model, args, kwargs = gpt_example(batch=GLOBAL, layers=6, dropout=0.1)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True, replicas=(1, 1),
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+                 recompute_selective=False, replicas=(1, 1),
                  micro_batches=2, schedule="1f1b")
     parted = rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)
     plan = _with_checkpoints(parted)
@@ -381,7 +383,8 @@ def test_batchnorm_in_a_segment_keeps_the_statistics(batch_norm, micro_batches):
     recomputation, though each checkpointed segment runs three times a step; with one
     micro-batch, those of one process."""
     x, y = _bn_data(0)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True, replicas=(1, 1),
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+                 recompute_selective=False, replicas=(1, 1),
                  micro_batches=micro_batches, schedule="1f1b", batch_norm=batch_norm)
     parted = rannc_fx.partition(BNLayers(), (x, y), world_size=2, device="cpu", config=cfg)
     plan = _with_checkpoints(parted)

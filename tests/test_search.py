@@ -144,16 +144,23 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
     zero = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     offload = [None, True, False][int(rng.choice(3, p=[0.5, 0.25, 0.25]))]
     layers = [None, True, False][int(rng.choice(3, p=[0.6, 0.2, 0.2]))]
+    selective = [None, True, False][int(rng.choice(3, p=[0.6, 0.2, 0.2]))]
+    selective = None if layers and selective else selective  # both forced: refused
     space = SearchSpace(world_size=W, global_batch=G, memory_budget=1.0,
                         link_bandwidth=float(rng.uniform(0.5, 5)),
                         optimizer_state_factor=float(rng.choice([0.0, 0.5, 2.0])),
                         micro_batches=mbs, stages=stages, replicas=replicas,
                         schedules=schedules, recompute=recompute, zero=zero,
-                        offload=offload, layers=layers)
+                        offload=offload, layers=layers, selective=selective)
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     table = dataclasses.replace(table, act=table.act * 3)  # activations that matter
     if layers or rng.uniform() < 0.6:  # a model with layers to recompute one by one
         table = dataclasses.replace(table, segments=random_segments(rng, table))
+    if selective or rng.uniform() < 0.6:  # selective recomputation costed: part of each
+        # block's activations kept (some keep more than autograd saves), part of its forward
+        table = dataclasses.replace(  # run again
+            table, kept=table.act * rng.uniform(0, 1.3, table.act.shape),
+            redo=table.fwd * rng.uniform(0, 1, table.fwd.shape))
     budget = rng.uniform(0.3, 2.0) * (table.param_bytes[0, B] * 3 + table.act.sum() / 2 + 2)
     space = dataclasses.replace(space, **random_links(rng),
                                 output_bytes=float(rng.uniform(0, 1)) if rng.uniform() < 0.3
@@ -166,7 +173,8 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
         least = least_largest_stage(table, space)
         plain = least_largest_stage(table, dataclasses.replace(space, schedules=("gpipe",),
                                                                recompute=False, zero=False,
-                                                               offload=False, layers=None))
+                                                               offload=False, layers=None,
+                                                               selective=None))
         if math.isfinite(least):
             budget = least + rng.uniform(0, 1.2) * ((plain if math.isfinite(plain) else 2 * least)
                                                     - least)
@@ -193,6 +201,9 @@ _BYTES = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "
           "outputs", "overlap", "host_state")
 
 
+_CHAIN_RANK = {0: 0, 3: 1, 1: 2, 2: 3}  # rho's place in the variants' chain
+
+
 def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> None:
     """Invariants every returned plan keeps, and its figures against the oracle's own."""
     st, m = res.stages, res.micro_batches
@@ -206,22 +217,25 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
     if space.replicas is not None:
         assert tuple(s.replicas for s in st) == space.replicas
     if space.recompute is not None:
-        assert all(s.recompute == space.recompute for s in st)
+        assert all((s.level > 0) == space.recompute for s in st)
     if space.zero is not None:
         assert all(s.zero == (space.zero and s.replicas > 1) for s in st)
     if space.offload is not None:
         assert all(s.offload == space.offload for s in st)
     if space.layers is not None:
         assert all(s.layers == (space.layers and s.recompute) for s in st)
+    if space.selective is not None:
+        assert all(s.selective == (space.selective and s.level > 0) for s in st)
     assert all(s.recompute or not s.layers for s in st)
+    assert all(not (s.selective and s.recompute) for s in st)
     assert res.schedule in space.schedules
     assert res.evaluation.fits
     step, figs = plan_figures(table, space, st, m, res.schedule)
     assert all(f.host_state <= space.host_budget for f in figs)
     assert res.evaluation.step_s == pytest.approx(step, rel=1e-9, abs=1e-12)
     for c, f in zip(res.evaluation.stages, figs, strict=True):
-        assert (c.samples, c.in_flight, c.recompute, c.zero, c.offload) == (
-            f.samples, f.in_flight, f.recompute, f.zero, f.offload)
+        assert (c.samples, c.in_flight, c.recompute, c.selective, c.zero, c.offload) == (
+            f.samples, f.in_flight, f.recompute, f.selective, f.zero, f.offload)
         for name in _TIMES:
             assert getattr(c, name) == pytest.approx(getattr(f, name), rel=1e-9, abs=1e-12)
         for name in _BYTES:  # StageCost rounds each part to whole bytes
@@ -230,10 +244,10 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert f.memory <= space.memory_budget * (1 + SLACK)
     for s, f in zip(st, figs, strict=True):  # the policy: a variant only where needed
         args = (table, space, s.start, s.end, s.replicas, m, f.in_flight)
-        if s.recompute:  # no variant recomputing less fits
+        if s.level:  # no variant recomputing less fits (the chain's order: 0, 3, 1, 2)
             for rho, zeta, omega in allowed(space, table):
                 g = stage_figures(*args, rho, zeta, omega)
-                assert rho >= s.level or g.memory > space.memory_budget * (1 - SLACK) or \
+                assert _CHAIN_RANK[rho] >= _CHAIN_RANK[s.level] or g.memory > space.memory_budget * (1 - SLACK) or \
                     g.host_state > space.host_budget or (  # or its sharded twin is faster
                         not zeta and (rho, True, omega) in allowed(space, table)
                         and stage_figures(*args, rho, True, omega).u < g.u)
@@ -271,7 +285,8 @@ def compare_pareto(table: CostTable, space: SearchSpace) -> SearchResult | None:
 def test_matches_brute_force_small(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seen = {"none fits": 0, "plain fits": 0, "needs recompute or 1f1b": 0, "1f1b": 0,
-            "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0, "layers": 0}
+            "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0, "layers": 0,
+            "selective": 0}
     for _ in range(150):
         got, want = compare(*random_case(rng, 6, 5, tight=0.5))
         if got is None:
@@ -279,17 +294,18 @@ def test_matches_brute_force_small(seed: int) -> None:
             continue
         seen["plain fits" if want.plain_fits else "needs recompute or 1f1b"] += 1
         seen["1f1b"] += got.schedule == "1f1b"
-        seen["recompute"] += any(s.recompute for s in got.stages)
+        seen["recompute"] += any(s.level for s in got.stages)
         seen["zero"] += any(s.zero for s in got.stages)
-        seen["zero and recompute"] += any(s.zero and s.recompute for s in got.stages)
+        seen["zero and recompute"] += any(s.zero and s.level for s in got.stages)
         seen["offload"] += any(s.offload for s in got.stages)
         seen["layers"] += any(s.layers for s in got.stages)
+        seen["selective"] += any(s.selective for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
     assert 20 < seen["none fits"] < 100 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
     assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen
-    assert seen["offload"] > 10 and seen["layers"] > 2, seen
+    assert seen["offload"] > 10 and seen["layers"] > 2 and seen["selective"] > 2, seen
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -664,7 +680,7 @@ def test_least_largest_stage_is_exact() -> None:
     """NoFeasiblePlan's least largest stage, against the oracle's figures over every plan."""
     rng = np.random.default_rng(5)
     checked = 0
-    for _ in range(40):
+    for _ in range(60):
         table, space = random_case(rng, 5, 4)
         space = dataclasses.replace(space, memory_budget=1e-9)
         try:

@@ -4,6 +4,7 @@ searched lanes, their balanced stage boundaries, and when the planner keeps them
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -169,6 +170,12 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
     rc = lane_memory([cost(True, 0), cost(True, 0)], per_mb, inputs_only)
     # recomputing: each holds its inputs (c - o) per micro-batch, plus one backward's A + o
     assert sum(c.activations + c.comm_buffers for c in rc) == 2 * 1 + 8 + 1
+    # selectively: each holds what it keeps (3 and 2 of 8 and 6) and its cut values per
+    # micro-batch whole, plus the largest backward's rebuilt activations, once for the lane
+    kept = [(3.0, 2.0, 1.0, 8.0), (2.0, 2.0, 1.0, 6.0)]
+    sel = lane_memory([replace(cost(False, 0), selective=True)] * 2, kept, units)
+    assert [c.activations for c in sel] == [2 * 3 + 8, 0]
+    assert [c.comm_buffers for c in sel] == [2 * 2, 0]
 
 
 def test_the_command_line_plans_a_named_virtual_schedule(tmp_path, capsys):

@@ -21,7 +21,7 @@ from .tail import TailCost
 
 __all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
 
-_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes")
+_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s")
 
 
 def interpolation_weights(batch_sizes: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
@@ -50,7 +50,7 @@ def _node_series(profile: Profile, names: Sequence[str], field: str) -> np.ndarr
     p = len(profile.batch_sizes)
     zero = (0.0,) * p
     return np.array(
-        [getattr(c, field) if (c := profile.nodes.get(n)) is not None else zero for n in names],
+        [c.series(field) if (c := profile.nodes.get(n)) is not None else zero for n in names],
         dtype=float,
     ).reshape(len(names), p)
 
@@ -177,6 +177,8 @@ def build_cost_table(
         fwd=per_block["fwd_s"],
         bwd=per_block["bwd_s"],
         act=per_block["saved_bytes"],
+        kept=per_block["kept_bytes"],
+        redo=per_block["again_s"],
         workspace=per_block["workspace_bytes"],
         cut=cut,
         param_bytes=range_sums(nb, _shared_once(uses, nbytes)),

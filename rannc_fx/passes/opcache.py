@@ -28,7 +28,7 @@ __all__ = ["CostCache", "device_name", "op_key", "qualname"]
 
 log = logging.getLogger("rannc_fx")
 
-CACHE_FORMAT = 3  # 3: OpCost.views
+CACHE_FORMAT = 4  # 3: OpCost.views; 4: OpCost.kept_bytes, kept_flops, kept_moved
 
 
 def qualname(obj: Any) -> str:

@@ -8,6 +8,9 @@ pass can charge every saved storage to the node that made it exactly once::
     saved_internal   bytes of saved storages the op made and did not return
     saved_inputs     positions of input tensors whose storage autograd saved
     saved_outputs    positions of output tensors whose storage autograd saved
+    kept_bytes       bytes of the outputs selective recomputation keeps (``selective.kept``
+                     ops' outputs), and ``kept_flops`` / ``kept_moved`` what those ops cost:
+                     the rest of the forward is what it runs again (``OpCost.again``)
     views            per output tensor, the position of the input whose storage it shares
                      (a view, or the input an in-place op returns), else None
 
@@ -29,8 +32,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from .. import selective
 from ..device import DeviceSpec
 
 __all__ = [
@@ -111,6 +115,9 @@ class OpCost:
     saved_inputs: tuple[int, ...] = ()
     saved_outputs: tuple[int, ...] = ()
     views: tuple[int | None, ...] = ()
+    kept_bytes: int = 0
+    kept_flops: float = 0.0
+    kept_moved: float = 0.0
 
     def times(self, spec: DeviceSpec | None) -> tuple[float, float]:
         """(forward, backward) seconds; with ``spec``, from the roofline of FLOPs and bytes."""
@@ -122,6 +129,18 @@ class OpCost:
             return max(flops / rate, nbytes / spec.memory_bandwidth)
 
         return roof(self.fwd_flops, self.fwd_bytes), roof(self.bwd_flops, self.bwd_bytes)
+
+    def again(self, spec: DeviceSpec | None) -> float:
+        """The forward seconds selective recomputation runs again: the forward less its kept
+        ops (``selective.kept``), priced on their roofline with ``spec``; measured, the
+        forward's share of bytes outside them (a measured op is timed whole)."""
+        fwd = self.times(spec)[0]
+        if not self.kept_moved:
+            return fwd
+        if spec is None:
+            return fwd * max(0.0, 1.0 - self.kept_moved / max(self.fwd_bytes, self.kept_moved))
+        rate = spec.flops_for(self.dtype) * spec.efficiency
+        return max(0.0, fwd - max(self.kept_flops / rate, self.kept_moved / spec.memory_bandwidth))
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v != getattr(_ZERO, k)}
@@ -184,7 +203,9 @@ _NO_DATA = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.defaul
 
 
 class _OpTracker(TorchDispatchMode):
-    """Sums the bytes every aten op reads and writes, and the peak of storages allocated."""
+    """Sums the bytes every aten op reads and writes, and the peak of storages allocated;
+    and, of the ops selective recomputation keeps (``selective.kept``), their outputs'
+    bytes, FLOPs and bytes moved."""
 
     def __init__(self, known: set[int]) -> None:
         super().__init__()
@@ -192,6 +213,8 @@ class _OpTracker(TorchDispatchMode):
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = 0
         self.moved = 0
+        self.kept: dict[int, int] = {}  # storage -> bytes
+        self.kept_flops = self.kept_moved = 0
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
@@ -201,7 +224,16 @@ class _OpTracker(TorchDispatchMode):
             return out
         self._sweep()
         outs = tensors(out)
-        self.moved += sum(t.numel() * t.element_size() for t in [*tensors((args, kwargs)), *outs])
+        moved = sum(t.numel() * t.element_size() for t in [*tensors((args, kwargs)), *outs])
+        self.moved += moved
+        if selective.kept(func):
+            self.kept_moved += moved
+            count = flop_registry.get(func.overloadpacket)
+            self.kept_flops += count(*args, **(kwargs or {}), out_val=out) if count else 0
+            for t in outs:
+                sid = storage_id(t)
+                if sid not in self.known:
+                    self.kept[sid] = t.untyped_storage().nbytes()
         for t in outs:
             sid = storage_id(t)
             if sid not in self.known and sid not in self.live:
@@ -260,6 +292,7 @@ class _Run:
     moved: int
     saved: tuple[int, tuple[int, ...], tuple[int, ...]]
     views: tuple[int | None, ...]
+    kept: tuple[int, float, float]  # selective.kept ops: output bytes, FLOPs, bytes moved
 
 
 def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
@@ -279,7 +312,9 @@ def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
     for i, t in enumerate(bound):
         first.setdefault(storage_id(t), i)
     views = tuple(first.get(storage_id(t)) for t in outs)
-    return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views)
+    kept = (sum(tracker.kept.values()), float(tracker.kept_flops), float(tracker.kept_moved))
+    return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views,
+                kept)
 
 
 def run_op(call: OpCall, *, grad: bool = True) -> Any:
@@ -358,9 +393,11 @@ def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple
         except RuntimeError as e:  # no derivative for this op: nothing runs backward
             log.debug("%s has no backward (%s); costing it 0", call.name, e)
     internal, ins, outs = first.saved
+    kept, kept_flops, kept_moved = first.kept
     return out, OpCost(
-        fwd_s=fwd_s, bwd_s=bwd_s, workspace=first.workspace,
+        fwd_s=fwd_s, bwd_s=bwd_s, fwd_bytes=first.moved, workspace=first.workspace,
         saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
+        kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
     )
 
 
@@ -379,10 +416,12 @@ def count_op(call: OpCall) -> tuple[Any, OpCost]:
         except RuntimeError as e:
             log.debug("%s has no backward (%s); costing it 0", call.name, e)
     internal, ins, outs = first.saved
+    kept, kept_flops, kept_moved = first.kept
     return first.out, OpCost(
         fwd_flops=fwd_fc.get_total_flops(), bwd_flops=bwd_flops,
         fwd_bytes=first.moved, bwd_bytes=bwd_bytes, dtype=_dtype(call, first.out),
         workspace=first.workspace,
         saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
+        kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
     )
 

@@ -36,7 +36,9 @@ from .shapes_symbolic import SymbolicValues
 
 __all__ = ["NodeCost", "Profile", "profile_pass"]
 
-_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes")
+_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s")
+# profiles made before selective recomputation was costed: it keeps all and runs all again
+_STAND_IN = {"kept_bytes": "saved_bytes", "again_s": "fwd_s"}
 
 
 class NodeCost(BaseModel):
@@ -48,6 +50,13 @@ class NodeCost(BaseModel):
     bwd_s: tuple[float, ...]
     saved_bytes: tuple[int, ...]  # kept alive for backward, parameters excluded
     workspace_bytes: tuple[int, ...]  # transient peak while it runs (outputs included)
+    # selective recomputation (``selective``): the outputs it keeps, the forward it runs again
+    kept_bytes: tuple[int, ...] = ()
+    again_s: tuple[float, ...] = ()
+
+    def series(self, field: str) -> tuple[float, ...]:
+        """``field`` at each profiled size (a field this profile lacks: its stand-in)."""
+        return getattr(self, field) or getattr(self, _STAND_IN.get(field, field))
 
 
 class Profile(BaseModel):
@@ -74,7 +83,8 @@ class Profile(BaseModel):
         if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:], strict=False)):
             raise ValueError(f"batch_sizes {list(b)} must be positive and strictly increasing")
         for name, c in self.nodes.items():
-            if any(len(getattr(c, f)) != len(b) for f in _FIELDS):
+            if any(len(getattr(c, f)) != len(b) for f in _FIELDS
+                   if f not in _STAND_IN or getattr(c, f)):
                 raise ValueError(f"node {name!r} has costs for other than {len(b)} sizes")
         return self
 
@@ -88,7 +98,7 @@ class Profile(BaseModel):
             raise ValueError(f"unknown cost field {field!r}; one of {', '.join(_FIELDS)}")
         if node not in self.nodes:
             raise KeyError(f"node {node!r} has no profile (only call nodes are profiled)")
-        xs, ys = self.batch_sizes, getattr(self.nodes[node], field)
+        xs, ys = self.batch_sizes, self.nodes[node].series(field)
         if len(xs) == 1:
             return max(0.0, float(ys[0]) * samples / xs[0])
         i = 0
@@ -188,4 +198,6 @@ def _node_cost(rows: list[Row], spec: DeviceSpec | None) -> NodeCost:
         bwd_s=tuple(b for _, b in times),
         saved_bytes=tuple(saved for _, saved in rows),
         workspace_bytes=tuple(c.workspace for c, _ in rows),
+        kept_bytes=tuple(c.kept_bytes for c, _ in rows),
+        again_s=tuple(c.again(spec) for c, _ in rows),
     )

@@ -305,6 +305,11 @@ def _search_space(
         cfg.schedule in ("interleaved", "zbv")) else (
         ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
     host_bw, host_budget = _host(spec, cfg)
+    # recomputing layer by layer or selectively reruns forwards inside one backward: not
+    # under a schedule named that splits it (ZB-H1, ZBV), nor layer by layer where the lanes
+    # are costed without it (interleaved)
+    inside = cfg.schedule not in ("zbh1", "zbv", "interleaved")
+    unsplit = cfg.schedule not in ("zbh1", "zbv")
     return SearchSpace(
         world_size=world_size,
         global_batch=global_batch,
@@ -318,7 +323,9 @@ def _search_space(
         replicas=cfg.replicas,
         schedules=schedules,
         recompute=cfg.recompute,
-        layers=cfg.recompute_layers,
+        layers=cfg.recompute_layers if inside or cfg.recompute_layers is not None else False,
+        selective=(cfg.recompute_selective if unsplit or cfg.recompute_selective is not None
+                   else False),
         zero=None if cfg.zero is None else bool(cfg.zero),
         offload=cfg.offload,
         host_bandwidth=host_bw,

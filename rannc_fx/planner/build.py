@@ -105,7 +105,9 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             accumulate_ms=ms * cost.accumulate_s,
             recompute=choice.recompute,
             checkpoints=checkpoints,
-            again_ms=ms * (cost.recompute_s - cost.fwd_s) if checkpoints else 0.0,
+            again_ms=ms * (cost.recompute_s if choice.selective else
+                           cost.recompute_s - cost.fwd_s if checkpoints else 0.0),
+            selective=choice.selective,
             zero=int(cost.zero),
             gather_ms=ms * cost.gather_s,
             offload=cost.offload,

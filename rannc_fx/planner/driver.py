@@ -102,7 +102,7 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
     used, where its simulated step is shorter."""
     plan = _with_schedules(a, result, seconds)
     # the schedules tried after the search keep its lanes: the plan it makes without
-    # recomputing layer by layer, then also without offloading, then without sharding either,
+    # recomputing layer by layer or selectively, then also without offloading, then without sharding either,
     # may suit them better (the 1024-layer BERT-large's on 32 V100s interleaved, the 100 B
     # BERT's on 33 A100s under ZBV, the 512-layer BERT-large's interleaved)
     space, current = a.space, result
@@ -110,8 +110,9 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
         if getattr(a.space, field) is not None or not any(_uses(st, field)
                                                          for st in current.stages):
             continue  # forced by the user, or not used
-        if field == "layers":
-            space = dataclasses.replace(space, layers=False)
+        if field == "layers":  # and without selective recomputation: both rerun in B
+            space = dataclasses.replace(space, layers=False, selective=(
+                False if a.space.selective is None else a.space.selective))
         else:  # without sharding, without offloading either (unless the user forced it)
             space = dataclasses.replace(space, offload=False if field == "offload" or (
                 a.space.offload is None) else a.space.offload)
@@ -141,7 +142,7 @@ def _with_schedules(a: Analysis, result: SearchResult, seconds: float) -> Plan:
 
 def _uses(st: StageChoice, field: str) -> bool:
     """The searched stage recomputes layer by layer, offloads, or shards (or offloads)."""
-    return st.layers if field == "layers" else st.offload if field == "offload" else (
+    return (st.layers or st.selective) if field == "layers" else st.offload if field == "offload" else (
         st.zero or st.offload)
 
 

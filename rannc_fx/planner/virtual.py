@@ -16,9 +16,10 @@ schedule puts it (``plan.lane_layout``):
   where a lane does not fit, its stages first shard their optimizer state over the lane's
   replicas (ZeRO-1, unless ``Config.zero`` is set), then its stage holding the most
   activations recomputes, one at a time, the boundaries balanced again each time (unless
-  ``Config.recompute`` is set); then each recomputing stage, and after them each sharding
-  stage, whose lane fits without runs without; where a lane sharding and recomputing
-  everything does not fit the variant is dropped;
+  ``Config.recompute`` is set): selectively first (interleaved 1F1B only: ZBV splits the
+  backward it reruns in), then whole; then each recomputing stage, and after them each
+  sharding stage, whose lane fits without runs without (or, recomputing whole, selectively);
+  where a lane sharding and recomputing everything does not fit the variant is dropped;
 - the step is the simulator's (no closed form: the order of a lane's stages is the point).
   A recomputing stage under ZBV holds a micro-batch's inputs until its ``B`` and what ``R``
   rebuilt from its ``B`` until its ``W`` (``held_units``).
@@ -46,7 +47,7 @@ from ..passes.search.model import (
     samples_per_replica,
     size_index,
 )
-from ..passes.search.terms import stage_terms
+from ..passes.search.terms import SELECTIVE, stage_terms
 from ..plan import Plan, lane_layout
 from ..runtime.actions import Action, Kind, in_flight
 from ..runtime.schedule import make_schedule
@@ -135,16 +136,20 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
     seen: dict[tuple[int, tuple[bool, ...]], np.ndarray] = {}
 
-    def units_of(rc: Sequence[bool]) -> list[np.ndarray]:
-        out = []
+    def units_of(levels: Sequence[int]) -> list[np.ndarray]:
+        out = []  # a selectively recomputing stage holds its micro-batches whole, as a plain one
         for k in range(lanes):
-            key = (k, tuple(rc[s] for s in layout[k]))
+            key = (k, tuple(levels[s] in (1, 2) for s in layout[k]))
             if key not in seen:
                 seen[key] = np.asarray(held_units(sched[k], layout[k], key[1]), dtype=float)
             out.append(seen[key])
         return out
 
-    recompute = [result.stages[lane_of[s]].recompute for s in range(v * lanes)]
+    # levels: 0 none, SELECTIVE, 1 whole (layer by layer is not costed on lanes: whole)
+    selective = (schedule != "zbv" and a.table.kept is not None
+                 and a.space.selective is not False)
+    whole = a.space.selective is not True
+    level = [_level(result.stages[lane_of[s]], selective) for s in range(v * lanes)]
     zero = [(result.stages[lane_of[s]].zero or bool(a.space.zero)) and reps[s] > 1
             for s in range(v * lanes)]
     offload = [result.stages[lane_of[s]].offload or bool(a.space.offload)
@@ -152,20 +157,21 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     host = a.space.offload is None and a.space.host_bandwidth is not None and \
         a.space.host_budget > 0
     while True:
-        bounds = balanced_stages(a, reps, m, recompute)
+        bounds = balanced_stages(a, reps, m, level)
         if bounds is None:
             return None
-        stages = tuple(StageChoice(i, j, r, rho, z, o) for (i, j), r, rho, z, o
-                       in zip(bounds, reps, recompute, zero, offload, strict=True))
+        stages = tuple(StageChoice(i, j, r, rho in (1, 2), z, o, selective=rho == SELECTIVE)
+                       for (i, j), r, rho, z, o in zip(bounds, reps, level, zero, offload,
+                                                       strict=True))
         ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
-                      in_flight_counts=counts, lane_units=units_of(recompute))
+                      in_flight_counts=counts, lane_units=units_of(level))
         if ev.fits:
             # give back what the lanes can hold after all: recomputation, offloading, sharding
             for field, forced in (("recompute", a.config.recompute),
                                   ("offload", a.space.offload), ("zero", a.space.zero)):
                 if forced is None:
                     stages, ev = _undo(a, stages, field, m, schedule, layout, counts,
-                                       units_of, ev)
+                                       units_of, ev, selective)
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
         # each lane over the budget shards its stages' optimizer state, else offloads it,
@@ -186,35 +192,53 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
                     offload[s] = True
                 more = True
                 continue
-            free = [s for s in lane if not recompute[s]]
-            if free and a.config.recompute is None:
-                recompute[max(free, key=lambda s: ev.stages[s].activations)] = True
-                more = True
+            if a.config.recompute is None:  # selectively first, then whole
+                for now, then in ((0, SELECTIVE), (SELECTIVE, 1), (0, 1)):
+                    free = [s for s in lane if level[s] == now]
+                    if free and (selective or then != SELECTIVE) and (whole or then != 1):
+                        level[max(free, key=lambda s: ev.stages[s].activations)] = then
+                        more = True
+                        break
         if not more:
             return None
 
 
+def _level(st: StageChoice, selective: bool) -> int:
+    """A searched stage's recomputation on the lanes: layer by layer runs whole there, and
+    selectively where the lanes cannot (ZBV)."""
+    return SELECTIVE if st.selective and selective else 1 if st.level else 0
+
+
 def _undo(a: Analysis, stages: tuple[StageChoice, ...], field: str, m: int, schedule: str,
           layout: tuple[tuple[int, ...], ...], counts: list[int],
-          units_of: Callable[[Sequence[bool]], list[np.ndarray]],
-          ev: Evaluation) -> tuple[tuple[StageChoice, ...], Evaluation]:
+          units_of: Callable[[Sequence[int]], list[np.ndarray]],
+          ev: Evaluation, selective: bool = False) -> tuple[tuple[StageChoice, ...], Evaluation]:
     """The same boundaries with each stage that recomputes, slowest forward first, or each
     lane whose stages offload or shard (``field``: the lanes took those whole), running
-    without where its lane still fits (and, for sharding, where that is not slower;
-    balancing again could only move boundaries the first pass already weighed)."""
+    without where its lane still fits (a stage recomputing whole: else selectively, where
+    ``selective``; for sharding, where that is not slower; balancing again could only move
+    boundaries the first pass already weighed)."""
     if field == "recompute":
-        order = [[s] for s in sorted((s for s, st in enumerate(stages) if st.recompute),
+        order = [[s] for s in sorted((s for s, st in enumerate(stages) if st.level),
                                      key=lambda s: -ev.stages[s].fwd_s)]
     else:
         order = [[s for s in lane if getattr(stages[s], field)] for lane in layout]
     for group in (g for g in order if g):
-        trial = tuple(dataclasses.replace(st, **{field: False}) if k in group else st
-                      for k, st in enumerate(stages))
-        got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
-                       in_flight_counts=counts,
-                       lane_units=units_of([st.recompute for st in trial]))
-        if got.fits and (field != "zero" or got.step_s <= ev.step_s):
-            stages, ev = trial, got
+        lighter = [{field: False}]
+        if field == "recompute":
+            lighter = [{"recompute": False, "selective": False}] + (
+                [{"recompute": False, "selective": True}]
+                if selective and any(stages[s].recompute for s in group)
+                and a.space.selective is not False else [])
+        for change in lighter:
+            trial = tuple(dataclasses.replace(st, **change) if k in group else st
+                          for k, st in enumerate(stages))
+            got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
+                           in_flight_counts=counts,
+                           lane_units=units_of([st.level for st in trial]))
+            if got.fits and (field != "zero" or got.step_s <= ev.step_s):
+                stages, ev = trial, got
+                break
     return stages, ev
 
 
@@ -257,15 +281,16 @@ def held_units(actions: Sequence[Action], lane: Sequence[int],
 
 
 def balanced_stages(a: Analysis, replicas: list[int], m: int,
-                    recompute: list[bool]) -> list[tuple[int, int]] | None:
+                    recompute: Sequence[int]) -> list[tuple[int, int]] | None:
     """Block ranges of ``len(replicas)`` stages in chain order that minimize the slowest
     stage's time per micro-batch, stage ``s`` costed at the samples per replica of its
-    ``replicas[s]`` (None when the table lacks that size)."""
+    ``replicas[s]`` and its recomputation level ``recompute[s]`` (rho: 0, 1, 2 or 3; a bool
+    reads as 0 or 1) (None when the table lacks that size)."""
     table, space = a.table, a.space
     B, n = table.num_blocks, len(replicas)
     kidx = size_index(table)
     i, j = np.triu_indices(B + 1, k=1)
-    cost: dict[tuple[int, bool], np.ndarray] = {}
+    cost: dict[tuple[int, int], np.ndarray] = {}
     for r, rho in set(zip(replicas, recompute, strict=True)):
         q = samples_per_replica(space.global_batch, m, r)
         if q not in kidx:
@@ -273,7 +298,7 @@ def balanced_stages(a: Analysis, replicas: list[int], m: int,
         k = kidx[q]
         ws = range_max(np.asarray(table.workspace[k], float))[i, j]
         c = np.full((B + 1, B + 1), np.inf)
-        c[i, j] = stage_terms(table, space, k, i, j, ws, m).time(rho)
+        c[i, j] = stage_terms(table, space, k, i, j, ws, m).time(int(rho))
         cost[r, rho] = c
     best = np.full(B + 1, np.inf)
     best[0] = 0.0

@@ -49,13 +49,15 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
     if len(result.stages) < 2 and not forced:
         return plan
     stages, m = result.stages, result.micro_batches
-    if any(st.layers for st in stages):  # its recomputation lives inside one backward
+    if any(st.layers or st.selective for st in stages):  # recomputing inside one backward
         if forced:
             raise ValueError(
                 "schedule='zbh1' splits each backward in two (B, W), and the searched plan "
-                f"recomputes stages {[s for s, st in enumerate(stages) if st.layers]} layer by "
-                "layer, which runs each layer's forward again inside one backward; use "
-                "Config(recompute_layers=False) with schedule='zbh1', or another schedule")
+                "recomputes stages "
+                f"{[s for s, st in enumerate(stages) if st.layers or st.selective]} layer by "
+                "layer or selectively, which reruns forwards inside one backward; use "
+                "Config(recompute_layers=False, recompute_selective=False) with "
+                "schedule='zbh1', or another schedule")
         return plan
     ev = zbh1_evaluation(a, stages, m)
     if not ev.fits:

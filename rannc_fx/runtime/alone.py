@@ -39,6 +39,7 @@ def runs_alone(plan: Plan) -> bool:
         plan.world_size == 1
         and plan.micro_batches == 1
         and not plan.stages[0].recompute
+        and not plan.stages[0].selective
         and plan.tail is None
         and kinds <= {"tensor", "int", "ints"}
     )

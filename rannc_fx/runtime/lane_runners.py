@@ -58,7 +58,7 @@ class LaneRunners:
             outputs = Outputs(plan, st, rank, routes, spans, groups, device, lane=lane)
             buffers = BufferSync(
                 mod, micro_batches=plan.micro_batches, group=groups.stage[s], ranks=st.ranks,
-                recompute=st.recompute, groups=groups,
+                recompute=st.recompute or st.selective, groups=groups,
                 deferred=DeferredBatchNorm.install(mod) if plan.batch_norm == "step" else None,
             )  # fmt: skip
             tails[s] = (TailRunner(plan, st, mod, rank, groups, device)

@@ -85,15 +85,22 @@ class Segment(nn.Module):
 
 def check_segmentable(plan: Plan, lowered: Sequence[Sequence[Action]] | None = None) -> None:
     """Refuse a plan whose schedule splits the backward of a stage that recomputes layer by
-    layer (the module docstring says why); ``lowered``: its lanes' lists, if lowered already."""
-    layered = {st.index: st for st in plan.stages if st.checkpoints}
-    if not layered:
+    layer or selectively (the module docstring says why: both rerun forwards inside the
+    backward); ``lowered``: its lanes' lists, if lowered already."""
+    inside = {st.index: st for st in plan.stages if st.checkpoints or st.selective}
+    if not inside:
         return
     lanes = lowered if lowered is not None else lower_plan(plan)[1]
     split = sorted({a.stage for lane in lanes for a in lane
-                    if a.kind is Kind.W and a.stage in layered})
+                    if a.kind is Kind.W and a.stage in inside})
+    if split and inside[split[0]].selective:
+        raise ValueError(
+            f"stage {split[0]} recomputes selectively but schedule {plan.schedule!r} splits "
+            "its backward into B and W, and each of those autograd passes would rerun the "
+            "forward it did not keep (W once per weight); plan with schedule '1f1b' or "
+            "'gpipe', or Config(recompute_selective=False)")
     if split:
-        st = layered[split[0]]
+        st = inside[split[0]]
         raise ValueError(
             f"stage {st.index} recomputes layer by layer (checkpoints "
             f"{list(st.checkpoints)[:3]}{' ...' if len(st.checkpoints) > 3 else ''}) but "

@@ -21,6 +21,11 @@ A stage that recomputes runs F keeping no activations (autograd's saved tensors 
 they are made, as ``torch.utils.checkpoint`` does): a micro-batch in flight holds only the
 stage's inputs (and its model outputs), and R rebuilds its activations right before B with
 the same kernels, random state and buffers, so it recomputes the very values F made.
+
+A stage that recomputes selectively (``Stage.selective``, ``rannc_fx.selective``) has no R:
+its F runs under non-reentrant ``torch.utils.checkpoint`` with the selective policy, keeping
+the outputs of its matrix products, convolutions and fused attention, and B reruns the rest
+of the forward from those, on F's random state and inside the stage's buffer scope.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import checkpoint
 
+from .. import selective
 from ..plan import Plan, Stage
 from ..values import ValueSpec
 from . import routing
@@ -77,6 +84,7 @@ class StageRunner:
         self.buffers, self.device = buffers, device
         self.tail = tail if tail is not None and tail.runs else None
         self.recompute = stage.recompute
+        self.selective = stage.selective
         self.graph_inputs = {spec.name: i for i, spec in enumerate(plan.inputs)}
         self.cuts = {cv.name: cv for cv in plan.cut_values}
         self.out_pos = {name: p for p, name in enumerate(stage.outputs)}
@@ -268,6 +276,8 @@ class StageRunner:
             with torch.autograd.graph.saved_tensors_hooks(_drop, _never):
                 outs = self._run(args)
             outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+        elif step.grad and self.selective:
+            outs = self._run_selective(args)
         else:
             outs = self._run(args)
         self.buffers.after_microbatch(i, self.shares[i])
@@ -338,6 +348,16 @@ class StageRunner:
     def _run(self, args: list[Any], module: fx.GraphModule | None = None) -> tuple[Any, ...]:
         outs = (self.module if module is None else module)(*args)
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+    def _run_selective(self, args: list[Any]) -> tuple[Any, ...]:
+        """The stage under selective activation checkpointing: what its backward reruns
+        runs on this forward's random state, in the stage's buffer scope."""
+        outs = checkpoint(self.module, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=self._selective_contexts)
+        return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+    def _selective_contexts(self) -> tuple[Any, Any]:
+        return selective.contexts(self.buffers.recompute_scope)
 
 
 def _drop(t: torch.Tensor) -> None:

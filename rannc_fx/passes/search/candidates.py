@@ -32,7 +32,7 @@ from .model import (
     samples_per_replica,
     size_index,
 )
-from .terms import StageTerms, stage_terms
+from .terms import SELECTIVE, StageTerms, reruns, stage_terms
 from .variants import (
     VARIANTS,
     after_transient,
@@ -64,7 +64,7 @@ def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
                   saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0
                   ) -> np.ndarray:
     """The largest n in [0, m] with ``terms.memory(n, recompute, transient) - saved <=
-    budget`` (0: none; ``recompute``: rho, 0, 1 or 2; ``saved``: ``variants.state_saved``,
+    budget`` (0: none; ``recompute``: rho, 0 to 3; ``saved``: ``variants.state_saved``,
     -inf where the variant cannot be; ``transient``: ``variants.after_transient``).
 
     Memory grows with n, so a division estimates the limit and the formula itself settles
@@ -73,7 +73,8 @@ def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
     def mem(n: np.ndarray | int) -> np.ndarray:
         return terms.memory(n, recompute, transient) - saved
 
-    per = terms.cuts - terms.cout if recompute else terms.act + terms.cuts
+    per = (terms.cuts - terms.cout if reruns(recompute) else terms.keep + terms.cuts
+           if recompute == SELECTIVE else terms.act + terms.cuts)
     one = mem(1)
     with np.errstate(divide="ignore", invalid="ignore"):
         est = np.floor(1 + (budget - one) / per)
@@ -165,7 +166,7 @@ class Candidates:
         self.acc = range_sum(table.accumulate_s, iu, ju)
         self.opt = range_sum(table.optimizer_s, iu, ju)
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
-        self.kinds = variants(space, table.segments is not None)
+        self.kinds = variants(space, table.segments is not None, table.kept is not None)
         if space.layers and space.recompute is not False and table.segments is None:
             raise ValueError("recompute_layers=True, but the model has no layers to recompute "
                              "one by one (children of an nn.ModuleList or nn.Sequential of alike modules): "
@@ -301,7 +302,7 @@ class Candidates:
             terms = self.terms(k, m).take(rows)
             wide, rr = terms.column(), reps[cols]
             times = {rho: np.broadcast_to(terms.time(rho)[:, None], (P, len(cols)))
-                     for rho in (0, 1, 2)}
+                     for rho in (0, 1, 2, SELECTIVE)}
             us = np.zeros((P, len(cols), len(VARIANTS)))
             for v in self.kinds:
                 us[:, :, v] = self._u(m, times[VARIANTS[v].recompute], rr, rows, v)

@@ -24,7 +24,7 @@ from .model import (
     samples_per_replica,
     size_index,
 )
-from .terms import held_bytes, kept_cuts, outputs_held, stage_terms
+from .terms import SELECTIVE, held_bytes, kept_cuts, outputs_held, reruns, stage_terms
 from .variants import (
     after_transient,
     allreduce_s,
@@ -37,9 +37,11 @@ __all__ = ["evaluate", "lane_memory", "plan_step"]
 
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
-           m: int, n: int) -> tuple[StageCost, float, float, float, tuple[float, float, float]]:
+           m: int, n: int
+           ) -> tuple[StageCost, float, float, float, tuple[float, float, float, float]]:
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
-    micro-batch's activations, cut values in and out, and out alone."""
+    micro-batch's activations (selectively recomputing: what it keeps of them), cut values
+    in and out, out alone, and what its backward rebuilds beside that (``lane_memory``)."""
     i, j, r, rho = st.start, st.end, st.replicas, st.level
     zeta, omega = st.zero and r > 1, st.offload
     q = samples_per_replica(space.global_batch, m, r)
@@ -63,9 +65,14 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     cuts = float(terms.cuts[0])
     act = float(terms.held(rho)[0])
     cout = float(terms.cout[0])
-    kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, bool(rho))[0])
+    rerun, selective = reruns(rho), rho == SELECTIVE
+    kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, rerun)[0])
+    keep = terms.keep if selective else None
     held = float(held_bytes(g, np.array([act]), np.array([cuts]), np.array([cout]), n, m,
-                            bool(rho))[0])
+                            rerun, keep)[0])
+    # activations: one micro-batch's (recomputing), or n micro-batches' (what selective
+    # recomputation keeps of each, and one micro-batch's rebuilt in its backward)
+    acts = act if rerun else n * float(terms.keep[0]) + act if selective else n * act
     # the largest transient: an op's workspace, or the all-reduce's copy beyond what the
     # backwards held (memory = fixed + max(held + ws, G + tr))
     ws = max(float(terms.ws[0]), grad + float(tr[0]) - held)
@@ -76,16 +83,17 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         offload=omega, host_s=float(up[0] - base[0]), host_state=round(host),
         params=round(float(table.param_bytes[i, j])), grads=round(grad),
         optimizer_state=round(grad * space.optimizer_state_factor - float(saved[0])),
-        activations=round(act if rho else n * act), comm_buffers=round(kept),
-        overlap=round(grad + (act if rho else n * act) + kept - held),
-        workspace=round(ws), recompute=bool(rho), in_flight=n,
+        activations=round(acts), comm_buffers=round(kept),
+        overlap=round(grad + acts + kept - held),
+        workspace=round(ws), recompute=rerun, selective=selective, in_flight=n,
         recompute_s=float(terms.recomputed(rho)[0]),
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     mem = float((terms.memory(n, rho, tr) - saved)[0])
     if host > space.host_budget:  # offloaded state the host cannot hold
         mem = math.inf
-    return cost, t, u, mem, (act, cuts, cout)
+    rebuilt = act + cout if rerun else act if selective else 0.0
+    return cost, t, u, mem, (float(terms.keep[0]) if selective else act, cuts, cout, rebuilt)
 
 
 def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
@@ -155,11 +163,13 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     return Evaluation(step, tuple(costs), fits)
 
 
-def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, float, float]],
+def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, ...]],
                 units: Sequence[Sequence[tuple[float, float]]] | np.ndarray) -> list[StageCost]:
     """The stages of one lane with their memory as shares of the lane's peak.
 
-    ``per_mb[s]``: one micro-batch's activations A, cut values in and out c, and out alone o;
+    ``per_mb[s]``: one micro-batch's activations A (what it keeps of them where the stage
+    recomputes selectively), cut values in and out c, out alone o, and what its backward
+    rebuilds beside what it holds (A + o recomputing, A selectively; default A + o);
     ``units[t][s]``: at point t of the lane's list, the micro-batches stage s holds only the
     inputs of (a recomputing stage's, forward to backward) and those it holds whole
     (activations and cut values: forward to backward, or to ``W`` where the backward is
@@ -168,24 +178,27 @@ def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, float,
     optimizer state and outputs, the largest workspace, at its peak point t* the sum over
     stages of inputs * (c - o) + whole * (A + c), and, where a stage recomputes without a
     split backward, once for the lane the largest A + o (one micro-batch's activations
-    during its backward). Each stage
-    gets its part at t*, so that the stages' memory adds up to the lane's.
+    during its backward; selectively, its A). Each stage gets its part at t*, so that the
+    stages' memory adds up to the lane's.
     """
     u = np.asarray(units, dtype=float)  # (points, stages, 2)
     a_, c_, o_ = (np.array([x[k] for x in per_mb]) for k in range(3))
+    rebuilt = [x[3] if len(x) > 3 else x[0] + x[2] for x in per_mb]
     peak = u[int(np.argmax((u[:, :, 0] * (c_ - o_) + u[:, :, 1] * (a_ + c_)).sum(axis=1)))]
     # a recomputing stage whose backward is split holds what R rebuilt as ``whole`` units;
     # the others' backwards are the transient
-    rc = [s for s, c in enumerate(costs) if c.recompute and not u[:, s, 1].any()]
-    transient = max(rc, key=lambda s: per_mb[s][0] + per_mb[s][2], default=None)
+    rc = [s for s, c in enumerate(costs)
+          if (c.recompute and not u[:, s, 1].any()) or c.selective]
+    transient = max(rc, key=lambda s: rebuilt[s], default=None)
     widest = max(range(len(costs)), key=lambda s: costs[s].workspace)
     out = []
     for s, c in enumerate(costs):
-        a, cuts, o = per_mb[s]
+        a, cuts, o = per_mb[s][:3]
         inputs, whole = float(peak[s][0]), float(peak[s][1])
-        extra = s == transient
-        act = whole * a + (a if extra else 0.0)
-        comm = inputs * (cuts - o) + whole * cuts + (o if extra else 0.0)
+        extra = rebuilt[s] if s == transient else 0.0
+        again = extra - (o if c.recompute else 0.0) if extra else 0.0  # o goes with the cuts
+        act = whole * a + again
+        comm = inputs * (cuts - o) + whole * cuts + (extra - again)
         out.append(replace(c, activations=round(act), comm_buffers=round(comm), overlap=0,
                            workspace=c.workspace if s == widest else 0))
     return out

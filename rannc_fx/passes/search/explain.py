@@ -177,7 +177,7 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
     one_f = "1f1b" in space.schedules
     ns = range(1, min(m, s_max) + 1) if one_f else [m]
     iu, ju = np.triu_indices(B + 1, 1)
-    kinds = variants(space, table.segments is not None)
+    kinds = variants(space, table.segments is not None, table.kept is not None)
     grad = np.asarray(table.grad_bytes, float)[iu, ju]
     r_need = {n: np.full(len(iu), np.inf) for n in ns}  # fewest replicas that make it fit
     for k, size in enumerate(sizes.tolist()):

@@ -131,7 +131,10 @@ class CostTable:
     [i, j) with shared parameters counted once (only i < j is read); optimizer_s and
     accumulate_s (B, B + 1) likewise give the seconds of the range's optimizer step and of
     adding one micro-batch's gradients into ``.grad`` (None: free); out (Q, B) the bytes of
-    the batched model outputs (logits) each block makes for one micro-batch (None: none).
+    the batched model outputs (logits) each block makes for one micro-batch (None: none);
+    kept and redo (Q, B) what selective recomputation (``rannc_fx.selective``) keeps of a
+    block's activations and the forward seconds it runs again (None: it keeps all, ``act``,
+    and runs all again, ``fwd``).
     """
 
     sizes: np.ndarray
@@ -146,6 +149,8 @@ class CostTable:
     accumulate_s: np.ndarray | None = None
     out: np.ndarray | None = None  # (Q, B): bytes of batched model outputs each block makes
     segments: Segments | None = None  # the layers, for recomputation layer by layer
+    kept: np.ndarray | None = None  # (Q, B): bytes selective recomputation keeps
+    redo: np.ndarray | None = None  # (Q, B): forward seconds it runs again
 
     @property
     def num_blocks(self) -> int:
@@ -168,6 +173,8 @@ class SearchSpace:
     recompute: bool | None = None  # None: per stage, only where needed; True / False: all / none
     # recomputing layer by layer (``segments``) or the whole stage: None searched per stage
     layers: bool | None = None
+    # recomputing selectively (``CostTable.kept``): None searched per stage, True: only so
+    selective: bool | None = None
     zero: bool | None = None  # ZeRO-1 over a stage's replicas: as ``recompute`` (r = 1: never)
     offload: bool | None = None  # optimizer state in host memory: as ``recompute``
     host_bandwidth: float | None = None  # bytes/s device <-> host; None: nothing to offload to
@@ -185,11 +192,15 @@ class StageChoice:
     zero: bool = False  # ZeRO-1: the optimizer state sharded over the replicas (r > 1)
     offload: bool = False  # the (share of the) optimizer state kept in host memory
     layers: bool = False  # recompute layer by layer (``segments``; with recompute only)
+    # recompute selectively (``rannc_fx.selective``): no R, the backward reruns what the
+    # forward did not keep (never with ``recompute``)
+    selective: bool = False
 
     @property
     def level(self) -> int:
-        """rho: 0 no recomputation, 1 the stage's forward again, 2 layer by layer."""
-        return 2 if self.layers else int(self.recompute)
+        """rho: 0 no recomputation, 1 the stage's forward again, 2 layer by layer, 3
+        selectively."""
+        return 3 if self.selective else 2 if self.layers else int(self.recompute)
 
 
 @dataclass(frozen=True)
@@ -215,9 +226,10 @@ class StageCost:
     activations: int
     comm_buffers: int
     workspace: int
-    recompute: bool = False
+    recompute: bool = False  # R: the forward again before each backward
     in_flight: int = 1
     recompute_s: float = 0.0
+    selective: bool = False  # the backward reruns what the forward did not keep
     outputs: int = 0  # batched model outputs held: m micro-batches' and the local batch's
     overlap: int = 0  # of the parts above, the bytes that never coexist (see the docstring)
     gather_s: float = 0.0  # ag_s: ZeRO-1's all-gather of the stepped parameters
@@ -317,6 +329,9 @@ def _check(table: CostTable, space: SearchSpace) -> None:
                              f"world size {space.world_size}")
         if space.stages is not None and space.stages != len(space.replicas):
             raise ValueError(f"stages={space.stages} but replicas={list(space.replicas)}")
+    if space.layers and space.selective:
+        raise ValueError("layers=True and selective=True: a stage recomputes either layer by "
+                         "layer or selectively; force at most one of them")
     if space.stages is not None and space.stages < 1:
         raise ValueError(f"stages={space.stages}: need at least one stage")
     if space.offload and (space.host_bandwidth is None or space.host_budget <= 0):

@@ -12,8 +12,17 @@ import numpy as np
 
 from .model import CostTable, SearchSpace
 
-__all__ = ["TERMS", "StageTerms", "held_bytes", "kept_cuts", "outputs_held", "stage_memory",
-           "stage_terms"]
+__all__ = ["SELECTIVE", "TERMS", "StageTerms", "held_bytes", "kept_cuts", "outputs_held",
+           "reruns", "stage_memory", "stage_terms"]
+
+SELECTIVE = 3  # rho of selective recomputation (``rannc_fx.selective``)
+
+
+def reruns(rho: int) -> bool:
+    """Whether level rho runs the stage's forward again before each backward (``R``),
+    keeping only its inputs in between: 1 and 2; selective recomputation (3) keeps the
+    outputs of its kept ops instead and reruns the rest inside the backward."""
+    return rho in (1, 2)
 
 
 @dataclass(frozen=True)
@@ -31,27 +40,34 @@ class StageTerms:
     grads: np.ndarray  # G
     act: np.ndarray  # A
     seg: np.ndarray  # K + a_max: what recomputing layer by layer holds instead of A
+    keep: np.ndarray  # what selective recomputation keeps of a micro-batch's activations
+    redo: np.ndarray  # the forward it runs again inside the backward
     cuts: np.ndarray  # cin + cout
     cout: np.ndarray  # cout: a recomputing stage sends it on and rebuilds it in R
     ws: np.ndarray  # max workspace
     m: int  # micro-batches
 
     def time(self, rho: int) -> np.ndarray:
-        """t at recomputation level rho (0, 1 or 2: forwards run again before a backward)."""
+        """t at recomputation level rho (0 none, 1 the stage's forward again, 2 layer by
+        layer, 3 selective: forwards run again before or inside a backward)."""
         return self.fb + self.recomputed(rho) + self.comm
 
     def recomputed(self, rho: int) -> np.ndarray:
         """The forward seconds run again per micro-batch at level rho."""
-        return 0.0 * self.fwd if not rho else self.fwd if rho == 1 else self.fwd + self.again
+        return (0.0 * self.fwd if not rho else self.fwd if rho == 1
+                else self.redo if rho == SELECTIVE else self.fwd + self.again)
 
     def held(self, rho: int) -> np.ndarray:
-        """One micro-batch's activations at level rho: A, or layer by layer K + a_max."""
+        """One micro-batch's activations at level rho: A, or layer by layer K + a_max (the
+        one micro-batch whose backward runs; selective, every micro-batch in flight keeps
+        ``keep`` besides)."""
         return self.seg if rho == 2 else self.act
 
     def memory(self, n: int | np.ndarray, rho: int,
                transient: np.ndarray | float = 0.0) -> np.ndarray:
         return stage_memory(self.fixed, self.grads, self.held(rho), self.cuts, self.cout,
-                            self.ws, n, self.m, bool(rho), transient)
+                            self.ws, n, self.m, reruns(rho), transient,
+                            self.keep if rho == SELECTIVE else None)
 
     def take(self, idx: np.ndarray) -> StageTerms:
         return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in TERMS}, m=self.m)
@@ -62,7 +78,8 @@ class StageTerms:
                           m=self.m)
 
 
-TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "cuts", "cout", "ws")
+TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "keep", "redo", "cuts",
+         "cout", "ws")
 
 
 def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
@@ -73,9 +90,14 @@ def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
 
 
 def held_bytes(grads: np.ndarray, act: np.ndarray, cuts: np.ndarray, cout: np.ndarray,
-               n: int | np.ndarray, m: int, recompute: bool) -> np.ndarray:
+               n: int | np.ndarray, m: int, recompute: bool,
+               keep: np.ndarray | None = None) -> np.ndarray:
     """Gradients, activations and cut values at the stage's peak (the docstring's formula
-    without the overlap subtracted out: what coexists)."""
+    without the overlap subtracted out: what coexists). ``keep``: recomputing selectively,
+    what each micro-batch in flight keeps (with its inputs and outputs); one micro-batch's
+    activations, rebuilt in its backward, and the gradients come on top of all of it."""
+    if keep is not None:
+        return n * (cuts + keep) + act + grads
     if recompute:
         h = kept_cuts(cuts, cout, m, True)
         full = (np.maximum(h + np.maximum(act, grads), h - (cuts - cout) + act + grads)
@@ -87,11 +109,12 @@ def held_bytes(grads: np.ndarray, act: np.ndarray, cuts: np.ndarray, cout: np.nd
 
 def stage_memory(fixed: np.ndarray, grads: np.ndarray, act: np.ndarray, cuts: np.ndarray,
                  cout: np.ndarray, ws: np.ndarray, n: int | np.ndarray, m: int,
-                 recompute: bool, transient: np.ndarray | float = 0.0) -> np.ndarray:
+                 recompute: bool, transient: np.ndarray | float = 0.0,
+                 keep: np.ndarray | None = None) -> np.ndarray:
     """memory_s from ``StageTerms``' parts, n micro-batches in flight, ``transient`` the
     all-reduce's or the offloaded step's bucket (``after_transient``) beside the gradients
-    after the backwards."""
-    held = held_bytes(grads, act, cuts, cout, n, m, recompute)
+    after the backwards; ``keep`` as ``held_bytes``."""
+    held = held_bytes(grads, act, cuts, cout, n, m, recompute, keep)
     return fixed + np.maximum(held + ws, grads + transient)
 
 
@@ -110,12 +133,14 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     sg = table.segments
     seg = A if sg is None else sg.transient(k, i, j, A)
     again = F if sg is None else sg.again(k, i, j, F)
+    kept = act if table.kept is None else np.concatenate(([0.0], np.cumsum(table.kept[k])))
+    redo = fwd if table.redo is None else np.concatenate(([0.0], np.cumsum(table.redo[k])))
     return StageTerms(
         fb=fb[j] - fb[i], fwd=F, again=again,
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
         fixed=np.asarray(table.param_bytes, float)[i, j] + grad * space.optimizer_state_factor
         + outputs_held(table, space, k, i, j, m),
-        grads=grad, act=A, seg=seg, cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
+        grads=grad, act=A, seg=seg, keep=kept[j] - kept[i], redo=redo[j] - redo[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
 
 
 def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,

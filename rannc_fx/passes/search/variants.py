@@ -77,37 +77,40 @@ def state_saved(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
 class Variant(NamedTuple):
     """How a stage holds its activations and optimizer state."""
 
-    recompute: int  # rho: 0 none, 1 the stage's forward again, 2 layer by layer
+    recompute: int  # rho: 0 none, 1 the stage's forward again, 2 layer by layer, 3 selective
     zero: bool  # ZeRO-1 over its replicas (none to shard over: no effect)
     offload: bool = False  # its (share of the) optimizer state in host memory
 
 
 # A stage's variants in the order a stage takes the first that fits: offloaded, sharded
-# first (the state moved each step is then a share); recomputation after all of them, then
-# recomputation layer by layer (a forward more per micro-batch) after that
+# first (the state moved each step is then a share); recomputation after all of them,
+# selective first (it reruns part of a forward, and keeps part of its activations), then the
+# whole forward again, then layer by layer (a forward more per micro-batch) after that
 VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(rho, zero, offload) for rho in (0, 1, 2)
+    Variant(rho, zero, offload) for rho in (0, 3, 1, 2)
     for zero, offload in ((False, False), (True, False), (True, True), (False, True)))
 
 
 def choice(start: int, end: int, replicas: int, kind: int) -> StageChoice:
     """The stage of variant ``kind`` (one replica: nothing to shard)."""
     v = VARIANTS[kind]
-    return StageChoice(start, end, replicas, v.recompute > 0, v.zero and replicas > 1, v.offload,
-                       layers=v.recompute == 2)
+    return StageChoice(start, end, replicas, v.recompute in (1, 2), v.zero and replicas > 1,
+                       v.offload, layers=v.recompute == 2, selective=v.recompute == 3)
 
 
-_RECOMPUTE = {None: (0, 1, 2), False: (0,), True: (1, 2)}
-_LAYERS = {None: (0, 1, 2), False: (0, 1), True: (0, 2)}
+_RECOMPUTE = {None: (0, 1, 2, 3), False: (0,), True: (1, 2, 3)}
+_LAYERS = {None: (0, 1, 2, 3), False: (0, 1, 3), True: (0, 2)}
+_SELECTIVE = {None: (0, 1, 2, 3), False: (0, 1, 2), True: (0, 3)}
 
 
-def variants(space: SearchSpace, segmented: bool = True) -> list[int]:
+def variants(space: SearchSpace, segmented: bool = True, selective: bool = True) -> list[int]:
     """Indices into ``VARIANTS`` the space allows, in chain order (offloading only where the
     device has a host to offload to; layer by layer only where the model has layers,
-    ``segmented``)."""
+    ``segmented``; selectively only where the table costs it, ``selective``)."""
     host = space.host_bandwidth is not None and space.host_budget > 0
     return [k for k, v in enumerate(VARIANTS)
             if v.recompute in _RECOMPUTE[space.recompute] and v.recompute in _LAYERS[space.layers]
-            and (segmented or v.recompute < 2)
+            and v.recompute in _SELECTIVE[space.selective]
+            and (segmented or v.recompute != 2) and (selective or v.recompute != 3)
             and space.zero in (None, v.zero) and space.offload in (None, v.offload)
             and (host or not v.offload)]
