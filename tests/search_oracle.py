@@ -83,8 +83,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``recompute``: 0,
     1 (the forward again before each backward), 2 (layer by layer: the backward runs each
     layer's forward once more) or 3 (selectively: every micro-batch in flight keeps what the
-    table's ``kept`` says, and its backward rebuilds the rest, running ``redo`` of its
-    forward again); ``zero``: the optimizer state sharded over the r replicas
+    table's ``kept`` says, and its backward rebuilds the rest, ``rebuilt``, adding ``redo``); ``zero``: the optimizer state sharded over the r replicas
     (one replica: no effect); ``offload``: this replica's state in host memory, moved to the
     device and back each step."""
     rho = int(recompute)
@@ -93,7 +92,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     B, G = table.num_blocks, space.global_batch
     q = -(-G // (m * r))
     k = [int(x) for x in table.sizes].index(q)
-    F = Bw = A = keep = redo = 0.0
+    F = Bw = A = keep = redo = rebuilt = 0.0
     ws = -math.inf
     for b in range(i, j):
         F += float(table.fwd[k][b])
@@ -101,6 +100,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         A += float(table.act[k][b])
         keep += float(table.act[k][b] if table.kept is None else table.kept[k][b])
         redo += float(table.fwd[k][b] if table.redo is None else table.redo[k][b])
+        rebuilt += float(table.act[k][b] if table.rebuilt is None else table.rebuilt[k][b])
         ws = max(ws, float(table.workspace[k][b]))
     again = 0.0  # layer by layer, the backward runs every layer's forward but the last again
     if rho == 2:  # one micro-batch's activations: its layers' inputs and one layer's
@@ -127,7 +127,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     host = share if offload else 0.0
     moved = 2 * host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
     u = (m - 1) * (t + acc) + ar + ag + opt + moved
-    activations = A if recompute else n * keep + A if selective else n * A
+    activations = A if recompute else n * keep + rebuilt if selective else n * A
     # recomputing, a micro-batch in flight keeps its inputs; its outputs went on and R
     # makes them again, for one micro-batch at a time
     buffers = n * cin + cout if recompute else n * (cin + cout)
@@ -139,8 +139,12 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     # the gradients come with the backwards: they meet every in-flight micro-batch only if a
     # forward follows the first backward (n < m); else they replace freed activations
     c = cin + cout
-    if n < m or selective:  # selective: one micro-batch rebuilt beside all that is kept
+    if n < m:
         peak = grad + activations + buffers
+    elif selective:  # every micro-batch's kept outputs and cut values, one rebuilt at a time
+        held = cin + cout + keep
+        peak = (max(m * held + max(rebuilt, grad), (m - 1) * held + rebuilt + grad) if m > 1
+                else held + max(rebuilt, grad))
     elif not recompute:
         # the last forward ends with m micro-batches held; the first backward frees one
         # micro-batch's activations while the gradients appear

@@ -353,3 +353,24 @@ def test_a_selective_stage_keeps_what_the_profile_counted():
     assert held == pytest.approx(predicted, rel=0.01, abs=4096), (held, predicted)
     assert held_plain == pytest.approx(saved, rel=0.1), (held_plain, saved)
     assert held < 0.8 * held_plain, (held, held_plain)
+
+
+def test_measured_costs_time_the_rerun_and_the_policy():
+    """Measured, an op's ``again`` is what its forward under the policy and its rerun take
+    beyond the plain forward (the policy's dispatch mode costs every op, which no count
+    shows); counted, a product without bias reruns nothing and a GELU all of itself."""
+    from rannc_fx.device import DeviceSpec
+    from rannc_fx.passes.opcost import OpCall, count_op, measure_op
+
+    block = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    _, measured = measure_op(OpCall(block, (x,), {}, params=tuple(block.parameters())),
+                             device=torch.device("cpu"))
+    assert measured.policy_s > 0 and measured.again(None) == measured.policy_s
+    assert measured.kept_bytes == 4 * 16 * (256 + 64) * 4  # the two products' outputs
+    spec = DeviceSpec.preset("v100-32gb")
+    w = torch.randn(256, 64, requires_grad=True)
+    _, mm = count_op(OpCall(torch.mm, (x.detach().view(-1, 64), w.t()), {}))
+    assert mm.kept_bytes == 4 * 16 * 256 * 4 and mm.again(spec) == 0
+    _, gelu = count_op(OpCall(F.gelu, (x,), {}))
+    assert gelu.kept_bytes == 0 and gelu.again(spec) == gelu.times(spec)[0] > 0

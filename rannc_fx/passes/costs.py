@@ -21,7 +21,8 @@ from .tail import TailCost
 
 __all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
 
-_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s")
+_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s",
+           "rebuilt_bytes")
 
 
 def interpolation_weights(batch_sizes: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
@@ -179,6 +180,7 @@ def build_cost_table(
         act=per_block["saved_bytes"],
         kept=per_block["kept_bytes"],
         redo=per_block["again_s"],
+        rebuilt=per_block["rebuilt_bytes"],
         workspace=per_block["workspace_bytes"],
         cut=cut,
         param_bytes=range_sums(nb, _shared_once(uses, nbytes)),

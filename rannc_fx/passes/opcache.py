@@ -28,7 +28,8 @@ __all__ = ["CostCache", "device_name", "op_key", "qualname"]
 
 log = logging.getLogger("rannc_fx")
 
-CACHE_FORMAT = 4  # 3: OpCost.views; 4: OpCost.kept_bytes, kept_flops, kept_moved
+CACHE_FORMAT = 5  # 3: OpCost.views; 4: OpCost.kept_bytes, kept_flops, kept_moved;
+# 5: policy_s, kept_outputs, kept_saved
 
 
 def qualname(obj: Any) -> str:

@@ -10,7 +10,13 @@ pass can charge every saved storage to the node that made it exactly once::
     saved_outputs    positions of output tensors whose storage autograd saved
     kept_bytes       bytes of the outputs selective recomputation keeps (``selective.kept``
                      ops' outputs), and ``kept_flops`` / ``kept_moved`` what those ops cost:
-                     the rest of the forward is what it runs again (``OpCost.again``)
+                     the rest of the forward is what it runs again (``OpCost.again``);
+                     measured, ``policy_s``: what the forward under the policy and its
+                     rerun take beyond the plain forward
+    kept_outputs     positions of output tensors whose storage a kept op made
+    kept_saved       bytes of storages made and saved inside the op that a kept op made
+                     (with ``kept_outputs``, what of the saved bytes selective recomputation
+                     keeps rather than rebuilds)
     views            per output tensor, the position of the input whose storage it shares
                      (a view, or the input an in-place op returns), else None
 
@@ -118,6 +124,9 @@ class OpCost:
     kept_bytes: int = 0
     kept_flops: float = 0.0
     kept_moved: float = 0.0
+    policy_s: float = 0.0
+    kept_outputs: tuple[int, ...] = ()
+    kept_saved: int = 0
 
     def times(self, spec: DeviceSpec | None) -> tuple[float, float]:
         """(forward, backward) seconds; with ``spec``, from the roofline of FLOPs and bytes."""
@@ -131,14 +140,15 @@ class OpCost:
         return roof(self.fwd_flops, self.fwd_bytes), roof(self.bwd_flops, self.bwd_bytes)
 
     def again(self, spec: DeviceSpec | None) -> float:
-        """The forward seconds selective recomputation runs again: the forward less its kept
-        ops (``selective.kept``), priced on their roofline with ``spec``; measured, the
-        forward's share of bytes outside them (a measured op is timed whole)."""
+        """The seconds selective recomputation adds to a micro-batch: with ``spec``, the
+        forward less its kept ops (``selective.kept``) priced on their roofline; measured,
+        ``policy_s`` (the policy's dispatch mode in Python costs the forward and the rerun a
+        few microseconds an op, which only a measurement sees)."""
         fwd = self.times(spec)[0]
+        if spec is None:
+            return self.policy_s
         if not self.kept_moved:
             return fwd
-        if spec is None:
-            return fwd * max(0.0, 1.0 - self.kept_moved / max(self.fwd_bytes, self.kept_moved))
         rate = spec.flops_for(self.dtype) * spec.efficiency
         return max(0.0, fwd - max(self.kept_flops / rate, self.kept_moved / spec.memory_bandwidth))
 
@@ -148,7 +158,7 @@ class OpCost:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> OpCost:
         d = dict(d)
-        for k in ("saved_inputs", "saved_outputs", "views"):
+        for k in ("saved_inputs", "saved_outputs", "views", "kept_outputs"):
             if k in d:
                 d[k] = tuple(d[k])
         return cls(**d)
@@ -293,6 +303,8 @@ class _Run:
     saved: tuple[int, tuple[int, ...], tuple[int, ...]]
     views: tuple[int | None, ...]
     kept: tuple[int, float, float]  # selective.kept ops: output bytes, FLOPs, bytes moved
+    kept_outputs: tuple[int, ...]  # outputs a kept op made
+    kept_saved: int  # internal saved storages a kept op made
 
 
 def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
@@ -313,8 +325,12 @@ def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
         first.setdefault(storage_id(t), i)
     views = tuple(first.get(storage_id(t)) for t in outs)
     kept = (sum(tracker.kept.values()), float(tracker.kept_flops), float(tracker.kept_moved))
+    mine = {storage_id(t) for t in bound} | {storage_id(t) for t in outs}
+    kept_saved = sum(n for sid, n in log.storages.items()
+                     if sid in tracker.kept and sid not in mine and sid not in call.excluded)
+    kept_outputs = _first_positions([storage_id(t) for t in outs], tracker.kept)
     return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views,
-                kept)
+                kept, kept_outputs, kept_saved)
 
 
 def run_op(call: OpCall, *, grad: bool = True) -> Any:
@@ -385,6 +401,7 @@ def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple
     with torch.enable_grad():
         fwd_s = time_call(call.bind()[0], device, repeats)
         out = call.bind()[0]()
+        policy_s = max(0.0, time_call(_rerun(call.bind()[0]), device, repeats) - fwd_s)
     bwd = _backward(call, out)
     bwd_s = 0.0
     if bwd is not None:
@@ -398,7 +415,20 @@ def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple
         fwd_s=fwd_s, bwd_s=bwd_s, fwd_bytes=first.moved, workspace=first.workspace,
         saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
         kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
+        kept_outputs=first.kept_outputs, kept_saved=first.kept_saved, policy_s=policy_s,
     )
+
+
+def _rerun(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` under selective recomputation's forward mode, then again as its backward
+    reruns it (the kept ops' outputs taken from what the first run stored)."""
+    def run() -> Any:
+        fwd, again = selective.contexts()
+        with fwd:
+            fn()
+        with again:
+            return fn()
+    return run
 
 
 def count_op(call: OpCall) -> tuple[Any, OpCost]:
@@ -423,5 +453,6 @@ def count_op(call: OpCall) -> tuple[Any, OpCost]:
         workspace=first.workspace,
         saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
         kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
+        kept_outputs=first.kept_outputs, kept_saved=first.kept_saved,
     )
 

@@ -36,9 +36,10 @@ from .shapes_symbolic import SymbolicValues
 
 __all__ = ["NodeCost", "Profile", "profile_pass"]
 
-_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s")
+_FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s",
+           "rebuilt_bytes")
 # profiles made before selective recomputation was costed: it keeps all and runs all again
-_STAND_IN = {"kept_bytes": "saved_bytes", "again_s": "fwd_s"}
+_STAND_IN = {"kept_bytes": "saved_bytes", "again_s": "fwd_s", "rebuilt_bytes": "saved_bytes"}
 
 
 class NodeCost(BaseModel):
@@ -53,6 +54,7 @@ class NodeCost(BaseModel):
     # selective recomputation (``selective``): the outputs it keeps, the forward it runs again
     kept_bytes: tuple[int, ...] = ()
     again_s: tuple[float, ...] = ()
+    rebuilt_bytes: tuple[int, ...] = ()  # of saved_bytes, what it rebuilds (no kept op's)
 
     def series(self, field: str) -> tuple[float, ...]:
         """``field`` at each profiled size (a field this profile lacks: its stand-in)."""
@@ -192,12 +194,13 @@ def _input_batch(
 
 
 def _node_cost(rows: list[Row], spec: DeviceSpec | None) -> NodeCost:
-    times = [c.times(spec) for c, _ in rows]
+    times = [c.times(spec) for c, _, _ in rows]
     return NodeCost(
         fwd_s=tuple(f for f, _ in times),
         bwd_s=tuple(b for _, b in times),
-        saved_bytes=tuple(saved for _, saved in rows),
-        workspace_bytes=tuple(c.workspace for c, _ in rows),
-        kept_bytes=tuple(c.kept_bytes for c, _ in rows),
-        again_s=tuple(c.again(spec) for c, _ in rows),
+        saved_bytes=tuple(saved for _, saved, _ in rows),
+        workspace_bytes=tuple(c.workspace for c, _, _ in rows),
+        kept_bytes=tuple(c.kept_bytes for c, _, _ in rows),
+        again_s=tuple(c.again(spec) for c, _, _ in rows),
+        rebuilt_bytes=tuple(saved - both for _, saved, both in rows),
     )

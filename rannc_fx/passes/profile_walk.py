@@ -1,7 +1,8 @@
 """How nodes get their costs for the profile: a run of the graph, or a walk over formulas.
 
 Both walks visit the call nodes of one graph at one micro-batch size and return, per node, its
-``OpCost`` and the bytes of saved storages charged to it. Saved bytes are charged per storage,
+``OpCost``, the bytes of saved storages charged to it, and of those the bytes a kept op made
+(``selective.kept``: what selective recomputation keeps instead of rebuilding). Saved bytes are charged per storage,
 once, to the node that made the storage (a ReLU output that the ReLU and the next Linear both
 save counts once, at the ReLU), so summing them over nodes gives what autograd keeps for one
 micro-batch, parameters and buffers excluded.
@@ -57,13 +58,18 @@ class _SavedLedger:
     owner: dict[int, tuple[StorageWeakRef, str | None]] = field(default_factory=dict)
     kept: dict[int, StorageWeakRef] = field(default_factory=dict)
     charged: dict[str, int] = field(default_factory=dict)
+    by_kept_ops: set[int] = field(default_factory=set)  # storages a kept op made
+    both: dict[str, int] = field(default_factory=dict)  # of ``charged``, such storages
 
-    def made(self, node: str | None, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+    def made(self, node: str | None, outs: list[torch.Tensor], ins: list[torch.Tensor],
+             kept_outputs: tuple[int, ...] = ()) -> None:
         in_ids = {storage_id(t) for t in ins}
-        for t in outs:
+        for i, t in enumerate(outs):
             sid = storage_id(t)
             if sid not in in_ids and sid not in self.excluded:
                 self.owner[sid] = (StorageWeakRef(t.untyped_storage()), node)
+                if i in kept_outputs:
+                    self.by_kept_ops.add(sid)
 
     def keep(self, t: torch.Tensor, saver: str) -> None:
         sid = storage_id(t)
@@ -74,6 +80,8 @@ class _SavedLedger:
         ref, node = self.owner.get(sid, (None, None))
         who = node if ref is not None and not ref.expired() and node is not None else saver
         self.charged[who] = self.charged.get(who, 0) + st.nbytes()
+        if sid in self.by_kept_ops:
+            self.both[who] = self.both.get(who, 0) + st.nbytes()
 
 
 def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
@@ -88,7 +96,8 @@ def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return out
 
 
-Row = tuple[OpCost, int]  # the op's cost and the bytes of saved storages charged to the node
+# the op's cost, the bytes of saved storages charged to the node, and of those a kept op's
+Row = tuple[OpCost, int, int]
 
 
 def walk_run(
@@ -118,7 +127,8 @@ def walk_run(
                 ) from e
         for done in frees.get(node, ()):
             env.pop(done, None)
-    return {name: (c, ledger.charged.get(name, 0)) for name, c in costs.items()}
+    return {name: (c, ledger.charged.get(name, 0), ledger.both.get(name, 0))
+            for name, c in costs.items()}
 
 
 @dataclass
@@ -133,12 +143,14 @@ class _RefLedger:
     owner: dict[Label, str | None] = field(default_factory=dict)
     kept: set[Label] = field(default_factory=set)
     charged: dict[str, int] = field(default_factory=dict)
+    by_kept_ops: set[Label] = field(default_factory=set)  # storages a kept op made
+    both: dict[str, int] = field(default_factory=dict)  # of ``charged``, such storages
 
     def of(self, ref: Label) -> Label:
         return ref if self.formulas.is_state(ref) else self.storage[ref]
 
     def made(self, node: str, count: int, ins: list[Label], views: tuple[int | None, ...],
-             *, owned: bool = True) -> list[Label]:
+             *, owned: bool = True, kept_outputs: tuple[int, ...] = ()) -> list[Label]:
         """Storages of ``node``'s ``count`` output tensors: an input's where the output views
         it, else a new one, charged to ``node`` when ``owned`` (a graph input's is not)."""
         outs = []
@@ -147,6 +159,8 @@ class _RefLedger:
             storage = ins[view] if view is not None and view < len(ins) else (node, i)
             if storage == (node, i):
                 self.owner[storage] = node if owned else None
+                if i in kept_outputs:
+                    self.by_kept_ops.add(storage)
             self.storage[(node, i)] = storage
             outs.append(storage)
         return outs
@@ -156,7 +170,10 @@ class _RefLedger:
             return
         self.kept.add(storage)
         who = self.owner.get(storage) or saver
-        self.charged[who] = self.charged.get(who, 0) + self.formulas.nbytes_at(storage, self.samples)
+        nbytes = self.formulas.nbytes_at(storage, self.samples)
+        self.charged[who] = self.charged.get(who, 0) + nbytes
+        if storage in self.by_kept_ops:
+            self.both[who] = self.both.get(who, 0) + nbytes
 
 
 def walk_formulas(
@@ -185,13 +202,16 @@ def walk_formulas(
                 stats.count(hit=True)
             costs[node.name] = cost
             ins = [ledger.of(r) for r in formulas.inputs_of(node)]
-            outs = ledger.made(node.name, len(formulas.requires_grad[node.name]), ins, cost.views)
+            outs = ledger.made(node.name, len(formulas.requires_grad[node.name]), ins, cost.views,
+                               kept_outputs=cost.kept_outputs)
             for pos in cost.saved_outputs:
                 ledger.keep(outs[pos], node.name)
             for pos in cost.saved_inputs:
                 ledger.keep(ins[pos], node.name)
             ledger.charged[node.name] = ledger.charged.get(node.name, 0) + cost.saved_internal
-    return {name: (c, ledger.charged.get(name, 0)) for name, c in costs.items()}
+            ledger.both[node.name] = ledger.both.get(node.name, 0) + cost.kept_saved
+    return {name: (c, ledger.charged.get(name, 0), ledger.both.get(name, 0))
+            for name, c in costs.items()}
 
 
 def _count_signature(node: fx.Node, formulas: SymbolicValues, runner: NodeRunner,
@@ -225,10 +245,11 @@ def _profile_node(
     stats.count(hit=hit)
     env[node] = pytree.tree_map_only(torch.Tensor, as_leaf, out)
     ins, outs = call.inputs(), tensors(out)
-    ledger.made(node.name, outs, ins)
+    ledger.made(node.name, outs, ins, cost.kept_outputs)
     for pos in cost.saved_outputs:
         ledger.keep(outs[pos], node.name)
     for pos in cost.saved_inputs:
         ledger.keep(ins[pos], node.name)
     ledger.charged[node.name] = ledger.charged.get(node.name, 0) + cost.saved_internal
+    ledger.both[node.name] = ledger.both.get(node.name, 0) + cost.kept_saved
     return cost

@@ -132,9 +132,10 @@ class CostTable:
     accumulate_s (B, B + 1) likewise give the seconds of the range's optimizer step and of
     adding one micro-batch's gradients into ``.grad`` (None: free); out (Q, B) the bytes of
     the batched model outputs (logits) each block makes for one micro-batch (None: none);
-    kept and redo (Q, B) what selective recomputation (``rannc_fx.selective``) keeps of a
-    block's activations and the forward seconds it runs again (None: it keeps all, ``act``,
-    and runs all again, ``fwd``).
+    kept, redo and rebuilt (Q, B) what selective recomputation (``rannc_fx.selective``) keeps
+    of a block's activations, the seconds it adds (rerunning the forward less what it kept),
+    and what of ``act`` its backward rebuilds (None: it keeps all, ``act``, runs all again,
+    ``fwd``, and rebuilds all, ``act``).
     """
 
     sizes: np.ndarray
@@ -151,6 +152,7 @@ class CostTable:
     segments: Segments | None = None  # the layers, for recomputation layer by layer
     kept: np.ndarray | None = None  # (Q, B): bytes selective recomputation keeps
     redo: np.ndarray | None = None  # (Q, B): forward seconds it runs again
+    rebuilt: np.ndarray | None = None  # (Q, B): of act, what its backward rebuilds
 
     @property
     def num_blocks(self) -> int:

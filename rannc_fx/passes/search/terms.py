@@ -42,6 +42,7 @@ class StageTerms:
     seg: np.ndarray  # K + a_max: what recomputing layer by layer holds instead of A
     keep: np.ndarray  # what selective recomputation keeps of a micro-batch's activations
     redo: np.ndarray  # the forward it runs again inside the backward
+    rebuilt: np.ndarray  # of A, what that rerun rebuilds (saved, and no kept op's output)
     cuts: np.ndarray  # cin + cout
     cout: np.ndarray  # cout: a recomputing stage sends it on and rebuilds it in R
     ws: np.ndarray  # max workspace
@@ -58,10 +59,10 @@ class StageTerms:
                 else self.redo if rho == SELECTIVE else self.fwd + self.again)
 
     def held(self, rho: int) -> np.ndarray:
-        """One micro-batch's activations at level rho: A, or layer by layer K + a_max (the
-        one micro-batch whose backward runs; selective, every micro-batch in flight keeps
-        ``keep`` besides)."""
-        return self.seg if rho == 2 else self.act
+        """One micro-batch's activations at level rho: A, layer by layer K + a_max, or
+        selectively what its backward rebuilds (every micro-batch in flight keeps ``keep``
+        besides)."""
+        return self.seg if rho == 2 else self.rebuilt if rho == SELECTIVE else self.act
 
     def memory(self, n: int | np.ndarray, rho: int,
                transient: np.ndarray | float = 0.0) -> np.ndarray:
@@ -78,8 +79,8 @@ class StageTerms:
                           m=self.m)
 
 
-TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "keep", "redo", "cuts",
-         "cout", "ws")
+TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "keep", "redo",
+         "rebuilt", "cuts", "cout", "ws")
 
 
 def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
@@ -94,10 +95,15 @@ def held_bytes(grads: np.ndarray, act: np.ndarray, cuts: np.ndarray, cout: np.nd
                keep: np.ndarray | None = None) -> np.ndarray:
     """Gradients, activations and cut values at the stage's peak (the docstring's formula
     without the overlap subtracted out: what coexists). ``keep``: recomputing selectively,
-    what each micro-batch in flight keeps (with its inputs and outputs); one micro-batch's
-    activations, rebuilt in its backward, and the gradients come on top of all of it."""
+    what each micro-batch in flight keeps (with its inputs and outputs), ``act`` then what its
+    backward rebuilds; with a forward after the first backward (n < m) the gradients meet
+    all of it, else as the other levels: at the first backward the rebuilt activations
+    give way to the gradients, at the second one micro-batch fewer is held."""
     if keep is not None:
-        return n * (cuts + keep) + act + grads
+        h = cuts + keep
+        full = (np.maximum(m * h + np.maximum(act, grads), (m - 1) * h + act + grads)
+                if m > 1 else h + np.maximum(act, grads))
+        return np.where(n < m, n * h + act + grads, full)
     if recompute:
         h = kept_cuts(cuts, cout, m, True)
         full = (np.maximum(h + np.maximum(act, grads), h - (cuts - cout) + act + grads)
@@ -135,12 +141,15 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     again = F if sg is None else sg.again(k, i, j, F)
     kept = act if table.kept is None else np.concatenate(([0.0], np.cumsum(table.kept[k])))
     redo = fwd if table.redo is None else np.concatenate(([0.0], np.cumsum(table.redo[k])))
+    rebuilt = act if table.rebuilt is None else np.concatenate(([0.0],
+                                                                np.cumsum(table.rebuilt[k])))
     return StageTerms(
         fb=fb[j] - fb[i], fwd=F, again=again,
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
         fixed=np.asarray(table.param_bytes, float)[i, j] + grad * space.optimizer_state_factor
         + outputs_held(table, space, k, i, j, m),
-        grads=grad, act=A, seg=seg, keep=kept[j] - kept[i], redo=redo[j] - redo[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
+        grads=grad, act=A, seg=seg, keep=kept[j] - kept[i], redo=redo[j] - redo[i],
+        rebuilt=rebuilt[j] - rebuilt[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
 
 
 def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
