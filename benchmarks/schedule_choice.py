@@ -10,8 +10,10 @@ applied to the last, also on the plans searched without recomputation layer by l
 offloading and sharding, as the planner does (``planner.driver.choose``). ``gpt-13b`` is a meta-device GPT-2 architecture at GPT-3 13B's shape
 (40 layers of 5120, 40 heads, sequence 2048, global batch 64) returning its LM loss
 (``labels=``) on 16 A100-80GB. Per workload: the best
-GPipe/1F1B plan's simulated step and bubble (the share of the step its bottleneck stage does
-not compute), the chosen plan's schedule and simulated step, and their ratio.
+GPipe/1F1B plan's simulated step and bubble (the share of the step the busiest lane is idle:
+the step less its actions' simulated durations, forwards, recomputation, backwards with their
+gradient accumulation and messages, and its once-a-step update), the chosen plan's schedule
+and simulated step, and their ratio.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from rannc_fx.planner.analyze import analyze  # noqa: E402
 from rannc_fx.planner.build import build_plan  # noqa: E402
 from rannc_fx.planner.driver import choose, run_search  # noqa: E402
 from rannc_fx.planner.virtual import virtual_variants  # noqa: E402
+from rannc_fx.runtime.lowering import lower_plan  # noqa: E402
+from rannc_fx.runtime.simulate import plan_durations  # noqa: E402
 
 
 def bubble(plan: Plan) -> float:
-    """1 - the busiest lane's compute (its stages') over the simulated step."""
-    m = plan.micro_batches
-    busy = max(sum(m * (s.fwd_ms * (2 if s.recompute else 1) + s.bwd_ms)
-                   for s in (plan.stages[i] for i in lane)) for lane in plan.lanes)
-    step = plan.simulated_step_ms or plan.predicted_step_ms
+    """1 - the busiest lane's busy time (its actions' simulated durations) over the step."""
+    _, lowered = lower_plan(plan)
+    of = plan_durations(plan, lowered)
+    busy = max(sum(of(a) for a in acts) for acts in lowered)
+    step = 1e-3 * (plan.simulated_step_ms or plan.predicted_step_ms)
     return max(0.0, 1 - busy / step)
 
 

@@ -50,7 +50,8 @@ class Config(BaseModel):
     )
     recompute: bool | None = Field(
         default=None,
-        description="activation recomputation: None = searched per stage, True = every stage, "
+        description="activation recomputation: None = searched per stage, True = every stage "
+        "(selectively, whole or layer by layer: recompute_selective, recompute_layers), "
         "False = none",
     )
     recompute_layers: bool | None = Field(

@@ -38,13 +38,15 @@ def _meta_lm(rank: int, world: int, replicas: tuple[int, ...]) -> list[str]:
     cfg = Config(**CFG, replicas=replicas, micro_batches=2, device_memory=2 * 2**20)
     cm = rannc_fx.compile(model, opt, cfg,
                           example_args=args, example_kwargs=kwargs)
-    stage = cm.stages[0]
-    held = {id(t) for t in (*stage.parameters(), *stage.buffers())}
-    assert all(t.device == torch.device("cpu") for t in (*stage.parameters(), *stage.buffers()))
+    # this rank's stages: one, or a lane's several (the plan may interleave)
+    params = {id(p): p for stage in cm.stages for p in stage.parameters()}
+    tensors = [*params.values(), *(b for stage in cm.stages for b in stage.buffers())]
+    held = {id(t) for t in tensors}
+    assert all(t.device == torch.device("cpu") for t in tensors)
     assert _materialized_like_reset(model, held) > 0
     # the optimizer steps the materialized parameters, with its own settings
     in_opt = [id(p) for g in opt.param_groups for p in g["params"]]
-    assert len(in_opt) == len(set(in_opt)) and set(in_opt) == {id(p) for p in stage.parameters()}
+    assert len(in_opt) == len(set(in_opt)) and set(in_opt) == set(params)
     assert opt.param_groups[0]["lr"] == 0.003 and opt.param_groups[0]["weight_decay"] == 0.05
     # what every rank holds, to compare across ranks
     values = {k: v.clone() for k, v in cm.state_dict().items()}

@@ -6,7 +6,6 @@ splits the backward."""
 from __future__ import annotations
 
 import functools
-import io
 import re
 from typing import Any
 
@@ -14,10 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import rannc_fx
 from rannc_fx.config import Config
@@ -28,11 +24,21 @@ from rannc_fx.runtime import recompute
 from rannc_fx.runtime.recompute import build_segmented, check_segmentable, segment_of
 
 from .dist_utils import run_ranks
-
-TOL = dict(rtol=1e-5, atol=1e-5)
-GLOBAL = 6  # samples a step, over 2 ranks
-STEPS = 3
-
+from .gpt_training import (
+    GLOBAL,
+    STEPS,
+    TOL,
+    LiveBytes,
+    adam,
+    assert_bitwise_alike,
+    assert_like_one_process,
+    from_bytes,
+    gpt,
+    local,
+    step,
+    to_bytes,
+    train_gpt,
+)
 
 # -- plans with checkpoints ----------------------------------------------------------------------
 
@@ -68,15 +74,10 @@ def _with_checkpoints(parted: Partitioned) -> Plan:
     return plan.model_copy(update={"stages": tuple(stages)})
 
 
-def _gpt(dropout: float) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    torch.manual_seed(0)
-    return gpt_example(batch=GLOBAL, layers=4, dropout=dropout)
-
-
 @functools.cache
 def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
     """2 stages on 2 ranks, both recomputing layer by layer (checkpoints: ``_layer_starts``)."""
-    model, args, kwargs = _gpt(dropout)
+    model, args, kwargs = gpt(dropout)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
                  recompute_selective=False, replicas=(1, 1),
                  micro_batches=2, schedule=schedule)
@@ -88,25 +89,6 @@ def _without_recompute(plan: Plan, *, whole: bool = False) -> Plan:
     """``plan`` without recomputation, or (``whole``) recomputing each stage whole."""
     return plan.model_copy(update={"stages": tuple(
         st.model_copy(update={"recompute": whole, "checkpoints": ()}) for st in plan.stages)})
-
-
-def _local(rank: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    n = GLOBAL // 2
-    cut = lambda t: t[rank * n : (rank + 1) * n]  # noqa: E731
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
-
-
-def _adam(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)  # as test_checkpoint's
-
-
-def _step(model: Any, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> float:
-    out = model(*args, **kwargs)
-    loss = out["loss"] if isinstance(out, dict) else out
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.item())
 
 
 def _counting_checkpoints() -> list[int]:
@@ -125,54 +107,17 @@ def _counting_checkpoints() -> list[int]:
 # -- 1. the GPT on 2 ranks -----------------------------------------------------------------------
 
 
-def _bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """Tensors as bytes: through the result queue as shared memory they can vanish with the
-    worker before the parent reads them."""
-    buf = io.BytesIO()
-    torch.save(tensors, buf)
-    return buf.getvalue()
-
-
-def _tensors(data: bytes) -> dict[str, torch.Tensor]:
-    return torch.load(io.BytesIO(data))
-
-
-def _train_gpt(rank: int, world: int, plan: Plan, dropout: float, seed: int
-               ) -> tuple[list[float], bytes, int]:
-    calls = _counting_checkpoints()
-    model, args, kwargs = _gpt(dropout)
-    opt = _adam(model)
-    largs, lkwargs = _local(rank, args, kwargs)
-    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan, example_args=largs,
-                          example_kwargs=lkwargs)
-    torch.manual_seed(seed + rank)  # each rank's dropout stream, the same in every run
-    losses = [_step(cm, opt, largs, lkwargs) for _ in range(STEPS)]
-    params = {n: p.detach() for gm in cm.stages for n, p in gm.named_parameters()}
-    return losses, _bytes(params), len(calls)
-
-
-def _reference(dropout: float) -> tuple[list[float], nn.Module]:
-    model, args, kwargs = _gpt(dropout)
-    opt = _adam(model)
-    return [_step(model, opt, args, kwargs) for _ in range(STEPS)], model
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_layered_recomputation_trains_like_one_process(schedule):
     plan = _gpt_plan(schedule)
     assert all(st.recompute and st.checkpoints for st in plan.stages), plan.stages
-    got = run_ranks(_train_gpt, 2, plan, 0.0, 0, timeout_s=30.0, wall_s=120.0)
-    want, ref = _reference(0.0)
-    for rank, (losses, params, calls) in enumerate(got):
+    got = run_ranks(train_gpt, 2, plan, 0.0, 0, _counting_checkpoints, timeout_s=30.0,
+                    wall_s=120.0)
+    for rank, (_, _, calls) in enumerate(got):
         st = plan.stage_of_rank(rank)
         # every segment but the last checkpointed, once per micro-batch's R
         assert calls == STEPS * plan.micro_batches * len(st.checkpoints), (rank, calls)
-        assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
-        for name, p in _tensors(params).items():
-            assert_close(p, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    moved = max(float((ref.get_parameter(n).detach() - p0.detach()).abs().max())
-                for n, p0 in _gpt(0.0)[0].named_parameters())
-    assert moved > 100 * TOL["atol"]  # the comparison could fail: the parameters moved
+    assert_like_one_process(got)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -180,41 +125,17 @@ def test_layered_recomputation_replays_the_dropout_masks(schedule):
     """Bitwise the training without recomputation: R and each segment's recomputation in the
     backward draw the masks the forward drew."""
     layered = _gpt_plan(schedule, dropout=0.1)
-    got = run_ranks(_train_gpt, 2, layered, 0.1, 100, timeout_s=30.0, wall_s=120.0)
-    plain = run_ranks(_train_gpt, 2, _without_recompute(layered), 0.1, 100, timeout_s=30.0,
-                      wall_s=120.0)
-    assert all(calls > 0 for _, _, calls in got) and all(calls == 0 for _, _, calls in plain)
-    for (losses, params, _), (want_losses, want, _) in zip(got, plain, strict=True):
-        assert losses == want_losses
-        want_params = _tensors(want)
-        for name, p in _tensors(params).items():
-            assert torch.equal(p, want_params[name]), name
+    got = run_ranks(train_gpt, 2, layered, 0.1, 100, _counting_checkpoints, timeout_s=30.0,
+                    wall_s=120.0)
+    plain = run_ranks(train_gpt, 2, _without_recompute(layered), 0.1, 100,
+                      _counting_checkpoints, timeout_s=30.0, wall_s=120.0)
+    assert_bitwise_alike(got, plain)
 
 
 # -- 2. one stage in one process: the same values, less memory --------------------------------
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The bytes of the storages that ops make and that are still alive, and their peak."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    @property
-    def now(self) -> int:
-        return sum(n for _, n in self.refs.values())
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
-        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
-        self.peak = max(self.peak, self.now)
-        return out
 
 
 @functools.cache
@@ -239,7 +160,7 @@ def _run(module: nn.Module, inputs: list[Any], params: list[torch.Tensor]
     for p in [*params, x]:
         p.grad = None
     torch.manual_seed(5)
-    live = _LiveBytes()
+    live = LiveBytes()
     with live:
         out = module(*inputs)
         kept, live.peak = live.now, 0
@@ -362,18 +283,18 @@ def _train_bn(rank: int, world: int, plan: Plan) -> tuple[list[float], bytes, in
     calls = _counting_checkpoints()
     torch.manual_seed(0)
     model = BNLayers()
-    opt = _adam(model)
+    opt = adam(model)
     mine = slice(rank * 8, (rank + 1) * 8)
     x, y = _bn_data(0)
     cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan,
                           example_args=(x[mine], y[mine]))
     losses = []
-    for step in range(STEPS):
-        x, y = _bn_data(step + 1)
-        losses.append(_step(cm, opt, (x[mine], y[mine]), {}))
+    for k in range(STEPS):
+        x, y = _bn_data(k + 1)
+        losses.append(step(cm, opt, (x[mine], y[mine]), {}))
     state = {n: t.detach() for gm in cm.stages
              for n, t in (*gm.named_buffers(), *gm.named_parameters())}
-    return losses, _bytes(state), len(calls)
+    return losses, to_bytes(state), len(calls)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -393,15 +314,15 @@ def test_batchnorm_in_a_segment_keeps_the_statistics(batch_norm, micro_batches):
     plain = run_ranks(_train_bn, 2, _without_recompute(plan), timeout_s=30.0, wall_s=120.0)
     torch.manual_seed(0)
     ref = BNLayers()
-    ref_opt = _adam(ref)
-    want = [_step(ref, ref_opt, _bn_data(step + 1), {}) for step in range(STEPS)]
+    ref_opt = adam(ref)
+    want = [step(ref, ref_opt, _bn_data(k + 1), {}) for k in range(STEPS)]
     ref_state = ref.state_dict()
     tracked = 0
     for (losses, state, calls), (plain_losses, plain_state, _) in zip(got, plain, strict=True):
         assert calls > 0
         assert_close(torch.tensor(losses), torch.tensor(plain_losses), **TOL)
-        plain_tensors = _tensors(plain_state)
-        for n, t in _tensors(state).items():
+        plain_tensors = from_bytes(plain_state)
+        for n, t in from_bytes(state).items():
             assert_close(t, plain_tensors[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
             if micro_batches == 1:
                 assert_close(t, ref_state[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
@@ -430,10 +351,10 @@ def test_a_split_backward_of_a_layered_stage_is_refused():
 
 
 def _compile_split(rank: int, world: int, plan: Plan) -> str:
-    model, args, kwargs = _gpt(0.0)
-    largs, lkwargs = _local(rank, args, kwargs)
+    model, args, kwargs = gpt(0.0)
+    largs, lkwargs = local(rank, args, kwargs)
     with pytest.raises(ValueError) as err:
-        rannc_fx.compile(model, _adam(model), Config(timeout_s=30.0), plan=plan,
+        rannc_fx.compile(model, adam(model), Config(timeout_s=30.0), plan=plan,
                          example_args=largs, example_kwargs=lkwargs)
     return str(err.value)
 

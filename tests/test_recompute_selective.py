@@ -6,17 +6,13 @@ is refused where the schedule splits the backward."""
 from __future__ import annotations
 
 import functools
-import io
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import rannc_fx
@@ -28,21 +24,27 @@ from rannc_fx.planner.analyze import analyze
 from rannc_fx.runtime.recompute import check_segmentable
 
 from .dist_utils import run_ranks
-
-TOL = dict(rtol=1e-5, atol=1e-5)
-GLOBAL = 6  # samples a step, over 2 ranks
-STEPS = 3
-
-
-def _gpt(dropout: float) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    torch.manual_seed(0)
-    return gpt_example(batch=GLOBAL, layers=4, dropout=dropout)
+from .gpt_training import (
+    GLOBAL,
+    STEPS,
+    TOL,
+    LiveBytes,
+    adam,
+    assert_bitwise_alike,
+    assert_like_one_process,
+    from_bytes,
+    gpt,
+    local,
+    step,
+    to_bytes,
+    train_gpt,
+)
 
 
 @functools.cache
 def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
     """2 stages on 2 ranks (interleaved: 4), all recomputing selectively (forced)."""
-    model, args, kwargs = _gpt(dropout)
+    model, args, kwargs = gpt(dropout)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
                  recompute_selective=True, replicas=(1, 1), micro_batches=2,
                  schedule=schedule, virtual_stages=2 if schedule == "interleaved" else None)
@@ -52,35 +54,6 @@ def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
 def _without_recompute(plan: Plan) -> Plan:
     return plan.model_copy(update={"stages": tuple(
         st.model_copy(update={"selective": False, "again_ms": 0.0}) for st in plan.stages)})
-
-
-def _local(rank: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    n = GLOBAL // 2
-    cut = lambda t: t[rank * n : (rank + 1) * n]  # noqa: E731
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
-
-
-def _adam(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
-
-
-def _step(model: Any, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> float:
-    out = model(*args, **kwargs)
-    loss = out["loss"] if isinstance(out, dict) else out
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.item())
-
-
-def _bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(tensors, buf)
-    return buf.getvalue()
-
-
-def _tensors(data: bytes) -> dict[str, torch.Tensor]:
-    return torch.load(io.BytesIO(data))
 
 
 def _counting_policy() -> list[int]:
@@ -102,7 +75,7 @@ def _counting_policy() -> list[int]:
 
 def _node_costs(dropout: float) -> dict[str, list[tuple[float, float, float, float]]]:
     """The GPT's products and attentions: kept bytes, saved bytes, rerun and forward seconds."""
-    model, args, kwargs = _gpt(dropout)
+    model, args, kwargs = gpt(dropout)
     profile = analyze(model, args, kwargs, world_size=1, device="cpu", config=Config(
         profile_cache_dir=None, profile_repeats=1)).profile
     kinds: dict[str, list[tuple[float, float, float, float]]] = {}
@@ -179,55 +152,25 @@ def test_forcing_it_where_it_cannot_run_is_refused():
 # -- 2. the GPT on 2 ranks -----------------------------------------------------------------------
 
 
-def _train_gpt(rank: int, world: int, plan: Plan, dropout: float, seed: int
-               ) -> tuple[list[float], bytes, int]:
-    calls = _counting_policy()
-    model, args, kwargs = _gpt(dropout)
-    opt = _adam(model)
-    largs, lkwargs = _local(rank, args, kwargs)
-    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan, example_args=largs,
-                          example_kwargs=lkwargs)
-    torch.manual_seed(seed + rank)  # each rank's dropout stream, the same in every run
-    losses = [_step(cm, opt, largs, lkwargs) for _ in range(STEPS)]
-    params = {n: p.detach() for gm in cm.stages for n, p in gm.named_parameters()}
-    return losses, _bytes(params), len(calls)
-
-
-def _reference(dropout: float) -> tuple[list[float], nn.Module]:
-    model, args, kwargs = _gpt(dropout)
-    opt = _adam(model)
-    return [_step(model, opt, args, kwargs) for _ in range(STEPS)], model
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
 def test_selective_recomputation_trains_like_one_process(schedule):
     plan = _gpt_plan(schedule)
     assert all(st.selective for st in plan.stages) and len(plan.stages) == (
         4 if schedule == "interleaved" else 2), plan.summary()
-    got = run_ranks(_train_gpt, 2, plan, 0.0, 0, timeout_s=30.0, wall_s=120.0)
-    want, ref = _reference(0.0)
-    for losses, params, calls in got:
-        assert calls > 0  # the forwards ran under the policy
-        assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
-        for name, p in _tensors(params).items():
-            assert_close(p, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    moved = max(float((ref.get_parameter(n).detach() - p0.detach()).abs().max())
-                for n, p0 in _gpt(0.0)[0].named_parameters())
-    assert moved > 100 * TOL["atol"]  # the comparison could fail: the parameters moved
+    got = run_ranks(train_gpt, 2, plan, 0.0, 0, _counting_policy, timeout_s=30.0,
+                    wall_s=120.0)
+    assert all(calls > 0 for _, _, calls in got)  # the forwards ran under the policy
+    assert_like_one_process(got)
 
 
 def test_selective_recomputation_replays_the_dropout_masks():
     """Bitwise the training without recomputation: the rerun dropout draws F's masks."""
     plan = _gpt_plan("1f1b", dropout=0.1)
-    got = run_ranks(_train_gpt, 2, plan, 0.1, 100, timeout_s=30.0, wall_s=120.0)
-    plain = run_ranks(_train_gpt, 2, _without_recompute(plan), 0.1, 100, timeout_s=30.0,
-                      wall_s=120.0)
-    assert all(calls > 0 for _, _, calls in got) and all(calls == 0 for _, _, calls in plain)
-    for (losses, params, _), (want_losses, want, _) in zip(got, plain, strict=True):
-        assert losses == want_losses
-        want_params = _tensors(want)
-        for name, p in _tensors(params).items():
-            assert torch.equal(p, want_params[name]), name
+    got = run_ranks(train_gpt, 2, plan, 0.1, 100, _counting_policy, timeout_s=30.0,
+                    wall_s=120.0)
+    plain = run_ranks(train_gpt, 2, _without_recompute(plan), 0.1, 100,
+                      _counting_policy, timeout_s=30.0, wall_s=120.0)
+    assert_bitwise_alike(got, plain)
 
 
 # -- 3. BatchNorm: the rerun counts no statistics ------------------------------------------------
@@ -254,13 +197,13 @@ def _convnet() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 def _train_convnet(rank: int, world: int, plan: Plan) -> tuple[list[float], bytes]:
     model, args = _convnet()
-    opt = _adam(model)
-    largs, _ = _local(rank, args, {})
+    opt = adam(model)
+    largs, _ = local(rank, args, {})
     cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan, example_args=largs)
-    losses = [_step(cm, opt, largs, {}) for _ in range(STEPS)]
+    losses = [step(cm, opt, largs, {}) for _ in range(STEPS)]
     state = {n: t.detach() for gm in cm.stages
              for n, t in [*gm.named_parameters(), *gm.named_buffers()]}
-    return losses, _bytes(state)
+    return losses, to_bytes(state)
 
 
 @pytest.mark.parametrize("batch_norm", ["step", "micro-batch"])
@@ -279,8 +222,8 @@ def test_batchnorm_statistics_are_counted_once(batch_norm):
     moved = 0.0
     for (losses, data), (want_losses, want_data) in zip(got, want, strict=True):
         assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL)
-        ref = _tensors(want_data)
-        for name, t in _tensors(data).items():
+        ref = from_bytes(want_data)
+        for name, t in from_bytes(data).items():
             assert_close(t, ref[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
             if name.endswith("running_var"):
                 moved = max(moved, float((t - start[name]).abs().max()))
@@ -290,35 +233,14 @@ def test_batchnorm_statistics_are_counted_once(batch_norm):
 # -- 4. one stage in one process: what it keeps ------------------------------------------------
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The bytes of the storages ops make that are still alive (views of the ``known``
-    storages, a weight's transpose, are not new)."""
 
-    def __init__(self, known: set[int]) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.known = known
-
-    @property
-    def now(self) -> int:
-        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
-        return sum(n for _, n in self.refs.values())
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                if s._cdata not in self.known:
-                    self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
-        return out
 
 
 def test_a_selective_stage_keeps_what_the_profile_counted():
     """The whole GPT as one stage: after the forward under the selective policy, the live
     bytes (less the loss) are what the profile's ``kept_bytes`` sum to, and the gradients are
     those of a plain backward, bitwise."""
-    model, args, kwargs = _gpt(0.0)
+    model, args, kwargs = gpt(0.0)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, stages=1, micro_batches=1)
     part = rannc_fx.partition(model, args, kwargs, world_size=1, device="cpu", config=cfg)
     gm = part.stages[0]
@@ -330,7 +252,7 @@ def test_a_selective_stage_keeps_what_the_profile_counted():
     def run(kept: bool) -> tuple[int, list[torch.Tensor]]:
         for p in params:
             p.grad = None
-        live = _LiveBytes({t.untyped_storage()._cdata
+        live = LiveBytes({t.untyped_storage()._cdata
                            for t in [*params, *gm.buffers(), *args, *kwargs.values()]})
         with live:
             if kept:
