@@ -5,7 +5,8 @@ This module imports numpy only (no torch). All times are in seconds, sizes in by
 A stage covers blocks [i, j) with r replicas; with m micro-batches each replica handles
 q = ceil(global_batch / (m * r)) samples per micro-batch, and ``k`` is the index of q in
 ``table.sizes``. The schedule sigma ("gpipe" or "1f1b") is chosen for the whole plan, the
-activation recomputation rho (0 none, 1 the stage's forward, 2 layer by layer) per stage;
+activation recomputation rho (0 none, 1 the stage's forward, 2 layer by layer, 3 selective)
+per stage;
 d is the stage's position from the end (the last stage has d = 1). n is how many
 micro-batches' activations the stage holds at once:
 
@@ -13,11 +14,12 @@ micro-batches' activations the stage holds at once:
              = min(m, d)         (1f1b: a stage d from the end runs at most d forwards ahead)
     F, Bw, A = sum(fwd[k, i:j]), sum(bwd[k, i:j]), sum(act[k, i:j])
     cin,cout = cut[k, i], cut[k, j]
-    t_s      = F + Bw + [rho > 0] F + [rho = 2] F' + 2 (cin + cout) / link_bw
-               + 2 link_lat ([i > 0] + [j < B])
+    t_s      = F + Bw + [rho in (1, 2)] F + [rho = 2] F' + [rho = 3] D
+               + 2 (cin + cout) / link_bw + 2 link_lat ([i > 0] + [j < B])
                          (recomputation runs the stage's forward again before each backward;
                           layer by layer, the backward runs each layer's forward once more
-                          but the last's: F' = ``segments.again``)
+                          but the last's: F' = ``segments.again``; selectively, the backward
+                          reruns what the forward did not keep: D = sum(redo[k, i:j]))
     ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
                          (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
     acc_s    = accumulate_s[i, j]             (micro-batch 2.. adds its gradients into .grad)
@@ -40,6 +42,11 @@ micro-batches' activations the stage holds at once:
                                                 replaced by K + a_max, the inputs of the
                                                 stage's layers and one layer's activations,
                                                 ``segments``)
+               + G + n * (cin + cout + P) + R    (rho = 3: every micro-batch in flight keeps
+                                                its kept ops' outputs P = sum(kept[k, i:j]);
+                                                the one in its backward rebuilds
+                                                R = sum(rebuilt[k, i:j]), the saved tensors
+                                                no kept op made)
                - overlap
                + max(workspace[k, i:j])
                + m * sum(out[k, i:j]) + output_bytes
@@ -58,9 +65,11 @@ while the backwards free activations, and ``overlap`` is what never coexists:
 
     overlap  = 0                                                      (n < m)
              = G + m (A + c) - m c - max(m A, (m - 1) A + G)           (rho = 0, n = m)
-             = G + A + h - max(h + max(A, G), h - cin + A + G)         (rho > 0, n = m > 1)
-             = G + A + h - h - max(A, G)                               (rho > 0, m = 1)
-    (c = cin + cout, h = m cin + cout)
+             = G + A + h - max(h + max(A, G), h - cin + A + G)         (rho = 1, 2, n = m > 1)
+             = G + A + h - h - max(A, G)                               (rho = 1, 2, m = 1)
+             = G + R + m g - max(m g + max(R, G), (m - 1) g + R + G)   (rho = 3, n = m > 1)
+             = G + R + g - g - max(R, G)                               (rho = 3, m = 1)
+    (c = cin + cout, h = m cin + cout, g = c + P)
 
 so the peak is m c + max(m A, (m - 1) A + G) without recomputation (all activations, or all
 but one micro-batch's and the gradients) and the larger of the first backward (every
@@ -71,7 +80,7 @@ Gradients kept from earlier calls (accumulation without ``zero_grad``) coexist w
 The sharding zeta (0 or 1) and the offloading of the optimizer state are chosen per stage,
 like rho: they change only the stage's fixed memory, its once-a-step u and what exists after
 the backwards, so with a fixed n a stage's variants form a chain from fastest to smallest
-(``variants.VARIANTS``: for rho = 0, 1, 2 in turn, plain, sharded, sharded and offloaded,
+(``variants.VARIANTS``: for rho = 0, 3, 1, 2 in turn, plain, sharded, sharded and offloaded,
 offloaded) and a stage takes the first that fits. Sharding and offloading come before
 recomputation: they cost an all-gather and the state's round trip a step where recomputation
 costs a forward per micro-batch; which of those is faster is a choice of policy, and the
