@@ -27,7 +27,12 @@ def _loss(out: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, dict) else out
 
 
-def _switching(rank: int, world: int, name: str, planned: str | None) -> list[str]:
+_RECOMPUTE = {None: {}, "whole": dict(recompute=True, recompute_selective=False),
+              "selective": dict(recompute=True, recompute_selective=True)}
+
+
+def _switching(rank: int, world: int, name: str, planned: str | None,
+               recompute: str | None = None) -> list[str]:
     torch.manual_seed(0)
     model, args, kwargs = EXAMPLES[name](batch=LOCAL * world)
     ref = copy.deepcopy(model)
@@ -36,8 +41,11 @@ def _switching(rank: int, world: int, name: str, planned: str | None) -> list[st
     cut = lambda t: t[rank * LOCAL : (rank + 1) * LOCAL]  # noqa: E731
     largs, lkwargs = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1,) * world,
-                 micro_batches=2, autocast_dtype=planned)
+                 micro_batches=2, autocast_dtype=planned, **_RECOMPUTE[recompute])
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
+    if recompute is not None:  # the recomputation asked for, on every stage
+        assert all(st.selective == (recompute == "selective") and st.recompute == (
+            recompute == "whole") for st in cm.plan.stages), cm.plan.summary()
     planned_dtypes = sorted({str(cv.spec.dtype) for cv in cm.plan.cut_values})
     for step, amp in enumerate(["bfloat16", None, "bfloat16", None]):
         before = snapshot(ref)
@@ -69,6 +77,13 @@ def test_training_under_autocast_and_evaluating_without_follows_one_process(name
     # output: bfloat16 under autocast; the LM's cut falls after a float32 residual add)
     if name == "mlp":
         assert dtypes[0] == (["bfloat16"] if planned else ["float32"]), dtypes[0]
+
+
+@pytest.mark.parametrize("recompute", ["whole", "selective"])
+def test_recomputing_stages_follow_one_process_in_and_out_of_autocast(recompute):
+    """A recomputation reruns ops under the autocast state of the forward it repeats
+    (whole: ``R`` inside the call's state; selective: the checkpoint's saved state)."""
+    run_ranks(_switching, 2, "gpt", None, recompute, timeout_s=30.0, wall_s=120.0)
 
 
 def _scaled(rank: int, world: int, inf_on: int | None) -> list[float]:

@@ -149,6 +149,8 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     selective = (schedule != "zbv" and a.table.kept is not None
                  and a.space.selective is not False)
     whole = a.space.selective is not True
+    if not whole and not selective and any(st.level for st in result.stages):
+        return None  # ZBV cannot recompute selectively, and the user forbade the rest
     level = [_level(result.stages[lane_of[s]], selective) for s in range(v * lanes)]
     zero = [(result.stages[lane_of[s]].zero or bool(a.space.zero)) and reps[s] > 1
             for s in range(v * lanes)]
