@@ -70,11 +70,13 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
     model, args, kwargs = _data()
     opt = _adam(model)
     # the link given, not probed: a probe on loaded cores (milliseconds a message) can make
-    # the search keep every parameter off the replicated stage, leaving nothing to shard
+    # the search keep every parameter off the replicated stage, leaving nothing to shard;
+    # layer by layer, costs counted, not timed: timed on loaded cores, a stage was once cut
+    # to one layer, which has no segment start inside it
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
                  micro_batches=2, schedule=schedule, recompute=recompute, zero=zero,
                  offload=offload, recompute_layers=layers, link_bandwidth=1e9,
-                 link_latency=2e-5)
+                 link_latency=2e-5, cost_model="analytic" if layers else "auto")
     largs, lkwargs = _local(rank, world, args, kwargs)
     return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
             opt, largs, lkwargs)

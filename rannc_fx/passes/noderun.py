@@ -30,13 +30,13 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture_graph import inputs_for_samples
 from .opcache import device_name, qualname
 from .opcost import (
     OpCall,
     OpCost,
-    ZeroScalars,
     count_op,
     differentiable,
     measure_op,
@@ -44,9 +44,27 @@ from .opcost import (
     storage_id,
 )
 
-__all__ = ["NodeRunner", "as_leaf", "home_device", "measure_device"]
+__all__ = ["NodeRunner", "ZeroScalars", "as_leaf", "home_device", "measure_device"]
 
 log = logging.getLogger("rannc_fx")
+
+
+class ZeroScalars(TorchDispatchMode):
+    """Reads every tensor value Python asks for (``bool(t)``, ``t.item()``) as 0 / False.
+
+    Fake tensors have no values, so a module that branches on one (``nn.TransformerEncoder``
+    compares its mask with a causal one) cannot run on them; with this mode it takes the
+    branch a zero would take, which is the general, value-independent path.
+    """
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return False if t.dtype == torch.bool else 0 if not t.is_floating_point() else 0.0
+        return func(*args, **(kwargs or {}))
+
 
 _T = TypeVar("_T")
 

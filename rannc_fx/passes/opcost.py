@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,18 +39,14 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .. import selective
 from ..device import DeviceSpec
+from .timing import time_call
 
 __all__ = [
-    "OpCall", "OpCost", "ZeroScalars", "count_op", "differentiable", "measure_op",
-    "median_seconds", "run_op", "storage_id", "tensors", "time_call",
+    "OpCall", "OpCost", "count_op", "differentiable", "measure_op", "run_op", "storage_id",
+    "tensors",
 ]
 
 log = logging.getLogger("rannc_fx")
-
-# A timed repeat runs the op this long at least (tiny ops are looped); seconds.
-_MIN_REPEAT_S = 2e-4
-_MAX_INNER = 64
-
 
 def tensors(tree: Any) -> list[torch.Tensor]:
     """The tensor leaves of a pytree, in order."""
@@ -258,23 +251,6 @@ class _OpTracker(TorchDispatchMode):
             self.current -= self.live.pop(sid)[1]
 
 
-class ZeroScalars(TorchDispatchMode):
-    """Reads every tensor value Python asks for (``bool(t)``, ``t.item()``) as 0 / False.
-
-    Fake tensors have no values, so a module that branches on one (``nn.TransformerEncoder``
-    compares its mask with a causal one) cannot run on them; with this mode it takes the
-    branch a zero would take, which is the general, value-independent path.
-    """
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            t = args[0]
-            return False if t.dtype == torch.bool else 0 if not t.is_floating_point() else 0.0
-        return func(*args, **(kwargs or {}))
-
-
 class _CudaPeak:
     """Peak bytes the CUDA caching allocator hands out over a region, above its start."""
 
@@ -355,44 +331,6 @@ def _dtype(call: OpCall, out: Any) -> str:
         if differentiable(t):
             return str(t.dtype).removeprefix("torch.")
     return "float32"
-
-
-# -- timing ----------------------------------------------------------------------------------
-
-
-def _once(fn: Callable[[], Any], device: torch.device) -> float:
-    return median_seconds(fn, device, repeats=1, inner=1)
-
-
-def median_seconds(
-    fn: Callable[[], Any], device: torch.device, *, repeats: int, inner: int = 1
-) -> float:
-    """Median seconds per call over ``repeats`` timings of ``inner`` calls each (CUDA events
-    on a GPU, so queued kernels are counted)."""
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / inner)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
-
-
-def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds per call after one warm-up call, looping calls shorter than 0.2 ms."""
-    warm = _once(fn, device)
-    inner = max(1, min(_MAX_INNER, math.ceil(_MIN_REPEAT_S / max(warm, 1e-7))))
-    return median_seconds(fn, device, repeats=repeats, inner=inner)
 
 
 def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple[Any, OpCost]:

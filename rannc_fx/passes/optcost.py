@@ -30,7 +30,7 @@ import torch
 
 from ..device import DeviceSpec
 from ..progress import note
-from .opcost import time_call
+from .timing import time_call
 
 __all__ = [
     "ParameterCosts",

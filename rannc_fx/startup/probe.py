@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import DeviceSpec
-from ..passes.opcost import median_seconds
+from ..passes.timing import median_seconds
 from ..runtime.comm import CommError, all_reduce_flat
 
 __all__ = ["Link", "measure_link"]
