@@ -9,7 +9,8 @@ sending it.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+import weakref
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +41,22 @@ def _trainable(gm: fx.GraphModule, node: fx.Node) -> bool:
     return isinstance(t, torch.nn.Parameter) and t.requires_grad
 
 
+# per graph module, its answers by what they depend on (``_depends``): planning asks again for
+# the same graph with every candidate plan it builds
+_ANSWERS: weakref.WeakKeyDictionary[fx.GraphModule, dict[Hashable, frozenset[str]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _depends(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> Hashable:
+    """What ``recomputed_values`` reads besides the graph's ops: the nodes in order, which
+    call nodes' values are integers, and the state each ``get_attr`` reads (which tensor,
+    whether it trains)."""
+    nodes = list(gm.graph.nodes)
+    return (tuple(n.name for n in nodes),
+            tuple(_kind(values, n) in ("int", "ints") for n in nodes if n.op in CALL_OPS),
+            tuple((id(_state(n, gm)), _trainable(gm, n)) for n in nodes if n.op == "get_attr"))
+
+
 def recomputed_values(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> frozenset[str]:
     """Values that never cross a stage boundary because a consumer stage recomputes them.
 
@@ -49,6 +66,14 @@ def recomputed_values(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> froze
     in-place op writes (nor any alias of them), reading no tensor the forward writes (its
     value depends on where it is read, and another stage's copy is never written).
     """
+    answers = _ANSWERS.setdefault(gm, {})
+    key = _depends(gm, values)
+    if key not in answers:
+        answers[key] = _recomputed(gm, values)
+    return answers[key]
+
+
+def _recomputed(gm: fx.GraphModule, values: dict[str, ValueSpec]) -> frozenset[str]:
     nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
     written = {_alias_base(m) for n in nodes for m in _mutated_args(n, gm)}
     written_ids = set(written_state(gm))
