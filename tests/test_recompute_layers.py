@@ -21,7 +21,7 @@ from rannc_fx.models import gpt_example
 from rannc_fx.partition import Partitioned
 from rannc_fx.plan import Plan
 from rannc_fx.runtime import recompute
-from rannc_fx.runtime.recompute import build_segmented, check_segmentable, segment_of
+from rannc_fx.runtime.recompute import build_segmented, check_reruns_unsplit, segment_of
 
 from .dist_utils import run_ranks
 from .gpt_training import (
@@ -343,11 +343,12 @@ def _zbh1(plan: Plan) -> Plan:
 
 def test_a_split_backward_of_a_layered_stage_is_refused():
     layered = _gpt_plan("1f1b")
-    check_segmentable(layered)  # 1F1B: fine
-    check_segmentable(_zbh1(_without_recompute(layered, whole=True)))  # recomputed whole: fine
+    check_reruns_unsplit(layered)  # 1F1B: fine
+    # recomputed whole: fine
+    check_reruns_unsplit(_zbh1(_without_recompute(layered, whole=True)))
     with pytest.raises(ValueError, match=r"stage 0 recomputes layer by layer .* schedule 'zbh1' "
                                          r"splits its backward into B and W"):
-        check_segmentable(_zbh1(layered))
+        check_reruns_unsplit(_zbh1(layered))
 
 
 def _compile_split(rank: int, world: int, plan: Plan) -> str:

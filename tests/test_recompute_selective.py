@@ -21,7 +21,7 @@ from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
 from rannc_fx.plan import Plan
 from rannc_fx.planner.analyze import analyze
-from rannc_fx.runtime.recompute import check_segmentable
+from rannc_fx.runtime.recompute import check_reruns_unsplit
 
 from .dist_utils import run_ranks
 from .gpt_training import (
@@ -101,6 +101,33 @@ def test_the_profile_keeps_products_and_reruns_the_rest():
         assert kept == 0 and saved > 0 and again == pytest.approx(fwd), (kept, again, fwd)
 
 
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x))), y)
+
+
+@pytest.mark.parametrize("cost_model", ["auto", "measured"])  # walked over formulas, or run
+def test_the_profile_counts_what_the_rerun_rebuilds(cost_model):
+    """GELU saves its input, fc1's output, which selective recomputation keeps: charged to
+    fc1 as saved, it is no rebuilt byte; fc2 saves GELU's output, which the rerun rebuilds."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    profile = analyze(_MLP(), (x, y), world_size=1, config=Config(
+        profile_cache_dir=None, profile_repeats=1, cost_model=cost_model)).profile
+    at = {n: {f: profile.at(n, f, 8) for f in ("kept_bytes", "saved_bytes", "rebuilt_bytes")}
+          for n in profile.nodes}
+    fc1, gelu, h = at["fc1"], at["gelu"], 8 * 64 * 4  # h: fc1's output, and GELU's
+    # fc1 is charged its output and the graph input x its weight's gradient reads (what the
+    # checkpoint keeps anyway: counted as rebuilt, over rather than under)
+    assert fc1["kept_bytes"] == h and fc1["saved_bytes"] == h + 8 * 16 * 4
+    assert fc1["saved_bytes"] - fc1["rebuilt_bytes"] == h
+    assert gelu["kept_bytes"] == 0 and gelu["rebuilt_bytes"] == gelu["saved_bytes"] == h
+
+
 def test_a_selective_plan_has_no_recompute_action_and_costs_its_rerun():
     plan = _gpt_plan("1f1b")
     assert all(st.selective and not st.recompute and not st.checkpoints for st in plan.stages)
@@ -146,7 +173,7 @@ def test_forcing_it_where_it_cannot_run_is_refused():
     split = plan.model_copy(update={"schedule": "zbh1"})
     with pytest.raises(ValueError, match="stage 0 recomputes selectively but schedule 'zbh1' "
                                          "splits its backward"):
-        check_segmentable(split)
+        check_reruns_unsplit(split)
 
 
 # -- 2. the GPT on 2 ranks -----------------------------------------------------------------------
@@ -269,10 +296,11 @@ def test_a_selective_stage_keeps_what_the_profile_counted():
     held_plain, want = run(False)
     for a, b in zip(grads, want, strict=True):
         assert torch.equal(a, b)
-    # measured against predicted, the loss and its few scalars besides (2176516 bytes kept
-    # against 2174976 counted; without the policy autograd keeps 2876936, 2683396 counted:
-    # the profile's saved bytes leave out the outputs a stage sends on)
-    assert held == pytest.approx(predicted, rel=0.01, abs=4096), (held, predicted)
+    # measured against predicted, the loss besides (2174980 bytes kept against 2174976
+    # counted: one attention's log-sum-exp left out would be 12288 off; without the policy
+    # autograd keeps 2876936, 2683396 counted: the profile's saved bytes leave out the
+    # outputs a stage sends on)
+    assert 0 <= held - predicted <= 256, (held, predicted)
     assert held_plain == pytest.approx(saved, rel=0.1), (held_plain, saved)
     assert held < 0.8 * held_plain, (held, held_plain)
 

@@ -159,7 +159,8 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
                          accumulate_s=0, params=100, grads=10, optimizer_state=20,
                          activations=0, comm_buffers=0, workspace=ws, recompute=recompute)
 
-    per_mb = [(8.0, 2.0, 1.0), (6.0, 2.0, 1.0)]  # activations, cuts in + out, out
+    # activations, cuts in + out, out, and (recomputing) what a backward rebuilds of both
+    per_mb = [(8.0, 2.0, 1.0, 8.0, 1.0), (6.0, 2.0, 1.0, 6.0, 1.0)]
     # (inputs only, whole) per stage: stage 0 peaks at 2, stage 1 later at 2
     units = [((0, 0), (0, 0)), ((0, 2), (0, 0)), ((0, 1), (0, 1)), ((0, 0), (0, 2))]
     got = lane_memory([cost(False, 5), cost(False, 7)], per_mb, units)
@@ -172,7 +173,7 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
     assert sum(c.activations + c.comm_buffers for c in rc) == 2 * 1 + 8 + 1
     # selectively: each holds what it keeps (3 and 2 of 8 and 6) and its cut values per
     # micro-batch whole, plus the largest backward's rebuilt activations, once for the lane
-    kept = [(3.0, 2.0, 1.0, 8.0), (2.0, 2.0, 1.0, 6.0)]
+    kept = [(3.0, 2.0, 1.0, 8.0, 0.0), (2.0, 2.0, 1.0, 6.0, 0.0)]
     sel = lane_memory([replace(cost(False, 0), selective=True)] * 2, kept, units)
     assert [c.activations for c in sel] == [2 * 3 + 8, 0]
     assert [c.comm_buffers for c in sel] == [2 * 2, 0]

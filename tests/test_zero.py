@@ -69,14 +69,14 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
               ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     opt = _adam(model)
-    # the link given, not probed: a probe on loaded cores (milliseconds a message) can make
-    # the search keep every parameter off the replicated stage, leaving nothing to shard;
-    # layer by layer, costs counted, not timed: timed on loaded cores, a stage was once cut
-    # to one layer, which has no segment start inside it
+    # the link given, not probed, and the costs counted, not timed: on loaded cores a probe
+    # (milliseconds a message) or timed ops can cut the stages so that the replicated one
+    # holds no parameter (nothing to shard) or a layered one a single layer (no segment
+    # start inside it)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
                  micro_batches=2, schedule=schedule, recompute=recompute, zero=zero,
                  offload=offload, recompute_layers=layers, link_bandwidth=1e9,
-                 link_latency=2e-5, cost_model="analytic" if layers else "auto")
+                 link_latency=2e-5, cost_model="analytic")
     largs, lkwargs = _local(rank, world, args, kwargs)
     return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
             opt, largs, lkwargs)

@@ -48,6 +48,7 @@ __all__ = [
 
 log = logging.getLogger("rannc_fx")
 
+
 def tensors(tree: Any) -> list[torch.Tensor]:
     """The tensor leaves of a pytree, in order."""
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
@@ -137,9 +138,9 @@ class OpCost:
         forward less its kept ops (``selective.kept``) priced on their roofline; measured,
         ``policy_s`` (the policy's dispatch mode in Python costs the forward and the rerun a
         few microseconds an op, which only a measurement sees)."""
-        fwd = self.times(spec)[0]
         if spec is None:
             return self.policy_s
+        fwd = self.times(spec)[0]
         if not self.kept_moved:
             return fwd
         rate = spec.flops_for(self.dtype) * spec.efficiency

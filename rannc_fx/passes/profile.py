@@ -38,7 +38,8 @@ __all__ = ["NodeCost", "Profile", "profile_pass"]
 
 _FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s",
            "rebuilt_bytes")
-# profiles made before selective recomputation was costed: it keeps all and runs all again
+# a NodeCost built without selective recomputation's costs (by hand): it keeps all, reruns
+# all and rebuilds all
 _STAND_IN = {"kept_bytes": "saved_bytes", "again_s": "fwd_s", "rebuilt_bytes": "saved_bytes"}
 
 

@@ -68,8 +68,10 @@ class _SavedLedger:
             sid = storage_id(t)
             if sid not in in_ids and sid not in self.excluded:
                 self.owner[sid] = (StorageWeakRef(t.untyped_storage()), node)
-                if i in kept_outputs:
+                if i in kept_outputs:  # set or cleared: a freed storage's id comes back
                     self.by_kept_ops.add(sid)
+                else:
+                    self.by_kept_ops.discard(sid)
 
     def keep(self, t: torch.Tensor, saver: str) -> None:
         sid = storage_id(t)

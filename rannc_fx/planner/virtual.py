@@ -207,7 +207,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
 
 def _level(st: StageChoice, selective: bool) -> int:
     """A searched stage's recomputation on the lanes: layer by layer runs whole there, and
-    selectively where the lanes cannot (ZBV)."""
+    so does a selective one where the lanes cannot rerun inside a backward (ZBV)."""
     return SELECTIVE if st.selective and selective else 1 if st.level else 0
 
 

@@ -47,7 +47,7 @@ from .grads import GradSync
 from .lane import LaneModules, graph_modules
 from .lane_runners import LaneRunners, action_peers
 from .lowering import lower_plan, split_at_gather
-from .recompute import check_segmentable
+from .recompute import check_reruns_unsplit
 from .release import rank_release
 from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
@@ -125,7 +125,7 @@ class StageExecutor:
         topology, lowered = lower_plan(plan)
         simulate(lowered, topology, plan_durations(plan, lowered))
         # every rank checks every stage: one that went on would wait for the refusing one
-        check_segmentable(plan, lowered)
+        check_reruns_unsplit(plan, lowered)
         lane = topology.lane_of[self.stage.index]
         self.actions: list[Action] = lowered[lane]
         # a fill-drain list (GPipe; ZB-H1 or 1F1B with one micro-batch) defers its own

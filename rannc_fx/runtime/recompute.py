@@ -34,7 +34,7 @@ it reaches: ``B`` once, and ``W`` once per group of parameters (a GPT layer's se
 forward 6 times in a step instead of 2: 4 weight matrices). ``GraphExecGroup``
 (``torch.utils.checkpoint``), which shares one recomputation among several backward passes,
 refuses passes that read the same saved tensor, as ``B`` and ``W`` do at every weight's
-matmul. So ``check_segmentable`` refuses the combination.
+matmul. So ``check_reruns_unsplit`` refuses the combination.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from ..plan import Plan
 from .actions import Action, Kind
 from .lowering import lower_plan
 
-__all__ = ["Segment", "build_segmented", "check_segmentable", "segment_of"]
+__all__ = ["Segment", "build_segmented", "check_reruns_unsplit", "segment_of"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 # node.meta key of a stage node: the captured node it copies (``passes/split.py``'s
@@ -83,7 +83,7 @@ class Segment(nn.Module):
         return contextlib.nullcontext(), self._scope()
 
 
-def check_segmentable(plan: Plan, lowered: Sequence[Sequence[Action]] | None = None) -> None:
+def check_reruns_unsplit(plan: Plan, lowered: Sequence[Sequence[Action]] | None = None) -> None:
     """Refuse a plan whose schedule splits the backward of a stage that recomputes layer by
     layer or selectively (the module docstring says why: both rerun forwards inside the
     backward); ``lowered``: its lanes' lists, if lowered already."""

@@ -38,10 +38,9 @@ __all__ = ["evaluate", "lane_memory", "plan_step"]
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
            m: int, n: int
-           ) -> tuple[StageCost, float, float, float, tuple[float, float, float, float]]:
+           ) -> tuple[StageCost, float, float, float, tuple[float, float, float, float, float]]:
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
-    micro-batch's activations (selectively recomputing: what it keeps of them), cut values
-    in and out, out alone, and what its backward rebuilds beside that (``lane_memory``)."""
+    micro-batch's held parts as ``lane_memory`` reads them."""
     i, j, r, rho = st.start, st.end, st.replicas, st.level
     zeta, omega = st.zero and r > 1, st.offload
     q = samples_per_replica(space.global_batch, m, r)
@@ -92,8 +91,11 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     mem = float((terms.memory(n, rho, tr) - saved)[0])
     if host > space.host_budget:  # offloaded state the host cannot hold
         mem = math.inf
-    rebuilt = act + cout if rerun else act if selective else 0.0
-    return cost, t, u, mem, (float(terms.keep[0]) if selective else act, cuts, cout, rebuilt)
+    # what its backward rebuilds: recomputing, its activations and outputs; selectively,
+    # the activations no kept op made
+    rebuilt, rebuilt_out = (act, cout) if rerun else (act, 0.0) if selective else (0.0, 0.0)
+    each = float(terms.keep[0]) if selective else act  # a micro-batch's, held whole
+    return cost, t, u, mem, (each, cuts, cout, rebuilt, rebuilt_out)
 
 
 def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
@@ -163,13 +165,15 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     return Evaluation(step, tuple(costs), fits)
 
 
-def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, ...]],
+def lane_memory(costs: Sequence[StageCost],
+                per_mb: Sequence[tuple[float, float, float, float, float]],
                 units: Sequence[Sequence[tuple[float, float]]] | np.ndarray) -> list[StageCost]:
     """The stages of one lane with their memory as shares of the lane's peak.
 
     ``per_mb[s]``: one micro-batch's activations A (what it keeps of them where the stage
-    recomputes selectively), cut values in and out c, out alone o, and what its backward
-    rebuilds beside what it holds (A + o recomputing, A selectively; default A + o);
+    recomputes selectively), cut values in and out c, out alone o, and the activations and
+    outputs its backward rebuilds beside what it holds (recomputing: A and o; selectively:
+    the activations no kept op made, and none);
     ``units[t][s]``: at point t of the lane's list, the micro-batches stage s holds only the
     inputs of (a recomputing stage's, forward to backward) and those it holds whole
     (activations and cut values: forward to backward, or to ``W`` where the backward is
@@ -183,22 +187,21 @@ def lane_memory(costs: Sequence[StageCost], per_mb: Sequence[tuple[float, ...]],
     """
     u = np.asarray(units, dtype=float)  # (points, stages, 2)
     a_, c_, o_ = (np.array([x[k] for x in per_mb]) for k in range(3))
-    rebuilt = [x[3] if len(x) > 3 else x[0] + x[2] for x in per_mb]
     peak = u[int(np.argmax((u[:, :, 0] * (c_ - o_) + u[:, :, 1] * (a_ + c_)).sum(axis=1)))]
     # a recomputing stage whose backward is split holds what R rebuilt as ``whole`` units;
     # the others' backwards are the transient
     rc = [s for s, c in enumerate(costs)
           if (c.recompute and not u[:, s, 1].any()) or c.selective]
-    transient = max(rc, key=lambda s: rebuilt[s], default=None)
+    transient = max(rc, key=lambda s: per_mb[s][3] + per_mb[s][4], default=None)
     widest = max(range(len(costs)), key=lambda s: costs[s].workspace)
     out = []
     for s, c in enumerate(costs):
-        a, cuts, o = per_mb[s][:3]
+        a, cuts, o, rebuilt, rebuilt_out = per_mb[s]
+        if s != transient:
+            rebuilt = rebuilt_out = 0.0
         inputs, whole = float(peak[s][0]), float(peak[s][1])
-        extra = rebuilt[s] if s == transient else 0.0
-        again = extra - (o if c.recompute else 0.0) if extra else 0.0  # o goes with the cuts
-        act = whole * a + again
-        comm = inputs * (cuts - o) + whole * cuts + (extra - again)
+        act = whole * a + rebuilt
+        comm = inputs * (cuts - o) + whole * cuts + rebuilt_out
         out.append(replace(c, activations=round(act), comm_buffers=round(comm), overlap=0,
                            workspace=c.workspace if s == widest else 0))
     return out
