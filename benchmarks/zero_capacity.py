@@ -35,7 +35,8 @@ GiB = 1024**3
 
 
 FORBID = {"zero": {"zero": 0}, "offload": {"offload": False},
-          "layers": {"recompute_layers": False}, "selective": {"recompute_selective": False}}
+          "layers": {"recompute_layers": False}, "selective": {"recompute_selective": False},
+          "host_params": {"host_params": False}}
 
 
 def plan(layers: int, a: argparse.Namespace, world: int, searched: bool) -> Plan | str:
@@ -57,6 +58,7 @@ def describe(p: Plan | str) -> str:
     reps = "/".join(str(s.replicas) for s in p.stages)
     sharded = sum(s.zero for s in p.stages)
     off = sum(s.offload for s in p.stages)
+    hp = sum(s.host_params for s in p.stages)
     host = max(s.host_bytes for s in p.stages) / GiB
     rc = sum(s.recompute for s in p.stages)
     lay = sum(bool(s.checkpoints) for s in p.stages)
@@ -65,7 +67,8 @@ def describe(p: Plan | str) -> str:
     sim = f" ({p.simulated_step_ms / 1e3:.2f} s simulated)" if p.simulated_step_ms else ""
     return (f"{len(p.stages)} stages (replicas {reps}), {p.schedule}, m={p.micro_batches}, "
             f"recompute {rc}/{len(p.stages)} ({lay} layer by layer), selective {sel}, ZeRO-1 {sharded}/{len(p.stages)}, offload "
-            f"{off}/{len(p.stages)}" + (f" (host {host:.1f} GiB a rank at most)" if off else "")
+            f"{off}/{len(p.stages)}, parameters on the host {hp}/{len(p.stages)}"
+            + (f" (host {host:.1f} GiB a rank at most)" if off or hp else "")
             + ", largest stage "
             f"{100 * worst:.0f} % of budget; step {p.predicted_step_ms / 1e3:.2f} s{sim}")
 
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[33, 32, 24, 16])
     p.add_argument("--without", nargs="+", choices=tuple(FORBID), default=list(FORBID),
                    help="what the 'before' plans may not use: ZeRO-1 (zero), offloading "
-                   "(offload), recomputation layer by layer (layers)")
+                   "(offload), recomputation layer by layer (layers), selectively "
+                   "(selective), parameters in host memory (host_params)")
     a = p.parse_args(argv)
     print(f"| case | without {', '.join(a.without)} (before) | all searched (after) | both "
           "planned in |\n|---|---|---|---:|")

@@ -77,6 +77,15 @@ class Config(BaseModel):
         "after sharding; only on a device whose DeviceSpec has host_bandwidth and "
         "host_memory_bytes); True = every stage; False = none",
     )
+    host_params: bool | None = Field(
+        default=None,
+        description="parameters, their gradients and optimizer state in host memory: each use "
+        "in a stage's graph fetches its parameter to the device (the next ones fetched ahead, "
+        "overlapped with the compute), its gradient goes back to the host, and the optimizer "
+        "steps there (runtime/host_params.py): None = searched per stage (after every other "
+        "way to fit; only on a device whose DeviceSpec has host_bandwidth and "
+        "host_memory_bytes); True = every stage; False = none",
+    )
     zero: Literal[0, 1] | None = Field(
         default=None,
         description="ZeRO level inside each stage's replicas: None = searched per stage (1 "
@@ -240,6 +249,18 @@ class Config(BaseModel):
                 "split each backward in two and selective recomputation reruns inside one "
                 "backward; use recompute_selective=None, or schedule '1f1b', 'gpipe', "
                 "'interleaved' or None"
+            )
+        if self.host_params and (self.zero or self.offload):
+            raise ValueError(
+                f"host_params=True with zero={self.zero} and offload={self.offload}: a stage "
+                "whose parameters are in host memory keeps its whole optimizer state there and "
+                "steps it there; leave zero and offload to the search (None) or set them off"
+            )
+        if self.host_params and self.schedule in ("zbh1", "zbv", "interleaved"):
+            raise ValueError(
+                f"host_params=True with schedule={self.schedule!r}: parameters in host memory "
+                "run under the searched schedules only ('gpipe', '1f1b'); use host_params=None "
+                "or one of those"
             )
         if self.recompute_selective and self.recompute_layers:
             raise ValueError(

@@ -15,7 +15,10 @@ GiB = 1024**3
 # Dense peak rates as the vendors list them (no sparsity); the interconnect figure is the
 # per-GPU bandwidth of the usual fabric for that part (NVLink within a node). The host
 # figures are a DGX node's per GPU: its host memory over its 8 GPUs, and what one GPU's PCIe
-# link moves in practice (gen3 x16 about 12 GB/s, gen4 24, gen5 50).
+# link moves in practice (gen3 x16 about 12 GB/s, gen4 24, gen5 50), and its share of the
+# host's memory bandwidth (an optimizer step on the host streams through it): DGX-1's two
+# Xeon E5-2698 v4 about 154 GB/s over 8 GPUs, DGX A100's two EPYC 7742 410 GB/s, DGX H100's
+# two Xeon 8480C 614 GB/s (the channels' peak; a step reaches less).
 _PRESETS: dict[str, dict[str, Any]] = {
     "v100-32gb": dict(
         memory_bytes=32 * GiB,
@@ -25,6 +28,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         interconnect_latency=10e-6,
         host_bandwidth=12e9,
         host_memory_bytes=64 * GiB,
+        host_step_bandwidth=19e9,
     ),
     "a100-40gb": dict(
         memory_bytes=40 * GiB,
@@ -34,6 +38,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         interconnect_latency=10e-6,
         host_bandwidth=24e9,
         host_memory_bytes=128 * GiB,
+        host_step_bandwidth=51e9,
     ),
     "a100-80gb": dict(
         memory_bytes=80 * GiB,
@@ -43,6 +48,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         interconnect_latency=10e-6,
         host_bandwidth=24e9,
         host_memory_bytes=256 * GiB,
+        host_step_bandwidth=51e9,
     ),
     "h100-80gb": dict(
         memory_bytes=80 * GiB,
@@ -52,6 +58,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         interconnect_latency=10e-6,
         host_bandwidth=50e9,
         host_memory_bytes=256 * GiB,
+        host_step_bandwidth=77e9,
     ),
     "h200-141gb": dict(
         memory_bytes=141 * GiB,
@@ -61,6 +68,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         interconnect_latency=10e-6,
         host_bandwidth=50e9,
         host_memory_bytes=256 * GiB,
+        host_step_bandwidth=77e9,
     ),
     # A commodity CPU host running gloo over loopback: a few cores, tens of GB. gloo moves
     # about 0.6 GB/s between two processes here, with ~50-100 us per message; compile()
@@ -100,6 +108,9 @@ class DeviceSpec(BaseModel):
     allreduce_bandwidth: float | None = Field(default=None, gt=0)
     host_bandwidth: float | None = Field(default=None, gt=0)
     host_memory_bytes: int | None = Field(default=None, gt=0)
+    # bytes/s of host memory one device's share of an optimizer step on the host streams
+    # (parameters in host memory); None: host_bandwidth
+    host_step_bandwidth: float | None = Field(default=None, gt=0)
     # Fraction of peak that real kernels reach; the analytic cost model divides by it.
     efficiency: float = Field(default=0.5, gt=0, le=1)
 

@@ -345,12 +345,14 @@ class Plan(BaseModel):
                 ("layers" if st.checkpoints else "yes") if st.recompute
                 else "selective" if st.selective else "no",
                 str(st.zero),
+                f"params {_human_bytes(st.host_bytes)}" if st.host_params else
                 f"{_human_bytes(st.host_bytes)}" if st.offload else "no",
                 str(self.in_flight(st.index)),
                 f"{st.comm_ms:.2f}",
                 f"{st.accumulate_ms:.2f}",
                 f"{st.allreduce_ms:.2f}" + (f"+{st.gather_ms:.2f}" if st.zero else ""),
-                f"{st.optimizer_ms:.2f}" + (f"+{st.host_ms:.2f}" if st.offload else ""),
+                f"{st.optimizer_ms:.2f}" + (f"+{st.host_ms:.2f}" if st.offload or (
+                    st.host_params and st.host_ms) else ""),
                 _human_bytes(st.memory.total),
                 f"{100 * st.memory.total / self.memory_budget:.0f}%",
             ))

@@ -103,6 +103,12 @@ class Stage(BaseModel):
     offload: bool = False  # the (share of the) optimizer state in host memory
     host_ms: float = 0.0  # offload: its state to the device and back, each step
     host_bytes: int = 0  # offload: the optimizer state each replica keeps in host memory
+    # parameters, gradients and optimizer state in host memory (``runtime/host_params.py``):
+    # each use fetches its parameter to the device, window_bytes of them fetched ahead; the
+    # optimizer steps on the host; never with zero or offload (the state is on the host)
+    host_params: bool = False
+    window_bytes: int = Field(default=0, ge=0)
+    fetch_ms: float = 0.0  # host_params: the transfers of one micro-batch (not overlapped)
     memory: MemoryEstimate
 
     @property

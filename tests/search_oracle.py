@@ -60,6 +60,7 @@ class Figures:
     memory: float
     layers: bool = False
     selective: bool = False
+    host: bool = False
 
 
 def layer_transient(table: CostTable, k: int, i: int, j: int, A: float) -> float:
@@ -79,13 +80,17 @@ def layer_transient(table: CostTable, k: int, i: int, j: int, A: float) -> float
 
 
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
-                  recompute: int, zero: bool = False, offload: bool = False) -> Figures:
+                  recompute: int, zero: bool = False, offload: bool = False,
+                  host: bool = False) -> Figures:
     """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``recompute``: 0,
     1 (the forward again before each backward), 2 (layer by layer: the backward runs each
     layer's forward once more) or 3 (selectively: every micro-batch in flight keeps what the
     table's ``kept`` says, and its backward rebuilds the rest, ``rebuilt``, adding ``redo``); ``zero``: the optimizer state sharded over the r replicas
     (one replica: no effect); ``offload``: this replica's state in host memory, moved to the
-    device and back each step."""
+    device and back each step; ``host``: its parameters, gradients and state in host memory,
+    each parameter fetched to the device at each use (F, B, and each forward run again), the
+    gradients sent back, the step on the host; the device holds two of its largest block's
+    parameters (in use, fetched ahead) and one of gradients."""
     rho = int(recompute)
     recompute, selective = rho in (1, 2), rho == 3
     zero = zero and r > 1
@@ -113,8 +118,12 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     messages = (1 if i > 0 else 0) + (1 if j < B else 0)
     comm = 2 * (cin + cout) / space.link_bandwidth + 2 * space.link_latency * messages
     again_s = redo if selective else (F if rho else 0.0) + again
-    t = F + Bw + again_s + comm
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
+    t = F + Bw + again_s + comm
+    if host:  # fetched per use and overlapped: the compute or the transfers, the longer
+        times = 2 + (2 if rho == 2 else 1 if rho else 0)
+        assert space.host_bandwidth is not None
+        t = max(F + Bw + again_s, (times * param + grad) / space.host_bandwidth) + comm
     ar_bw = space.allreduce_bandwidth or space.link_bandwidth
     ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
     opt = 0.0 if table.optimizer_s is None else float(table.optimizer_s[i][j])
@@ -124,14 +133,27 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         opt = opt / r
         ag = (r - 1) / r * grad / ar_bw + (r - 1) * space.link_latency
     share = grad * space.optimizer_state_factor / (r if zero else 1)
-    host = share if offload else 0.0
-    moved = 2 * host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
+    kept_host = share if offload else 0.0
+    moved = 2 * kept_host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
+    if host:  # the all-reduce through the device, the step on the host
+        assert space.host_bandwidth is not None
+        moved = 2 * grad / space.host_bandwidth if r > 1 else 0.0
+        opt = grad * (3 + 2 * space.optimizer_state_factor) / (
+            space.host_step_bandwidth or space.host_bandwidth)
+        kept_host = param + grad + grad * space.optimizer_state_factor
     u = (m - 1) * (t + acc) + ar + ag + opt + moved
     activations = A if recompute else n * keep + rebuilt if selective else n * A
     # recomputing, a micro-batch in flight keeps its inputs; its outputs went on and R
     # makes them again, for one micro-batch at a time
     buffers = n * cin + cout if recompute else n * (cin + cout)
-    state = 0.0 if offload else share
+    state = 0.0 if offload or host else share
+    device_params = param
+    if host:
+        window = max([float(table.param_bytes[b][b + 1]) for b in range(i, j)] + [0.0])
+        device_params, grad_here = 2 * window, window
+    else:
+        grad_here = grad
+    grad_all, grad = grad, grad_here  # the peak meets the gradients the device holds
     # every micro-batch's batched model outputs until they go home, and the local batch's
     outputs = space.output_bytes
     if table.out is not None:
@@ -157,30 +179,33 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         peak = max(m * cin + cout + max(A, grad), (m - 1) * cin + cout + A + grad)
     overlap = grad + activations + buffers - peak
     # after the backwards the all-reduce copies a bucket of the gradients beside them
-    copy = min(grad, space.reduce_bucket) if r > 1 else 0.0
+    copy = min(grad_all, space.reduce_bucket) if r > 1 else 0.0
     if offload:  # or a bucket's state brought in for its step
-        copy = max(copy, min(host, space.reduce_bucket * space.optimizer_state_factor))
+        copy = max(copy, min(kept_host, space.reduce_bucket * space.optimizer_state_factor))
     ws = max(ws, grad + copy - peak)
-    return Figures(q, F, Bw, again_s, comm, ar, opt, acc, param, grad, state,
-                   activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, offload, moved, host, t, u,
-                   param + state + peak + ws + outputs, rho == 2, selective)
+    return Figures(q, F, Bw, again_s, comm, ar, opt, acc, device_params, grad, state,
+                   activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, offload,
+                   moved, kept_host, t, u, device_params + state + peak + ws + outputs, rho == 2,
+                   selective, host)
 
 
-# (recompute, zero, offload): the policy's order
-CHAIN = tuple((rho, zeta, omega) for rho in (0, 3, 1, 2)
-              for zeta, omega in ((False, False), (True, False), (True, True), (False, True)))
+# (recompute, zero, offload, host): the policy's order, the parameters in host memory last
+CHAIN = tuple((rho, zeta, omega, False) for rho in (0, 3, 1, 2)
+              for zeta, omega in ((False, False), (True, False), (True, True), (False, True))
+              ) + tuple((rho, False, False, True) for rho in (0, 3, 1, 2))
 
 
-def allowed(space: SearchSpace, table: CostTable) -> list[tuple[int, bool, bool]]:
+def allowed(space: SearchSpace, table: CostTable) -> list[tuple[int, bool, bool, bool]]:
     host = space.host_bandwidth is not None and space.host_budget > 0
     rhos = {None: (0, 1, 2, 3), False: (0,), True: (1, 2, 3)}[space.recompute]
     rhos = tuple(x for x in rhos if {None: True, False: x != 2, True: x in (0, 2)}[space.layers]
                  and {None: True, False: x != 3, True: x in (0, 3)}[space.selective]
                  and (table.segments is not None or x != 2)
                  and (table.kept is not None or x != 3))
-    return [(rho, zeta, omega) for rho, zeta, omega in CHAIN
+    return [(rho, zeta, omega, h) for rho, zeta, omega, h in CHAIN
             if rho in rhos and space.zero in (None, zeta)
-            and space.offload in (None, omega) and (host or not omega)]
+            and space.offload in (None, omega) and space.host_params in (None, h)
+            and (host or not (omega or h))]
 
 
 def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
@@ -190,9 +215,9 @@ def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int
     smaller u; None if none fits."""
     budget = space.memory_budget if budget is None else budget
     ok = allowed(space, table)
-    for rho, zeta, omega in ok:
-        f = stage_figures(table, space, i, j, r, m, n, rho, zeta, omega)
-        if not zeta and (rho, True, omega) in ok and \
+    for rho, zeta, omega, h in ok:
+        f = stage_figures(table, space, i, j, r, m, n, rho, zeta, omega, h)
+        if not zeta and not h and (rho, True, omega, False) in ok and \
                 stage_figures(table, space, i, j, r, m, n, rho, True, omega).u < f.u:
             continue
         if f.memory <= budget and f.host_state <= space.host_budget:
@@ -223,7 +248,8 @@ def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice
     """The step time and each stage's figures of a plan."""
     S = len(stages)
     figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
-                          in_flight(schedule, m, S - s), st.level, st.zero, st.offload)
+                          in_flight(schedule, m, S - s), st.level, st.zero, st.offload,
+                          st.host)
             for s, st in enumerate(stages)]
     return sum(f.t for f in figs) + max(f.u for f in figs), figs
 
@@ -301,7 +327,7 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
                     stages = tuple(StageChoice(bounds[s], bounds[s + 1], reps[s],
                                                figs[s].recompute, figs[s].zero,
                                                figs[s].offload, figs[s].layers,
-                                               figs[s].selective)
+                                               figs[s].selective, figs[s].host)
                                    for s in range(S))
                     best = Best(step, m, schedule, stages)
         setattr(out, side, best)
@@ -369,7 +395,7 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
                 f = memo[key]
                 if f is not None:
                     st = StageChoice(i, j, r, f.recompute, f.zero, f.offload, f.layers,
-                                     f.selective)
+                                     f.selective, f.host)
                     new += [(a + f.t, max(b, f.u), (*p, st)) for a, b, p in prev]
         return _front(new)
 

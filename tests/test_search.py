@@ -146,12 +146,17 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
     layers = [None, True, False][int(rng.choice(3, p=[0.6, 0.2, 0.2]))]
     selective = [None, True, False][int(rng.choice(3, p=[0.6, 0.2, 0.2]))]
     selective = None if layers and selective else selective  # both forced: refused
+    host_params = [None, True, False][int(rng.choice(3, p=[0.6, 0.1, 0.3]))]
+    if host_params:  # with sharding or offloading forced: refused
+        zero = None if zero else zero
+        offload = None if offload else offload
     space = SearchSpace(world_size=W, global_batch=G, memory_budget=1.0,
                         link_bandwidth=float(rng.uniform(0.5, 5)),
                         optimizer_state_factor=float(rng.choice([0.0, 0.5, 2.0])),
                         micro_batches=mbs, stages=stages, replicas=replicas,
                         schedules=schedules, recompute=recompute, zero=zero,
-                        offload=offload, layers=layers, selective=selective)
+                        offload=offload, layers=layers, selective=selective,
+                        host_params=host_params)
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     table = dataclasses.replace(table, act=table.act * 3)  # activations that matter
     if layers or rng.uniform() < 0.6:  # a model with layers to recompute one by one
@@ -166,16 +171,21 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
     space = dataclasses.replace(space, **random_links(rng),
                                 output_bytes=float(rng.uniform(0, 1)) if rng.uniform() < 0.3
                                 else 0.0)
-    if space.offload or rng.uniform() < 0.5:  # a host to offload to, its budget now and then
-        state = float(table.grad_bytes[0, B]) * space.optimizer_state_factor  # binding
+    if space.offload or space.host_params or rng.uniform() < 0.5:  # a host, its budget binding
+        state = float(table.grad_bytes[0, B]) * space.optimizer_state_factor  # now and then
+        if rng.uniform() < 0.5:  # or what parameters in host memory keep there
+            state += float(table.param_bytes[0, B] + table.grad_bytes[0, B])
         space = dataclasses.replace(space, host_bandwidth=float(rng.uniform(0.2, 5)),
-                                    host_budget=float(rng.uniform(0.1, 1.5)) * (state + 1))
+                                    host_budget=float(rng.uniform(0.1, 1.5)) * (state + 1),
+                                    host_step_bandwidth=float(rng.uniform(0.2, 5))
+                                    if rng.uniform() < 0.5 else None)
     if rng.uniform() < tight:
         least = least_largest_stage(table, space)
         plain = least_largest_stage(table, dataclasses.replace(space, schedules=("gpipe",),
                                                                recompute=False, zero=False,
                                                                offload=False, layers=None,
-                                                               selective=None))
+                                                               selective=None,
+                                                               host_params=False))
         if math.isfinite(least):
             budget = least + rng.uniform(0, 1.2) * ((plain if math.isfinite(plain) else 2 * least)
                                                     - least)
@@ -227,6 +237,9 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert all(s.layers == (space.layers and s.recompute) for s in st)
     if space.selective is not None:
         assert all(s.selective == (space.selective and s.level > 0) for s in st)
+    if space.host_params is not None:
+        assert all(s.host == space.host_params for s in st)
+    assert all(not (s.host and (s.zero or s.offload)) for s in st)
     assert all(s.recompute or not s.layers for s in st)
     assert all(not (s.selective and s.recompute) for s in st)
     assert res.schedule in space.schedules
@@ -235,8 +248,9 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
     assert all(f.host_state <= space.host_budget for f in figs)
     assert res.evaluation.step_s == pytest.approx(step, rel=1e-9, abs=1e-12)
     for c, f in zip(res.evaluation.stages, figs, strict=True):
-        assert (c.samples, c.in_flight, c.recompute, c.selective, c.zero, c.offload) == (
-            f.samples, f.in_flight, f.recompute, f.selective, f.zero, f.offload)
+        assert (c.samples, c.in_flight, c.recompute, c.selective, c.zero, c.offload,
+                c.host) == (f.samples, f.in_flight, f.recompute, f.selective, f.zero,
+                            f.offload, f.host)
         for name in _TIMES:
             assert getattr(c, name) == pytest.approx(getattr(f, name), rel=1e-9, abs=1e-12)
         for name in _BYTES:  # StageCost rounds each part to whole bytes
@@ -245,12 +259,14 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert f.memory <= space.memory_budget * (1 + SLACK)
     for s, f in zip(st, figs, strict=True):  # the policy: a variant only where needed
         args = (table, space, s.start, s.end, s.replicas, m, f.in_flight)
-        if s.level:  # no variant recomputing less fits (the chain's order: 0, 3, 1, 2)
-            for rho, zeta, omega in allowed(space, table):
-                g = stage_figures(*args, rho, zeta, omega)
-                assert _CHAIN_RANK[rho] >= _CHAIN_RANK[s.level] or g.memory > space.memory_budget * (1 - SLACK) or \
+        if s.level or s.host:  # no variant earlier in the chain fits (recomputation's order:
+            # 0, 3, 1, 2; the parameters in host memory after all of those)
+            mine = (s.host, _CHAIN_RANK[s.level])
+            for rho, zeta, omega, h in allowed(space, table):
+                g = stage_figures(*args, rho, zeta, omega, h)
+                assert (h, _CHAIN_RANK[rho]) >= mine or g.memory > space.memory_budget * (1 - SLACK) or \
                     g.host_state > space.host_budget or (  # or its sharded twin is faster
-                        not zeta and (rho, True, omega) in allowed(space, table)
+                        not zeta and not h and (rho, True, omega, False) in allowed(space, table)
                         and stage_figures(*args, rho, True, omega).u < g.u)
         if s.zero and space.zero is None and not s.offload:  # its twin: no fit, or more u
             twin = stage_figures(*args, s.level, False)
@@ -287,7 +303,7 @@ def test_matches_brute_force_small(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seen = {"none fits": 0, "plain fits": 0, "needs recompute or 1f1b": 0, "1f1b": 0,
             "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0, "layers": 0,
-            "selective": 0}
+            "selective": 0, "host": 0}
     for _ in range(200):
         got, want = compare(*random_case(rng, 6, 5, tight=0.5))
         if got is None:
@@ -301,12 +317,14 @@ def test_matches_brute_force_small(seed: int) -> None:
         seen["offload"] += any(s.offload for s in got.stages)
         seen["layers"] += any(s.layers for s in got.stages)
         seen["selective"] += any(s.selective for s in got.stages)
+        seen["host"] += any(s.host for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
     assert 20 < seen["none fits"] < 100 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
     assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen
     assert seen["offload"] > 10 and seen["layers"] > 2 and seen["selective"] > 2, seen
+    assert seen["host"] >= 2, seen
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -328,7 +328,11 @@ def _search_space(
                    else False),
         zero=None if cfg.zero is None else bool(cfg.zero),
         offload=cfg.offload,
+        # parameters in host memory run under GPipe and 1F1B (not a lane's several stages,
+        # nor a split backward)
+        host_params=cfg.host_params if cfg.schedule in (None, "gpipe", "1f1b") else False,
         host_bandwidth=host_bw,
+        host_step_bandwidth=spec.host_step_bandwidth,
         host_budget=host_budget,
         reduce_bucket=BUCKET_BYTES,
     )
@@ -340,7 +344,7 @@ def _host(spec: DeviceSpec, cfg: Config) -> tuple[float | None, float]:
     runs the same path, costed as if the host were apart and unbounded."""
     if spec.host_bandwidth is not None and spec.host_memory_bytes is not None:
         return spec.host_bandwidth, spec.host_memory_bytes * (1 - cfg.memory_margin)
-    if cfg.offload:
+    if cfg.offload or cfg.host_params:
         return spec.host_bandwidth or spec.memory_bandwidth, math.inf
     return None, 0.0
 

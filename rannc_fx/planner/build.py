@@ -113,6 +113,9 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             offload=cost.offload,
             host_ms=ms * cost.host_s,
             host_bytes=cost.host_state,
+            host_params=cost.host,
+            window_bytes=cost.window,
+            fetch_ms=ms * cost.fetch_s,
             memory=MemoryEstimate(
                 params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
                 activations=cost.activations, comm_buffers=cost.comm_buffers,

@@ -106,11 +106,13 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
     # may suit them better (the 1024-layer BERT-large's on 32 V100s interleaved, the 100 B
     # BERT's on 33 A100s under ZBV, the 512-layer BERT-large's interleaved)
     space, current = a.space, result
-    for field in ("layers", "offload", "zero"):
+    for field in ("host_params", "layers", "offload", "zero"):
         if getattr(a.space, field) is not None or not any(_uses(st, field)
                                                          for st in current.stages):
             continue  # forced by the user, or not used
-        if field == "layers":  # and without selective recomputation: both rerun in B
+        if field == "host_params":  # the schedules after the search keep parameters on device
+            space = dataclasses.replace(space, host_params=False)
+        elif field == "layers":  # and without selective recomputation: both rerun in B
             space = dataclasses.replace(space, layers=False, selective=(
                 False if a.space.selective is None else a.space.selective))
         else:  # without sharding, without offloading either (unless the user forced it)
@@ -141,7 +143,10 @@ def _with_schedules(a: Analysis, result: SearchResult, seconds: float) -> Plan:
 
 
 def _uses(st: StageChoice, field: str) -> bool:
-    """The searched stage recomputes layer by layer, offloads, or shards (or offloads)."""
+    """The searched stage keeps its parameters in host memory, recomputes layer by layer,
+    offloads, or shards (or offloads)."""
+    if field == "host_params":
+        return st.host
     return (st.layers or st.selective) if field == "layers" else st.offload if field == "offload" else (
         st.zero or st.offload)
 

@@ -49,6 +49,8 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
     if len(result.stages) < 2 and not forced:
         return plan
     stages, m = result.stages, result.micro_batches
+    if any(st.host for st in stages):  # parameters in host memory: GPipe and 1F1B only
+        return plan
     if any(st.layers or st.selective for st in stages):  # recomputing inside one backward
         if forced:
             raise ValueError(

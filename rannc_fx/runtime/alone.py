@@ -40,6 +40,7 @@ def runs_alone(plan: Plan) -> bool:
         and plan.micro_batches == 1
         and not plan.stages[0].recompute
         and not plan.stages[0].selective
+        and not plan.stages[0].host_params
         and plan.tail is None
         and kinds <= {"tensor", "int", "ints"}
     )

@@ -283,14 +283,25 @@ def all_reduce_flat(
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        home = flat.device
+        if home.type == "cpu" and _backend(group) == "nccl":  # host gradients (host_params)
+            flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
         def start(async_op: bool, flat: torch.Tensor = flat) -> Any:
             return dist.all_reduce(flat, op=op, group=group, async_op=async_op)
 
         collective(start, f"all-reduce of {what}", ranks=ranks, groups=groups,
                    cpu=flat.device.type == "cpu")
+        flat = flat.to(home)
         for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True):
             out[i] = piece.view_as(tensors[i])
     return [t for t in out if t is not None]
+
+
+def _backend(group: dist.ProcessGroup | None) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return ""
 
 
 # The most bytes one bucket of a flat collective copies (a gradient all-reduce, ZeRO-1's

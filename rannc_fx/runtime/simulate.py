@@ -197,19 +197,21 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
 
     def of(a: Action) -> float:
         st = plan.stages[a.stage]
+        k = stretch(st)
         if a.kind is Kind.F:
-            return 1e-3 * (st.fwd_ms + st.comm_ms / 2)
+            return 1e-3 * (k * st.fwd_ms + st.comm_ms / 2)
         if a.kind is Kind.R:
-            return 1e-3 * st.fwd_ms
+            return 1e-3 * k * st.fwd_ms
         acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
         w = weight_share(st)
         if a.kind is Kind.B and (a.stage, a.microbatch) in split:
             walk = SPLIT_NODE_MS * st.num_nodes
-            return 1e-3 * (st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + walk + st.comm_ms / 2)
+            return 1e-3 * (k * st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + walk
+                           + st.comm_ms / 2)
         if a.kind is Kind.B:  # layer by layer, each layer's forward runs again inside it
-            return 1e-3 * (st.bwd_ms + st.again_ms + st.comm_ms / 2 + acc)
+            return 1e-3 * (k * (st.bwd_ms + st.again_ms) + st.comm_ms / 2 + acc)
         if a.kind is Kind.W:
-            return 1e-3 * (st.bwd_ms * w * (1 + SPLIT_OVERHEAD) + acc)
+            return 1e-3 * (k * st.bwd_ms * w * (1 + SPLIT_OVERHEAD) + acc)
         if a.kind is Kind.REDUCE:  # every stage of its lane
             return 1e-3 * sum(plan.stages[j].allreduce_ms + plan.stages[j].optimizer_ms
                               + plan.stages[j].gather_ms + plan.stages[j].host_ms
@@ -217,6 +219,14 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
         return 0.0
 
     return of
+
+
+def stretch(st: Stage) -> float:
+    """How much longer a stage's compute takes than its profile says: 1, or where its
+    parameters are in host memory and their transfers (overlapped with it) take longer than
+    the compute of a micro-batch, their ratio."""
+    compute = st.fwd_ms * (2 if st.recompute else 1) + st.bwd_ms + st.again_ms
+    return max(1.0, st.fetch_ms / compute) if st.host_params and compute > 0 else 1.0
 
 
 def simulate_plan(plan: Plan) -> Simulation:

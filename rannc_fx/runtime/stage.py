@@ -46,6 +46,7 @@ from .backward_split import backward_inputs, backward_weights
 from .buffers import BufferSync
 from .checks import check_stage_outputs
 from .comm import Groups, Message, Pending, post
+from .host_params import HostParams
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .recompute import build_segmented
@@ -101,6 +102,11 @@ class StageRunner:
         # forward updates (BufferSync restores it before the next micro-batch)
         self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
         self.trainable = [p for p in module.parameters() if p.requires_grad]
+        # parameters in host memory: each use in the graph fetches its parameter
+        self.host = HostParams(module, device, window=stage.window_bytes,
+                               name=f"stage {stage.index}") if stage.host_params else None
+        if self.host is not None:
+            self.host.install()
         # recomputation layer by layer: what R runs (``recompute.py``); F runs ``module``
         self.segmented = build_segmented(
             module, stage.checkpoints, recompute_scope=buffers.recompute_scope,
@@ -267,6 +273,10 @@ class StageRunner:
         return args
 
     def forward(self, step: StepState, i: int) -> None:
+        with self._fetching():
+            self._forward(step, i)
+
+    def _forward(self, step: StepState, i: int) -> None:
         args = self._args(step, i)
         self.buffers.before_microbatch(i)
         if step.grad and self.recompute:
@@ -279,7 +289,8 @@ class StageRunner:
         elif step.grad and self.selective:
             outs = self._run_selective(args)
         else:
-            outs = self._run(args)
+            with self._saving():
+                outs = self._run(args)
         self.buffers.after_microbatch(i, self.shares[i])
         check_stage_outputs(self.stage, self.cuts, self.spans[i][1] - self.spans[i][0], outs)
         self.outputs.accumulate(i, outs, step.reduced)
@@ -296,13 +307,19 @@ class StageRunner:
         """R: micro-batch i's forward again, with gradients, as its F ran it."""
         # enable_grad: a deferred backward runs inside autograd's backward, where it is off
         with (
+            self._fetching(),
             torch.enable_grad(),
             _rng_restored(step.rng.pop(i), self.device),
             self.buffers.recompute_scope(),
+            self._saving(),
         ):
             step.outs[i] = self._run(step.args[i], self.segmented)
 
     def backward(self, step: StepState, i: int) -> None:
+        with self._fetching():
+            self._backward(step, i)
+
+    def _backward(self, step: StepState, i: int) -> None:
         recv: dict[Transfer, torch.Tensor] = {}
         for pending, got in step.grad_recv.pop(i, ()):
             self._wait(pending, "SEND_B", i)
@@ -343,7 +360,21 @@ class StageRunner:
         """W: micro-batch i's parameter gradients, into ``.grad``."""
         work = step.weight_work.pop(i, None)
         if work is not None:
-            backward_weights(work)
+            with self._fetching():
+                backward_weights(work)
+
+    @contextlib.contextmanager
+    def _fetching(self) -> Iterator[None]:
+        """An action that may fetch parameters from the host: none stays fetched after it."""
+        try:
+            yield
+        finally:
+            if self.host is not None:
+                self.host.release()
+
+    def _saving(self) -> contextlib.AbstractContextManager[None]:
+        """What a forward saves of a fetched parameter is fetched again by its backward."""
+        return self.host.saving() if self.host is not None else contextlib.nullcontext()
 
     def _run(self, args: list[Any], module: fx.GraphModule | None = None) -> tuple[Any, ...]:
         outs = (self.module if module is None else module)(*args)

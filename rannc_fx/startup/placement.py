@@ -98,20 +98,26 @@ def place_stage(
     optimizer: torch.optim.Optimizer | None = None,
     init: InitFn | None = None,
     seed: int = 0,
+    host_params: bool = False,
 ) -> Placement:
     """Move or materialize ``stage``'s tensors on ``device``, in ``model``, ``stage``, the
-    other module trees in ``holders`` and ``optimizer``; then ``free_others``."""
+    other module trees in ``holders`` and ``optimizer``; then ``free_others``. With
+    ``host_params`` the parameters go to host memory instead (pinned where the device is a
+    GPU, so that their copies to it can overlap the compute)."""
     placement = Placement(device)
     new: dict[int, torch.Tensor] = {}
     materialized: list[torch.Tensor] = []
+    host = torch.device("cpu")
     with torch.no_grad():
         for t in _stage_tensors(stage).values():
+            where = host if host_params and isinstance(t, nn.Parameter) else device
+            pin = where != device and device.type == "cuda"
             if t.device.type == "meta":
-                new[id(t)] = _allocate(t, device)
+                new[id(t)] = _allocate(t, where, pin=pin)
                 materialized.append(new[id(t)])
                 placement.materialized_bytes += t.nbytes
-            elif t.device != device:
-                new[id(t)] = _copy(t, device)
+            elif t.device != where or (pin and not t.is_pinned()):
+                new[id(t)] = _copy(t, where, pin=pin)
                 placement.moved_bytes += t.nbytes
         _replace(new, (model, stage, *holders), optimizer)
         if materialized:
@@ -178,8 +184,8 @@ def _plain_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
 
 
-def _allocate(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+def _allocate(t: torch.Tensor, device: torch.device, *, pin: bool = False) -> torch.Tensor:
+    new = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
     if new.is_floating_point() or new.is_complex():
         new.fill_(float("nan"))  # what no init wrote stays visible as NaN
     else:
@@ -187,8 +193,9 @@ def _allocate(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _like(t, new)
 
 
-def _copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return _like(t, t.detach().to(device, copy=True))
+def _copy(t: torch.Tensor, device: torch.device, *, pin: bool = False) -> torch.Tensor:
+    data = t.detach().to(device, copy=True)
+    return _like(t, data.pin_memory() if pin else data)
 
 
 def _like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def set_up_rank(
     try:
         placement = place_stage(
             model, stage, device, holders=(captured.gm,), optimizer=optimizer,
-            init=init, seed=seed,
+            init=init, seed=seed, host_params=any(plan.stages[s].host_params for s in mine),
         )  # fmt: skip
     except RuntimeError as e:
         agree([str(e)], "cannot place the stages", error=RuntimeError)

@@ -36,6 +36,7 @@ from .terms import SELECTIVE, StageTerms, reruns, stage_terms
 from .variants import (
     VARIANTS,
     after_transient,
+    host_bytes,
     host_state,
     state_saved,
     update_s,
@@ -47,7 +48,7 @@ __all__ = ["Candidates", "OneFOneB", "depth_limit", "dominated", "max_in_flight"
 # each unsharded variant's sharded twin: the same recomputation and offloading
 _TWIN = {k: next(j for j, w in enumerate(VARIANTS)
                  if w.zero and (w.recompute, w.offload) == (v.recompute, v.offload))
-         for k, v in enumerate(VARIANTS) if not v.zero}
+         for k, v in enumerate(VARIANTS) if not (v.zero or v.host)}
 
 
 def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
@@ -61,8 +62,8 @@ def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
 
 
 def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
-                  saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0
-                  ) -> np.ndarray:
+                  saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0,
+                  host: bool = False) -> np.ndarray:
     """The largest n in [0, m] with ``terms.memory(n, recompute, transient) - saved <=
     budget`` (0: none; ``recompute``: rho, 0 to 3; ``saved``: ``variants.state_saved``,
     -inf where the variant cannot be; ``transient``: ``variants.after_transient``).
@@ -71,7 +72,7 @@ def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
     it: the limit agrees with ``evaluate`` to the last bit.
     """
     def mem(n: np.ndarray | int) -> np.ndarray:
-        return terms.memory(n, recompute, transient) - saved
+        return terms.memory(n, recompute, transient, host) - saved
 
     per = (terms.cuts - terms.cout if reruns(recompute) else terms.keep + terms.cuts
            if recompute == SELECTIVE else terms.act + terms.cuts)
@@ -166,13 +167,14 @@ class Candidates:
         self.acc = range_sum(table.accumulate_s, iu, ju)
         self.opt = range_sum(table.optimizer_s, iu, ju)
         self.grad = np.asarray(table.grad_bytes, float)[iu, ju]
+        self.params = np.asarray(table.param_bytes, float)[iu, ju]
         self.kinds = variants(space, table.segments is not None, table.kept is not None)
         if space.layers and space.recompute is not False and table.segments is None:
             raise ValueError("recompute_layers=True, but the model has no layers to recompute "
                              "one by one (children of an nn.ModuleList or nn.Sequential of alike modules): "
                              "use recompute_layers=None or False")
         self._terms: dict[tuple[int, int], StageTerms] = {}
-        self._fixed: dict[tuple[bool, bool], np.ndarray] = {}
+        self._fixed: dict[tuple[bool, bool, bool], np.ndarray] = {}
         self._saved: dict[tuple[bool, bool], np.ndarray] = {}
         self.live = self._live()
 
@@ -193,6 +195,8 @@ class Candidates:
                 and sp.output_bytes >= 0):
             return every
         params = np.asarray(t.param_bytes, float)[self.iu, self.ju]
+        if any(VARIANTS[v].host for v in self.kinds):  # a window of them on the device
+            return every
         if any(VARIANTS[v].offload for v in self.kinds):
             least = (params + self.grad) * (1 - 1e-9)
         elif any(VARIANTS[v].zero for v in self.kinds) and sp.world_size > 1:
@@ -214,7 +218,8 @@ class Candidates:
         """The memory of the stages ``terms`` holds (rows of them, all if None) on r replicas
         with n in flight, as variant ``kind`` (infinite where its host share does not fit)."""
         saved, tr = self.offsets(kind, r, rows)
-        return terms.memory(n, VARIANTS[kind].recompute, tr) - saved
+        v = VARIANTS[kind]
+        return terms.memory(n, v.recompute, tr, v.host) - saved
 
     def offsets(self, kind: int, r: int | np.ndarray, rows: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -228,6 +233,12 @@ class Candidates:
         saved = self.saved(v.zero, v.offload, r, rows)
         if v.offload:
             over = host_state(sp, grad, np.array(r), v.zero, True) > sp.host_budget
+            saved = np.where(over, -np.inf, saved)
+        if v.host:
+            params = self.params if rows is None else self.params[rows]
+            if np.ndim(r) == 2:
+                params = params[:, None]
+            over = host_bytes(sp, params, grad) > sp.host_budget
             saved = np.where(over, -np.inf, saved)
         return saved, after_transient(sp, grad, np.array(r), v.zero, v.offload)
 
@@ -265,11 +276,11 @@ class Candidates:
         """u of the stages (rows; all if None) at each replica count (columns) given t, as
         variant ``kind`` (its sharding and offloading)."""
         v = VARIANTS[kind]
-        key = (v.zero, v.offload)
+        key = (v.zero, v.offload, v.host)
         if key not in self._fixed:  # up_s of every stage at every replica count, once
             every = np.arange(1, self.space.world_size + 1)
             self._fixed[key] = update_s(self.space, self.grad[:, None], self.opt[:, None],
-                                        every[None, :], v.zero, v.offload)
+                                        every[None, :], v.zero, v.offload, v.host)
         f = self._fixed[key]
         up = f[:, reps - 1] if rows is None else f[rows[:, None], reps - 1]
         acc = self.acc if rows is None else self.acc[rows]
@@ -301,11 +312,12 @@ class Candidates:
             cols = np.flatnonzero(ks == k)
             terms = self.terms(k, m).take(rows)
             wide, rr = terms.column(), reps[cols]
-            times = {rho: np.broadcast_to(terms.time(rho)[:, None], (P, len(cols)))
-                     for rho in (0, 1, 2, SELECTIVE)}
+            times = {(rho, h): np.broadcast_to(terms.time(rho, h)[:, None], (P, len(cols)))
+                     for rho, h in {(VARIANTS[v].recompute, VARIANTS[v].host)
+                                    for v in self.kinds}}
             us = np.zeros((P, len(cols), len(VARIANTS)))
             for v in self.kinds:
-                us[:, :, v] = self._u(m, times[VARIANTS[v].recompute], rr, rows, v)
+                us[:, :, v] = self._u(m, times[_rh(v)], rr, rows, v)
             skip = dominated(us, self.kinds)
             unset = np.ones((P, len(cols)), bool)
             t, u, mem_, kind = (np.full((P, len(cols)), x) for x in (np.inf, np.inf, np.inf,
@@ -313,7 +325,7 @@ class Candidates:
             for v in self.kinds:
                 mem = self.memory(wide, m, v, rr[None, :], rows)
                 take = unset & ~skip[:, :, v] & (mem <= sp.memory_budget)
-                t[take] = times[VARIANTS[v].recompute][take]
+                t[take] = times[_rh(v)][take]
                 u[take], mem_[take], kind[take] = us[:, :, v][take], mem[take], v
                 unset &= ~take
             T[:, cols], U[:, cols], M[:, cols], KIND[:, cols] = t, u, mem_, kind
@@ -338,7 +350,7 @@ class Candidates:
         pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r), m)
         ts, us = np.zeros(len(VARIANTS)), np.zeros(len(VARIANTS))
         for v in self.kinds:
-            t = terms.time(VARIANTS[v].recompute)[pair]
+            t = terms.time(*_rh(v))[pair]
             ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, v)[0, 0]
         skip = dominated(us, self.kinds)
         one = terms.take(pair)
@@ -360,7 +372,7 @@ class Candidates:
         live = self.live  # the others fit nowhere: they never make an edge
         by_k = {k: self.terms(k, m).take(live) for k in dict.fromkeys(ks)}
         # no variant beats the first allowed one's t + u: only stages that can still win
-        t_first = np.stack([by_k[k].time(VARIANTS[first].recompute) for k in ks], axis=1)
+        t_first = np.stack([by_k[k].time(*_rh(first)) for k in ks], axis=1)
         can_win = t_first + self._u(m, t_first, reps, live, first) < below
         if gains_only:
             full = np.stack([self.memory(by_k[k], m, self.kinds[0], r, live)
@@ -374,10 +386,11 @@ class Candidates:
             terms = self.terms(k, m).take(rows)
             wide = terms.column()
             for v in self.kinds:
-                rho = VARIANTS[v].recompute
-                T[:, cols, v] = terms.time(rho)[:, None]
+                rho, host = _rh(v)
+                T[:, cols, v] = terms.time(rho, host)[:, None]
                 FIT[:, cols, v] = max_in_flight(wide, rho, m, sp.memory_budget,
-                                                *self.offsets(v, reps[cols][None, :], rows))
+                                                *self.offsets(v, reps[cols][None, :], rows),
+                                                host=host)
         U = np.stack([self._u(m, T[:, :, v], reps, rows, v) for v in range(V)], axis=2)
         FIT[dominated(U, self.kinds)] = -1
         # a stage's first variant that fits somewhere (at n = 1) stands for it
@@ -392,3 +405,10 @@ class Candidates:
         edges = self._edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
         return OneFOneB(m, edges, T.reshape(-1, V)[keep], U.reshape(-1, V)[keep],
                         FIT.reshape(-1, V)[keep])
+
+
+def _rh(kind: int) -> tuple[int, bool]:
+    """Variant ``kind``'s recomputation level and whether its parameters are on the host:
+    what its t depends on."""
+    v = VARIANTS[kind]
+    return v.recompute, v.host

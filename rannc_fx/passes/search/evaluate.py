@@ -28,7 +28,9 @@ from .terms import SELECTIVE, held_bytes, kept_cuts, outputs_held, reruns, stage
 from .variants import (
     after_transient,
     allreduce_s,
+    host_bytes,
     host_state,
+    host_step_s,
     state_saved,
     update_s,
 )
@@ -49,46 +51,54 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
                          "build it for needed_sizes(space)")
     k, ii, jj = kidx[q], np.array([i]), np.array([j])
     terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]), m)
-    t = float(terms.time(rho)[0])
+    hp = st.host
+    t = float(terms.time(rho, hp)[0])
     grad = float(table.grad_bytes[i, j])
     g, rr = np.array([grad]), np.array([r])
     ar = float(allreduce_s(space, g, rr)[0])
     opt, acc = float(range_sum(table.optimizer_s, ii, jj)[0]), float(
         range_sum(table.accumulate_s, ii, jj)[0])
-    up = update_s(space, g, np.array([opt]), rr, zeta, omega)
+    up = update_s(space, g, np.array([opt]), rr, zeta, omega, hp)
     base = update_s(space, g, np.array([opt]), rr, zeta)  # without the host traffic
     u = float(bottleneck_s(m, np.array([t]), np.array([acc]), up)[0])
     saved = state_saved(space, g, rr, zeta, omega)
     tr = after_transient(space, g, rr, zeta, omega)
-    host = float(host_state(space, g, rr, zeta, omega)[0])
+    host = float((host_bytes(space, terms.params, g) if hp
+                  else host_state(space, g, rr, zeta, omega))[0])
+    # host_params: the device holds two windows of parameters and one of gradients
+    window = float(terms.window[0])
+    params, grads = (2 * window, window) if hp else (float(table.param_bytes[i, j]), grad)
     cuts = float(terms.cuts[0])
     act = float(terms.held(rho)[0])
     cout = float(terms.cout[0])
     rerun, selective = reruns(rho), rho == SELECTIVE
     kept = float(kept_cuts(np.array([cuts]), np.array([cout]), n, rerun)[0])
     keep = terms.keep if selective else None
-    held = float(held_bytes(g, np.array([act]), np.array([cuts]), np.array([cout]), n, m,
-                            rerun, keep)[0])
+    held = float(held_bytes(np.array([grads]), np.array([act]), np.array([cuts]),
+                            np.array([cout]), n, m, rerun, keep)[0])
     # activations: one micro-batch's (recomputing), or n micro-batches' (what selective
     # recomputation keeps of each, and one micro-batch's rebuilt in its backward)
     acts = act if rerun else n * float(terms.keep[0]) + act if selective else n * act
     # the largest transient: an op's workspace, or the all-reduce's copy beyond what the
     # backwards held (memory = fixed + max(held + ws, G + tr))
-    ws = max(float(terms.ws[0]), grad + float(tr[0]) - held)
+    ws = max(float(terms.ws[0]), grads + float(tr[0]) - held)
+    state = 0.0 if hp else grad * space.optimizer_state_factor - float(saved[0])
+    fetch = float(terms.fetch_s(rho)[0]) if hp else 0.0
+    step_s = float(host_step_s(space, g)[0])  # host_params: the optimizer step on the host
     cost = StageCost(
         samples=q, fwd_s=float(table.fwd[k, i:j].sum()), bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
-        allreduce_s=ar, optimizer_s=opt / r if zeta else opt, accumulate_s=acc,
-        gather_s=float(base[0]) - ar - opt / r if zeta else 0.0, zero=zeta,
-        offload=omega, host_s=float(up[0] - base[0]), host_state=round(host),
-        params=round(float(table.param_bytes[i, j])), grads=round(grad),
-        optimizer_state=round(grad * space.optimizer_state_factor - float(saved[0])),
+        allreduce_s=ar, optimizer_s=step_s if hp else opt / r if zeta else opt,
+        accumulate_s=acc, gather_s=float(base[0]) - ar - opt / r if zeta else 0.0, zero=zeta,
+        offload=omega, host_s=float(up[0] - ar - step_s if hp else up[0] - base[0]),
+        host_state=round(host), host=hp, fetch_s=fetch, window=round(window) if hp else 0,
+        params=round(params), grads=round(grads), optimizer_state=round(state),
         activations=round(acts), comm_buffers=round(kept),
-        overlap=round(grad + acts + kept - held),
+        overlap=round(grads + acts + kept - held),
         workspace=round(ws), recompute=rerun, selective=selective, in_flight=n,
         recompute_s=float(terms.recomputed(rho)[0]),
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
-    mem = float((terms.memory(n, rho, tr) - saved)[0])
+    mem = float((terms.memory(n, rho, tr, hp) - (0.0 if hp else saved))[0])
     if host > space.host_budget:  # offloaded state the host cannot hold
         mem = math.inf
     # what its backward rebuilds: recomputing, its activations and outputs; selectively,

@@ -24,6 +24,7 @@ from .variants import (
     VARIANTS,
     Variant,
     after_transient,
+    host_bytes,
     host_state,
     state_saved,
     variants,
@@ -92,12 +93,14 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
 
     def weights(idx: np.ndarray) -> np.ndarray:
         at = (where[0][idx], where[1][idx])
-        terms = StageTerms(**{f: stacked[f][at][:, None] for f in TERMS}, m=m)
+        terms = StageTerms(**{f: stacked[f][at][:, None] for f in TERMS}, m=m,
+                           host_bw=sp.host_bandwidth or np.inf)
         reps, rows = e.reps[idx].astype(np.int64), where[1][idx]
 
         def variant(k: int) -> np.ndarray:
             saved, tr = cands.offsets(k, reps, rows)
-            return terms.memory(n, VARIANTS[k].recompute, tr[:, None]) - saved[:, None]
+            return terms.memory(n, VARIANTS[k].recompute, tr[:, None],
+                                VARIANTS[k].host) - saved[:, None]
 
         return np.min([variant(k) for k in cands.kinds], axis=0)
 
@@ -207,7 +210,8 @@ def _at(space: SearchSpace, terms: StageTerms, grad: np.ndarray, n: int, r: int,
     """The stages' memory as variant ``v`` on r replicas (infinite where its offloaded state
     is over the host budget)."""
     rr = np.array(r)
-    mem = terms.memory(n, v.recompute, after_transient(space, grad, rr, v.zero, v.offload)) \
-        - state_saved(space, grad, rr, v.zero, v.offload)
-    host = host_state(space, grad, rr, v.zero, v.offload)
+    mem = terms.memory(n, v.recompute, after_transient(space, grad, rr, v.zero, v.offload),
+                       v.host) - state_saved(space, grad, rr, v.zero, v.offload)
+    host = host_bytes(space, terms.params, grad) if v.host else host_state(
+        space, grad, rr, v.zero, v.offload)
     return np.where(host > space.host_budget, np.inf, mem)

@@ -188,7 +188,13 @@ class SearchSpace:
     selective: bool | None = None
     zero: bool | None = None  # ZeRO-1 over a stage's replicas: as ``recompute`` (r = 1: never)
     offload: bool | None = None  # optimizer state in host memory: as ``recompute``
+    # parameters, gradients and optimizer state in host memory, fetched at each use (the
+    # optimizer steps on the host): as ``recompute``
+    host_params: bool | None = None
     host_bandwidth: float | None = None  # bytes/s device <-> host; None: nothing to offload to
+    # bytes/s of host memory an optimizer step on the host has for one device; None:
+    # host_bandwidth
+    host_step_bandwidth: float | None = None
     host_budget: float = 0.0  # host bytes a device may fill with offloaded state
     output_bytes: float = 0.0  # batched model outputs of one rank's local batch (every rank)
     reduce_bucket: float = 64 * 2**20  # bytes the gradient all-reduce copies at a time
@@ -206,6 +212,8 @@ class StageChoice:
     # recompute selectively (``rannc_fx.selective``): no R, the backward reruns what the
     # forward did not keep (never with ``recompute``)
     selective: bool = False
+    # parameters, gradients and optimizer state in host memory (never with zero or offload)
+    host: bool = False
 
     @property
     def level(self) -> int:
@@ -247,12 +255,17 @@ class StageCost:
     zero: bool = False
     offload: bool = False
     host_s: float = 0.0  # the offloaded state to the device and back, each step
-    host_state: int = 0  # bytes of optimizer state in host memory
+    host_state: int = 0  # bytes of optimizer state in host memory (host: and parameters, grads)
+    host: bool = False  # parameters in host memory (``params``: the fetched windows)
+    fetch_s: float = 0.0  # host: one micro-batch's transfers (overlapped with its compute)
+    window: int = 0  # host: the parameter bytes fetched ahead
 
     @property
     def time_s(self) -> float:
-        """t: the stage's seconds per micro-batch, forward, backward and messages."""
-        return self.fwd_s + self.bwd_s + self.recompute_s + self.comm_s
+        """t: the stage's seconds per micro-batch, forward, backward and messages (with its
+        parameters in host memory, the compute or the transfers, the longer)."""
+        compute = self.fwd_s + self.bwd_s + self.recompute_s
+        return (max(compute, self.fetch_s) if self.host else compute) + self.comm_s
 
     @property
     def memory(self) -> int:
@@ -345,6 +358,16 @@ def _check(table: CostTable, space: SearchSpace) -> None:
                          "layer or selectively; force at most one of them")
     if space.stages is not None and space.stages < 1:
         raise ValueError(f"stages={space.stages}: need at least one stage")
+    if space.host_params and (space.zero or space.offload):
+        raise ValueError("host_params=True with zero or offload forced: a stage whose "
+                         "parameters are in host memory keeps its optimizer state there and "
+                         "steps it there, whole; force at most one of them")
+    if space.host_params and (space.host_bandwidth is None or space.host_budget <= 0):
+        raise ValueError("host_params=True but the device has no host memory to keep "
+                         f"parameters in (host_bandwidth={space.host_bandwidth}, host budget "
+                         f"{space.host_budget:g} bytes): describe it in the DeviceSpec "
+                         "(host_bandwidth, host_memory_bytes), or leave host_params to the "
+                         "search")
     if space.offload and (space.host_bandwidth is None or space.host_budget <= 0):
         raise ValueError("offload=True but the device has no host memory to offload to "
                          f"(host_bandwidth={space.host_bandwidth}, host budget "

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import CostTable, SearchSpace
+from .model import CostTable, SearchSpace, range_max
 
-__all__ = ["SELECTIVE", "TERMS", "StageTerms", "held_bytes", "kept_cuts", "outputs_held",
-           "reruns", "stage_memory", "stage_terms"]
+__all__ = ["SELECTIVE", "TERMS", "StageTerms", "fetches", "held_bytes", "kept_cuts",
+           "outputs_held", "reruns", "stage_memory", "stage_terms"]
 
 SELECTIVE = 3  # rho of selective recomputation (``rannc_fx.selective``)
 
@@ -23,6 +23,13 @@ def reruns(rho: int) -> bool:
     keeping only its inputs in between: 1 and 2; selective recomputation (3) keeps the
     outputs of its kept ops instead and reruns the rest inside the backward."""
     return rho in (1, 2)
+
+
+def fetches(rho: int) -> int:
+    """How often a stage whose parameters are in host memory fetches each of them per
+    micro-batch at level rho: in F and in B, and once more for each forward run again (R;
+    layer by layer, R and the backward's rerun; selectively, the backward's rerun)."""
+    return 2 + (2 if rho == 2 else 1 if rho else 0)
 
 
 @dataclass(frozen=True)
@@ -46,12 +53,26 @@ class StageTerms:
     cuts: np.ndarray  # cin + cout
     cout: np.ndarray  # cout: a recomputing stage sends it on and rebuilds it in R
     ws: np.ndarray  # max workspace
+    params: np.ndarray  # P: parameter bytes
+    window: np.ndarray  # W: the largest block's parameter bytes (host_params fetches ahead)
+    outs: np.ndarray  # m out + output_bytes (part of ``fixed``)
     m: int  # micro-batches
+    host_bw: float = np.inf  # bytes/s device <-> host (host_params' transfers)
 
-    def time(self, rho: int) -> np.ndarray:
+    def time(self, rho: int, host: bool = False) -> np.ndarray:
         """t at recomputation level rho (0 none, 1 the stage's forward again, 2 layer by
-        layer, 3 selective: forwards run again before or inside a backward)."""
-        return self.fb + self.recomputed(rho) + self.comm
+        layer, 3 selective: forwards run again before or inside a backward); ``host``:
+        the parameters in host memory, their fetches and the gradients' way back overlapped
+        with the compute (the slower of the two)."""
+        compute = self.fb + self.recomputed(rho)
+        if host:
+            compute = np.maximum(compute, self.fetch_s(rho))
+        return compute + self.comm
+
+    def fetch_s(self, rho: int) -> np.ndarray:
+        """host_params: one micro-batch's transfers, ``fetches(rho)`` P to the device and
+        the gradients G back."""
+        return (fetches(rho) * self.params + self.grads) / self.host_bw
 
     def recomputed(self, rho: int) -> np.ndarray:
         """The forward seconds run again per micro-batch at level rho."""
@@ -65,22 +86,28 @@ class StageTerms:
         return self.seg if rho == 2 else self.rebuilt if rho == SELECTIVE else self.act
 
     def memory(self, n: int | np.ndarray, rho: int,
-               transient: np.ndarray | float = 0.0) -> np.ndarray:
-        return stage_memory(self.fixed, self.grads, self.held(rho), self.cuts, self.cout,
+               transient: np.ndarray | float = 0.0, host: bool = False) -> np.ndarray:
+        """memory_s; ``host``: the parameters, gradients and optimizer state in host memory,
+        the device holding two windows of fetched parameters (those in use and those
+        fetched ahead) and a window of gradients on their way back."""
+        fixed, grads = (self.outs + 2 * self.window, self.window) if host else (
+            self.fixed, self.grads)
+        return stage_memory(fixed, grads, self.held(rho), self.cuts, self.cout,
                             self.ws, n, self.m, reruns(rho), transient,
                             self.keep if rho == SELECTIVE else None)
 
     def take(self, idx: np.ndarray) -> StageTerms:
-        return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in TERMS}, m=self.m)
+        return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in TERMS}, m=self.m,
+                          host_bw=self.host_bw)
 
     def column(self) -> StageTerms:
         """The terms as (stages, 1) columns, to broadcast against (stages, k) arrays."""
         return StageTerms(**{f: np.asarray(getattr(self, f))[:, None] for f in TERMS},
-                          m=self.m)
+                          m=self.m, host_bw=self.host_bw)
 
 
 TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "keep", "redo",
-         "rebuilt", "cuts", "cout", "ws")
+         "rebuilt", "cuts", "cout", "ws", "params", "window", "outs")
 
 
 def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
@@ -143,13 +170,25 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     redo = fwd if table.redo is None else np.concatenate(([0.0], np.cumsum(table.redo[k])))
     rebuilt = act if table.rebuilt is None else np.concatenate(([0.0],
                                                                 np.cumsum(table.rebuilt[k])))
+    params = np.asarray(table.param_bytes, float)[i, j]
+    outs = outputs_held(table, space, k, i, j, m)
     return StageTerms(
         fb=fb[j] - fb[i], fwd=F, again=again,
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
-        fixed=np.asarray(table.param_bytes, float)[i, j] + grad * space.optimizer_state_factor
-        + outputs_held(table, space, k, i, j, m),
+        fixed=params + grad * space.optimizer_state_factor + outs,
         grads=grad, act=A, seg=seg, keep=kept[j] - kept[i], redo=redo[j] - redo[i],
-        rebuilt=rebuilt[j] - rebuilt[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float), m=m)
+        rebuilt=rebuilt[j] - rebuilt[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float),
+        params=params, window=block_params(table)[i, j], outs=outs, m=m,
+        host_bw=space.host_bandwidth or np.inf)
+
+
+def block_params(table: CostTable) -> np.ndarray:
+    """(B + 1, B + 1): [i, j] the largest parameter bytes of one block in [i, j) (what
+    host_params fetches ahead: a tensor lies in one block, so it is at least the largest
+    tensor)."""
+    pb = np.asarray(table.param_bytes, float)
+    B = table.num_blocks
+    return np.maximum(range_max(pb[np.arange(B), np.arange(B) + 1]), 0.0)
 
 
 def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
