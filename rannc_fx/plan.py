@@ -180,6 +180,13 @@ class Plan(BaseModel):
             if st.selective and st.recompute:
                 raise ValueError(f"stage {st.index} recomputes both selectively and whole: "
                                  "selective recomputation has no R; make the plan again")
+            if st.host_params and (st.zero or st.offload or self.schedule not in (
+                    "gpipe", "1f1b")):
+                raise ValueError(
+                    f"stage {st.index} keeps its parameters in host memory with zero="
+                    f"{st.zero}, offload={st.offload} under schedule {self.schedule!r}: such a "
+                    "stage keeps its whole optimizer state on the host and runs under GPipe "
+                    "or 1F1B only; make the plan again")
         for d in self.dynamic_dims:
             spec = self.inputs[d.input] if d.input < len(self.inputs) else None
             if spec is None or spec.kind != "tensor" or d.dim >= len(spec.shape) or spec.shape[

@@ -120,10 +120,12 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     again_s = redo if selective else (F if rho else 0.0) + again
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
     t = F + Bw + again_s + comm
-    if host:  # fetched per use and overlapped: the compute or the transfers, the longer
-        times = 2 + (2 if rho == 2 else 1 if rho else 0)
+    if host:  # fetched per use: the compute or the transfers, the longer (overlapped), or
+        times = 2 + (2 if rho == 2 else 1 if rho else 0)  # both (the device its own host)
         assert space.host_bandwidth is not None
-        t = max(F + Bw + again_s, (times * param + grad) / space.host_bandwidth) + comm
+        moving = (times * param + grad) / space.host_bandwidth
+        compute = F + Bw + again_s
+        t = (max(compute, moving) if space.host_overlap else compute + moving) + comm
     ar_bw = space.allreduce_bandwidth or space.link_bandwidth
     ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
     opt = 0.0 if table.optimizer_s is None else float(table.optimizer_s[i][j])

@@ -5,11 +5,13 @@ process does."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -23,8 +25,18 @@ from rannc_fx.plan import Plan
 from rannc_fx.runtime import host_params as hp
 from rannc_fx.runtime.host_params import HostParams
 
-from .dist_utils import run_ranks
-from .gpt_training import LiveBytes, assert_like_one_process, gpt, train_gpt
+from .dist_utils import assert_like_reference, run_ranks
+from .gpt_training import (
+    STEPS,
+    TOL,
+    LiveBytes,
+    adam,
+    assert_like_one_process,
+    gpt,
+    local,
+    step,
+    train_gpt,
+)
 
 
 class _Block(nn.Module):
@@ -48,20 +60,21 @@ def _graphs() -> list[tuple[str, fx.GraphModule]]:
     return [("fx", fx.symbolic_trace(block)), ("export", exported)]
 
 
-def _forward_backward(gm: fx.GraphModule, host: HostParams | None
+def _forward_backward(gm: fx.GraphModule, host: HostParams | None, amp: bool = False
                       ) -> tuple[int, dict[str, torch.Tensor | None]]:
-    """Live bytes the forward leaves (parameter storages known: not new) and the gradients."""
+    """Live bytes the forward leaves (parameter storages known: not new) and the gradients
+    (``amp``: the forward under CPU bfloat16 autocast)."""
     torch.manual_seed(1)
     x = torch.randn(8, 64, requires_grad=True)
     known = {p.untyped_storage()._cdata for p in gm.parameters()}
     with LiveBytes(known) as live:
         with host.saving() if host is not None else torch.autograd.graph.saved_tensors_hooks(
-                lambda t: t, lambda t: t):
+                lambda t: t, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=amp):
             y = gm(x)
         if host is not None:
             host.release()
         left = live.now
-    y.square().sum().backward()
+    y.float().square().sum().backward()
     if host is not None:
         host.release()
     return left, {n: p.grad for n, p in gm.named_parameters()}
@@ -86,6 +99,24 @@ def test_the_forward_keeps_no_parameter_copy_and_gradients_come_home(kind):
         want = plain_grads[name]
         assert g is not None and want is not None and g.device.type == "cpu"
         assert torch.equal(g, want), name
+
+
+@pytest.mark.parametrize("kind", ["fx", "export"])
+def test_under_autocast_the_forward_keeps_no_cast_of_a_parameter(kind):
+    """Autocast casts each fetched weight before its product, which saves the cast (a new
+    tensor, no view of the copy): it becomes a token too, cast again in the backward."""
+    gm = dict(_graphs())[kind]
+    plain_left, plain_grads = _forward_backward(gm, None, amp=True)
+    gm.zero_grad(set_to_none=True)
+    host = HostParams(gm, torch.device("cpu"), window=1 << 20)
+    host.install()
+    left, grads = _forward_backward(gm, host, amp=True)
+    # without parameters on the host the forward keeps the four Linears' bfloat16 weights
+    assert left <= plain_left - 4 * 64 * 256 * 2, (left, plain_left)
+    assert host.saved_tokens >= 4
+    for name, g in grads.items():
+        want = plain_grads[name]
+        assert g is not None and want is not None and torch.equal(g, want), name
 
 
 def test_without_tokens_the_forward_would_keep_the_copies():
@@ -124,11 +155,12 @@ def test_fetching_ahead_stays_within_the_window():
 
 @functools.cache
 def _gpt_plan(schedule: Any, recompute: bool | None = False, selective: bool | None = False,
-              replicas: tuple[int, ...] = (1, 1)) -> Plan:
+              replicas: tuple[int, ...] = (1, 1), layers: bool | None = False) -> Plan:
     model, args, kwargs = gpt(0.0)
     cfg = Config(profile_cache_dir=None, profile_repeats=1, cost_model="analytic",
                  host_params=True, recompute=recompute, recompute_selective=selective,
-                 replicas=replicas, micro_batches=2, schedule=schedule)
+                 recompute_layers=layers, replicas=replicas, micro_batches=2,
+                 schedule=schedule)
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
 
 
@@ -176,6 +208,11 @@ def test_refused_where_it_cannot_run():
         Config(host_params=True, zero=1)
     with pytest.raises(ValueError, match="schedule='zbv'"):
         Config(host_params=True, schedule="zbv")
+    plan = _gpt_plan("1f1b")
+    bad = plan.model_dump()
+    bad["stages"][0]["offload"] = True
+    with pytest.raises(ValueError, match="stage 0 keeps its parameters in host memory"):
+        Plan.model_validate(bad)
 
 
 # -- training on 2 ranks -------------------------------------------------------------------------
@@ -196,15 +233,19 @@ def _counting_tokens() -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("schedule,recompute,selective,replicas", [
-    ("1f1b", False, False, (1, 1)),
-    ("gpipe", True, False, (1, 1)),
-    ("1f1b", True, True, (1, 1)),
-    ("gpipe", False, False, (2,)),
-])
-def test_host_parameters_train_like_one_process(schedule, recompute, selective, replicas):
-    plan = _gpt_plan(schedule, recompute, selective, replicas)
+@pytest.mark.parametrize("schedule,recompute,selective,replicas,layers", [
+    ("1f1b", False, False, (1, 1), False),
+    ("gpipe", True, False, (1, 1), False),
+    ("1f1b", True, False, (1, 1), True),
+    ("1f1b", True, True, (1, 1), False),
+    ("gpipe", False, False, (2,), False),
+], ids=["1f1b", "gpipe-recompute", "1f1b-layer-by-layer", "1f1b-selective",
+        "one-stage-two-replicas"])
+def test_host_parameters_train_like_one_process(schedule, recompute, selective, replicas,
+                                                 layers):
+    plan = _gpt_plan(schedule, recompute, selective, replicas, layers)
     assert all(st.host_params for st in plan.stages), plan.summary()
+    assert all(bool(st.checkpoints) == bool(layers) for st in plan.stages)
     got = run_ranks(train_gpt, 2, plan, 0.0, 0, _counting_tokens, timeout_s=30.0,
                     wall_s=120.0)
     if not selective:  # under checkpoint its own hooks hold what the forward saves
@@ -302,3 +343,81 @@ def test_the_device_holds_the_parameters_the_plan_counts():
         host.release()
     assert 0.9 * st.memory.params <= peak <= st.memory.params, (peak, st.memory.params)
     assert peak < sum(p.nbytes for p in gm.parameters()) / 4
+
+
+def _checkpointed(rank: int, world: int, host: bool, path: str, resume: bool) -> list[float]:
+    """STEPS Adam steps of the GPT on 2 ranks (one stage each, parameters on the host or not),
+    from the checkpoint at ``path`` (``resume``) or saving one there after them."""
+    model, args, kwargs = gpt(0.0)
+    opt = adam(model)
+    largs, lkwargs = local(rank, args, kwargs)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, cost_model="analytic",
+                 timeout_s=30.0, replicas=(1, 1), micro_batches=2, host_params=host)
+    cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
+    assert all(st.host_params == host for st in cm.plan.stages)
+    msd, osd = rannc_fx.get_state_dict(cm, opt)
+    if resume:
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        rannc_fx.set_state_dict(cm, opt, model_state_dict=msd, optim_state_dict=osd)
+    losses = [step(cm, opt, largs, lkwargs) for _ in range(STEPS)]
+    if not resume:
+        msd, osd = rannc_fx.get_state_dict(cm, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return losses
+
+
+@pytest.mark.parametrize("saved_on_host", [True, False], ids=["host-to-device",
+                                                              "device-to-host"])
+def test_a_checkpoint_moves_between_host_and_device_parameters(tmp_path, saved_on_host):
+    path = str(tmp_path / "ckpt")
+    first = run_ranks(_checkpointed, 2, saved_on_host, path, False, timeout_s=30.0,
+                      wall_s=120.0)
+    then = run_ranks(_checkpointed, 2, not saved_on_host, path, True, timeout_s=30.0,
+                     wall_s=120.0)
+    model, args, kwargs = gpt(0.0)
+    opt = adam(model)
+    want = [step(model, opt, args, kwargs) for _ in range(2 * STEPS)]
+    for a, b in zip(first, then, strict=True):
+        assert_close(torch.tensor(a + b), torch.tensor(want), rtol=TOL["rtol"],
+                     atol=TOL["atol"])
+
+
+def _clipped_and_scaled(rank: int, world: int, inf_on: int | None) -> float:
+    """3 steps with ``GradScaler`` (an inf in step 2 on rank ``inf_on``) and
+    ``clip_grad_norm_``, a frozen parameter among those on the host, against one process."""
+    model, args, kwargs = gpt(0.0)
+    model.pos.requires_grad_(False)  # fetched like the others, no gradient
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adam(model), adam(ref)
+    largs, lkwargs = local(rank, args, kwargs)
+    cfg = Config(profile_cache_dir=None, profile_repeats=1, cost_model="analytic",
+                 timeout_s=30.0, replicas=(1, 1), micro_batches=2, host_params=True)
+    cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
+    assert all(st.host_params for st in cm.plan.stages)
+    scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for i in range(3):
+        for m, sc, o, a, k in ((cm, scaler, opt, largs, lkwargs),
+                               (ref, ref_scaler, ref_opt, args, kwargs)):
+            sc.scale(m(*a, **k)["loss"]).backward()
+            if i == 1 and inf_on is not None and (m is ref or rank == inf_on):
+                held = [p for p in m.parameters() if p.grad is not None]
+                held[-1].grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+            sc.unscale_(o)
+            if m is cm:
+                cm.clip_grad_norm_(0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    assert_like_reference(cm.stages, ref, **TOL)
+    assert all(p.device.type == "cpu" for gm in cm.stages for p in gm.parameters())
+    return scaler.get_scale()
+
+
+@pytest.mark.parametrize("inf_on", [None, 1], ids=["finite", "inf-on-rank-1"])
+def test_clipping_and_the_grad_scaler_over_host_parameters(inf_on):
+    scales = run_ranks(_clipped_and_scaled, 2, inf_on, timeout_s=30.0, wall_s=120.0)
+    assert set(scales) == {2.0**10 if inf_on is None else 2.0**9}

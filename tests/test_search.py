@@ -178,7 +178,8 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
         space = dataclasses.replace(space, host_bandwidth=float(rng.uniform(0.2, 5)),
                                     host_budget=float(rng.uniform(0.1, 1.5)) * (state + 1),
                                     host_step_bandwidth=float(rng.uniform(0.2, 5))
-                                    if rng.uniform() < 0.5 else None)
+                                    if rng.uniform() < 0.5 else None,
+                                    host_overlap=bool(rng.uniform() < 0.7))
     if rng.uniform() < tight:
         least = least_largest_stage(table, space)
         plain = least_largest_stage(table, dataclasses.replace(space, schedules=("gpipe",),
@@ -303,7 +304,7 @@ def test_matches_brute_force_small(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seen = {"none fits": 0, "plain fits": 0, "needs recompute or 1f1b": 0, "1f1b": 0,
             "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0, "layers": 0,
-            "selective": 0, "host": 0}
+            "selective": 0}
     for _ in range(200):
         got, want = compare(*random_case(rng, 6, 5, tight=0.5))
         if got is None:
@@ -317,14 +318,43 @@ def test_matches_brute_force_small(seed: int) -> None:
         seen["offload"] += any(s.offload for s in got.stages)
         seen["layers"] += any(s.layers for s in got.stages)
         seen["selective"] += any(s.selective for s in got.stages)
-        seen["host"] += any(s.host for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
     assert 20 < seen["none fits"] < 100 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
     assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen
     assert seen["offload"] > 10 and seen["layers"] > 2 and seen["selective"] > 2, seen
-    assert seen["host"] >= 2, seen
+
+
+def host_case(rng: np.random.Generator) -> tuple[CostTable, SearchSpace]:
+    """A random case with a host that can hold the whole model's parameters, gradients and
+    state (sometimes only part of it), parameters on the host searched or forced, sharding
+    and offloading searched, and a budget that is often tight."""
+    table, space = random_case(rng, 6, 4, tight=0.0)
+    B = table.num_blocks
+    whole = float(table.param_bytes[0, B] + table.grad_bytes[0, B] * (
+        1 + space.optimizer_state_factor))
+    space = dataclasses.replace(
+        space, host_params=[None, True][int(rng.uniform() < 0.3)], zero=None, offload=None,
+        host_bandwidth=float(rng.uniform(0.2, 5)), host_budget=float(rng.uniform(0.3, 2)) * whole,
+        host_overlap=bool(rng.uniform() < 0.6))
+    if rng.uniform() < 0.7:
+        least = least_largest_stage(table, space)
+        if math.isfinite(least):
+            space = dataclasses.replace(space, memory_budget=least * float(rng.uniform(1, 2)))
+    return table, space
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_brute_force_with_parameters_on_the_host(seed: int) -> None:
+    rng = np.random.default_rng(200 + seed)
+    on_host = some = 0
+    for _ in range(80):
+        got, _ = compare(*host_case(rng))
+        if got is not None:
+            some += 1
+            on_host += any(s.host for s in got.stages)
+    assert some > 30 and on_host > 5, (some, on_host)  # plans, some of them on the host
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -137,7 +137,7 @@ class GradSync:
             if h is None:
                 continue
             if scale is not None:
-                h = h.mul_(scale.to(h.dtype))
+                h = h.mul_(scale.to(h.device, h.dtype))  # host gradients (host_params)
             p.grad = h if p.grad is None else p.grad.add_(h)
         self._held = {}
 

@@ -36,6 +36,7 @@ the stage run on its own parameters, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -51,12 +52,14 @@ FETCH = "rannc_fetch"
 
 
 class _Saved(NamedTuple):
-    """What a saved view of a fetched copy becomes: the parameter and the view's geometry."""
+    """What a saved view of a fetched copy (or of its cast to ``dtype``, autocast's) becomes:
+    the parameter, the view's geometry and the cast."""
 
     param: torch.Tensor
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    dtype: torch.dtype | None = None
 
 
 class _Fetch(torch.autograd.Function):
@@ -64,7 +67,7 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, p: torch.Tensor, host: HostParams) -> torch.Tensor:
-        ctx.where = p.device
+        ctx.where, ctx.param, ctx.host = p.device, p, host  # the node names its parameter
         return host.copy_of(p, forward=True)
 
     @staticmethod
@@ -107,22 +110,21 @@ class _FetchCall(nn.Module):
         return f"runs {self.target} on fetched copies of its parameters"
 
 
-_HOSTS: dict[int, HostParams] = {}
+_HOSTS: weakref.WeakKeyDictionary[fx.GraphModule, HostParams] = weakref.WeakKeyDictionary()
 
 
 def host_of(module: fx.GraphModule) -> HostParams | None:
     """The ``HostParams`` installed on ``module``, if any."""
-    return _HOSTS.get(id(module))
+    return _HOSTS.get(module)
 
 
 class HostParams:
     """The parameters of one stage's GraphModule, in host memory, fetched at each use."""
 
-    def __init__(self, module: fx.GraphModule, device: torch.device, *, window: int,
-                 name: str = "stage"):
+    def __init__(self, module: fx.GraphModule, device: torch.device, *, window: int):
         """``window``: the most bytes fetched ahead of their use (the plan's
         ``Stage.window_bytes``); ``device``: where the stage computes."""
-        self.module, self.device, self.window, self.name = module, device, window, name
+        self.module, self.device, self.window = module, device, window
         self.params = {id(p): p for p in module.parameters()}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._order: list[torch.Tensor] = []  # parameters in fetch order, the first forward's
@@ -158,7 +160,7 @@ class HostParams:
                 node.target = target
         gm.graph.lint()
         gm.recompile()
-        _HOSTS[id(gm)] = self
+        _HOSTS[gm] = self
         return gm
 
     # -- fetching -----------------------------------------------------------------------------
@@ -239,16 +241,38 @@ class HostParams:
         except (RuntimeError, NotImplementedError):
             return t
         made = self._made.get(key)
-        if made is None or made[1].expired() or t.dtype != made[0].dtype:
+        geometry = (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        if made is not None and not made[1].expired() and t.dtype == made[0].dtype:
+            self.saved_tokens += 1
+            return _Saved(made[0], *geometry)
+        p = self._cast_of(t)
+        if p is None:
             return t
-        p = made[0]
         self.saved_tokens += 1
-        return _Saved(p, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        return _Saved(p, *geometry, dtype=t.dtype)
+
+    def _cast_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The parameter whose fetched copy ``t`` is a cast of, or a view of such a cast
+        (autocast casts a weight before a matrix product, and the product saves the cast):
+        read off the autograd graph, a ``_to_copy`` whose input is one of this stage's
+        fetches."""
+        base = t._base if t._base is not None else t
+        node = base.grad_fn
+        if node is None or type(node).__name__ != "ToCopyBackward0":
+            return None
+        prev = node.next_functions[0][0] if node.next_functions else None
+        if getattr(prev, "host", None) is not self:
+            return None
+        p = prev.param  # type: ignore[union-attr]
+        return p if base.shape == p.shape and base.is_contiguous() == p.is_contiguous() \
+            else None
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
             return saved
         copy = self.copy_of(saved.param, forward=False)
+        if saved.dtype is not None:  # autocast's cast, made again: the same values
+            copy = copy.to(saved.dtype)
         return copy.as_strided(saved.size, saved.stride, saved.offset)
 
     # -- between actions ----------------------------------------------------------------------

@@ -197,7 +197,7 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
 
     def of(a: Action) -> float:
         st = plan.stages[a.stage]
-        k = stretch(st)
+        k = stretch(st, plan.device.host_bandwidth is not None)
         if a.kind is Kind.F:
             return 1e-3 * (k * st.fwd_ms + st.comm_ms / 2)
         if a.kind is Kind.R:
@@ -221,12 +221,14 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
     return of
 
 
-def stretch(st: Stage) -> float:
+def stretch(st: Stage, overlap: bool = True) -> float:
     """How much longer a stage's compute takes than its profile says: 1, or where its
-    parameters are in host memory and their transfers (overlapped with it) take longer than
-    the compute of a micro-batch, their ratio."""
+    parameters are in host memory, the ratio of the longer of the compute and the transfers
+    to the compute (``overlap``: a device copying beside its compute), or of their sum."""
     compute = st.fwd_ms * (2 if st.recompute else 1) + st.bwd_ms + st.again_ms
-    return max(1.0, st.fetch_ms / compute) if st.host_params and compute > 0 else 1.0
+    if not st.host_params or compute <= 0:
+        return 1.0
+    return max(1.0, st.fetch_ms / compute) if overlap else 1.0 + st.fetch_ms / compute
 
 
 def simulate_plan(plan: Plan) -> Simulation:

@@ -103,8 +103,8 @@ class StageRunner:
         self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         # parameters in host memory: each use in the graph fetches its parameter
-        self.host = HostParams(module, device, window=stage.window_bytes,
-                               name=f"stage {stage.index}") if stage.host_params else None
+        self.host = HostParams(module, device, window=stage.window_bytes) \
+            if stage.host_params else None
         if self.host is not None:
             self.host.install()
         # recomputation layer by layer: what R runs (``recompute.py``); F runs ``module``

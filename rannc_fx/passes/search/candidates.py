@@ -32,7 +32,7 @@ from .model import (
     samples_per_replica,
     size_index,
 )
-from .terms import SELECTIVE, StageTerms, reruns, stage_terms
+from .terms import SELECTIVE, StageTerms, block_params, reruns, stage_terms
 from .variants import (
     VARIANTS,
     after_transient,
@@ -184,9 +184,11 @@ class Candidates:
         With every activation, cut, workspace and output size nonnegative, a stage's memory
         (``terms.stage_memory``) is at least fl(fl(params + fl(grads * factor)) + grads): the
         gradients are held at its peak, and rounding is monotone; ZeRO-1 on every rank keeps
-        1 / world_size of the state (a relative 1e-9 below that for its rounding). A stage
-        above the budget by that alone fits nowhere; at 1024 ranks most long stages are such,
-        and the (stages x replica counts) arrays below then skip them.
+        1 / world_size of the state (a relative 1e-9 below that for its rounding); with its
+        parameters in host memory, where the host holds them, three of its largest block's
+        parameter bytes. A stage above the budget by that alone fits nowhere; at 1024 ranks
+        most long stages are such, and the (stages x replica counts) arrays below then skip
+        them.
         """
         t, sp = self.table, self.space
         every = np.arange(len(self.iu))
@@ -195,8 +197,6 @@ class Candidates:
                 and sp.output_bytes >= 0):
             return every
         params = np.asarray(t.param_bytes, float)[self.iu, self.ju]
-        if any(VARIANTS[v].host for v in self.kinds):  # a window of them on the device
-            return every
         if any(VARIANTS[v].offload for v in self.kinds):
             least = (params + self.grad) * (1 - 1e-9)
         elif any(VARIANTS[v].zero for v in self.kinds) and sp.world_size > 1:
@@ -204,6 +204,11 @@ class Candidates:
                      + self.grad) * (1 - 1e-9)
         else:
             least = params + self.grad * sp.optimizer_state_factor + self.grad
+        if any(VARIANTS[v].host for v in self.kinds):
+            # two windows and the gradients' one, where the host holds the stage
+            window = block_params(t)[self.iu, self.ju]
+            held = host_bytes(sp, params, self.grad) <= sp.host_budget
+            least = np.where(held, np.minimum(least, 3 * window * (1 - 1e-9)), least)
         return every[~(least > sp.memory_budget)]
 
     def terms(self, k: int, m: int) -> StageTerms:

@@ -94,7 +94,7 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
     def weights(idx: np.ndarray) -> np.ndarray:
         at = (where[0][idx], where[1][idx])
         terms = StageTerms(**{f: stacked[f][at][:, None] for f in TERMS}, m=m,
-                           host_bw=sp.host_bandwidth or np.inf)
+                           host_bw=sp.host_bandwidth or np.inf, host_overlap=sp.host_overlap)
         reps, rows = e.reps[idx].astype(np.int64), where[1][idx]
 
         def variant(k: int) -> np.ndarray:

@@ -192,6 +192,9 @@ class SearchSpace:
     # optimizer steps on the host): as ``recompute``
     host_params: bool | None = None
     host_bandwidth: float | None = None  # bytes/s device <-> host; None: nothing to offload to
+    # whether the device copies from its host beside its compute (a GPU's copy engine), so
+    # host_params' transfers overlap it; False: they add to it (the CPU, its own host)
+    host_overlap: bool = True
     # bytes/s of host memory an optimizer step on the host has for one device; None:
     # host_bandwidth
     host_step_bandwidth: float | None = None
@@ -257,7 +260,8 @@ class StageCost:
     host_s: float = 0.0  # the offloaded state to the device and back, each step
     host_state: int = 0  # bytes of optimizer state in host memory (host: and parameters, grads)
     host: bool = False  # parameters in host memory (``params``: the fetched windows)
-    fetch_s: float = 0.0  # host: one micro-batch's transfers (overlapped with its compute)
+    fetch_s: float = 0.0  # host: one micro-batch's transfers
+    fetch_overlap: bool = True  # host: the transfers overlap the compute (else they add)
     window: int = 0  # host: the parameter bytes fetched ahead
 
     @property
@@ -265,7 +269,10 @@ class StageCost:
         """t: the stage's seconds per micro-batch, forward, backward and messages (with its
         parameters in host memory, the compute or the transfers, the longer)."""
         compute = self.fwd_s + self.bwd_s + self.recompute_s
-        return (max(compute, self.fetch_s) if self.host else compute) + self.comm_s
+        if self.host:
+            compute = max(compute, self.fetch_s) if self.fetch_overlap else (
+                compute + self.fetch_s)
+        return compute + self.comm_s
 
     @property
     def memory(self) -> int:

@@ -6,6 +6,7 @@ This module imports numpy only (no torch).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,15 +59,17 @@ class StageTerms:
     outs: np.ndarray  # m out + output_bytes (part of ``fixed``)
     m: int  # micro-batches
     host_bw: float = np.inf  # bytes/s device <-> host (host_params' transfers)
+    host_overlap: bool = True  # they overlap the compute (else add to it)
 
     def time(self, rho: int, host: bool = False) -> np.ndarray:
         """t at recomputation level rho (0 none, 1 the stage's forward again, 2 layer by
         layer, 3 selective: forwards run again before or inside a backward); ``host``:
         the parameters in host memory, their fetches and the gradients' way back overlapped
-        with the compute (the slower of the two)."""
+        with the compute (the slower of the two), or added to it (``host_overlap`` False)."""
         compute = self.fb + self.recomputed(rho)
         if host:
-            compute = np.maximum(compute, self.fetch_s(rho))
+            compute = (np.maximum(compute, self.fetch_s(rho)) if self.host_overlap
+                       else compute + self.fetch_s(rho))
         return compute + self.comm
 
     def fetch_s(self, rho: int) -> np.ndarray:
@@ -98,12 +101,12 @@ class StageTerms:
 
     def take(self, idx: np.ndarray) -> StageTerms:
         return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in TERMS}, m=self.m,
-                          host_bw=self.host_bw)
+                          host_bw=self.host_bw, host_overlap=self.host_overlap)
 
     def column(self) -> StageTerms:
         """The terms as (stages, 1) columns, to broadcast against (stages, k) arrays."""
         return StageTerms(**{f: np.asarray(getattr(self, f))[:, None] for f in TERMS},
-                          m=self.m, host_bw=self.host_bw)
+                          m=self.m, host_bw=self.host_bw, host_overlap=self.host_overlap)
 
 
 TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "keep", "redo",
@@ -179,16 +182,25 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
         grads=grad, act=A, seg=seg, keep=kept[j] - kept[i], redo=redo[j] - redo[i],
         rebuilt=rebuilt[j] - rebuilt[i], cuts=both, cout=cut[j], ws=np.asarray(ws, float),
         params=params, window=block_params(table)[i, j], outs=outs, m=m,
-        host_bw=space.host_bandwidth or np.inf)
+        host_bw=space.host_bandwidth or np.inf, host_overlap=space.host_overlap)
 
 
 def block_params(table: CostTable) -> np.ndarray:
     """(B + 1, B + 1): [i, j] the largest parameter bytes of one block in [i, j) (what
     host_params fetches ahead: a tensor lies in one block, so it is at least the largest
-    tensor)."""
+    tensor). Made once a table (the search asks for it at every size and stage)."""
+    got = _WINDOWS.get(id(table))
+    if got is not None and got[0]() is table:
+        return got[1]
     pb = np.asarray(table.param_bytes, float)
     B = table.num_blocks
-    return np.maximum(range_max(pb[np.arange(B), np.arange(B) + 1]), 0.0)
+    out = np.maximum(range_max(pb[np.arange(B), np.arange(B) + 1]), 0.0)
+    _WINDOWS[id(table)] = (weakref.ref(table), out)
+    weakref.finalize(table, _WINDOWS.pop, id(table), None)
+    return out
+
+
+_WINDOWS: dict[int, tuple[weakref.ref[CostTable], np.ndarray]] = {}
 
 
 def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,
