@@ -22,7 +22,6 @@ windows).
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_common import (  # noqa: E402
     add_model_args,
+    compiled_step,
     environment,
     interleave,
     median_ratio,
@@ -41,7 +41,6 @@ from runtime_common import (  # noqa: E402
     summarize,
 )
 
-import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
 from rannc_fx.passes.search.terms import fetches  # noqa: E402
 from rannc_fx.runtime.host_params import HostParams, host_of  # noqa: E402
@@ -78,21 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     plans: dict[str, Any] = {}
     hosts: list[HostParams] = []
     for name, host in (("device", False), ("host", True)):
-        model = copy.deepcopy(base)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         cfg = Config(profile_cache_dir=None, replicas=(1,) * world, host_params=host,
                      micro_batches=a.micro_batches, schedule=a.schedule,
                      recompute=a.recompute, recompute_layers=False,
                      recompute_selective=False)
-        cm = rannc_fx.compile(model, opt, cfg)
-
-        def step(cm: Any = cm, opt: Any = opt) -> None:
-            cm(ids, labels).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()  # plan and a warm step
-        steps[name], plans[name] = step, cm.plan
+        steps[name], cm = compiled_step(base, cfg, ids, labels)
+        plans[name] = cm.plan
         if host:
             hosts = [h for gm in cm.stages if (h := host_of(gm)) is not None]
     # one step counted: bytes fetched and the copies alive at once

@@ -16,17 +16,16 @@ step, and the ratios to no recomputation, measured per round and predicted.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_common import (  # noqa: E402
     add_model_args,
+    compiled_step,
     environment,
     interleave,
     median_ratio,
@@ -34,7 +33,6 @@ from runtime_common import (  # noqa: E402
     summarize,
 )
 
-import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
 
 VARIANTS = {"none": dict(recompute=False),
@@ -56,19 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     steps: dict[str, Any] = {}
     plans: dict[str, Any] = {}
     for name, options in VARIANTS.items():
-        model = copy.deepcopy(base)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         cfg = Config(profile_cache_dir=None, leaf_modules=("Block",), replicas=(1,) * world,
                      micro_batches=a.micro_batches, schedule=a.schedule, **options)
-        cm = rannc_fx.compile(model, opt, cfg)
-
-        def step(cm: Any = cm, opt: Any = opt) -> None:
-            cm(ids, labels).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()  # plan and a warm step
-        steps[name], plans[name] = step, cm.plan
+        steps[name], cm = compiled_step(base, cfg, ids, labels)
+        plans[name] = cm.plan
     wall, _ = interleave(steps, warmup=a.warmup, steps=a.steps, sync=dist.barrier)
     if rank == 0:
         print("| variant | checkpoints a stage | simulated step ms | measured median ms (p10–p90) "

@@ -15,6 +15,7 @@ and the manual stages compute the loss in ``loss_fn``).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -109,6 +110,25 @@ def start_ranks(a: argparse.Namespace) -> tuple[int, int, GPT, tuple[torch.Tenso
     ids, labels = make_batch(a.vocab, a.batch, a.seq)
     mine = slice(rank * (a.batch // world), (rank + 1) * (a.batch // world))
     return rank, world, model, (ids[mine], labels[mine])
+
+
+def compiled_step(base: GPT, config: Any, ids: torch.Tensor, labels: torch.Tensor
+                  ) -> tuple[Callable[[], None], Any]:
+    """A copy of ``base`` compiled under ``config`` (a ``rannc_fx.Config``) with Adam, and
+    one training step of it on (ids, labels), run once (the plan, and a warm step)."""
+    import rannc_fx  # here: the model and the timing helpers need none of it
+
+    model = copy.deepcopy(base)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    cm = rannc_fx.compile(model, opt, config)
+
+    def step() -> None:
+        cm(ids, labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return step, cm
 
 
 # -- timing ----------------------------------------------------------------------------------

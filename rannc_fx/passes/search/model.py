@@ -369,17 +369,13 @@ def _check(table: CostTable, space: SearchSpace) -> None:
         raise ValueError("host_params=True with zero or offload forced: a stage whose "
                          "parameters are in host memory keeps its optimizer state there and "
                          "steps it there, whole; force at most one of them")
-    if space.host_params and (space.host_bandwidth is None or space.host_budget <= 0):
-        raise ValueError("host_params=True but the device has no host memory to keep "
-                         f"parameters in (host_bandwidth={space.host_bandwidth}, host budget "
-                         f"{space.host_budget:g} bytes): describe it in the DeviceSpec "
-                         "(host_bandwidth, host_memory_bytes), or leave host_params to the "
-                         "search")
-    if space.offload and (space.host_bandwidth is None or space.host_budget <= 0):
-        raise ValueError("offload=True but the device has no host memory to offload to "
-                         f"(host_bandwidth={space.host_bandwidth}, host budget "
-                         f"{space.host_budget:g} bytes): describe it in the DeviceSpec "
-                         "(host_bandwidth, host_memory_bytes), or leave offload to the search")
+    for name in ("host_params", "offload"):
+        if getattr(space, name) and (space.host_bandwidth is None or space.host_budget <= 0):
+            raise ValueError(f"{name}=True but the device has no host memory to use "
+                             f"(host_bandwidth={space.host_bandwidth}, host budget "
+                             f"{space.host_budget:g} bytes): describe it in the DeviceSpec "
+                             f"(host_bandwidth, host_memory_bytes), or leave {name} to the "
+                             "search")
     missing = sorted(set(needed_sizes(space)) - set(size_index(table)))
     if missing:
         raise ValueError(f"the cost table has no costs for {missing} samples per replica; "
