@@ -51,6 +51,14 @@ def test_hf_trains_like_one_process(name, world, cfg):
                                recompute=True, recompute_layers=True)),
         ("bert", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b", recompute=True,
                          recompute_layers=True)),
+        # parameters in host memory, fetched at each use of the exported graphs: the tied
+        # Llama's embedding on two stages, BERT's first stage on two replicas, T5's shared
+        # embedding and relative position bias
+        ("tied-llama", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b",
+                               host_params=True)),
+        ("bert", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b", recompute=True,
+                         host_params=True)),
+        ("t5", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe", host_params=True)),
     ],
 )
 def test_hf_schedules_and_recomputation(name, world, cfg):
