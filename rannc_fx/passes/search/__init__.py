@@ -1,5 +1,5 @@
-"""Search stage boundaries, replicas, micro-batches, schedule, recomputation, sharding and
-offloading exactly.
+"""Search stage boundaries, replicas, micro-batches, schedule, recomputation, sharding,
+offloading and parameters in host memory exactly.
 
 The search imports numpy only (no torch); its modules, in the order a search uses them:
 
@@ -7,10 +7,12 @@ The search imports numpy only (no torch); its modules, in the order a search use
     segments    recomputation layer by layer: what a stage holds while its backward
                 recomputes its layers
     terms       the formulas: one stage's time and memory terms
-    variants    a stage's variants (recomputation, sharding, offloading) and the terms
+    variants    a stage's variants (recomputation, sharding, offloading, parameters on the
+                host) and the terms
                 that depend on its replica count
     evaluate    one plan's step time and per-stage costs under it
-    candidates  every stage of one micro-batch count, costed; 1F1B's in-flight limits
+    inflight    1F1B's in-flight limits: the most micro-batches a variant of a stage holds
+    candidates  every stage of one micro-batch count, costed
     windows     range minima: stages that differ only in consecutive replica counts and
                 share a weight read one window of a DP row
     kernel      the DP over the block chain (a stage's weight is one number)

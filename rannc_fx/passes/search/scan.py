@@ -53,9 +53,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernel, layers
-from .candidates import Candidates, OneFOneB, depth_limit
+from .candidates import Candidates
 from .evaluate import evaluate, plan_step
 from .explain import no_plan
+from .inflight import OneFOneB, depth_limit
 from .model import (
     SCHEDULES,
     CostTable,
