@@ -29,9 +29,13 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-__all__ = ["KEPT", "contexts", "kept", "policy"]
+__all__ = ["KEPT", "checkpointed", "contexts", "kept", "policy"]
 
 _aten = torch.ops.aten
 
@@ -65,6 +69,15 @@ def contexts(recompute_scope: Callable[[], AbstractContextManager[Any]] | None =
     # the scope first: what it does to the buffers is no op of the recomputation (the
     # policy's recomputation replays the forward's ops by position)
     return fwd, _within(recompute_scope(), again)
+
+
+def checkpointed(module: Callable[..., Any], args: Any,
+                 recompute_scope: Callable[[], AbstractContextManager[Any]] | None = None
+                 ) -> Any:
+    """``module(*args)`` under selective activation checkpointing (non-reentrant): what its
+    backward reruns runs on this forward's random state, inside ``recompute_scope``."""
+    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: contexts(recompute_scope))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ host gradients like any others.
 Autograd would keep every copy an op saves for its backward (``x @ w.t()`` saves ``w.t()``)
 until that backward, for every micro-batch in flight. ``saving()`` (saved-tensor hooks around
 the forward and the recomputation) saves a token instead of any tensor that views a fetched
-copy, and the backward fetches the parameter again when it unpacks the token. So the device
+copy (or autocast's cast of one, found on the autograd graph: a ``_to_copy`` of a fetch), and
+the backward fetches the parameter again (and casts it) when it unpacks the token. So the device
 holds a parameter only from its fetch to the end of the op that uses it, plus the copies
 fetched ahead.
 
@@ -46,7 +47,7 @@ from torch import fx, nn
 from torch.func import functional_call
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["HostParams", "host_of"]
+__all__ = ["HostParams", "fetching", "host_of", "saving"]
 
 FETCH = "rannc_fetch"
 
@@ -294,3 +295,20 @@ def _attr(gm: nn.Module, target: Any) -> Any:
     for part in str(target).split("."):
         obj = getattr(obj, part)
     return obj
+
+
+@contextlib.contextmanager
+def fetching(host: HostParams | None) -> Iterator[None]:
+    """Around an action of a stage (``host``: its ``HostParams``, None where its parameters
+    are on the device): nothing fetched stays on the device after it."""
+    try:
+        yield
+    finally:
+        if host is not None:
+            host.release()
+
+
+def saving(host: HostParams | None) -> contextlib.AbstractContextManager[None]:
+    """Around a forward whose activations the backward reads: what it saves of a fetched
+    parameter is a token, fetched again by the backward."""
+    return host.saving() if host is not None else contextlib.nullcontext()

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils.checkpoint import checkpoint
 
 from .. import selective
 from ..plan import Plan, Stage
@@ -46,7 +45,7 @@ from .backward_split import backward_inputs, backward_weights
 from .buffers import BufferSync
 from .checks import check_stage_outputs
 from .comm import Groups, Message, Pending, post
-from .host_params import HostParams
+from .host_params import HostParams, fetching, saving
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .recompute import build_segmented
@@ -273,7 +272,7 @@ class StageRunner:
         return args
 
     def forward(self, step: StepState, i: int) -> None:
-        with self._fetching():
+        with fetching(self.host):
             self._forward(step, i)
 
     def _forward(self, step: StepState, i: int) -> None:
@@ -289,7 +288,7 @@ class StageRunner:
         elif step.grad and self.selective:
             outs = self._run_selective(args)
         else:
-            with self._saving():
+            with saving(self.host):
                 outs = self._run(args)
         self.buffers.after_microbatch(i, self.shares[i])
         check_stage_outputs(self.stage, self.cuts, self.spans[i][1] - self.spans[i][0], outs)
@@ -307,16 +306,16 @@ class StageRunner:
         """R: micro-batch i's forward again, with gradients, as its F ran it."""
         # enable_grad: a deferred backward runs inside autograd's backward, where it is off
         with (
-            self._fetching(),
+            fetching(self.host),
             torch.enable_grad(),
             _rng_restored(step.rng.pop(i), self.device),
             self.buffers.recompute_scope(),
-            self._saving(),
+            saving(self.host),
         ):
             step.outs[i] = self._run(step.args[i], self.segmented)
 
     def backward(self, step: StepState, i: int) -> None:
-        with self._fetching():
+        with fetching(self.host):
             self._backward(step, i)
 
     def _backward(self, step: StepState, i: int) -> None:
@@ -360,35 +359,16 @@ class StageRunner:
         """W: micro-batch i's parameter gradients, into ``.grad``."""
         work = step.weight_work.pop(i, None)
         if work is not None:
-            with self._fetching():
+            with fetching(self.host):
                 backward_weights(work)
-
-    @contextlib.contextmanager
-    def _fetching(self) -> Iterator[None]:
-        """An action that may fetch parameters from the host: none stays fetched after it."""
-        try:
-            yield
-        finally:
-            if self.host is not None:
-                self.host.release()
-
-    def _saving(self) -> contextlib.AbstractContextManager[None]:
-        """What a forward saves of a fetched parameter is fetched again by its backward."""
-        return self.host.saving() if self.host is not None else contextlib.nullcontext()
 
     def _run(self, args: list[Any], module: fx.GraphModule | None = None) -> tuple[Any, ...]:
         outs = (self.module if module is None else module)(*args)
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
     def _run_selective(self, args: list[Any]) -> tuple[Any, ...]:
-        """The stage under selective activation checkpointing: what its backward reruns
-        runs on this forward's random state, in the stage's buffer scope."""
-        outs = checkpoint(self.module, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._selective_contexts)
+        outs = selective.checkpointed(self.module, args, self.buffers.recompute_scope)
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-
-    def _selective_contexts(self) -> tuple[Any, Any]:
-        return selective.contexts(self.buffers.recompute_scope)
 
 
 def _drop(t: torch.Tensor) -> None:
