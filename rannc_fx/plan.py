@@ -344,7 +344,8 @@ class Plan(BaseModel):
                 str(st.index),
                 f"{st.first_block}-{st.end_block - 1}",
                 str(st.num_nodes),
-                _human_bytes(nparam),
+                # parameters on the host: what of them the device holds (two windows)
+                _human_bytes(nparam) + (" fetched" if st.host_params else ""),
                 str(st.replicas),
                 str(st.samples),
                 f"{st.fwd_ms:.2f}",
