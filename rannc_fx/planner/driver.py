@@ -104,15 +104,16 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
     # the schedules tried after the search keep its lanes: the plan it makes without
     # recomputing layer by layer or selectively, then also without offloading, then without sharding either,
     # may suit them better (the 1024-layer BERT-large's on 32 V100s interleaved, the 100 B
-    # BERT's on 33 A100s under ZBV, the 512-layer BERT-large's interleaved)
-    space, current = a.space, result
+    # BERT's on 33 A100s under ZBV, the 512-layer BERT-large's interleaved). Those schedules
+    # never keep parameters on the host, so neither do these searches
+    if a.space.host_params:
+        return plan
+    space, current = dataclasses.replace(a.space, host_params=False), result
     for field in ("host_params", "layers", "offload", "zero"):
         if getattr(a.space, field) is not None or not any(_uses(st, field)
                                                          for st in current.stages):
             continue  # forced by the user, or not used
-        if field == "host_params":  # the schedules after the search keep parameters on device
-            space = dataclasses.replace(space, host_params=False)
-        elif field == "layers":  # and without selective recomputation: both rerun in B
+        if field == "layers":  # and without selective recomputation: both rerun in B
             space = dataclasses.replace(space, layers=False, selective=(
                 False if a.space.selective is None else a.space.selective))
         else:  # without sharding, without offloading either (unless the user forced it)
