@@ -86,6 +86,20 @@ recomputation: they cost an all-gather and the state's round trip a step where r
 costs a forward per micro-batch; which of those is faster is a choice of policy, and the
 sharded twin replaces the unsharded variant where its u is smaller.
 
+A stage may also keep its parameters, gradients and optimizer state in host memory (eta = 1,
+never with zeta or the offloaded state; ``runtime/host_params.py``), at any rho, after every
+other variant of the chain: each use fetches its parameter, so
+
+    t_s      = max(F + Bw + ..., (f_rho P + G) / host_bw) + ...   (f_rho = 2, 3 with R or a
+                         selective rerun, 4 layer by layer; the transfers overlap the compute,
+                         or add to it where the device is its own host, ``host_overlap``)
+    up_s     = ar_s + [r > 1] 2 G / host_bw + G (3 + 2 osf) / host_step_bw
+                         (the all-reduce's buckets through the device; the step on the host)
+    memory_s = the formula above with params + G osf replaced by 2 W and G by W
+                         (W = the stage's largest block's parameter bytes: the copies fetched
+                          ahead and in use, the gradients on their way home)
+    host_s   = P + G (1 + osf) <= host budget
+
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
 bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer
 step (every replica steps the stage's parameters; stages step in parallel). A plan is feasible

@@ -1,6 +1,7 @@
 """A stage's variants and the terms that depend on its replica count: how it holds its
-activations (recomputation) and its optimizer state (sharded over its replicas, ZeRO-1; in
-host memory, offloaded), and what those cost once a step and after the backwards.
+activations (recomputation), its optimizer state (sharded over its replicas, ZeRO-1; in
+host memory, offloaded) and its parameters (in host memory, fetched at each use), and what
+those cost once a step and after the backwards.
 
 This module imports numpy only (no torch). ``model``'s docstring has the formulas; here are
 the ones a variant changes: up_s (all-reduce, all-gather, optimizer step, the offloaded
