@@ -255,23 +255,28 @@ def test_host_parameters_train_like_one_process(schedule, recompute, selective, 
 
 def test_parameters_gradients_and_optimizer_state_live_on_the_host():
     """After a step the stage's parameters, their gradients and Adam's moments are host
-    tensors (the optimizer made its state where the parameters are)."""
+    tensors (the optimizer made its state where the parameters are), and an evaluation call
+    under ``torch.no_grad`` (fetches without autograd, nothing saved) gives one process's
+    loss."""
     plan = _gpt_plan("1f1b")
 
     def worker(rank: int, world: int) -> bool:
         model, args, kwargs = gpt(0.0)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        n = 3
-        largs = tuple(a[rank * n:(rank + 1) * n] for a in args)
-        lkw = {k: v[rank * n:(rank + 1) * n] for k, v in kwargs.items()}
+        ref = copy.deepcopy(model)
+        opt, ref_opt = adam(model), adam(ref)
+        largs, lkw = local(rank, args, kwargs)
         cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan,
                               example_args=largs, example_kwargs=lkw)
+        step(ref, ref_opt, args, kwargs)
         out = cm(*largs, **lkw)
-        (out["loss"] if isinstance(out, dict) else out).backward()
+        out["loss"].backward()
         opt.step()
         params = [p for gm in cm.stages for p in gm.parameters()]
         states = [v for p in params for v in opt.state[p].values()
                   if isinstance(v, torch.Tensor) and v.dim()]
+        with torch.no_grad():
+            got, want = cm(*largs, **lkw)["loss"], ref(*args, **kwargs)["loss"]
+        assert_close(got, want, rtol=TOL["rtol"], atol=TOL["atol"])
         return all(p.device.type == "cpu" and p.grad is not None for p in params) and \
             len(states) == 2 * len(params)
 
