@@ -114,6 +114,13 @@ class DeviceSpec(BaseModel):
     # Fraction of peak that real kernels reach; the analytic cost model divides by it.
     efficiency: float = Field(default=0.5, gt=0, le=1)
 
+    @property
+    def copies_beside_compute(self) -> bool:
+        """Whether copies between host and device overlap the device's compute (a GPU's copy
+        engine); a device without host figures (the CPU) is its own host, its copies run on
+        the cores that compute."""
+        return self.host_bandwidth is not None
+
     @classmethod
     def preset(cls, name: str) -> DeviceSpec:
         """A known device by name, e.g. ``DeviceSpec.preset("v100-32gb")``."""

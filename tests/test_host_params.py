@@ -23,7 +23,8 @@ from rannc_fx.device import DeviceSpec
 from rannc_fx.models import TransformerLM
 from rannc_fx.plan import Plan
 from rannc_fx.runtime import host_params as hp
-from rannc_fx.runtime.host_params import HostParams
+from rannc_fx.runtime.host_params import HostParams, fetching, host_of, saving
+from rannc_fx.runtime.simulate import simulate_plan
 
 from .dist_utils import assert_like_reference, run_ranks
 from .gpt_training import (
@@ -68,20 +69,16 @@ def _forward_backward(gm: fx.GraphModule, host: HostParams | None, amp: bool = F
     x = torch.randn(8, 64, requires_grad=True)
     known = {p.untyped_storage()._cdata for p in gm.parameters()}
     with LiveBytes(known) as live:
-        with host.saving() if host is not None else torch.autograd.graph.saved_tensors_hooks(
-                lambda t: t, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=amp):
+        with fetching(host), saving(host), torch.autocast("cpu", torch.bfloat16, enabled=amp):
             y = gm(x)
-        if host is not None:
-            host.release()
         left = live.now
-    y.float().square().sum().backward()
-    if host is not None:
-        host.release()
+    with fetching(host):
+        y.float().square().sum().backward()
     return left, {n: p.grad for n, p in gm.named_parameters()}
 
 
 @pytest.mark.parametrize("kind", ["fx", "export"])
-def test_the_forward_keeps_no_parameter_copy_and_gradients_come_home(kind):
+def test_the_forward_keeps_no_parameter_copy_and_the_gradients_are_exact(kind):
     gm = dict(_graphs())[kind]
     plain_left, plain_grads = _forward_backward(gm, None)
     gm.zero_grad(set_to_none=True)
@@ -97,8 +94,7 @@ def test_the_forward_keeps_no_parameter_copy_and_gradients_come_home(kind):
     assert host.fetched_bytes >= 2 * sum(p.nbytes for p in gm.parameters())  # F and B
     for name, g in grads.items():  # bit for bit the gradients of the stage as it was
         want = plain_grads[name]
-        assert g is not None and want is not None and g.device.type == "cpu"
-        assert torch.equal(g, want), name
+        assert g is not None and want is not None and torch.equal(g, want), name
 
 
 @pytest.mark.parametrize("kind", ["fx", "export"])
@@ -253,11 +249,11 @@ def test_host_parameters_train_like_one_process(schedule, recompute, selective, 
     assert_like_one_process(got)
 
 
-def test_parameters_gradients_and_optimizer_state_live_on_the_host():
-    """After a step the stage's parameters, their gradients and Adam's moments are host
-    tensors (the optimizer made its state where the parameters are), and an evaluation call
-    under ``torch.no_grad`` (fetches without autograd, nothing saved) gives one process's
-    loss."""
+def test_the_runtime_fetches_and_an_evaluation_call_is_one_process_s():
+    """Under the forced plan every rank's stage runs through its fetches (the runtime
+    installed them), the user's optimizer steps exactly the stage's parameters, and an
+    evaluation call under ``torch.no_grad`` (fetches without autograd, nothing saved) after a
+    step gives one process's loss."""
     plan = _gpt_plan("1f1b")
 
     def worker(rank: int, world: int) -> bool:
@@ -268,17 +264,14 @@ def test_parameters_gradients_and_optimizer_state_live_on_the_host():
         cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan,
                               example_args=largs, example_kwargs=lkw)
         step(ref, ref_opt, args, kwargs)
-        out = cm(*largs, **lkw)
-        out["loss"].backward()
-        opt.step()
-        params = [p for gm in cm.stages for p in gm.parameters()]
-        states = [v for p in params for v in opt.state[p].values()
-                  if isinstance(v, torch.Tensor) and v.dim()]
+        step(cm, opt, largs, lkw)
+        assert all(host_of(gm) is not None and hp.FETCH in gm.code for gm in cm.stages)
+        mine = {id(p) for gm in cm.stages for p in gm.parameters()}
+        stepped = {id(p) for p in opt.state}
         with torch.no_grad():
             got, want = cm(*largs, **lkw)["loss"], ref(*args, **kwargs)["loss"]
         assert_close(got, want, rtol=TOL["rtol"], atol=TOL["atol"])
-        return all(p.device.type == "cpu" and p.grad is not None for p in params) and \
-            len(states) == 2 * len(params)
+        return stepped == mine
 
     assert all(run_ranks(worker, 2, timeout_s=30.0, wall_s=120.0))
 
@@ -302,11 +295,10 @@ def test_on_a_gpu_the_device_holds_a_window_of_parameters():
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
     for _ in range(2):
-        with host.saving():
+        with fetching(host), saving(host):
             y = gm(x)
-        host.release()
-        y.sum().backward()
-        host.release()
+        with fetching(host):
+            y.sum().backward()
     peak = torch.cuda.max_memory_allocated(dev) - base
     params = sum(p.nbytes for p in gm.parameters())
     assert peak < params / 2, (peak, params)  # 16 x 4 MiB never on the device at once
@@ -341,11 +333,10 @@ def test_the_device_holds_the_parameters_the_plan_counts():
     host._copy = tracked  # type: ignore[method-assign]
     model, args, kwargs = gpt(0.0)
     for _ in range(2):  # the first forward records the order, the second fetches ahead
-        with host.saving():
+        with fetching(host), saving(host):
             out = part(*args, **kwargs)
-        host.release()
-        out["loss"].backward()
-        host.release()
+        with fetching(host):
+            out["loss"].backward()
     assert 0.9 * st.memory.params <= peak <= st.memory.params, (peak, st.memory.params)
     assert peak < sum(p.nbytes for p in gm.parameters()) / 4
 
@@ -418,7 +409,6 @@ def _clipped_and_scaled(rank: int, world: int, inf_on: int | None) -> float:
             o.zero_grad()
         assert scaler.get_scale() == ref_scaler.get_scale()
     assert_like_reference(cm.stages, ref, **TOL)
-    assert all(p.device.type == "cpu" for gm in cm.stages for p in gm.parameters())
     return scaler.get_scale()
 
 
@@ -426,3 +416,19 @@ def _clipped_and_scaled(rank: int, world: int, inf_on: int | None) -> float:
 def test_clipping_and_the_grad_scaler_over_host_parameters(inf_on):
     scales = run_ranks(_clipped_and_scaled, 2, inf_on, timeout_s=30.0, wall_s=120.0)
     assert set(scales) == {2.0**10 if inf_on is None else 2.0**9}
+
+
+def test_the_simulator_stretches_a_host_stage_by_its_transfers():
+    """On the CPU (no copy engine) a host stage's F, R and B take their compute plus their
+    share of the transfers: stage 0 given transfers of 10 times its compute runs each of its
+    micro-batches 11 times as long, and the step holds all of them one after another."""
+    plan = _gpt_plan("1f1b")
+    st = plan.stages[0]
+    compute = st.fwd_ms + st.bwd_ms + st.again_ms
+    slow = plan.model_copy(update={"stages": (
+        st.model_copy(update={"fetch_ms": 10 * compute}), *plan.stages[1:])})
+    base, stretched = simulate_plan(plan).makespan, simulate_plan(slow).makespan
+    assert stretched >= plan.micro_batches * 11 * compute * 1e-3 * (1 - 1e-9) > 2 * base
+    same = plan.model_copy(update={"stages": (
+        st.model_copy(update={"fetch_ms": 0.0}), *plan.stages[1:])})
+    assert st.fetch_ms > 0 and simulate_plan(same).makespan < base  # the plan's own, added

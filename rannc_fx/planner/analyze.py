@@ -332,9 +332,7 @@ def _search_space(
         # nor a split backward)
         host_params=cfg.host_params if cfg.schedule in (None, "gpipe", "1f1b") else False,
         host_bandwidth=host_bw,
-        # a device without host figures (the CPU) is its own host: a fetch is a copy on the
-        # cores that compute
-        host_overlap=spec.host_bandwidth is not None,
+        host_overlap=spec.copies_beside_compute,
         host_step_bandwidth=spec.host_step_bandwidth,
         host_budget=host_budget,
         reduce_bucket=BUCKET_BYTES,

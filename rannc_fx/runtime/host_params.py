@@ -37,7 +37,7 @@ the stage run on its own parameters, bit for bit.
 from __future__ import annotations
 
 import contextlib
-import weakref
+import operator
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -111,12 +111,10 @@ class _FetchCall(nn.Module):
         return f"runs {self.target} on fetched copies of its parameters"
 
 
-_HOSTS: weakref.WeakKeyDictionary[fx.GraphModule, HostParams] = weakref.WeakKeyDictionary()
-
-
 def host_of(module: fx.GraphModule) -> HostParams | None:
-    """The ``HostParams`` installed on ``module``, if any."""
-    return _HOSTS.get(module)
+    """The ``HostParams`` installed on ``module`` (its ``rannc_fetch`` submodule's), if any."""
+    fetch = getattr(module, FETCH, None)
+    return fetch._host if isinstance(fetch, _FetchOne) else None
 
 
 class HostParams:
@@ -145,7 +143,8 @@ class HostParams:
         gm.add_submodule(FETCH, _FetchOne(self))
         wrapped = 0
         for node in list(gm.graph.nodes):
-            if node.op == "get_attr" and id(_attr(gm, node.target)) in self.params:
+            if node.op == "get_attr" and id(
+                    operator.attrgetter(str(node.target))(gm)) in self.params:
                 for user in list(node.users):
                     with gm.graph.inserting_before(user):
                         fetch = gm.graph.call_module(FETCH, (node,))
@@ -161,14 +160,11 @@ class HostParams:
                 node.target = target
         gm.graph.lint()
         gm.recompile()
-        _HOSTS[gm] = self
         return gm
 
     # -- fetching -----------------------------------------------------------------------------
     def fetch(self, p: torch.Tensor) -> torch.Tensor:
         """A device copy of ``p`` (fetched ahead, or now) that autograd ties to ``p``."""
-        if id(p) not in self.params:
-            return p
         if torch.is_grad_enabled() and p.requires_grad:
             return _Fetch.apply(p, self)
         return self.copy_of(p, forward=True)
@@ -288,13 +284,6 @@ class HostParams:
     def reset_counts(self) -> None:
         self.fetched_bytes = 0
         self.saved_tokens = 0
-
-
-def _attr(gm: nn.Module, target: Any) -> Any:
-    obj: Any = gm
-    for part in str(target).split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @contextlib.contextmanager

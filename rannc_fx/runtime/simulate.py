@@ -197,7 +197,7 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
 
     def of(a: Action) -> float:
         st = plan.stages[a.stage]
-        k = stretch(st, plan.device.host_bandwidth is not None)
+        k = stretch(st, plan.device.copies_beside_compute)
         if a.kind is Kind.F:
             return 1e-3 * (k * st.fwd_ms + st.comm_ms / 2)
         if a.kind is Kind.R:
