@@ -26,9 +26,11 @@ recomputation fits (below the least largest-stage memory such plans need), the s
 picks its plan; training with it, every rank's peak (static bytes + the measured step memory)
 must stay within the budget.
 
-``--mode zero``: ``--replicas`` forced, 1F1B, ``Config(zero=0)`` then ``zero=1``; per rank the
-parameter, gradient (after a step's backwards) and optimizer-state bytes it holds, counted
-off its tensors, against the plan's, and the step's heap peak as above.
+``--mode zero``: ``--replicas`` forced, 1F1B, ``Config(zero=0)``, ``zero=1`` then ``zero=2``;
+per rank the parameter, gradient (after a step's backwards) and optimizer-state bytes it
+holds, counted off its tensors, against the plan's (the plan's gradients are the backward's
+peak, whole under ZeRO-2 too; what ZeRO-2 holds after its reduce is the owner's share), and
+the step's heap peak as above.
 """
 
 from __future__ import annotations
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[str] = []
     if args.mode == "zero":
         reps = tuple(args.replicas or (world // 2, world - world // 2))
-        for level in (0, 1):
+        for level in (0, 1, 2):
             cfg = Config(replicas=reps, micro_batches=args.micro_batches, schedule="1f1b",
                          zero=level, **common)
             rows.append(_zero_row(f"zero={level}",

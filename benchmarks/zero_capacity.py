@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_time import bert, environment  # noqa: E402
 
 import rannc_fx  # noqa: E402
-from rannc_fx import Config  # noqa: E402
+from rannc_fx import Config, DeviceSpec  # noqa: E402
 from rannc_fx.passes.search import NoFeasiblePlan  # noqa: E402
 from rannc_fx.plan import Plan  # noqa: E402
 
@@ -44,19 +44,30 @@ def plan(layers: int, a: argparse.Namespace, world: int, searched: bool) -> Plan
     none fits."""
     model, args, kwargs, _ = bert(layers, a.hidden, heads=a.heads, seq=a.seq)
     forbid = {} if searched else {k: v for f in a.without for k, v in FORBID[f].items()}
-    cfg = Config(profile_cache_dir=None, **forbid)
+    asked = {"zero": a.after_zero} if searched and a.after_zero is not None else {}
+    cfg = Config(profile_cache_dir=None, **forbid, **asked)
     try:
-        return rannc_fx.partition(model, args, kwargs, world_size=world, device=a.device,
+        return rannc_fx.partition(model, args, kwargs, world_size=world, device=device(a),
                                   config=cfg, global_batch=a.global_batch).plan
     except NoFeasiblePlan as e:
         return f"no plan ({str(e).split(';')[0][:120]})"
+
+
+def device(a: argparse.Namespace) -> str | DeviceSpec:
+    """The preset, with ``--allreduce-bandwidth`` where given (a cluster whose all-reduces
+    cross slower links than its point-to-point transfers)."""
+    if a.allreduce_bandwidth is None:
+        return str(a.device)
+    return DeviceSpec.preset(a.device).model_copy(
+        update={"allreduce_bandwidth": a.allreduce_bandwidth})
 
 
 def describe(p: Plan | str) -> str:
     if isinstance(p, str):
         return p
     reps = "/".join(str(s.replicas) for s in p.stages)
-    sharded = sum(s.zero for s in p.stages)
+    sharded = sum(s.zero > 0 for s in p.stages)
+    levels = "/".join(str(z) for z in sorted({s.zero for s in p.stages if s.zero}))
     off = sum(s.offload for s in p.stages)
     hp = sum(s.host_params for s in p.stages)
     host = max(s.host_bytes for s in p.stages) / GiB
@@ -66,8 +77,9 @@ def describe(p: Plan | str) -> str:
     worst = max(s.memory.total for s in p.stages) / p.memory_budget
     sim = f" ({p.simulated_step_ms / 1e3:.2f} s simulated)" if p.simulated_step_ms else ""
     return (f"{len(p.stages)} stages (replicas {reps}), {p.schedule}, m={p.micro_batches}, "
-            f"recompute {rc}/{len(p.stages)} ({lay} layer by layer), selective {sel}, ZeRO-1 {sharded}/{len(p.stages)}, offload "
-            f"{off}/{len(p.stages)}, parameters on the host {hp}/{len(p.stages)}"
+            f"recompute {rc}/{len(p.stages)} ({lay} layer by layer), selective {sel}, "
+            f"ZeRO {sharded}/{len(p.stages)}" + (f" (level {levels})" if levels else "")
+            + f", offload {off}/{len(p.stages)}, parameters on the host {hp}/{len(p.stages)}"
             + (f" (host {host:.1f} GiB a rank at most)" if off or hp else "")
             + ", largest stage "
             f"{100 * worst:.0f} % of budget; step {p.predicted_step_ms / 1e3:.2f} s{sim}")
@@ -88,12 +100,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--world-size", type=int, default=32)
     p.add_argument("--worlds", type=int, nargs="+", default=[33, 32, 24, 16])
-    p.add_argument("--without", nargs="+", choices=tuple(FORBID), default=list(FORBID),
+    p.add_argument("--without", nargs="*", choices=tuple(FORBID), default=list(FORBID),
                    help="what the 'before' plans may not use: ZeRO-1 (zero), offloading "
                    "(offload), recomputation layer by layer (layers), selectively "
                    "(selective), parameters in host memory (host_params)")
+    p.add_argument("--allreduce-bandwidth", type=float, default=None,
+                   help="bytes/s of the presets' all-reduces (default: their link's)")
+    p.add_argument("--after-zero", type=int, choices=(1, 2), default=None,
+                   help="the 'after' plans with Config(zero=...) (2: ZeRO-2, asked for)")
     a = p.parse_args(argv)
-    print(f"| case | without {', '.join(a.without)} (before) | all searched (after) | both "
+    after = "all searched" + (f", zero={a.after_zero}" if a.after_zero else "")
+    print(f"| case | without {', '.join(a.without) or 'nothing'} (before) | {after} (after) | both "
           "planned in |\n|---|---|---|---:|")
     cases: list[tuple[str, int, int]] = []
     if a.goal == "smallest":

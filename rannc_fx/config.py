@@ -86,12 +86,17 @@ class Config(BaseModel):
         "way to fit; only on a device whose DeviceSpec has host_bandwidth and "
         "host_memory_bytes); True = every stage; False = none",
     )
-    zero: Literal[0, 1] | None = Field(
+    zero: Literal[0, 1, 2] | None = Field(
         default=None,
-        description="ZeRO level inside each stage's replicas: None = searched per stage (1 "
-        "only where a stage does not fit without it, or where it shortens the step); 0 = "
-        "none; 1 = every stage with more than one replica shards its optimizer state over "
-        "them (runtime/zero.py)",
+        description="ZeRO level inside each stage's replicas: None = searched per stage "
+        "between 0 and 1 (1 only where a stage does not fit without it, or where it shortens "
+        "the step); 0 = none; 1 = every stage with more than one replica shards its "
+        "optimizer state over them, every gradient kept on every replica (runtime/zero.py); "
+        "2 = and reduce-scatters its gradients, each replica keeping those of the "
+        "parameters it steps, .grad None on the others (runtime/grad_shards.py): a step "
+        "then moves one all-reduce's bytes, not one and a half, and never takes longer or "
+        "more memory than level 0 or 1, but .grad no longer holds every gradient, so it is "
+        "asked for, not searched",
     )
 
     # -- placement -------------------------------------------------------------------------

@@ -98,8 +98,10 @@ class Stage(BaseModel):
     # the outputs of its matrix products, convolutions and fused attention, and B reruns the
     # rest of the forward (again_ms)
     selective: bool = False
-    zero: int = Field(default=0, ge=0, le=1)  # 1: optimizer state sharded over the replicas
-    gather_ms: float = 0.0  # zero = 1: all-gathering the stepped parameters after the step
+    # 1: the optimizer state sharded over the replicas (ZeRO-1); 2: and the gradients,
+    # reduce-scattered to their owners (ZeRO-2; allreduce_ms is then the reduce-scatter's)
+    zero: int = Field(default=0, ge=0, le=2)
+    gather_ms: float = 0.0  # zero >= 1: all-gathering the stepped parameters after the step
     offload: bool = False  # the (share of the) optimizer state in host memory
     host_ms: float = 0.0  # offload: its state to the device and back, each step
     host_bytes: int = 0  # offload: the optimizer state each replica keeps in host memory

@@ -134,6 +134,8 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     if zero:  # each replica steps 1 / r of the parameters, then they all-gather them
         opt = opt / r
         ag = (r - 1) / r * grad / ar_bw + (r - 1) * space.link_latency
+        if space.grad_shards:  # ZeRO-2: a reduce-scatter, the all-reduce's first half
+            ar = (r - 1) / r * grad / ar_bw + (r - 1) * space.link_latency
     share = grad * space.optimizer_state_factor / (r if zero else 1)
     kept_host = share if offload else 0.0
     moved = 2 * kept_host / space.host_bandwidth if offload and space.host_bandwidth else 0.0

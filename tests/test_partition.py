@@ -258,6 +258,21 @@ def test_the_search_shards_the_optimizer_state_where_that_beats_pipelining():
     assert row[:end].split()[-1] == "1"
 
 
+def test_zero_2_halves_the_gradient_reduce_and_is_asked_for():
+    """ZeRO-2 reduce-scatters what ZeRO-1 all-reduces: the same plan with the reduce's time
+    halved (its latency terms too), the all-gather, the state and the step's memory as
+    ZeRO-1's; the search never takes it on its own (it changes what ``.grad`` holds)."""
+    one = _plan_in(7, memory_margin=0.3, stages=1, micro_batches=1, zero=1)
+    two = _plan_in(7, memory_margin=0.3, stages=1, micro_batches=1, zero=2)
+    a, b = one.stages[0], two.stages[0]
+    assert (a.replicas, a.zero, b.zero) == (2, 1, 2)
+    assert b.allreduce_ms == pytest.approx(a.allreduce_ms / 2)
+    assert (b.gather_ms, b.optimizer_ms, b.memory) == (a.gather_ms, a.optimizer_ms, a.memory)
+    assert two.predicted_step_ms < one.predicted_step_ms
+    searched = _plan_in(6, memory_margin=0.3, zero=None)
+    assert [st.zero for st in searched.stages] == [1]
+
+
 def test_max_micro_batches_bounds_the_searched_count():
     """With 4.48 MiB the search picks 4 micro-batches on one stage; allowed at most 2 (or 3:
     1 and 2 are the counts up to 3 it tries for a batch of 8), it pipelines 2 stages instead."""

@@ -156,7 +156,8 @@ def random_case(rng: np.random.Generator, max_blocks: int, max_world: int, *, ti
                         micro_batches=mbs, stages=stages, replicas=replicas,
                         schedules=schedules, recompute=recompute, zero=zero,
                         offload=offload, layers=layers, selective=selective,
-                        host_params=host_params)
+                        host_params=host_params,
+                        grad_shards=bool(rng.uniform() < 0.7))  # ZeRO-2, else ZeRO-1
     table = random_table(rng, B, needed_sizes(space), ints=rng.uniform() < 0.3)
     table = dataclasses.replace(table, act=table.act * 3)  # activations that matter
     if layers or rng.uniform() < 0.6:  # a model with layers to recompute one by one
@@ -319,7 +320,7 @@ def test_matches_brute_force_small(seed: int) -> None:
         seen["layers"] += any(s.layers for s in got.stages)
         seen["selective"] += any(s.selective for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
-    assert 20 < seen["none fits"] < 100 and seen["plain fits"] > 20, seen
+    assert 20 < seen["none fits"] < 110 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
     assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen

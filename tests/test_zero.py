@@ -1,5 +1,6 @@
 """ZeRO-1 inside a stage (``runtime/zero.py``): each replica keeps the optimizer state of its
-share and the replicas all-gather the stepped parameters; the training is the one process's
+share and the replicas all-gather the stepped parameters; ZeRO-2 (``runtime/grad_shards.py``)
+also reduce-scatters the gradients to their owners; the training is the one process's
 (loss and every parameter after several Adam steps), with clipping, recomputation, both
 schedules, unequal replica counts and a tied embedding; checkpoints cross between sharded
 and unsharded plans."""
@@ -18,7 +19,7 @@ from torch.testing import assert_close
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import mlp_example
-from rannc_fx.runtime import comm
+from rannc_fx.runtime import comm, grad_shards
 from rannc_fx.runtime.comm import buckets
 from rannc_fx.runtime.zero import owners, shard_of
 
@@ -84,8 +85,8 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
 
 def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
            recompute: bool, clip: float | None, offload: bool = False,
-           layers: bool | None = None) -> tuple[list[float], dict[str, Any]]:
-    cm, opt, args, kwargs = _compiled(rank, world, replicas, 1, schedule=schedule,
+           layers: bool | None = None, zero: int = 1) -> tuple[list[float], dict[str, Any]]:
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero, schedule=schedule,
                                       recompute=recompute, offload=offload, layers=layers)
     losses = [_step(cm, opt, args, kwargs, clip) for _ in range(STEPS)]
     ref, rargs, rkwargs = _data()
@@ -115,25 +116,29 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "replicas,schedule,recompute,clip",
-    [((2, 1), "gpipe", False, None), ((1, 2), "1f1b", True, 0.5), ((2,), "1f1b", False, 0.5),
-     ((2, 1), "interleaved", False, 0.5)],
+    "replicas,schedule,recompute,clip,zero",
+    [((2, 1), "gpipe", False, None, 1), ((1, 2), "1f1b", True, 0.5, 1),
+     ((2,), "1f1b", False, 0.5, 1), ((2, 1), "interleaved", False, 0.5, 1),
+     ((2, 1), "gpipe", True, 0.5, 2), ((1, 2), "1f1b", False, None, 2),
+     ((2,), "1f1b", False, 0.5, 2), ((2, 1), "interleaved", False, 0.5, 2)],
     ids=["first-stage-sharded-gpipe", "last-stage-sharded-1f1b-recompute-clip",
-         "one-stage-two-replicas-clip", "interleaved-a-lane-of-two-replicas"],
+         "one-stage-two-replicas-clip", "interleaved-a-lane-of-two-replicas",
+         "zero2-first-stage-gpipe-recompute-clip", "zero2-last-stage-1f1b",
+         "zero2-one-stage-two-replicas-clip", "zero2-interleaved-a-lane-of-two-replicas-clip"],
 )
 def test_sharded_training_is_the_one_process_training(replicas, schedule, recompute, clip,
-                                                     monkeypatch):
+                                                     zero, monkeypatch):
     if len(replicas) == 1:  # many all-gathers of a few tensors each (the workers fork after)
         monkeypatch.setattr(comm, "BUCKET_BYTES", 4096)
     world = sum(replicas)
-    got = run_ranks(_train, world, replicas, schedule, recompute, clip, timeout_s=30.0,
-                    wall_s=180.0)
+    got = run_ranks(_train, world, replicas, schedule, recompute, clip, False, None, zero,
+                    timeout_s=30.0, wall_s=180.0)
     by_stage: dict[int, list[dict[str, Any]]] = {}
     for _, info in got:
         by_stage.setdefault(info["stage"], []).append(info)
     for infos in by_stage.values():
         r = infos[0]["replicas"]
-        assert all(i["zero"] == (1 if r > 1 else 0) for i in infos)
+        assert all(i["zero"] == (zero if r > 1 else 0) for i in infos)
         assert all(i["sharded"] == (r > 1) for i in infos)
         if r > 1:
             # each replica keeps the state of a share; together every parameter's once
@@ -144,6 +149,73 @@ def test_sharded_training_is_the_one_process_training(replicas, schedule, recomp
             assert abs(whole - r * infos[0]["predicted"]) <= r  # the plan: 1/r of it each
             for i in infos:  # an LPT share: within the largest tensor's state of 1/r
                 assert i["state_bytes"] <= whole / r + i["largest"]
+
+
+def _gradients(rank: int, world: int, replicas: tuple[int, ...], schedule: str, zero: int
+               ) -> dict[str, Any]:
+    """Two calls' gradients accumulated, then clipped and stepped, against one process's."""
+    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero, schedule=schedule)
+    ref, rargs, rkwargs = _data()
+    ref_opt = _adam(ref)
+    for _ in range(2):  # accumulation over calls: the second adds to the first's
+        cm(*args, **kwargs)["loss"].backward()
+        ref(*rargs, **rkwargs)["loss"].backward()
+    shared = {n for sp in cm.plan.shared_params for n in (sp.name, *sp.aliases)}
+    shard = shard_of(opt)
+    kept, dropped = [], []
+    for gm in cm.stages:
+        for name, p in gm.named_parameters():
+            want = ref.get_parameter(name).grad
+            if shard is not None and zero == 2 and name not in shared and not shard.steps(p):
+                assert p.grad is None, name  # another replica's: reduced to it, gone here
+                dropped.append(name)
+                continue
+            assert p.grad is not None, name
+            assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            if name not in shared:  # a shared one's is all-reduced over every holder
+                kept.append(name)
+    norm = cm.clip_grad_norm_(0.5)
+    want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert_close(norm, want_norm, **TOL)
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+    losses = [_step(cm, opt, args, kwargs, 0.5) for _ in range(2)]
+    want = [_step(ref, ref_opt, rargs, rkwargs, 0.5) for _ in range(2)]
+    assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
+    assert_like_reference(cm.stages, ref, **TOL)
+    me = cm.plan.stages_of_rank(rank)[0]
+    return {"stage": me.index, "zero": me.zero, "kept": kept, "dropped": dropped}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas,schedule", [((2, 1), "1f1b"), ((1, 2), "gpipe"),
+                                               ((2, 1), "zbv")])
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_sharded_stage_s_gradients_are_one_process_s_on_their_owners(replicas, schedule,
+                                                                       zero):
+    """ZeRO-1 keeps every gradient on every replica; ZeRO-2 keeps each on its owner only,
+    the two calls' sum reduced once; the clipped norm and the steps are one process's."""
+    got = run_ranks(_gradients, 3, replicas, schedule, zero, timeout_s=30.0, wall_s=180.0)
+    two = [info for info in got if info["stage"] == replicas.index(2)]
+    assert all(i["zero"] == zero for i in two)
+    if zero == 1:
+        assert all(not i["dropped"] for i in two)
+        return
+    # every gradient of the stage on exactly one replica, and each replica holds some
+    assert sorted(n for i in two for n in i["kept"]) == sorted(set(two[0]["kept"])
+                                                             | set(two[0]["dropped"]))
+    assert all(i["kept"] and i["dropped"] for i in two)
+
+
+@pytest.mark.slow
+def test_the_reduce_scatter_nccl_runs_gives_the_owners_one_process_s_gradients(monkeypatch):
+    """Over gloo the rounds are all-reduced (faster there); NCCL's path, a reduce-scatter of
+    the same rounds, run here on gloo."""
+    monkeypatch.setattr(grad_shards, "backend_of", lambda group: "nccl")
+    monkeypatch.setattr(comm, "BUCKET_BYTES", 64 * 1024)  # several rounds
+    got = run_ranks(_gradients, 3, (2, 1), "1f1b", 2, timeout_s=30.0, wall_s=180.0)
+    assert all(i["kept"] and i["dropped"] for i in got if i["stage"] == 0)
 
 
 def _scaled(rank: int, world: int, inf_on: int | None) -> float:

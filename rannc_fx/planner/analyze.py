@@ -327,6 +327,8 @@ def _search_space(
         selective=(cfg.recompute_selective if unsplit or cfg.recompute_selective is not None
                    else False),
         zero=None if cfg.zero is None else bool(cfg.zero),
+        # ZeRO-2 only where asked for: it changes what .grad holds (the owners' share)
+        grad_shards=cfg.zero == 2,
         offload=cfg.offload,
         # parameters in host memory run under GPipe and 1F1B (not a lane's several stages,
         # nor a split backward)

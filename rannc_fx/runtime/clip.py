@@ -11,7 +11,8 @@ After ``loss.backward()`` the replicas of a stage hold the same gradient, and so
 rank of every stage that uses a shared parameter (``grads.GradSync``). Each parameter is
 counted by the lowest rank that holds it, decided from the plan alone so that every rank
 agrees: replica 0 of its stage, and for a shared parameter replica 0 of the first stage that
-uses it. Here with replicas (2, 1, 1) and an embedding E tied between stages 0 and 2:
+uses it; a parameter whose gradient is sharded (ZeRO-2, ``grad_shards``) by its owner, the one
+replica that holds it. Here with replicas (2, 1, 1) and an embedding E tied between stages 0 and 2:
 
     rank                 0        1        2        3
     stage (replica)      0 (0)    0 (1)    1 (0)    2 (0)
@@ -149,6 +150,8 @@ def _parameters(
         )
     grads, counts = executor.grads, counted_by(executor.plan, executor.rank)
     mine = [q for j, group in grads.shared if j in counts.shared for q in group]
-    if counts.own:
-        mine.extend(grads.own)
+    shards = grads.shards
+    sharded = {id(q) for q in shards.params} if shards is not None else set()
+    mine.extend(q for q in grads.own
+                if (shards.owns(q) if shards is not None and id(q) in sharded else counts.own))
     return grads.every, mine

@@ -38,6 +38,7 @@ __all__ = [
     "abort_groups",
     "all_reduce_flat",
     "backend_for",
+    "backend_of",
     "build_groups",
     "check_same_plan",
     "collective",
@@ -284,7 +285,7 @@ def all_reduce_flat(
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         home = flat.device
-        if home.type == "cpu" and _backend(group) == "nccl":  # host gradients (host_params)
+        if home.type == "cpu" and backend_of(group) == "nccl":  # host gradients (host_params)
             flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
         def start(async_op: bool, flat: torch.Tensor = flat) -> Any:
             return dist.all_reduce(flat, op=op, group=group, async_op=async_op)
@@ -297,7 +298,8 @@ def all_reduce_flat(
     return [t for t in out if t is not None]
 
 
-def _backend(group: dist.ProcessGroup | None) -> str:
+def backend_of(group: dist.ProcessGroup | None) -> str:
+    """The backend of ``group`` ("gloo", "nccl"), "" where there is no process group."""
     try:
         return str(dist.get_backend(group))
     except (RuntimeError, ValueError):

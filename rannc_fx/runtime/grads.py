@@ -1,5 +1,7 @@
 """Gradient all-reduce after a step's backwards: shared parameters over all their holders,
-the rest among the stage's replicas; and where a step's gradients wait for ``loss.backward()``.
+the rest among the stage's replicas (reduce-scattered to their owners where the stage's
+gradients are sharded, ZeRO-2: ``grad_shards``); and where a step's gradients wait for
+``loss.backward()``.
 
 Each replica's gradient is the sum over its micro-batches of share-weighted slice gradients,
 so the SUM over replicas is the global-batch gradient. A parameter that several stages use
@@ -24,7 +26,9 @@ from torch import nn
 from ..plan import Plan
 from . import comm
 from .comm import Groups, all_reduce_flat, buckets
+from .grad_shards import GradShards
 from .lane import graph_modules
+from .zero import owned_by, sharded_params
 
 __all__ = ["GradSync"]
 
@@ -54,6 +58,7 @@ class GradSync:
             self.shared.append((j, [p for i, p in found.items() if i in unique and i not in taken]))
             taken.update(found)
         self.own = [p for i, p in unique.items() if i not in taken]
+        self.shards = _grad_shards(plan, stages, module, taken)
         self._stash: dict[int, torch.Tensor] = {}
         self._held: dict[int, torch.Tensor] = {}
         self._begun = False  # a step's gradients are in .grad, the earlier ones aside
@@ -92,11 +97,13 @@ class GradSync:
                 what = f"gradient of shared parameter {self.plan.shared_params[j].name!r}"
                 todo.append((g, ps, what, self.groups.shared_ranks[j]))
         g = self.groups.stage[self.stage]
-        if g is not None and self.own:
+        sharded = {id(p) for p in self.shards.params} if self.shards is not None else set()
+        whole = [p for p in self.own if id(p) not in sharded]
+        if g is not None and whole:
             todo.append(
                 (
                     g,
-                    self.own,
+                    whole,
                     f"gradients of stage {self.stage}",
                     self.groups.stage_ranks[self.stage],
                 )
@@ -110,6 +117,8 @@ class GradSync:
                 del grads
                 for p, r in zip(bucket, reduced, strict=True):
                     p.grad = r
+        if self.shards is not None:  # ZeRO-2: after every all-reduce, on every replica alike
+            self.shards.reduce(self.groups)
 
     def merge(self) -> None:
         """Add the set-aside gradients back: ``.grad`` = earlier calls' + this step's."""
@@ -147,6 +156,21 @@ class GradSync:
     @property
     def held_bytes(self) -> int:
         return sum(h.numel() * h.element_size() for h in self._held.values())
+
+
+def _grad_shards(plan: Plan, stages: tuple[int, ...], module: nn.Module, shared: set[int]
+                 ) -> GradShards | None:
+    """The reduce-scatter of this rank's ZeRO-2 stages' own gradients (a shared parameter's
+    is all-reduced over its holders instead), owned as ``zero.OptimizerShard`` owns them."""
+    gms = dict(zip(sorted(stages), graph_modules(module), strict=True))
+    every = sharded_params(plan, gms)
+    st = plan.stages[stages[0]]
+    if st.replicas < 2 or not any(plan.stages[s].zero >= 2 for s in stages):
+        return None
+    owner = owned_by(every, st.replicas)
+    level2 = {id(p) for s in stages if plan.stages[s].zero >= 2 for p in gms[s].parameters()}
+    mine = [p for p in every if id(p) in level2 and id(p) not in shared]
+    return GradShards(mine, owner, st.ranks.index(dist.get_rank()), st.replicas, st.index)
 
 
 def _named(module: nn.Module) -> dict[str, nn.Parameter]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,13 +37,30 @@ from torch import nn
 
 from ..plan import Plan
 from . import comm
-from .comm import Groups, buckets, collective
+from .comm import Groups, collective
+from .grad_shards import rounds
 from .offload import HostState
 
-__all__ = ["OptimizerShard", "owners", "paused", "shard_of", "shard_optimizer", "steps"]
+__all__ = ["OptimizerShard", "owned_by", "owners", "paused", "shard_of", "shard_optimizer",
+           "sharded_params", "steps"]
 
 _SHARDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerShard] = (
     weakref.WeakKeyDictionary())
+
+
+def owned_by(params: Sequence[nn.Parameter], replicas: int) -> dict[int, int]:
+    """The owner of each of ``params`` (by ``id``; ``owners`` over their sizes, in order)."""
+    got = owners([p.numel() for p in params], replicas)
+    return {id(p): o for p, o in zip(params, got, strict=True)}
+
+
+def sharded_params(plan: Plan, modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """The trained parameters of the stages among ``modules`` (this rank's, by index) that
+    the plan shards over more than one replica, each once, in stage order: the one order
+    every replica of them shares."""
+    return list({id(p): p for s in sorted(modules) for p in modules[s].parameters()
+                 if p.requires_grad and plan.stages[s].zero >= 1
+                 and plan.stages[s].replicas > 1}.values())
 
 
 def owners(numels: Sequence[int], replicas: int) -> list[int]:
@@ -69,20 +86,15 @@ class OptimizerShard:
         self.optimizer, self.replica, self.replicas, self.stage = optimizer, replica, replicas, stage
         self._groups = groups
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        # owners over every sharded tensor, the optimizer's or not: the gradient shards
+        # (``grad_shards``, built without the optimizer) own by the same map
+        self.owner = owned_by(sharded, replicas)
         self.sharded = [p for p in sharded if id(p) in held]
-        owner = owners([p.numel() for p in self.sharded], replicas)
-        self.owner = {id(p): o for p, o in zip(self.sharded, owner, strict=True)}
         self.params = list({id(p): p for p in (*self.sharded, *offloaded) if id(p) in held}
                            .values())
         self.others = [p for p in self.sharded if not self.steps(p)]
         # the all-gather's rounds, once: per dtype, round b holds each replica's b-th bucket
-        self._rounds: list[list[list[nn.Parameter]]] = []
-        for dtype in dict.fromkeys(p.dtype for p in self.sharded):
-            cut = [buckets([p for p in self.sharded
-                            if p.dtype == dtype and self.owner[id(p)] == r], comm.BUCKET_BYTES)
-                   for r in range(replicas)]
-            self._rounds += [[x[b] if b < len(x) else [] for x in cut]
-                             for b in range(max(len(x) for x in cut))]
+        self._rounds = rounds(self.sharded, self.owner, replicas, comm.BUCKET_BYTES)
         mine = [p for p in offloaded if id(p) in held and self.steps(p)]
         self.host = HostState(optimizer, mine) if mine else None
         self._aside: dict[int, torch.Tensor | None] = {}
@@ -178,14 +190,11 @@ def shard_optimizer(optimizer: torch.optim.Optimizer | None, plan: Plan, rank: i
     off = [s for s in modules if plan.stages[s].offload]
     if optimizer is None or not (zero or off):
         return None
-
-    def trained(stages: list[int]) -> list[nn.Parameter]:
-        return list({id(p): p for s in stages for p in modules[s].parameters()
-                     if p.requires_grad}.values())
-
+    offloaded = list({id(p): p for s in off for p in modules[s].parameters()
+                      if p.requires_grad}.values())
     st = plan.stages[(zero or off)[0]]
-    return OptimizerShard(optimizer, trained(zero), st.ranks.index(rank), st.replicas,
-                          st.index, groups, offloaded=trained(off))
+    return OptimizerShard(optimizer, sharded_params(plan, modules), st.ranks.index(rank),
+                          st.replicas, st.index, groups, offloaded=offloaded)
 
 
 def shard_of(optimizer: torch.optim.Optimizer | None) -> OptimizerShard | None:

@@ -55,7 +55,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     t = float(terms.time(rho, hp)[0])
     grad = float(table.grad_bytes[i, j])
     g, rr = np.array([grad]), np.array([r])
-    ar = float(allreduce_s(space, g, rr)[0])
+    ar = float(allreduce_s(space, g, rr, zeta)[0])
     opt, acc = float(range_sum(table.optimizer_s, ii, jj)[0]), float(
         range_sum(table.accumulate_s, ii, jj)[0])
     up = update_s(space, g, np.array([opt]), rr, zeta, omega, hp)

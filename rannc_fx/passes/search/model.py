@@ -26,8 +26,11 @@ micro-batches' activations the stage holds at once:
     opt_s    = optimizer_s[i, j]              (the optimizer step of the range's parameters)
     up_s     = ar_s + opt_s                                   (zeta = 0)
              = ar_s + (ag_s + opt_s / r)                      (zeta = 1, r > 1)
+             = ag_s + (ag_s + opt_s / r)                      (zeta = 1, r > 1, grad_shards)
     ag_s     = (r - 1) / r * grad_bytes[i, j] / ar_bw + (r - 1) * link_lat
-                         (ring all-gather of the stepped parameters: half an all-reduce)
+                         (ring all-gather of the stepped parameters: half an all-reduce;
+                          ZeRO-2's reduce-scatter of the gradients to their owners, the
+                          other half, costs the same, ``runtime/grad_shards.py``)
     u_s      = (m - 1) * (t_s + acc_s) + up_s
     step     = sum_s t_s  +  max_s u_s
     memory_s = param_bytes[i, j] + grad_bytes[i, j] * optimizer_state_factor
@@ -200,7 +203,10 @@ class SearchSpace:
     layers: bool | None = None
     # recomputing selectively (``CostTable.kept``): None searched per stage, True: only so
     selective: bool | None = None
-    zero: bool | None = None  # ZeRO-1 over a stage's replicas: as ``recompute`` (r = 1: never)
+    zero: bool | None = None  # ZeRO over a stage's replicas: as ``recompute`` (r = 1: never)
+    # a sharded stage's gradients reduce-scattered to their owners (ZeRO-2) rather than
+    # all-reduced (ZeRO-1, every gradient kept on every replica)
+    grad_shards: bool = False
     offload: bool | None = None  # optimizer state in host memory: as ``recompute``
     # parameters, gradients and optimizer state in host memory, fetched at each use (the
     # optimizer steps on the host): as ``recompute``

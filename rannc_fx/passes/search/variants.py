@@ -34,11 +34,17 @@ def after_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
     return np.where(np.asarray(offload), np.maximum(copy, bucket), copy)
 
 
-def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray) -> np.ndarray:
-    """ar_s of stages with ``grad`` gradient bytes on ``reps`` replicas (broadcasting)."""
+def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
+                zero: bool | np.ndarray = False) -> np.ndarray:
+    """ar_s of stages with ``grad`` gradient bytes on ``reps`` replicas (broadcasting): a
+    ring all-reduce, or where the stage is sharded (``zero``) and the space shards the
+    gradients too (ZeRO-2), a reduce-scatter, half of it."""
     r = np.asarray(reps, float)
     bw = space.allreduce_bandwidth or space.link_bandwidth
-    return 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
+    whole = 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
+    if not space.grad_shards:
+        return whole
+    return np.where(np.asarray(zero) & (r > 1), whole / 2, whole)
 
 
 def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.ndarray,
@@ -48,7 +54,7 @@ def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.nda
     replica's optimizer state to the device and back (broadcasting); ``host``: the
     parameters in host memory, the all-reduce's buckets to the device and back (r > 1) and
     the optimizer step on the host (``host_step_s``)."""
-    ar = allreduce_s(space, grad, reps)
+    ar = allreduce_s(space, grad, reps, zero)
     if host:
         r = np.asarray(reps, float)
         bounce = np.where(r > 1, 2 * grad / (space.host_bandwidth or np.inf), 0.0)
@@ -56,7 +62,7 @@ def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.nda
     r = np.asarray(reps, float)
     bw = space.allreduce_bandwidth or space.link_bandwidth
     sharded = ar + ((r - 1) / r * grad / bw + (r - 1) * space.link_latency + opt / r)
-    up = np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)
+    up = np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)  # ar: ZeRO-2's is halved
     if space.host_bandwidth is None or not np.any(offload):
         return up
     moved = 2 * host_state(space, grad, reps, zero, True) / space.host_bandwidth
@@ -101,7 +107,9 @@ class Variant(NamedTuple):
     """How a stage holds its activations, parameters and optimizer state."""
 
     recompute: int  # rho: 0 none, 1 the stage's forward again, 2 layer by layer, 3 selective
-    zero: bool  # ZeRO-1 over its replicas (none to shard over: no effect)
+    # ZeRO over its replicas (none to shard over: no effect): the optimizer state sharded,
+    # and the gradients too where the space says ``grad_shards``
+    zero: bool
     offload: bool = False  # its (share of the) optimizer state in host memory
     host: bool = False  # parameters, gradients and state in host memory, fetched at each use
 
