@@ -60,6 +60,8 @@ def run_ranks(
     """
     import torch._dynamo  # noqa: F401  torch.optim imports it lazily: once here, not per fork
 
+    if dist.is_initialized():  # a one-process compile() earlier in this process made a group
+        dist.destroy_process_group()  # of one; a forked worker must not inherit it
     ctx = mp.get_context("fork")
     port = free_port()
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()

@@ -317,8 +317,10 @@ def _resume(rank: int, world: int, replicas: tuple[int, ...], zero: int, offload
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved_as,resumed_as", [(((1, 2), 1, False), ((2, 1), 0, False)),
-                                                 (((2, 1), 0, False), ((1, 2), 1, True))],
-                         ids=["sharded-to-unsharded", "unsharded-to-sharded-offloaded"])
+                                                 (((2, 1), 0, False), ((1, 2), 1, True)),
+                                                 (((2, 1), 2, True), ((1, 2), 2, False))],
+                         ids=["sharded-to-unsharded", "unsharded-to-sharded-offloaded",
+                              "zero2-offloaded-to-zero2-on-the-other-stage"])
 def test_checkpoints_cross_between_sharded_and_unsharded_plans(tmp_path, saved_as, resumed_as):
     ref, args, kwargs = _data()
     ref_opt = _adam(ref)

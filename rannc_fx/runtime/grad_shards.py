@@ -31,7 +31,7 @@ never chosen by the search on its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,20 +40,36 @@ from torch import nn
 from . import comm
 from .comm import Groups, backend_of, buckets, collective
 
-__all__ = ["GradShards", "rounds"]
+__all__ = ["GradShards", "Round", "rounds"]
+
+
+class Round(NamedTuple):
+    """One collective's worth: ``shares[q]`` is replica q's bucket (empty where it has run
+    out), each padded to ``chunk`` elements, all of one dtype on one device."""
+
+    shares: list[list[nn.Parameter]]
+    sizes: list[int]  # elements in each replica's bucket
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def chunk(self) -> int:
+        return max(self.sizes)
 
 
 def rounds(params: Sequence[nn.Parameter], owner: dict[int, int], replicas: int, cap: int
-           ) -> list[list[list[nn.Parameter]]]:
+           ) -> list[Round]:
     """Per dtype (in first-seen order), round b of each replica's tensors cut into buckets of
-    ``cap`` bytes: ``rounds[k][q]`` is replica q's bucket in round k (empty where it has run
-    out); every replica computes the same from the same ``params`` and ``owner``."""
-    out: list[list[list[nn.Parameter]]] = []
+    ``cap`` bytes; every replica computes the same from the same ``params`` and ``owner``."""
+    out: list[Round] = []
     for dtype in dict.fromkeys(p.dtype for p in params):
         cut = [buckets([p for p in params if p.dtype == dtype and owner[id(p)] == q], cap)
                for q in range(replicas)]
-        out += [[x[b] if b < len(x) else [] for x in cut]
-                for b in range(max(len(x) for x in cut))]
+        for b in range(max(len(x) for x in cut)):
+            shares = [x[b] if b < len(x) else [] for x in cut]
+            first = next(p for share in shares for p in share)
+            out.append(Round(shares, [sum(p.numel() for p in s) for s in shares], dtype,
+                             first.device))
     return out
 
 
@@ -77,17 +93,13 @@ class GradShards:
         replica's ``.grad`` of it becomes None (a tensor no backward reached counts as 0)."""
         group = groups.stage[self.stage]
         with torch.no_grad():
-            for shares in self._rounds:
-                p = next(p for share in shares for p in share)
-                self._round(shares, groups, group, p.dtype, p.device)
+            for rd in self._rounds:
+                self._round(rd, groups, group)
 
-    def _round(self, shares: list[list[nn.Parameter]], groups: Groups,
-               group: dist.ProcessGroup | None, dtype: torch.dtype,
-               device: torch.device) -> None:
-        sizes = [sum(p.numel() for p in s) for s in shares]
-        chunk = max(sizes)
+    def _round(self, rd: Round, groups: Groups, group: dist.ProcessGroup | None) -> None:
+        chunk, dtype, device = rd.chunk, rd.dtype, rd.device
         flat = torch.zeros(chunk * self.replicas, dtype=dtype, device=device)
-        for q, share in enumerate(shares):
+        for q, share in enumerate(rd.shares):
             at = q * chunk
             for p in share:
                 n = p.numel()
@@ -109,7 +121,7 @@ class GradShards:
         if gloo:
             mine = flat[self.replica * chunk : (self.replica + 1) * chunk].clone()
         del flat, start  # the round's buffer goes before the next round's is made
-        share = shares[self.replica]
-        for p, piece in zip(share, mine[: sizes[self.replica]].split(
+        share = rd.shares[self.replica]
+        for p, piece in zip(share, mine[: rd.sizes[self.replica]].split(
                 [p.numel() for p in share]), strict=True):
             p.grad = piece.view_as(p)

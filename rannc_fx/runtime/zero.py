@@ -38,7 +38,7 @@ from torch import nn
 from ..plan import Plan
 from . import comm
 from .comm import Groups, collective
-from .grad_shards import rounds
+from .grad_shards import Round, rounds
 from .offload import HostState
 
 __all__ = ["OptimizerShard", "owned_by", "owners", "paused", "shard_of", "shard_optimizer",
@@ -150,15 +150,12 @@ class OptimizerShard:
         groups = self._groups()
         group = groups.stage[self.stage]
         with torch.no_grad():
-            for shares in self._rounds:
-                p = next(p for share in shares for p in share)
-                self._gather_round(shares, groups, group, p.dtype, p.device)
+            for rd in self._rounds:
+                self._gather_round(rd, groups, group)
 
-    def _gather_round(self, shares: list[list[nn.Parameter]], groups: Groups,
-                      group: dist.ProcessGroup | None, dtype: torch.dtype,
-                      device: torch.device) -> None:
-        sizes = [sum(p.numel() for p in s) for s in shares]
-        chunk = max(sizes)
+    def _gather_round(self, rd: Round, groups: Groups, group: dist.ProcessGroup | None
+                      ) -> None:
+        shares, sizes, chunk, dtype, device = rd.shares, rd.sizes, rd.chunk, rd.dtype, rd.device
         mine = torch.zeros(chunk, dtype=dtype, device=device)
         if shares[self.replica]:
             torch.cat([p.reshape(-1) for p in shares[self.replica]],
@@ -166,7 +163,7 @@ class OptimizerShard:
         out = torch.empty(chunk * self.replicas, dtype=dtype, device=device)
 
         def start(a: bool) -> Any:
-            return dist.all_gather_into_tensor(out, mine, group=group, async_op=a)
+            return dist.all_gather_single(out, mine, group=group, async_op=a)
 
         collective(start, f"all-gather of the stepped parameters of stage {self.stage}",
                    ranks=groups.stage_ranks[self.stage], groups=groups,
