@@ -120,11 +120,15 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
     [((2, 1), "gpipe", False, None, 1), ((1, 2), "1f1b", True, 0.5, 1),
      ((2,), "1f1b", False, 0.5, 1), ((2, 1), "interleaved", False, 0.5, 1),
      ((2, 1), "gpipe", True, 0.5, 2), ((1, 2), "1f1b", True, None, 2),
-     ((2,), "1f1b", False, 0.5, 2), ((2, 1), "interleaved", False, 0.5, 2)],
+     ((2,), "1f1b", False, 0.5, 2), ((2, 1), "interleaved", False, 0.5, 2),
+     ((2, 1), "zbv", False, 0.5, 2)],
     ids=["first-stage-sharded-gpipe", "last-stage-sharded-1f1b-recompute-clip",
          "one-stage-two-replicas-clip", "interleaved-a-lane-of-two-replicas",
          "zero2-first-stage-gpipe-recompute-clip", "zero2-last-stage-1f1b-recompute",
-         "zero2-one-stage-two-replicas-clip", "zero2-interleaved-a-lane-of-two-replicas-clip"],
+         "zero2-one-stage-two-replicas-clip", "zero2-interleaved-a-lane-of-two-replicas-clip",
+         # lane 0 holds stage 0 (the embedding) and stage 3 (the LM head tied to it): its
+         # state once, as the plan counts it
+         "zero2-zbv-the-tied-weight-s-ends-on-one-lane-clip"],
 )
 def test_sharded_training_is_the_one_process_training(replicas, schedule, recompute, clip,
                                                      zero, monkeypatch):

@@ -35,7 +35,7 @@ from .variants import (
     update_s,
 )
 
-__all__ = ["evaluate", "lane_memory", "plan_step"]
+__all__ = ["evaluate", "held_once", "lane_memory", "plan_step"]
 
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
@@ -169,11 +169,34 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     fits = True
     for lane, units in zip(lanes, lane_units, strict=True):
         shares = lane_memory([costs[s] for s in lane], [got[s][4] for s in lane], units)
+        shares = held_once(table, space, [stages[s] for s in lane], shares)
         for s, c in zip(lane, shares, strict=True):
             costs[s] = c
         fits = fits and sum(c.memory for c in shares) <= space.memory_budget and \
             sum(c.host_state for c in shares) <= space.host_budget
     return Evaluation(step, tuple(costs), fits)
+
+
+def held_once(table: CostTable, space: SearchSpace, stages: Sequence[StageChoice],
+              costs: Sequence[StageCost]) -> list[StageCost]:
+    """A lane's stages with a tensor that several of them use (``table.shared``) counted on
+    the first only: the lane's ranks hold one copy of it, one gradient and one optimizer
+    state (ZBV puts the first stage, with a tied embedding, and the last, with the LM head
+    tied to it, on one lane)."""
+    out = list(costs)
+    for blocks, pb, gb in table.shared:
+        users = [k for k, st in enumerate(stages) if any(st.start <= b < st.end for b in blocks)]
+        for k in users[1:]:
+            st, c = stages[k], out[k]
+            if st.host:  # parameters on the host: fetched per use, counted as windows
+                continue
+            r = st.replicas
+            state = gb * space.optimizer_state_factor / (r if st.zero and r > 1 else 1)
+            host = state if st.offload else 0.0
+            out[k] = replace(c, params=round(c.params - pb), grads=round(c.grads - gb),
+                             optimizer_state=round(c.optimizer_state - (state - host)),
+                             host_state=round(c.host_state - host))
+    return out
 
 
 def lane_memory(costs: Sequence[StageCost],

@@ -179,6 +179,9 @@ class CostTable:
     kept: np.ndarray | None = None  # (Q, B): bytes selective recomputation keeps
     redo: np.ndarray | None = None  # (Q, B): forward seconds it runs again
     rebuilt: np.ndarray | None = None  # (Q, B): of act, what its backward rebuilds
+    # the tensors several blocks use (a tied embedding and LM head): (the blocks, parameter
+    # bytes, gradient bytes) each; a lane holding two stages that both use one holds it once
+    shared: tuple[tuple[tuple[int, ...], float, float], ...] = ()
 
     @property
     def num_blocks(self) -> int:
