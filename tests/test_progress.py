@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -28,9 +29,10 @@ def _lines(caplog: pytest.LogCaptureFixture, level: int = logging.INFO) -> list[
     return [r.getMessage() for r in caplog.records if r.name == "rannc_fx" and r.levelno == level]
 
 
-def _partition(world_size: int = 2) -> rannc_fx.Partitioned:
+def _partition(world_size: int = 2, **config: Any) -> rannc_fx.Partitioned:
     model, args, kwargs = mlp_example()
-    return rannc_fx.partition(model, args, kwargs, world_size=world_size, config=CFG)
+    return rannc_fx.partition(model, args, kwargs, world_size=world_size,
+                              config=CFG.model_copy(update=config))
 
 
 @pytest.fixture
@@ -142,6 +144,8 @@ def test_other_ranks_say_nothing(caplog: pytest.LogCaptureFixture, always_due: N
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     with caplog.at_level(logging.INFO, logger="rannc_fx"):
         _partition()
+        # the planner's own lines too (ZB-H1 named: it says so whether or not it is faster)
+        _partition(schedule="zbh1")
         with Progress("capture", doing="tracing") as p:
             p.done("captured it%s", ", but something is off", level=logging.WARNING)
     assert _lines(caplog) == []

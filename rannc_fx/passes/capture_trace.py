@@ -15,6 +15,7 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from ..progress import note
 from .capture_copy import RepeatError
 from .capture_graph import CapturedGraph, CaptureError, batch_size_of, build_captured, is_batched
 from .capture_repeat import RepeatedCapture
@@ -169,9 +170,9 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         if not dynamic:
             raise
         ep, gm, copied = _export(model, flat, tensors, spec(False), repeated)
-        log.info("capture: torch.export with the inputs' other dimensions dynamic failed "
-                 "(%s: %s), so only the batch dimension is: every call passes the example's "
-                 "other sizes", type(e).__name__, str(e).strip().split("\n")[0])
+        note("capture: torch.export with the inputs' other dimensions dynamic failed "
+             "(%s: %s), so only the batch dimension is: every call passes the example's "
+             "other sizes", type(e).__name__, str(e).strip().split("\n")[0])
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
 

@@ -25,6 +25,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from ..progress import note
 from ..values import SAMPLES, DynamicDim, Formula, ValueSpec
 from .shapes_symbolic import SymbolicValues
 
@@ -98,11 +99,11 @@ def dynamic_pass(
     out.specs = {name: values[name].model_copy(update={"formulas": fs}) for name, fs in found.items()}
     static = _static_dims(formulas, values, input_names, set(names.values()))
     if out.dims or out.pinned or static:
-        log.info("shapes: dynamic dimension(s) %s%s%s",
-                 ", ".join(f"{d.name} <= {d.size}" for d in out.dims) or "none",
-                 "".join(f"; {n} pinned at the example's size ({why})"
-                         for n, why in sorted(out.pinned.items())),
-                 f"; static (the model's code fixes them): {', '.join(static)}" if static else "")
+        note("shapes: dynamic dimension(s) %s%s%s",
+             ", ".join(f"{d.name} <= {d.size}" for d in out.dims) or "none",
+             "".join(f"; {n} pinned at the example's size ({why})"
+                     for n, why in sorted(out.pinned.items())),
+             f"; static (the model's code fixes them): {', '.join(static)}" if static else "")
     return out
 
 

@@ -45,6 +45,7 @@ from ..passes.shapes import shapes_pass
 from ..passes.shapes_symbolic import SymbolicValues
 from ..passes.tail import TailCost, find_tail, insert_tail_inputs, tail_cost
 from ..plan import loss_output
+from ..progress import note
 from ..runtime.comm import BUCKET_BYTES
 from ..values import ValueSpec, dtype_itemsize
 
@@ -84,9 +85,9 @@ def capture_model(
         insert_tail_inputs(graph, tail)
         graph.tail = tail
         shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
-        log.info("capture: samples mix at %s; %d node(s) from there run once a step on the "
-                 "whole batch, on the last stage's ranks", ", ".join(tail.mixing),
-                 len(tail.nodes))
+        note("capture: samples mix at %s; %d node(s) from there run once a step on the "
+             "whole batch, on the last stage's ranks", ", ".join(tail.mixing),
+             len(tail.nodes))
     return Captured(graph, inputs, shapes.specs, shapes.formulas)
 
 

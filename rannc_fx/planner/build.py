@@ -22,6 +22,7 @@ from ..plan import (
     Tail,
     lane_layout,
 )
+from ..progress import note
 from ..runtime.simulate import simulate_plan
 from ..values import SAMPLES, ValueSpec
 from .analyze import Analysis
@@ -224,8 +225,8 @@ def _dynamic(a: Analysis, ifaces: list[StageInterface]) -> Dynamic:
         }
         if not unread:
             return dynamic
-        log.info("plan: %s pinned at the example's size: a stage rebuilds a size in it but "
-                 "none of its inputs has that dimension", ", ".join(sorted(unread)))
+        note("plan: %s pinned at the example's size: a stage rebuilds a size in it but "
+             "none of its inputs has that dimension", ", ".join(sorted(unread)))
         wanted = tuple(d.name for d in dynamic.dims if d.name not in unread) or "batch"
 
 

@@ -29,7 +29,7 @@ from ..passes.search import (
 )
 from ..passes.split import split_pass
 from ..plan import Plan
-from ..progress import Progress
+from ..progress import Progress, note
 from ..values import ValueSpec
 from .analyze import Analysis, Target, analyze
 from .build import build_plan
@@ -128,8 +128,8 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
             break
         other = _with_schedules(b, current, seconds)
         if _step(other) < _step(plan):
-            log.info("plan: with %s=False too, %s: simulated step %.2f ms against %.2f ms",
-                     field, other.schedule, _step(other), _step(plan))
+            note("plan: with %s=False too, %s: simulated step %.2f ms against %.2f ms",
+                 field, other.schedule, _step(other), _step(plan))
             plan = other
     return plan
 

@@ -49,6 +49,7 @@ from ..passes.search.model import (
 )
 from ..passes.search.terms import SELECTIVE, stage_terms
 from ..plan import Plan, lane_layout
+from ..progress import note
 from ..runtime.actions import Action, Kind, in_flight
 from ..runtime.schedule import make_schedule
 from ..runtime.simulate import ScheduleError
@@ -108,12 +109,12 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
         except ScheduleError as e:  # lowering could not match the lanes' messages
             if forced:
                 raise
-            log.info("plan: %s skipped: %s", schedule, e)
+            note("plan: %s skipped: %s", schedule, e)
             continue
         after, before = candidate.simulated_step_ms or 0.0, best.simulated_step_ms or 0.0
         if forced or after < before:
-            log.info("plan: %s with %d stages a lane on %d lanes: simulated step %.2f ms against "
-                     "%.2f ms (%s)", schedule, v, lanes, after, before, best.schedule)
+            note("plan: %s with %d stages a lane on %d lanes: simulated step %.2f ms against "
+                 "%.2f ms (%s)", schedule, v, lanes, after, before, best.schedule)
             best = candidate
     return best
 

@@ -29,6 +29,7 @@ from ..passes.search import SearchResult
 from ..passes.search.evaluate import evaluate
 from ..passes.search.model import Evaluation, StageChoice
 from ..plan import Plan
+from ..progress import note
 from ..runtime.actions import in_flight
 from ..runtime.schedule import make_schedule
 from .analyze import Analysis
@@ -75,9 +76,9 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
     zb = build(dataclasses.replace(result, stages=stages, schedule="zbh1", evaluation=ev))
     before, after = plan.simulated_step_ms or 0.0, zb.simulated_step_ms or 0.0
     if forced or after < before:
-        log.info("plan: ZB-H1 (split backward) on the searched stages: simulated step %.2f ms "
-                 "against %.2f ms with %s%s", after, before, plan.schedule,
-                 "" if after < before else " (named in Config)")
+        note("plan: ZB-H1 (split backward) on the searched stages: simulated step %.2f ms "
+             "against %.2f ms with %s%s", after, before, plan.schedule,
+             "" if after < before else " (named in Config)")
         return zb
     return plan
 
