@@ -75,9 +75,20 @@ def checkpointed(module: Callable[..., Any], args: Any,
                  recompute_scope: Callable[[], AbstractContextManager[Any]] | None = None
                  ) -> Any:
     """``module(*args)`` under selective activation checkpointing (non-reentrant): what its
-    backward reruns runs on this forward's random state, inside ``recompute_scope``."""
-    return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: contexts(recompute_scope))
+    backward reruns runs on this forward's random state, inside ``recompute_scope``.
+
+    Autocast's cache of cast weights is off inside: the policy replays the forward's ops by
+    position, and a forward that found a weight's cast in the cache (an earlier micro-batch
+    of the same autocast region cast it) dispatches no cast where its recomputation, in a
+    region of its own (GPipe's backwards run after the call), does. Each micro-batch then
+    casts its weights itself, as the first does anyway."""
+    cached = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        return checkpoint(module, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=lambda: contexts(recompute_scope))
+    finally:
+        torch.set_autocast_cache_enabled(cached)
 
 
 @contextlib.contextmanager

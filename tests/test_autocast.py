@@ -27,8 +27,12 @@ def _loss(out: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, dict) else out
 
 
+# selective recomputation under GPipe runs its backwards (and recomputations) after the call,
+# outside its autocast region; under 1F1B inside it
 _RECOMPUTE = {None: {}, "whole": dict(recompute=True, recompute_selective=False),
-              "selective": dict(recompute=True, recompute_selective=True)}
+              "selective": dict(recompute=True, recompute_selective=True, schedule="1f1b"),
+              "selective-gpipe": dict(recompute=True, recompute_selective=True,
+                                      schedule="gpipe")}
 
 
 def _switching(rank: int, world: int, name: str, planned: str | None,
@@ -44,7 +48,7 @@ def _switching(rank: int, world: int, name: str, planned: str | None,
                  micro_batches=2, autocast_dtype=planned, **_RECOMPUTE[recompute])
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
     if recompute is not None:  # the recomputation asked for, on every stage
-        assert all(st.selective == (recompute == "selective") and st.recompute == (
+        assert all(st.selective == recompute.startswith("selective") and st.recompute == (
             recompute == "whole") for st in cm.plan.stages), cm.plan.summary()
     planned_dtypes = sorted({str(cv.spec.dtype) for cv in cm.plan.cut_values})
     for step, amp in enumerate(["bfloat16", None, "bfloat16", None]):
@@ -79,10 +83,12 @@ def test_training_under_autocast_and_evaluating_without_follows_one_process(name
         assert dtypes[0] == (["bfloat16"] if planned else ["float32"]), dtypes[0]
 
 
-@pytest.mark.parametrize("recompute", ["whole", "selective"])
+@pytest.mark.parametrize("recompute", ["whole", "selective", "selective-gpipe"])
 def test_recomputing_stages_follow_one_process_in_and_out_of_autocast(recompute):
     """A recomputation reruns ops under the autocast state of the forward it repeats
-    (whole: ``R`` inside the call's state; selective: the checkpoint's saved state)."""
+    (whole: ``R`` inside the call's state; selective: the checkpoint's saved state, with
+    autocast's weight cache off, so that a second micro-batch's forward, which found its
+    casts in the cache, and its recomputation after the call dispatch the same ops)."""
     run_ranks(_switching, 2, "gpt", None, recompute, timeout_s=30.0, wall_s=120.0)
 
 
