@@ -59,6 +59,8 @@ class GradSync:
             taken.update(found)
         self.own = [p for i, p in unique.items() if i not in taken]
         self.shards = _grad_shards(plan, stages, module, taken)
+        sharded = {id(p) for p in self.shards.params} if self.shards is not None else set()
+        self.whole = [p for p in self.own if id(p) not in sharded]  # the replicas' all-reduce
         self._stash: dict[int, torch.Tensor] = {}
         self._held: dict[int, torch.Tensor] = {}
         self._begun = False  # a step's gradients are in .grad, the earlier ones aside
@@ -97,13 +99,11 @@ class GradSync:
                 what = f"gradient of shared parameter {self.plan.shared_params[j].name!r}"
                 todo.append((g, ps, what, self.groups.shared_ranks[j]))
         g = self.groups.stage[self.stage]
-        sharded = {id(p) for p in self.shards.params} if self.shards is not None else set()
-        whole = [p for p in self.own if id(p) not in sharded]
-        if g is not None and whole:
+        if g is not None and self.whole:
             todo.append(
                 (
                     g,
-                    whole,
+                    self.whole,
                     f"gradients of stage {self.stage}",
                     self.groups.stage_ranks[self.stage],
                 )
@@ -162,11 +162,11 @@ def _grad_shards(plan: Plan, stages: tuple[int, ...], module: nn.Module, shared:
                  ) -> GradShards | None:
     """The reduce-scatter of this rank's ZeRO-2 stages' own gradients (a shared parameter's
     is all-reduced over its holders instead), owned as ``zero.OptimizerShard`` owns them."""
-    gms = dict(zip(sorted(stages), graph_modules(module), strict=True))
-    every = sharded_params(plan, gms)
     st = plan.stages[stages[0]]
     if st.replicas < 2 or not any(plan.stages[s].zero >= 2 for s in stages):
         return None
+    gms = dict(zip(sorted(stages), graph_modules(module), strict=True))
+    every = sharded_params(plan, gms)
     owner = owned_by(every, st.replicas)
     level2 = {id(p) for s in stages if plan.stages[s].zero >= 2 for p in gms[s].parameters()}
     mine = [p for p in every if id(p) in level2 and id(p) not in shared]
