@@ -51,16 +51,21 @@ def always_due(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_one_line_per_pass(caplog: pytest.LogCaptureFixture, never_due: None) -> None:
     with caplog.at_level(logging.INFO, logger="rannc_fx"):
         parted = _partition()
-    lines = _lines(caplog)
+    # the planner's notes ("plan: ZB-H1 ... simulated step ...", where a loaded machine's
+    # timings make it pay) come besides the pass lines
+    lines = [line for line in _lines(caplog) if not line.startswith("plan: ")]
     assert [line.split(" ", 1)[0] for line in lines] == PASSES, "\n".join(lines)
     assert all(re.search(r" in \d+\.\d\d s\b", line) for line in lines), "\n".join(lines)
     plan = parted.plan
     (search,) = [line for line in lines if line.startswith("searched")]
     reps = "/".join(str(s.replicas) for s in plan.stages)
+    kept = plan.schedule in ("gpipe", "1f1b")  # else ZB-H1 took the searched stages
+    searched, predicted = ((plan.schedule, f"{plan.predicted_step_ms:.1f}") if kept
+                           else ("(gpipe|1f1b)", r"\d+\.\d"))
     assert re.fullmatch(
         rf"searched {len(plan.blocks)} blocks x 2 ranks x \d+ micro-batch counts in \d+\.\d\d s "
         rf"\(\d+ DPs\): {len(plan.stages)} stages \(replicas {reps}\), m={plan.micro_batches}, "
-        rf"{plan.schedule}, 0 recomputing, predicted {plan.predicted_step_ms:.1f} ms", search)
+        rf"{searched}, 0 recomputing, predicted {predicted} ms", search)
     (built,) = [line for line in lines if line.startswith("built")]
     assert f"{len(plan.stages)} stages on 2 ranks" in built
     assert re.search(r"measured on cpu\b", next(x for x in lines if x.startswith("profiled")))
