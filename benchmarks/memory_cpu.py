@@ -230,9 +230,17 @@ def _row(name: str, plan: Any, got: dict[str, float]) -> str:
     return (f"| {name} | {'+'.join(str(st.index) for st in held)} | "
             f"{'+'.join(_recomputes(st) for st in held)} | "
             f"{'+'.join(str(plan.in_flight(st.index)) for st in held)} | {act / MiB:.2f} | "
-            f"{got['saved'] / MiB:.2f} | {100 * (act - got['saved']) / got['saved']:+.1f}% | "
+            f"{_saved(act, got['saved'])} | "
             f"{step_pred / MiB:.2f} | {got['heap'] / MiB:.2f} | "
             f"{100 * (step_pred - got['heap']) / got['heap']:+.1f}% |")
+
+
+def _saved(predicted: float, saved: float) -> str:
+    """Measured saved bytes and the error; none where the backward is split: the runtime's
+    own saved-tensor hooks (``backward_split.keeping_for_split``) replace this one's there."""
+    if not saved:
+        return "— | —"
+    return f"{saved / MiB:.2f} | {100 * (predicted - saved) / saved:+.1f}%"
 
 
 def _recomputes(st: Any) -> str:

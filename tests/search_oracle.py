@@ -233,18 +233,20 @@ def in_flight(schedule: str, m: int, d: int) -> int:
     return m if schedule == "gpipe" else min(m, d)
 
 
-def zbh1_held(s: int, S: int, m: int, held: float) -> float:
-    """The most micro-batches stage ``s`` of ``S`` holds whole under ZB-H1 (no recomputation),
-    a micro-batch between its B and its W counting ``1 + held``.
+def zbh1_held(s: int, S: int, m: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """What stage ``s`` of ``S`` holds at its two extreme points under ZB-H1 (no
+    recomputation): (micro-batches whole, micro-batches between their B and their W).
 
     ZB-H1 runs 1F1B's order with each W as late as the stage's own list allows without
-    holding more forwards than 1F1B's first stage: with m' = min(m, S) micro-batches in its
-    warm-up and steady state, stage s (from the start) reaches its peak once k = max(0, s - (S -
-    m')) of its weight backwards wait behind a B, so m' micro-batches whole and k + 1 of them
-    (the one whose B is running counts from its B on) between B and W: m' + held (k + 1). Every
-    stage holds at least 1F1B's first stage's m'."""
-    mm = min(m, S)
-    return mm + held * (1 + max(0, s - (S - mm)))
+    holding more micro-batches than 1F1B's first stage: m' = min(m, S) in all, of which at
+    most 1F1B's own count f = min(m, S - s) whole (forward done, B not yet), and at most
+    k + 1 between B and W once k = max(0, s - (S - m')) of its weight backwards wait behind a
+    B (the one whose B just ran counts too). Every point of its list lies within those three
+    bounds, and it reaches both corners: (f, m' - f) and (m' - k - 1, k + 1); its memory
+    peaks at one of them, whatever a micro-batch weighs whole and between B and W."""
+    mm, f = min(m, S), min(m, S - s)
+    k = max(0, s - (S - mm))
+    return (f, mm - f), (mm - k - 1, k + 1)
 
 
 def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...], m: int,

@@ -3,7 +3,9 @@ first, the parameters' later, together equal to one backward, each node's work d
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from rannc_fx.runtime.backward_split import backward_inputs, backward_weights
+from rannc_fx.runtime.backward_split import (
+    Held,
+    SavedBoxes,
+    backward_inputs,
+    backward_weights,
+    keeping_for_split,
+)
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -50,16 +58,18 @@ def _mlp() -> nn.Module:
                          nn.Linear(16, 8))
 
 
-def _run(make: Callable[[], nn.Module], input_grad: bool, split: bool) -> tuple[Any, ...]:
+def _run(make: Callable[[], nn.Module], input_grad: bool, split: bool,
+         boxes: SavedBoxes | None = None) -> tuple[Any, ...]:
     torch.manual_seed(0)
     m = make()
     x = torch.randn(4, 8, requires_grad=input_grad)
-    outs = m(x)
+    with keeping_for_split(boxes) if boxes is not None else contextlib.nullcontext():
+        outs = m(x)
     outs = outs if isinstance(outs, tuple) else (outs,)
     grads = [torch.randn_like(o) for o in outs]
     params = list(m.parameters())
     if split:
-        work = backward_inputs(outs, grads, [x], params)
+        work = backward_inputs(outs, grads, [x], params, boxes)
         if input_grad:
             assert x.grad is not None
         # nothing of W yet: the matrices' gradients (a vector's comes with B's kernels)
@@ -72,9 +82,13 @@ def _run(make: Callable[[], nn.Module], input_grad: bool, split: bool) -> tuple[
 
 @pytest.mark.parametrize("make", [_mlp, Tied, TwoOutputs], ids=["mlp", "tied", "two-outputs"])
 @pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
-def test_the_two_parts_equal_one_backward(make, input_grad):
+@pytest.mark.parametrize("drop", [False, True], ids=["all-kept", "b-drops"])
+def test_the_two_parts_equal_one_backward(make, input_grad, drop):
+    """With ``drop``, B empties the saved tensors its W does not read: W, which raises on an
+    empty one, still makes every gradient (the tied weight's W runs nodes below its first
+    frontier node again, so those keep theirs)."""
     want_x, want = _run(make, input_grad, split=False)
-    got_x, got = _run(make, input_grad, split=True)
+    got_x, got = _run(make, input_grad, split=True, boxes=SavedBoxes() if drop else None)
     assert_close(got_x, want_x, **TOL)
     assert got.keys() == want.keys()
     for name, g in want.items():
@@ -119,3 +133,65 @@ def test_a_stage_that_returns_its_input_and_one_without_parameters():
     assert lin.weight.grad is None and lin.bias.grad is not None
     backward_weights(work)
     assert_close(lin.bias.grad, torch.full((8,), 4.0))
+
+
+def test_b_drops_the_saved_tensors_w_does_not_read():
+    """Between B and W a micro-batch holds what the weight GEMMs read (the Linear layers'
+    inputs), not the saved tensors of GELU, LayerNorm or attention's matmuls and softmax."""
+    torch.manual_seed(0)
+    d, heads = 32, 4
+    attn = nn.MultiheadAttention(d, heads, batch_first=True)
+    mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+    x = torch.randn(2, 16, d, requires_grad=True)
+    boxes = SavedBoxes()
+    with keeping_for_split(boxes):
+        h = x + attn(x, x, x, need_weights=False)[0]
+        y = h + mlp(h)
+    params = [*attn.parameters(), *mlp.parameters()]
+    weights = {p.untyped_storage()._cdata for p in params}
+
+    def held(bs: list[Held]) -> int:  # bytes of activations' storages, each once
+        st = {b.tensor.untyped_storage()._cdata: b.tensor.untyped_storage().nbytes()
+              for b in bs if b.tensor is not None}
+        return sum(n for k, n in st.items() if k not in weights)
+
+    before = held(boxes)
+    seen = list(boxes)  # backward_inputs empties ``boxes``
+    work = backward_inputs([y], [torch.ones_like(y)], [x], params, boxes)
+    kept = {b.name for b in seen if b.tensor is not None and b.name}
+    dropped = {b.name for b in seen if b.tensor is None}
+    assert kept <= {"AddmmBackward0", "MmBackward0", "LinearBackward0"}, kept
+    assert {"GeluBackward0", "NativeLayerNormBackward0"} <= dropped, dropped
+    assert any("Softmax" in n or "Attention" in n or "Bmm" in n for n in dropped), dropped
+    assert held(seen) < 0.5 * before, (held(seen), before)
+    backward_weights(work)
+    want_x, want = x.grad.clone(), [p.grad.clone() for p in params]
+    for p in [x, *params]:
+        p.grad = None
+    h = x + attn(x, x, x, need_weights=False)[0]
+    (h + mlp(h)).backward(torch.ones_like(y))
+    assert_close(x.grad, want_x, **TOL)
+    for g, p in zip(want, params, strict=True):
+        assert_close(p.grad, g, **TOL)
+
+
+@pytest.mark.parametrize("make", [_mlp, Tied], ids=["mlp", "tied"])
+def test_the_graph_and_what_w_read_are_freed_after_w(make):
+    """The boxes hold no node (the graph holds them): once W has run and the step drops its
+    outputs, every saved tensor is gone, none kept alive by a cycle through the graph (the
+    tied weight's W runs tanh's node, which saved its own output)."""
+    torch.manual_seed(0)
+    m = make()
+    x = torch.randn(4, 8, requires_grad=True)
+    boxes = SavedBoxes()
+    with keeping_for_split(boxes):
+        y = m(x)
+    weights = {p.untyped_storage()._cdata for p in m.parameters()}
+    refs = [weakref.ref(b.tensor) for b in boxes
+            if b.tensor is not None and b.tensor.untyped_storage()._cdata not in weights
+            and b.tensor is not x]
+    work = backward_inputs([y], [torch.ones_like(y)], [x], list(m.parameters()), boxes)
+    assert any(r() is not None for r in refs)  # what W reads
+    backward_weights(work)
+    del y, work, boxes
+    assert refs and all(r() is None for r in refs)

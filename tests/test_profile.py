@@ -127,6 +127,49 @@ def test_saved_bytes_match_autograd(samples: int) -> None:
     assert sum(saved.values()) == _autograd_saved_bytes(model, xs, ys)
 
 
+def _split_held_bytes(model: nn.Module, *args: Any) -> int:
+    """What the runtime's split backward holds between B and W for the whole model (its
+    input needing no gradient, as a first stage's): the saved storages B leaves for W, and
+    the gradients kept for W's first nodes, parameters excluded."""
+    from rannc_fx.runtime.backward_split import SavedBoxes, backward_inputs, keeping_for_split
+
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    boxes = SavedBoxes()
+    with keeping_for_split(boxes):
+        out = model(*args)
+    seen = list(boxes)  # backward_inputs empties ``boxes``
+    work = backward_inputs([out], [torch.ones_like(out)], [], list(model.parameters()), boxes)
+    held = {b.tensor.untyped_storage()._cdata: b.tensor.untyped_storage().nbytes()
+            for b in seen if b.tensor is not None}
+    grads = [g for gs in work.kept.values() for g in gs if g is not None] + [
+        g for group in work.groups for _, _, g in group.seeded]
+    held.update({g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in grads})
+    return sum(n for k, n in held.items() if k not in params)
+
+
+@pytest.mark.parametrize("samples", [3, 8])
+def test_weight_held_bytes_match_the_split_backward(samples: int) -> None:
+    """Per node, what a micro-batch holds between its split backward's B and W (the Linear
+    layers' inputs and their outputs' gradients, not the ReLUs' saved outputs beyond those):
+    summed over the nodes, what the runtime's split holds for the whole model."""
+    torch.manual_seed(0)
+    model = MLP(d_in=32, hidden=64, depth=3, classes=10)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    cap, flat = captured(model, x, y)
+    prof = _profile(cap, flat, (samples,), repeats=1)
+    held = {n: c.wheld_bytes[0] for n, c in prof.nodes.items()}
+    f32 = 4
+    # the first Linear: its input x and its output's gradient; each ReLU: its output, which
+    # the next Linear's W reads (charged to the ReLU that made it); each later Linear and the
+    # head: their outputs' gradients; the loss: nothing
+    assert held["layers_0"] == samples * (32 + 64) * f32
+    assert held["relu"] == held["relu_1"] == held["relu_2"] == samples * 64 * f32
+    assert held["layers_1"] == held["layers_2"] == samples * 64 * f32
+    assert held["head"] == samples * 10 * f32
+    assert sum(held.values()) == _split_held_bytes(model, x[:samples].clone(),
+                                                   y[:samples].clone())
+
+
 def test_inplace_ops_profile_on_clones(one_thread: None) -> None:
     class InPlace(nn.Module):
         def __init__(self) -> None:
@@ -330,6 +373,9 @@ def test_analytic_profile_of_a_real_cpu_model(name: str) -> None:
     for n, c in prof.nodes.items():
         assert c.saved_bytes == measured.nodes[n].saved_bytes, n
         assert c.workspace_bytes == measured.nodes[n].workspace_bytes, n
+        assert c.wheld_bytes == measured.nodes[n].wheld_bytes, n
+    assert 0 < sum(c.wheld_bytes[1] for c in prof.nodes.values()) < sum(
+        c.saved_bytes[1] for c in prof.nodes.values())
     after = model.state_dict()
     assert all(v.device.type == "cpu" and torch.equal(v, after[k]) for k, v in before.items())
 

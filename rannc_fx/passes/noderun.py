@@ -43,6 +43,7 @@ from .opcost import (
     run_op,
     storage_id,
 )
+from .opcost_split import weight_held
 
 __all__ = ["NodeRunner", "ZeroScalars", "as_leaf", "home_device", "measure_device"]
 
@@ -222,11 +223,18 @@ class NodeRunner:
         )
 
     def profile(self, call: OpCall) -> tuple[Any, OpCost]:
+        """The op's outputs and costs, with what it holds between a split backward's B and
+        W (``opcost_split``)."""
         if self.analytic:
-            return _robust(count_op, call, self._warn)
-        dev, reps = self.device, self.repeats
-        assert dev is not None
-        return _robust(lambda c: measure_op(c, device=dev, repeats=reps), call, self._warn)
+            out, cost = _robust(count_op, call, self._warn)
+        else:
+            dev, reps = self.device, self.repeats
+            assert dev is not None
+            out, cost = _robust(lambda c: measure_op(c, device=dev, repeats=reps), call,
+                                self._warn)
+        w = _robust(weight_held, call, self._warn)
+        return out, dataclasses.replace(cost, w_inputs=w.inputs, w_outputs=w.outputs,
+                                        w_internal=w.internal, w_grads=w.grads)
 
     def run(self, call: OpCall, *, grad: bool = True) -> Any:
         return _robust(lambda c: run_op(c, grad=grad), call, self._warn)

@@ -121,6 +121,11 @@ class OpCost:
     policy_s: float = 0.0
     kept_outputs: tuple[int, ...] = ()
     kept_saved: int = 0
+    # held between a split backward's B and W (``opcost_split.WeightHeld``)
+    w_inputs: tuple[int, ...] = ()
+    w_outputs: tuple[int, ...] = ()
+    w_internal: int = 0
+    w_grads: int = 0
 
     def times(self, spec: DeviceSpec | None) -> tuple[float, float]:
         """(forward, backward) seconds; with ``spec``, from the roofline of FLOPs and bytes."""
@@ -152,7 +157,8 @@ class OpCost:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> OpCost:
         d = dict(d)
-        for k in ("saved_inputs", "saved_outputs", "views", "kept_outputs"):
+        for k in ("saved_inputs", "saved_outputs", "views", "kept_outputs", "w_inputs",
+                  "w_outputs"):
             if k in d:
                 d[k] = tuple(d[k])
         return cls(**d)

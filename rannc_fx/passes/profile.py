@@ -37,10 +37,11 @@ from .shapes_symbolic import SymbolicValues
 __all__ = ["NodeCost", "Profile", "profile_pass"]
 
 _FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s",
-           "rebuilt_bytes")
+           "rebuilt_bytes", "wheld_bytes")
 # a NodeCost built without selective recomputation's costs (by hand): it keeps all, reruns
-# all and rebuilds all
-_STAND_IN = {"kept_bytes": "saved_bytes", "again_s": "fwd_s", "rebuilt_bytes": "saved_bytes"}
+# all and rebuilds all; without a split backward's, its W reads all it saved
+_STAND_IN = {"kept_bytes": "saved_bytes", "again_s": "fwd_s", "rebuilt_bytes": "saved_bytes",
+             "wheld_bytes": "saved_bytes"}
 
 
 class NodeCost(BaseModel):
@@ -56,6 +57,9 @@ class NodeCost(BaseModel):
     kept_bytes: tuple[int, ...] = ()
     again_s: tuple[float, ...] = ()
     rebuilt_bytes: tuple[int, ...] = ()  # of saved_bytes, what it rebuilds (no kept op's)
+    # held between a split backward's B and W: what the weight GEMMs read and the gradients
+    # kept for them (``opcost_split``)
+    wheld_bytes: tuple[int, ...] = ()
 
     def series(self, field: str) -> tuple[float, ...]:
         """``field`` at each profiled size (a field this profile lacks: its stand-in)."""
@@ -195,13 +199,14 @@ def _input_batch(
 
 
 def _node_cost(rows: list[Row], spec: DeviceSpec | None) -> NodeCost:
-    times = [c.times(spec) for c, _, _ in rows]
+    times = [c.times(spec) for c, _, _, _ in rows]
     return NodeCost(
         fwd_s=tuple(f for f, _ in times),
         bwd_s=tuple(b for _, b in times),
-        saved_bytes=tuple(saved for _, saved, _ in rows),
-        workspace_bytes=tuple(c.workspace for c, _, _ in rows),
-        kept_bytes=tuple(c.kept_bytes for c, _, _ in rows),
-        again_s=tuple(c.again(spec) for c, _, _ in rows),
-        rebuilt_bytes=tuple(saved - both for _, saved, both in rows),
+        saved_bytes=tuple(saved for _, saved, _, _ in rows),
+        workspace_bytes=tuple(c.workspace for c, _, _, _ in rows),
+        kept_bytes=tuple(c.kept_bytes for c, _, _, _ in rows),
+        again_s=tuple(c.again(spec) for c, _, _, _ in rows),
+        rebuilt_bytes=tuple(saved - both for _, saved, both, _ in rows),
+        wheld_bytes=tuple(w for _, _, _, w in rows),
     )

@@ -1,8 +1,10 @@
 """How nodes get their costs for the profile: a run of the graph, or a walk over formulas.
 
 Both walks visit the call nodes of one graph at one micro-batch size and return, per node, its
-``OpCost``, the bytes of saved storages charged to it, and of those the bytes a kept op made
-(``selective.kept``: what selective recomputation keeps instead of rebuilding). Saved bytes are charged per storage,
+``OpCost``, the bytes of saved storages charged to it, of those the bytes a kept op made
+(``selective.kept``: what selective recomputation keeps instead of rebuilding), and the bytes
+held between a split backward's ``B`` and ``W`` charged to it (``opcost_split``: the storages
+the weight GEMMs read, charged as saved ones are, and the gradients kept for them). Saved bytes are charged per storage,
 once, to the node that made the storage (a ReLU output that the ReLU and the next Linear both
 save counts once, at the ReLU), so summing them over nodes gives what autograd keeps for one
 micro-batch, parameters and buffers excluded.
@@ -60,6 +62,8 @@ class _SavedLedger:
     charged: dict[str, int] = field(default_factory=dict)
     by_kept_ops: set[int] = field(default_factory=set)  # storages a kept op made
     both: dict[str, int] = field(default_factory=dict)  # of ``charged``, such storages
+    w_kept: dict[int, StorageWeakRef] = field(default_factory=dict)  # read by a W
+    w_charged: dict[str, int] = field(default_factory=dict)
 
     def made(self, node: str | None, outs: list[torch.Tensor], ins: list[torch.Tensor],
              kept_outputs: tuple[int, ...] = ()) -> None:
@@ -73,16 +77,20 @@ class _SavedLedger:
                 else:
                     self.by_kept_ops.discard(sid)
 
-    def keep(self, t: torch.Tensor, saver: str) -> None:
+    def keep(self, t: torch.Tensor, saver: str, *, by_w: bool = False) -> None:
+        """Charge ``t``'s storage, saved by ``saver`` (``by_w``: read by its split
+        backward's W), once to the node that made it."""
         sid = storage_id(t)
-        if sid in self.excluded or (sid in self.kept and not self.kept[sid].expired()):
+        seen = self.w_kept if by_w else self.kept
+        if sid in self.excluded or (sid in seen and not seen[sid].expired()):
             return
         st = t.untyped_storage()
-        self.kept[sid] = StorageWeakRef(st)
+        seen[sid] = StorageWeakRef(st)
         ref, node = self.owner.get(sid, (None, None))
         who = node if ref is not None and not ref.expired() and node is not None else saver
-        self.charged[who] = self.charged.get(who, 0) + st.nbytes()
-        if sid in self.by_kept_ops:
+        charged = self.w_charged if by_w else self.charged
+        charged[who] = charged.get(who, 0) + st.nbytes()
+        if sid in self.by_kept_ops and not by_w:
             self.both[who] = self.both.get(who, 0) + st.nbytes()
 
 
@@ -98,8 +106,30 @@ def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return out
 
 
-# the op's cost, the bytes of saved storages charged to the node, and of those a kept op's
-Row = tuple[OpCost, int, int]
+# the op's cost, the bytes of saved storages charged to the node, of those a kept op's, and
+# the bytes held between a split backward's B and W charged to it
+Row = tuple[OpCost, int, int, int]
+
+
+def _charge(ledger: _SavedLedger | _RefLedger, node: str, cost: OpCost, ins: list[Any],
+            outs: list[Any]) -> None:
+    """Charge what ``node``'s op saves, and what its split backward's W reads."""
+    for pos in cost.saved_outputs:
+        ledger.keep(outs[pos], node)
+    for pos in cost.saved_inputs:
+        ledger.keep(ins[pos], node)
+    ledger.charged[node] = ledger.charged.get(node, 0) + cost.saved_internal
+    ledger.both[node] = ledger.both.get(node, 0) + cost.kept_saved
+    for pos in cost.w_outputs:
+        ledger.keep(outs[pos], node, by_w=True)
+    for pos in cost.w_inputs:
+        ledger.keep(ins[pos], node, by_w=True)
+    ledger.w_charged[node] = ledger.w_charged.get(node, 0) + cost.w_internal + cost.w_grads
+
+
+def _rows(costs: dict[str, OpCost], ledger: _SavedLedger | _RefLedger) -> dict[str, Row]:
+    return {name: (c, ledger.charged.get(name, 0), ledger.both.get(name, 0),
+                   ledger.w_charged.get(name, 0)) for name, c in costs.items()}
 
 
 def walk_run(
@@ -129,8 +159,7 @@ def walk_run(
                 ) from e
         for done in frees.get(node, ()):
             env.pop(done, None)
-    return {name: (c, ledger.charged.get(name, 0), ledger.both.get(name, 0))
-            for name, c in costs.items()}
+    return _rows(costs, ledger)
 
 
 @dataclass
@@ -147,6 +176,8 @@ class _RefLedger:
     charged: dict[str, int] = field(default_factory=dict)
     by_kept_ops: set[Label] = field(default_factory=set)  # storages a kept op made
     both: dict[str, int] = field(default_factory=dict)  # of ``charged``, such storages
+    w_kept: set[Label] = field(default_factory=set)  # read by a W
+    w_charged: dict[str, int] = field(default_factory=dict)
 
     def of(self, ref: Label) -> Label:
         return ref if self.formulas.is_state(ref) else self.storage[ref]
@@ -167,14 +198,16 @@ class _RefLedger:
             outs.append(storage)
         return outs
 
-    def keep(self, storage: Label, saver: str) -> None:
-        if self.formulas.is_state(storage) or storage in self.kept:
+    def keep(self, storage: Label, saver: str, *, by_w: bool = False) -> None:
+        seen = self.w_kept if by_w else self.kept
+        if self.formulas.is_state(storage) or storage in seen:
             return
-        self.kept.add(storage)
+        seen.add(storage)
         who = self.owner.get(storage) or saver
         nbytes = self.formulas.nbytes_at(storage, self.samples)
-        self.charged[who] = self.charged.get(who, 0) + nbytes
-        if storage in self.by_kept_ops:
+        charged = self.w_charged if by_w else self.charged
+        charged[who] = charged.get(who, 0) + nbytes
+        if storage in self.by_kept_ops and not by_w:
             self.both[who] = self.both.get(who, 0) + nbytes
 
 
@@ -206,14 +239,8 @@ def walk_formulas(
             ins = [ledger.of(r) for r in formulas.inputs_of(node)]
             outs = ledger.made(node.name, len(formulas.requires_grad[node.name]), ins, cost.views,
                                kept_outputs=cost.kept_outputs)
-            for pos in cost.saved_outputs:
-                ledger.keep(outs[pos], node.name)
-            for pos in cost.saved_inputs:
-                ledger.keep(ins[pos], node.name)
-            ledger.charged[node.name] = ledger.charged.get(node.name, 0) + cost.saved_internal
-            ledger.both[node.name] = ledger.both.get(node.name, 0) + cost.kept_saved
-    return {name: (c, ledger.charged.get(name, 0), ledger.both.get(name, 0))
-            for name, c in costs.items()}
+            _charge(ledger, node.name, cost, ins, outs)
+    return _rows(costs, ledger)
 
 
 def _count_signature(node: fx.Node, formulas: SymbolicValues, runner: NodeRunner,
@@ -248,10 +275,5 @@ def _profile_node(
     env[node] = pytree.tree_map_only(torch.Tensor, as_leaf, out)
     ins, outs = call.inputs(), tensors(out)
     ledger.made(node.name, outs, ins, cost.kept_outputs)
-    for pos in cost.saved_outputs:
-        ledger.keep(outs[pos], node.name)
-    for pos in cost.saved_inputs:
-        ledger.keep(ins[pos], node.name)
-    ledger.charged[node.name] = ledger.charged.get(node.name, 0) + cost.saved_internal
-    ledger.both[node.name] = ledger.both.get(node.name, 0) + cost.kept_saved
+    _charge(ledger, node.name, cost, ins, outs)
     return cost

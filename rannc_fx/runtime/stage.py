@@ -31,7 +31,6 @@ of the forward from those, on F's random state and inside the stage's buffer sco
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,14 +40,14 @@ from .. import selective
 from ..plan import Plan, Stage
 from ..values import ValueSpec
 from . import routing
-from .backward_split import backward_inputs, backward_weights
+from .backward_split import SavedBoxes, backward_inputs, backward_weights, keeping_for_split
 from .buffers import BufferSync
 from .checks import check_stage_outputs
 from .comm import Groups, Message, Pending, post
 from .host_params import HostParams, fetching, saving
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
-from .recompute import build_segmented
+from .recompute import build_segmented, keeping_nothing, rng_restored, rng_state
 from .routing import RankRoutes, Transfer
 from .step import StepState
 from .tail import TailRunner
@@ -279,16 +278,14 @@ class StageRunner:
         args = self._args(step, i)
         self.buffers.before_microbatch(i)
         if step.grad and self.recompute:
-            step.rng[i] = _rng_state(self.device)
-            # grad mode on, as in R (the same kernels, so R recomputes these very values),
-            # but nothing saved: the activations are dropped as they are made
-            with torch.autograd.graph.saved_tensors_hooks(_drop, _never):
+            step.rng[i] = rng_state(self.device)
+            with keeping_nothing():
                 outs = self._run(args)
             outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
         elif step.grad and self.selective:
             outs = self._run_selective(args)
         else:
-            with saving(self.host):
+            with saving(self.host), self._keeping(step, i):
                 outs = self._run(args)
         self.buffers.after_microbatch(i, self.shares[i])
         check_stage_outputs(self.stage, self.cuts, self.spans[i][1] - self.spans[i][0], outs)
@@ -308,11 +305,19 @@ class StageRunner:
         with (
             fetching(self.host),
             torch.enable_grad(),
-            _rng_restored(step.rng.pop(i), self.device),
+            rng_restored(step.rng.pop(i), self.device),
             self.buffers.recompute_scope(),
             saving(self.host),
+            self._keeping(step, i),
         ):
             step.outs[i] = self._run(step.args[i], self.segmented)
+
+    def _keeping(self, step: StepState, i: int) -> contextlib.AbstractContextManager[Any]:
+        """Micro-batch i's saved tensors in boxes where its backward is split, so that its
+        B can drop what its W does not read (``backward_split``)."""
+        if not (step.grad and i in step.split) or self.host is not None:
+            return contextlib.nullcontext()
+        return keeping_for_split(step.saved.setdefault(i, SavedBoxes()))
 
     def backward(self, step: StepState, i: int) -> None:
         with fetching(self.host):
@@ -348,7 +353,8 @@ class StageRunner:
                 gs.append(g)
         if tensors and i in step.split:
             inputs = [x for x in step.args.get(i, ()) if isinstance(x, torch.Tensor)]
-            step.weight_work[i] = backward_inputs(tensors, gs, inputs, self.trainable)
+            step.weight_work[i] = backward_inputs(tensors, gs, inputs, self.trainable,
+                                                  step.saved.pop(i, None))
         elif tensors:
             torch.autograd.backward(tensors, gs)
         step.backwards += 1
@@ -371,31 +377,5 @@ class StageRunner:
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
 
-def _drop(t: torch.Tensor) -> None:
-    return None
-
-
-def _never(_: None) -> torch.Tensor:
-    raise RuntimeError("a recomputing stage's forward keeps no activations: backward runs on R")
-
-
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _rng_restored(
-    state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device
-) -> Iterator[None]:
-    """Dropout draws what it drew in F; the random stream afterwards is as if R never ran."""
-    cpu, cuda = state
-    with torch.random.fork_rng(devices=[device] if cuda is not None else [], enabled=True):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield

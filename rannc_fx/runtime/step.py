@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .backward_split import WeightWork
+from .backward_split import SavedBoxes, WeightWork
 from .comm import Pending
 from .routing import Transfer
 
@@ -51,9 +51,10 @@ class StepState:
     tail: tuple[list[Any], tuple[Any, ...]] | None = None
     tail_out: dict[int, torch.Tensor] = field(default_factory=dict)
     tail_grads: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    # micro-batches whose backward is split (the list has a W for them), and what each B
-    # keeps for its W
+    # micro-batches whose backward is split (the list has a W for them), their forwards'
+    # saved tensors (B drops those its W does not read), and what each B keeps for its W
     split: frozenset[int] = frozenset()
+    saved: dict[int, SavedBoxes] = field(default_factory=dict)
     weight_work: dict[int, WeightWork] = field(default_factory=dict)
     # stage -> its state, for every stage this rank runs (the main stage's is this one)
     parts: dict[int, StepState] = field(default_factory=dict)

@@ -40,7 +40,8 @@ __all__ = ["evaluate", "held_once", "lane_memory", "plan_step"]
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
            m: int, n: int
-           ) -> tuple[StageCost, float, float, float, tuple[float, float, float, float, float]]:
+           ) -> tuple[StageCost, float, float, float,
+                      tuple[float, float, float, float, float, float]]:
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
     micro-batch's held parts as ``lane_memory`` reads them."""
     i, j, r, rho = st.start, st.end, st.replicas, st.level
@@ -106,7 +107,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     # the activations no kept op made
     rebuilt, rebuilt_out = (act, cout) if rerun else (act, 0.0) if selective else (0.0, 0.0)
     each = float(terms.keep[0]) if selective else act  # a micro-batch's, held whole
-    return cost, t, u, mem, (each, cuts, cout, rebuilt, rebuilt_out)
+    return cost, t, u, mem, (each, cuts, cout, rebuilt, rebuilt_out, float(terms.wheld[0]))
 
 
 def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
@@ -118,7 +119,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
              micro_batches: int, schedule: str = "gpipe", *,
              lanes: Sequence[Sequence[int]] | None = None,
              in_flight_counts: Sequence[int] | None = None,
-             lane_units: Sequence[Sequence[Sequence[tuple[float, float]]] | np.ndarray]
+             lane_units: Sequence[Sequence[Sequence[tuple[float, float, float]]] | np.ndarray]
              | None = None,
              ) -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
@@ -200,28 +201,32 @@ def held_once(table: CostTable, space: SearchSpace, stages: Sequence[StageChoice
 
 
 def lane_memory(costs: Sequence[StageCost],
-                per_mb: Sequence[tuple[float, float, float, float, float]],
-                units: Sequence[Sequence[tuple[float, float]]] | np.ndarray) -> list[StageCost]:
+                per_mb: Sequence[tuple[float, float, float, float, float, float]],
+                units: Sequence[Sequence[tuple[float, float, float]]] | np.ndarray
+                ) -> list[StageCost]:
     """The stages of one lane with their memory as shares of the lane's peak.
 
     ``per_mb[s]``: one micro-batch's activations A (what it keeps of them where the stage
-    recomputes selectively), cut values in and out c, out alone o, and the activations and
+    recomputes selectively), cut values in and out c, out alone o, the activations and
     outputs its backward rebuilds beside what it holds (recomputing: A and o; selectively:
-    the activations no kept op made, and none);
+    the activations no kept op made, and none), and w, what it holds between a split
+    backward's ``B`` and its ``W`` (``CostTable.wheld``: what ``W`` reads and the gradients
+    ``B`` keeps for it);
     ``units[t][s]``: at point t of the lane's list, the micro-batches stage s holds only the
-    inputs of (a recomputing stage's, forward to backward) and those it holds whole
-    (activations and cut values: forward to backward, or to ``W`` where the backward is
-    split, a split one's counting more between ``B`` and ``W`` for the gradients its ``W``
-    reads, ``planner.virtual.HELD``). The lane holds every stage's parameters, gradients,
-    optimizer state and outputs, the largest workspace, at its peak point t* the sum over
-    stages of inputs * (c - o) + whole * (A + c), and, where a stage recomputes without a
-    split backward, once for the lane the largest A + o (one micro-batch's activations
-    during its backward; selectively, its A). Each stage gets its part at t*, so that the
+    inputs of (a recomputing stage's, forward to backward), those it holds whole
+    (activations and cut values: forward to a backward, counted whole during a split ``B``,
+    which frees what ``W`` does not read as it makes the gradients it keeps), and those
+    between a split ``B`` and their ``W``. The lane holds every stage's parameters,
+    gradients, optimizer state and outputs, the largest workspace, at its peak point t* the
+    sum over stages of inputs * (c - o) + whole * (A + c) + split * w, and, where a stage
+    recomputes without a split backward, once for the lane the largest A + o (one
+    micro-batch's activations during its backward; selectively, its A). Each stage gets its part at t*, so that the
     stages' memory adds up to the lane's.
     """
-    u = np.asarray(units, dtype=float)  # (points, stages, 2)
-    a_, c_, o_ = (np.array([x[k] for x in per_mb]) for k in range(3))
-    peak = u[int(np.argmax((u[:, :, 0] * (c_ - o_) + u[:, :, 1] * (a_ + c_)).sum(axis=1)))]
+    u = np.asarray(units, dtype=float)  # (points, stages, 3)
+    a_, c_, o_, w_ = (np.array([x[k] for x in per_mb]) for k in (0, 1, 2, 5))
+    peak = u[int(np.argmax((u[:, :, 0] * (c_ - o_) + u[:, :, 1] * (a_ + c_)
+                            + u[:, :, 2] * w_).sum(axis=1)))]
     # a recomputing stage whose backward is split holds what R rebuilt as ``whole`` units;
     # the others' backwards are the transient
     rc = [s for s, c in enumerate(costs)
@@ -230,11 +235,11 @@ def lane_memory(costs: Sequence[StageCost],
     widest = max(range(len(costs)), key=lambda s: costs[s].workspace)
     out = []
     for s, c in enumerate(costs):
-        a, cuts, o, rebuilt, rebuilt_out = per_mb[s]
+        a, cuts, o, rebuilt, rebuilt_out, w = per_mb[s]
         if s != transient:
             rebuilt = rebuilt_out = 0.0
-        inputs, whole = float(peak[s][0]), float(peak[s][1])
-        act = whole * a + rebuilt
+        inputs, whole, split = (float(x) for x in peak[s])
+        act = whole * a + split * w + rebuilt
         comm = inputs * (cuts - o) + whole * cuts + rebuilt_out
         out.append(replace(c, activations=round(act), comm_buffers=round(comm), overlap=0,
                            workspace=c.workspace if s == widest else 0))

@@ -161,7 +161,9 @@ class CostTable:
     kept, redo and rebuilt (Q, B) what selective recomputation (``rannc_fx.selective``) keeps
     of a block's activations, the seconds it adds (rerunning the forward less what it kept),
     and what of ``act`` its backward rebuilds (None: it keeps all, ``act``, runs all again,
-    ``fwd``, and rebuilds all, ``act``).
+    ``fwd``, and rebuilds all, ``act``); wheld (Q, B) what a micro-batch holds between a split
+    backward's ``B`` and its ``W`` (``passes/opcost_split.py``; None: its activations and cut
+    values, and ``terms.HELD`` of them more for the gradients ``W`` reads).
     """
 
     sizes: np.ndarray
@@ -179,6 +181,7 @@ class CostTable:
     kept: np.ndarray | None = None  # (Q, B): bytes selective recomputation keeps
     redo: np.ndarray | None = None  # (Q, B): forward seconds it runs again
     rebuilt: np.ndarray | None = None  # (Q, B): of act, what its backward rebuilds
+    wheld: np.ndarray | None = None  # (Q, B): held between a split backward's B and W
     # the tensors several blocks use (a tied embedding and LM head): (the blocks, parameter
     # bytes, gradient bytes) each; a lane holding two stages that both use one holds it once
     shared: tuple[tuple[tuple[int, ...], float, float], ...] = ()
