@@ -97,7 +97,8 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     if cfg.get("recompute_layers"):  # every stage that holds a layer start recomputes by layer
         assert any(st.checkpoints for st in cm.plan.stages)
     # the user's Adam was timed for the plan: every stage with parameters has a step cost
-    assert all((st.optimizer_ms > 0) == (st.memory.grads > 0) for st in cm.plan.stages)
+    assert all((st.optimizer_ms > 0) == (st.memory.grads > 0) for st in cm.plan.stages), [
+        (st.index, st.optimizer_ms, st.memory.grads, st.param_names) for st in cm.plan.stages]
     return _loss(out).item()
 
 

@@ -224,6 +224,24 @@ def test_parameter_only_chain_joins_its_first_consumer_and_ints_may_cross():
     assert all("getitem" not in names for names in bg.boundary), "ints are not counted"
 
 
+def test_value_reduced_over_the_batch_never_crosses():
+    # BERT's pretraining loss: a masked-LM mean plus a next-sentence mean. Each replica
+    # computes its own partial means; a cut between them and their sum would send one
+    # replica's whole (routing.cut_transfers) and drop the others'
+    def fn(m, x):
+        h = torch.relu(x @ m.w)
+        a = torch.tanh(h).mean()
+        b = torch.sigmoid(h).mean()
+        w = (m.w * 2.0).sum()  # from parameters only: the same on every replica
+        return (a + b, w)
+
+    cg, values = _trace(fn, (4, 8))
+    assert values["mean"].batch_dim is None and values["mean_1"].batch_dim is None
+    bg = _atomic(cg, values)
+    assert _same_block(bg, "mean", "mean_1", "add")
+    assert not _same_block(bg, "relu", "add")
+
+
 def test_residual_value_crosses_every_boundary_it_spans():
     def fn(m, x):
         h = torch.relu(x)

@@ -16,8 +16,12 @@ Two steps, as in RaNNC:
    that reads only parameters, buffers and sizes) with its first consumer, a node whose value
    is never read (an assert) with its producer, and a value that is neither a tensor nor an
    int with every reader (``ValueSpec.kind == "constant"``: dtypes, devices, tuples of
-   tensors). Groups are then ordered topologically, in the original node order where the
-   edges allow; groups on a cycle of the quotient graph are merged first.
+   tensors), and a tensor without a batch dimension computed from the batch (a partial loss,
+   a batch statistic) with every reader: each replica computes its own, but a cut value
+   without a batch dimension moves whole from one producer replica (``routing``), so across
+   stages with different replica counts the other replicas' parts would be lost. Groups are
+   then ordered topologically, in the original node order where the edges allow; groups on a
+   cycle of the quotient graph are merged first.
 
    Some values never cross a stage boundary because the consumer stage recomputes them
    (``recomputed_values``): integers (sizes; from the stage's sample count) and *data-free*

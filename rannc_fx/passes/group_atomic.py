@@ -66,6 +66,29 @@ def _param_only(nodes: Sequence[fx.Node], index: dict[fx.Node, int],
     return out
 
 
+def _batch_bound(nodes: Sequence[fx.Node], index: dict[fx.Node, int],
+                 values: dict[str, ValueSpec], free: frozenset[str]) -> list[bool]:
+    """Per node: a tensor without a batch dimension computed from the batch (a partial loss such
+    as BERT's masked-LM term before it is added to the next-sentence one, a batch statistic).
+    Each replica of a stage computes its own from its own samples, but the runtime moves a cut
+    value without a batch dimension whole, from one producer replica to each consumer replica
+    (``routing.cut_transfers``): across stages with different replica counts the other
+    replicas' parts would be dropped. So such a value never crosses a stage boundary."""
+    def batched(a: fx.Node) -> bool:
+        spec = values.get(a.name)
+        return spec is not None and spec.kind == "tensor" and spec.batch_dim is not None
+
+    dep = [False] * len(nodes)  # reads the batch, directly or through other nodes
+    out = [False] * len(nodes)
+    for i, n in enumerate(nodes):
+        if n.name in free:
+            continue
+        dep[i] = any(batched(a) or (a in index and dep[index[a]]) for a in n.all_input_nodes)
+        spec = values.get(n.name)
+        out[i] = dep[i] and spec is not None and spec.kind == "tensor" and spec.batch_dim is None
+    return out
+
+
 def _anchors(nodes: list[fx.Node], index: dict[fx.Node, int],
              free: frozenset[str]) -> list[fx.Node | None]:
     """Per node, the first (in node order) non-recomputed node among its transitive readers."""
@@ -117,6 +140,7 @@ def atomic_groups(gm: fx.GraphModule, values: dict[str, ValueSpec], *,
 def _union_atomic(gm: fx.GraphModule, nodes: list[fx.Node], index: dict[fx.Node, int],
                   values: dict[str, ValueSpec], uf: _UnionFind, free: frozenset[str]) -> None:
     param_only = _param_only(nodes, index, values, free)
+    batch_bound = _batch_bound(nodes, index, values, free)
     # readers of each alias class (keyed by its base value; a parameter, buffer or constant
     # by the tensor, whichever get_attr node or module reads it), in node order
     readers: dict[object, list[fx.Node]] = {}
@@ -140,7 +164,7 @@ def _union_atomic(gm: fx.GraphModule, nodes: list[fx.Node], index: dict[fx.Node,
             if target is not None:
                 uf.union(i, index[target])
             continue
-        if _kind(values, n) == "constant" or _interleaved(values, n):
+        if _kind(values, n) == "constant" or _interleaved(values, n) or batch_bound[i]:
             for u in users:
                 uf.union(i, index[u])
         if param_only[i] and first_user is not None:

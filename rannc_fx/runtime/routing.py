@@ -220,8 +220,10 @@ def cut_transfers(plan: Plan, microbatch: int) -> list[Transfer]:
 
     Order: cut value (plan order), consumer stage, consumer replica, producer replica. A
     batched value moves by span overlap; a value without a batch dimension goes whole to
-    consumer replica k from producer replica ``k % r_producer``; integers move nowhere (each
-    consumer computes them from its own sample count).
+    consumer replica k from producer replica ``k % r_producer`` (the same on every replica:
+    one computed from the batch, such as a partial loss, never crosses a cut, see
+    ``group_atomic._batch_bound``); integers move nowhere (each consumer computes them from
+    its own sample count).
     """
     out: list[Transfer] = []
     for slot, cv in enumerate(plan.cut_values):
