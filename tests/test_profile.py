@@ -109,24 +109,6 @@ def _autograd_saved_bytes(model: nn.Module, *args: Any) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("samples", [3, 8])
-def test_saved_bytes_match_autograd(samples: int) -> None:
-    torch.manual_seed(0)
-    model = MLP(d_in=32, hidden=64, depth=3, classes=10)
-    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    cap, flat = captured(model, x, y)
-    prof = _profile(cap, flat, (samples,), repeats=1)
-    saved = {n: c.saved_bytes[0] for n, c in prof.nodes.items()}
-    # Each ReLU keeps its output (B x 64 floats), charged once though the next Linear keeps
-    # it too; the first Linear keeps the input x for its weight gradient.
-    f32 = 4
-    assert saved["layers_0"] == samples * 32 * f32
-    assert saved["relu"] == saved["relu_1"] == saved["relu_2"] == samples * 64 * f32
-    assert saved["layers_1"] == saved["layers_2"] == saved["head"] == 0
-    xs, ys = x[:samples].clone(), y[:samples].clone()
-    assert sum(saved.values()) == _autograd_saved_bytes(model, xs, ys)
-
-
 def _split_held_bytes(model: nn.Module, *args: Any) -> int:
     """What the runtime's split backward holds between B and W for the whole model (its
     input needing no gradient, as a first stage's): the saved storages B leaves for W, and
@@ -148,17 +130,25 @@ def _split_held_bytes(model: nn.Module, *args: Any) -> int:
 
 
 @pytest.mark.parametrize("samples", [3, 8])
-def test_weight_held_bytes_match_the_split_backward(samples: int) -> None:
-    """Per node, what a micro-batch holds between its split backward's B and W (the Linear
-    layers' inputs and their outputs' gradients, not the ReLUs' saved outputs beyond those):
-    summed over the nodes, what the runtime's split holds for the whole model."""
+def test_saved_and_weight_held_bytes_match_autograd(samples: int) -> None:
     torch.manual_seed(0)
     model = MLP(d_in=32, hidden=64, depth=3, classes=10)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
     cap, flat = captured(model, x, y)
     prof = _profile(cap, flat, (samples,), repeats=1)
-    held = {n: c.wheld_bytes[0] for n, c in prof.nodes.items()}
+    saved = {n: c.saved_bytes[0] for n, c in prof.nodes.items()}
+    # Each ReLU keeps its output (B x 64 floats), charged once though the next Linear keeps
+    # it too; the first Linear keeps the input x for its weight gradient.
     f32 = 4
+    assert saved["layers_0"] == samples * 32 * f32
+    assert saved["relu"] == saved["relu_1"] == saved["relu_2"] == samples * 64 * f32
+    assert saved["layers_1"] == saved["layers_2"] == saved["head"] == 0
+    xs, ys = x[:samples].clone(), y[:samples].clone()
+    assert sum(saved.values()) == _autograd_saved_bytes(model, xs, ys)
+    # Per node, what a micro-batch holds between its split backward's B and W (the Linear
+    # layers' inputs and their outputs' gradients, not the ReLUs' saved outputs beyond
+    # those): summed over the nodes, what the runtime's split holds for the whole model.
+    held = {n: c.wheld_bytes[0] for n, c in prof.nodes.items()}
     # the first Linear: its input x and its output's gradient; each ReLU: its output, which
     # the next Linear's W reads (charged to the ReLU that made it); each later Linear and the
     # head: their outputs' gradients; the loss: nothing
@@ -166,8 +156,7 @@ def test_weight_held_bytes_match_the_split_backward(samples: int) -> None:
     assert held["relu"] == held["relu_1"] == held["relu_2"] == samples * 64 * f32
     assert held["layers_1"] == held["layers_2"] == samples * 64 * f32
     assert held["head"] == samples * 10 * f32
-    assert sum(held.values()) == _split_held_bytes(model, x[:samples].clone(),
-                                                   y[:samples].clone())
+    assert sum(held.values()) == _split_held_bytes(model, xs, ys)
 
 
 def test_inplace_ops_profile_on_clones(one_thread: None) -> None:
