@@ -120,6 +120,35 @@ def probe(name: str) -> str:
     return "\n".join(out)
 
 
+def named(name: str) -> str:
+    """Each schedule named (``Config.schedule``) on the searched plan's stages or lanes, as
+    the planner tries them: its simulated step against the searched plan's and its bubble,
+    or why it is refused (it does not fit)."""
+    from rannc_fx.planner.zero_bubble import zero_bubble
+
+    a = _analyzed(name)
+    result = run_search(a.table, a.space)
+    base = build_plan(a, result)
+    ref = base.simulated_step_ms or 0.0
+    out = [f"{name}: searched {base.schedule}, {len(base.stages)} stages, "
+           f"m={base.micro_batches}, {ref:.0f} ms, bubble {100 * bubble(base):.1f} %"]
+    for schedule, v in (("zbh1", None), ("zbv", None), ("interleaved", 2), ("interleaved", 3),
+                        ("interleaved", 4)):
+        b = dataclasses.replace(a, config=a.config.model_copy(
+            update={"schedule": schedule, "virtual_stages": v}))
+        try:
+            p = (zero_bubble if schedule == "zbh1" else virtual_variants)(
+                b, result, base, lambda r, b=b: build_plan(b, r))
+        except ValueError as e:
+            out.append(f"  {schedule} v={v}: refused ({str(e).split(';')[0]})")
+            continue
+        step = p.simulated_step_ms or 0.0
+        out.append(f"  {schedule} v={p.virtual_stages}: {step:.0f} ms ({step / ref:.3f}), "
+                   f"bubble {100 * bubble(p):.1f} %, recomputing "
+                   f"{sum(st.recompute for st in p.stages)} of {len(p.stages)}")
+    return "\n".join(out)
+
+
 def _analyzed(name: str) -> Any:
     w = dict(WORKLOADS[name] if name in WORKLOADS else GPT[name])
     make = bert if name in WORKLOADS else gpt
@@ -135,10 +164,12 @@ def main() -> None:
     p.add_argument("--probe", action="store_true",
                    help="instead of the table: interleaving on every forced stage count, and "
                    "ZB-H1's memory on plans searched at 0.5-1.0 of the budget")
+    p.add_argument("--named", action="store_true",
+                   help="instead of the table: each schedule named on the searched plan")
     args = p.parse_args()
-    if args.probe:
+    if args.probe or args.named:
         for name in args.workloads:
-            print(probe(name), flush=True)
+            print((probe if args.probe else named)(name), flush=True)
         print(f"\n{environment(None)}")
         return
     print("| workload | best GPipe/1F1B plan | simulated ms | bubble | chosen plan | simulated ms "

@@ -12,8 +12,9 @@ is left. Storages are reported as ``opcost`` reports saved ones (input and outpu
 bytes made inside the op), so the profile charges each once, to the node that made it.
 
 Per op this agrees with a stage's split wherever the op's inputs need gradients in the stage
-too; an op whose inputs need none there (the first stage's embedding) hands ``W`` the gradient
-of the first node above it that is on the path instead, of the same size in the models seen.
+too. An op whose inputs need none (the first stage's embeddings of the ids) hands ``W`` the
+gradient of the first node above it that ``B`` reaches, which several such ops share: it is
+not counted (at most one micro-batch's activations of one width, on the first stage).
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ def weight_held(call: OpCall) -> WeightHeld:
     in_ids, out_ids = [storage_id(t) for t in bound], [storage_id(t) for t in tensors(out)]
     kept_grads = {storage_id(g): g for grads in work.kept.values() for g in grads
                   if g is not None}
-    kept_grads.update({storage_id(g): g for group in work.groups for _, _, g in group.seeded})
+    if inputs:  # else (an embedding of the ids) W starts from a node above it that B
+        # reached, whose gradient several such ops share (the embeddings' sum): none counts
+        # it, at most one micro-batch's activations of one width on the first stage
+        kept_grads.update({storage_id(g): g for group in work.groups
+                           for _, _, g in group.seeded})
     return WeightHeld(
         inputs=_first(in_ids, held),
         outputs=_first(out_ids, {s: t for s, t in held.items() if s not in in_ids}),
