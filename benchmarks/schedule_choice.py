@@ -140,10 +140,11 @@ def named(name: str) -> str:
             p = (zero_bubble if schedule == "zbh1" else virtual_variants)(
                 b, result, base, lambda r, b=b: build_plan(b, r))
         except ValueError as e:
-            out.append(f"  {schedule} v={v}: refused ({str(e).split(';')[0]})")
+            out.append(f"  {schedule}{f' v={v}' if v else ''}: refused "
+                       f"({str(e).split(';')[0]})")
             continue
         step = p.simulated_step_ms or 0.0
-        out.append(f"  {schedule} v={p.virtual_stages}: {step:.0f} ms ({step / ref:.3f}), "
+        out.append(f"  {schedule}{f' v={v}' if v else ''}: {step:.0f} ms ({step / ref:.3f}), "
                    f"bubble {100 * bubble(p):.1f} %, recomputing "
                    f"{sum(st.recompute for st in p.stages)} of {len(p.stages)}")
     return "\n".join(out)
