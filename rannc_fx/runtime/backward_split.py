@@ -32,11 +32,14 @@ nodes between the two places run again.
 Between ``B`` and ``W`` a micro-batch holds only what ``W`` reads: the forward of a micro-batch
 whose backward is split runs under ``keeping_for_split`` (saved-tensor hooks that put each
 saved tensor in a ``Held`` box), and ``B`` empties each box it unpacks for a node that ``W``
-will not run, so that the tensor goes as soon as that node is done (as in a backward that
-keeps no graph): the saved tensors of normalizations,
-activations, attention's softmax and its matmuls go, the inputs of the weight GEMMs stay (on
-a BERT-large layer ``W`` keeps 17 % of the forward's saved bytes, and the gradients kept for
-its frontier nodes are 21 % more). The rest of the graph lives until ``W`` has run.
+will not run, so that the tensor goes as soon as that node is done, as in a backward that
+keeps no graph. The saved tensors of normalizations, activations and attention go; the
+inputs of the weight GEMMs stay (on a BERT-large layer ``W`` reads 16 % of the forward's saved
+bytes, and the gradients kept for its frontier nodes are 22 % more:
+``benchmarks/split_backward_memory.py``). The rest of the graph lives until ``W`` has run.
+Where a group starts from two nodes, ``W`` reruns the nodes between them (above), and keeps
+their saved tensors: on a first stage, the embeddings feed the first layer's norm and its
+residual sum, so that layer's attention is kept and its backward run again in ``W``.
 """
 
 from __future__ import annotations
@@ -154,10 +157,8 @@ def backward_inputs(
             h.remove()
         if saved is not None:
             saved.w_nodes = None
-    if saved is not None:
-        # the hooks in the graph hold this list, and a box's tensor may hold a node of the
-        # graph (its grad_fn): emptied, the list closes no cycle that would keep it alive
-        saved.clear()
+    if saved is not None:  # the graph's hooks hold the list: emptied, the boxes live only
+        saved.clear()  # as long as the graph holds them
     return WeightWork(groups, kept)
 
 
