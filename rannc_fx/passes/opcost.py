@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,10 +41,8 @@ from .. import selective
 from ..device import DeviceSpec
 from .timing import time_call
 
-__all__ = [
-    "OpCall", "OpCost", "count_op", "differentiable", "measure_op", "run_op", "storage_id",
-    "tensors",
-]
+__all__ = ["OpCall", "OpCost", "count_op", "differentiable", "first_positions", "measure_op",
+           "run_op", "storage_id", "tensors"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -157,10 +155,9 @@ class OpCost:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> OpCost:
         d = dict(d)
-        for k in ("saved_inputs", "saved_outputs", "views", "kept_outputs", "w_inputs",
-                  "w_outputs"):
-            if k in d:
-                d[k] = tuple(d[k])
+        for k in ({"saved_inputs", "saved_outputs", "views", "kept_outputs", "w_inputs",
+                   "w_outputs"} & d.keys()):
+            d[k] = tuple(d[k])
         return cls(**d)
 
 
@@ -193,13 +190,14 @@ class _SavedLog:
     ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         in_ids, out_ids = [storage_id(t) for t in ins], [storage_id(t) for t in outs]
         saved = {s: n for s, n in self.storages.items() if s not in excluded}
-        in_pos = _first_positions(in_ids, saved)
-        out_pos = _first_positions(out_ids, {s: n for s, n in saved.items() if s not in in_ids})
+        in_pos = first_positions(in_ids, saved)
+        out_pos = first_positions(out_ids, {s: n for s, n in saved.items() if s not in in_ids})
         internal = sum(n for s, n in saved.items() if s not in in_ids and s not in out_ids)
         return internal, in_pos, out_pos
 
 
-def _first_positions(ids: list[int], wanted: dict[int, int]) -> tuple[int, ...]:
+def first_positions(ids: list[int], wanted: Container[int]) -> tuple[int, ...]:
+    """The first position in ``ids`` of each storage id in ``wanted``, in order."""
     first: dict[int, int] = {}
     for i, s in enumerate(ids):
         if s in wanted:
@@ -311,7 +309,7 @@ def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
     mine = {storage_id(t) for t in bound} | {storage_id(t) for t in outs}
     kept_saved = sum(n for sid, n in log.storages.items()
                      if sid in tracker.kept and sid not in mine and sid not in call.excluded)
-    kept_outputs = _first_positions([storage_id(t) for t in outs], tracker.kept)
+    kept_outputs = first_positions([storage_id(t) for t in outs], tracker.kept)
     return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views,
                 kept, kept_outputs, kept_saved)
 

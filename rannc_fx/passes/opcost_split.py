@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime.backward_split import SavedBoxes, backward_inputs, keeping_for_split
-from .opcost import OpCall, differentiable, storage_id, tensors
+from .opcost import OpCall, differentiable, first_positions, storage_id, tensors
 
 __all__ = ["WeightHeld", "weight_held"]
 
@@ -73,19 +73,11 @@ def weight_held(call: OpCall) -> WeightHeld:
         kept_grads.update({storage_id(g): g for group in work.groups
                            for _, _, g in group.seeded})
     return WeightHeld(
-        inputs=_first(in_ids, held),
-        outputs=_first(out_ids, {s: t for s, t in held.items() if s not in in_ids}),
+        inputs=first_positions(in_ids, held),
+        outputs=first_positions(out_ids, {s for s in held if s not in in_ids}),
         internal=sum(_nbytes(t) for s, t in held.items() if s not in in_ids and s not in out_ids),
         grads=sum(_nbytes(g) for g in kept_grads.values()),
     )
-
-
-def _first(ids: list[int], wanted: dict[int, torch.Tensor]) -> tuple[int, ...]:
-    first: dict[int, int] = {}
-    for i, s in enumerate(ids):
-        if s in wanted:
-            first.setdefault(s, i)
-    return tuple(sorted(first.values()))
 
 
 def _nbytes(t: torch.Tensor) -> int:
