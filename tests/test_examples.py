@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,10 +50,11 @@ def test_train_resumes_from_its_checkpoint_on_the_same_trajectory(tmp_path):
     small = ["--layers", "2", "--d-model", "64", "--seq", "32", "--vocab", "256",
              "--stages", "2", "--micro-batches", "2", "--log-every", "1"]
     ckpt = ["--ckpt-dir", str(tmp_path), "--ckpt-every", "3"]
-    whole = _losses(_torchrun("train.py", *small, "--steps", "10"))
-    _torchrun("train.py", *small, *ckpt, "--steps", "6")
-    assert all((tmp_path / f"step_{k}" / ".metadata").is_file() for k in (3, 6))
-    (tmp_path / "step_9").mkdir()  # a save that crashed before DCP wrote .metadata
+    whole = _losses(_torchrun("train.py", *small, *ckpt, "--steps", "10"))
+    assert all((tmp_path / f"step_{k}" / ".metadata").is_file() for k in (3, 6, 9, 10))
+    # as if the run died saving step 9: DCP writes .metadata last; step 10 never began
+    (tmp_path / "step_9" / ".metadata").unlink()
+    shutil.rmtree(tmp_path / "step_10")
     out = _torchrun("train.py", *small, *ckpt, "--steps", "10", "--resume")
     assert f"resumed from {tmp_path / 'step_6'} at step 6" in out, out
     resumed = _losses(out)

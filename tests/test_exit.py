@@ -13,7 +13,7 @@ import pytest
 from .dist_utils import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "no_cleanup.py"
-RUNS = 5
+RUNS = 3
 
 
 def _run_pair() -> list[subprocess.CompletedProcess[str]]:
