@@ -167,34 +167,30 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     largest workspace."""
     grad = np.asarray(table.grad_bytes, float)[i, j]
     cut = np.asarray(table.cut[k], float)
-    fwd = np.concatenate(([0.0], np.cumsum(table.fwd[k])))
-    fb = np.concatenate(([0.0], np.cumsum(table.fwd[k] + table.bwd[k])))
-    act = np.concatenate(([0.0], np.cumsum(table.act[k])))
     both = cut[i] + cut[j]
     edges = (i > 0).astype(float) + (j < table.num_blocks).astype(float)
-    A, F = act[j] - act[i], fwd[j] - fwd[i]
+    A, F = _range(table.act[k], i, j), _range(table.fwd[k], i, j)
     sg = table.segments
     seg = A if sg is None else sg.transient(k, i, j, A)
     again = F if sg is None else sg.again(k, i, j, F)
-    kept = act if table.kept is None else np.concatenate(([0.0], np.cumsum(table.kept[k])))
-    redo = fwd if table.redo is None else np.concatenate(([0.0], np.cumsum(table.redo[k])))
-    rebuilt = act if table.rebuilt is None else np.concatenate(([0.0],
-                                                                np.cumsum(table.rebuilt[k])))
-    wheld = (1 + HELD) * (A + both) if table.wheld is None else _range(table.wheld[k], i, j)
     params = np.asarray(table.param_bytes, float)[i, j]
     outs = outputs_held(table, space, k, i, j, m)
     return StageTerms(
-        fb=fb[j] - fb[i], fwd=F, again=again,
+        fb=_range(table.fwd[k] + table.bwd[k], i, j), fwd=F, again=again,
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
         fixed=params + grad * space.optimizer_state_factor + outs,
-        grads=grad, act=A, seg=seg, keep=kept[j] - kept[i], redo=redo[j] - redo[i],
-        rebuilt=rebuilt[j] - rebuilt[i], wheld=wheld, cuts=both, cout=cut[j], ws=np.asarray(ws, float),
+        grads=grad, act=A, seg=seg,
+        keep=A if table.kept is None else _range(table.kept[k], i, j),
+        redo=F if table.redo is None else _range(table.redo[k], i, j),
+        rebuilt=A if table.rebuilt is None else _range(table.rebuilt[k], i, j),
+        wheld=(1 + HELD) * (A + both) if table.wheld is None else _range(table.wheld[k], i, j),
+        cuts=both, cout=cut[j], ws=np.asarray(ws, float),
         params=params, window=block_params(table)[i, j], outs=outs, m=m,
         host_bw=space.host_bandwidth or np.inf, host_overlap=space.host_overlap)
 
 
 def _range(per_block: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-    """The sums over blocks [i, j) of a per-block series."""
+    """The sums over blocks [i, j) of a per-block series (by its prefix sums)."""
     c = np.concatenate(([0.0], np.cumsum(per_block)))
     return c[j] - c[i]
 
@@ -222,5 +218,4 @@ def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j:
     """m * sum(out[k, i:j]) + output_bytes: the batched model outputs the stages hold."""
     if table.out is None:
         return np.full(np.shape(i), float(space.output_bytes))
-    out = np.concatenate(([0.0], np.cumsum(table.out[k])))
-    return m * (out[j] - out[i]) + space.output_bytes
+    return m * _range(table.out[k], i, j) + space.output_bytes
