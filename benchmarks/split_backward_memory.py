@@ -80,11 +80,10 @@ def measure(kind: str, d: int, layers: int, batch: int, seq: int) -> str:
     boxes = SavedBoxes()
     with keeping_for_split(boxes):
         y = stack(x)
-    seen = list(boxes)  # backward_inputs empties ``boxes``
-    saved = _bytes([b.tensor for b in seen if b.tensor is not None], weights | {
+    saved = _bytes([b.tensor for b in boxes if b.tensor is not None], weights | {
         x.untyped_storage()._cdata})
     work = backward_inputs([y], [torch.ones_like(y)], [x], params, boxes)
-    read = _bytes([b.tensor for b in seen if b.tensor is not None], weights | {
+    read = _bytes([b.tensor for b in boxes if b.tensor is not None], weights | {
         x.untyped_storage()._cdata})
     grads = _bytes([g for gs in work.kept.values() for g in gs if g is not None]
                    + [g for group in work.groups for _, _, g in group.seeded], set())

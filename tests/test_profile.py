@@ -119,10 +119,9 @@ def _split_held_bytes(model: nn.Module, *args: Any) -> int:
     boxes = SavedBoxes()
     with keeping_for_split(boxes):
         out = model(*args)
-    seen = list(boxes)  # backward_inputs empties ``boxes``
     work = backward_inputs([out], [torch.ones_like(out)], [], list(model.parameters()), boxes)
     held = {b.tensor.untyped_storage()._cdata: b.tensor.untyped_storage().nbytes()
-            for b in seen if b.tensor is not None}
+            for b in boxes if b.tensor is not None}
     grads = [g for gs in work.kept.values() for g in gs if g is not None] + [
         g for group in work.groups for _, _, g in group.seeded]
     held.update({g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in grads})

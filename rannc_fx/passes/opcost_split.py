@@ -56,13 +56,12 @@ def weight_held(call: OpCall) -> WeightHeld:
     inputs = [t for t in bound if t.requires_grad and differentiable(t)
               and storage_id(t) not in call.excluded]
     grads_before = [(t, t.grad) for t in [*inputs, *params]]
-    seen = list(boxes)  # backward_inputs empties ``boxes``
     try:
         work = backward_inputs(outs, [torch.ones_like(t) for t in outs], inputs, params, boxes)
     finally:  # B accumulates into .grad: leave the model's and the inputs' as they were
         for t, g in grads_before:
             t.grad = g
-    held = {storage_id(b.tensor): b.tensor for b in seen if b.tensor is not None}
+    held = {storage_id(b.tensor): b.tensor for b in boxes if b.tensor is not None}
     held = {s: t for s, t in held.items() if s not in call.excluded}
     in_ids, out_ids = [storage_id(t) for t in bound], [storage_id(t) for t in tensors(out)]
     kept_grads = {storage_id(g): g for grads in work.kept.values() for g in grads

@@ -77,7 +77,7 @@ class SavedBoxes(list[Held]):
 def keeping_for_split(boxes: SavedBoxes) -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks for a forward whose backward ``backward_inputs`` will split: every
     saved tensor goes into a ``Held`` appended to ``boxes`` (hand them to
-    ``backward_inputs``, which empties the list: copy it first to look at the boxes)."""
+    ``backward_inputs``)."""
 
     def pack(t: torch.Tensor) -> Held:
         # its data only: a node's saved output holds that node as its grad_fn, and the node
@@ -157,8 +157,6 @@ def backward_inputs(
             h.remove()
         if saved is not None:
             saved.w_nodes = None
-    if saved is not None:  # the graph's hooks hold the list: emptied, the boxes live only
-        saved.clear()  # as long as the graph holds them
     return WeightWork(groups, kept)
 
 
