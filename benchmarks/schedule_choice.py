@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def named(name: str) -> str:
     """Each schedule named (``Config.schedule``) on the searched plan's stages or lanes, as
     the planner tries them: its simulated step against the searched plan's and its bubble,
     or why it is refused (it does not fit)."""
-    from rannc_fx.planner.zero_bubble import zero_bubble
+    from rannc_fx.planner.zero_bubble import searched, zero_bubble
 
     a = _analyzed(name)
     result = run_search(a.table, a.space)
@@ -132,6 +133,18 @@ def named(name: str) -> str:
     ref = base.simulated_step_ms or 0.0
     out = [f"{name}: searched {base.schedule}, {len(base.stages)} stages, "
            f"m={base.micro_batches}, {ref:.0f} ms, bubble {100 * bubble(base):.1f} %"]
+    t0 = time.perf_counter()
+    zb = searched(a, lambda r: build_plan(a, r), result)
+    took = time.perf_counter() - t0
+    if zb is None:
+        out.append(f"  zbh1 searched: none fits with a closed form below the searched "
+                   f"plan's formula ({took:.1f} s)")
+    else:
+        step = zb.simulated_step_ms or 0.0
+        out.append(f"  zbh1 searched: {len(zb.stages)} stages (replicas "
+                   f"{'/'.join(str(st.replicas) for st in zb.stages)}), m={zb.micro_batches}: "
+                   f"{step:.0f} ms ({step / ref:.3f}), closed form {zb.predicted_step_ms:.0f} ms, "
+                   f"bubble {100 * bubble(zb):.1f} %; search and build {took:.1f} s")
     for schedule, v in (("zbh1", None), ("zbv", None), ("interleaved", 2), ("interleaved", 3),
                         ("interleaved", 4)):
         b = dataclasses.replace(a, config=a.config.model_copy(

@@ -249,6 +249,67 @@ def zbh1_held(s: int, S: int, m: int) -> tuple[tuple[int, int], tuple[int, int]]
     return (f, mm - f), (mm - k - 1, k + 1)
 
 
+OVERHEAD = 0.04  # what splitting a backward in two adds to it (the simulator's constant)
+
+
+def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, s: int,
+                 S: int, zero: bool = False, offload: bool = False
+                 ) -> tuple[float, float, float]:
+    """t, u and memory of stage s of S under ZB-H1, without recomputation (its only kind):
+    the stage holds at its peak one of ``zbh1_held``'s corners, each micro-batch whole as
+    1F1B holds it (activations and cut values) or between its B and its W (``wheld``, by
+    default 1.5 times that), the gradients beside all of it; after the backwards, the
+    all-reduce's copy. Its time: W is a weight share of the backward (half, times the
+    share of parameter bytes that train), B and W together 4 % longer than one backward;
+    on equal stages the step is S (F + B - W) less one B - W, plus m (F + B + W), plus
+    S - 1 times what W exceeds F by, plus with three stages or more the least of F and
+    2 W - F where that is positive (how the simulator runs ZB-H1's lists when F <= B)."""
+    f = stage_figures(table, space, i, j, r, m, 1, 0, zero, offload)
+    k = [int(x) for x in table.sizes].index(f.samples)
+    A = w = 0.0
+    ws = -math.inf
+    for b in range(i, j):
+        A += float(table.act[k][b])
+        ws = max(ws, float(table.workspace[k][b]))
+    c = float(table.cut[k][i]) + float(table.cut[k][j])
+    for b in range(i, j):
+        w += (1.5 * (float(table.act[k][b])) if table.wheld is None
+              else float(table.wheld[k][b]))
+    if table.wheld is None:
+        w += 1.5 * c
+    grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
+    peak = max(grad + whole * (A + c) + held * w for whole, held in zbh1_held(s, S, m))
+    copy = min(grad, space.reduce_bucket) if r > 1 else 0.0
+    if offload:
+        copy = max(copy, min(f.host_state, space.reduce_bucket * space.optimizer_state_factor))
+    memory = f.params + f.optimizer_state + f.outputs + max(peak + ws, grad + copy)
+    share = 0.5 if param <= 0 else 0.5 * min(1.0, grad / param)
+    W = share * f.bwd_s * (1 + OVERHEAD)
+    t = f.t + OVERHEAD * f.bwd_s
+    once = f.u - (m - 1) * (f.t + f.accumulate_s)  # all-reduce, gather, step, offload
+    late = max(0.0, W - f.fwd_s)
+    queued = max(0.0, min(f.fwd_s, 2 * W - f.fwd_s)) if S > 2 else 0.0
+    u = (m - 1) * (t + f.accumulate_s) + once + 2 * W - late + queued
+    return t - 2 * W + late, u, memory
+
+
+def zbh1_variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, s: int,
+                 S: int, budget: float) -> tuple[float, float, StageChoice] | None:
+    """The stage as the policy runs it under ZB-H1: its first allowed variant without
+    recomputation or parameters on the host that fits (an unsharded one passed over where
+    its sharded twin's u is smaller); None if none fits."""
+    ok = [(zeta, omega) for rho, zeta, omega, h in allowed(space, table) if not rho and not h]
+    for zeta, omega in ok:
+        t, u, mem = zbh1_figures(table, space, i, j, r, m, s, S, zeta, omega)
+        if not zeta and (True, omega) in ok and \
+                zbh1_figures(table, space, i, j, r, m, s, S, True, omega)[1] < u:
+            continue
+        host = stage_figures(table, space, i, j, r, m, 1, 0, zeta, omega).host_state
+        if mem <= budget and host <= space.host_budget:
+            return t, u, StageChoice(i, j, r, False, zeta and r > 1, omega)
+    return None
+
+
 def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...], m: int,
                  schedule: str) -> tuple[float, list[Figures]]:
     """The step time and each stage's figures of a plan."""
@@ -319,6 +380,14 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
         for m, bounds, reps in plans(table, space):
             S = len(reps)
             for schedule in space.schedules:
+                if schedule == "zbh1":
+                    zb = [zbh1_variant(table, space, bounds[s], bounds[s + 1], reps[s], m, s,
+                                       S, budget) for s in range(S)]
+                    if all(x is not None for x in zb):
+                        step = sum(x[0] for x in zb if x) + max(x[1] for x in zb if x)
+                        if best is None or step < best.step:
+                            best = Best(step, m, schedule, tuple(x[2] for x in zb if x))
+                    continue
                 got = []
                 for s in range(S):
                     key = (bounds[s], bounds[s + 1], reps[s], m, in_flight(schedule, m, S - s))

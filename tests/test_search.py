@@ -791,3 +791,90 @@ def test_deterministic_and_reports_progress() -> None:
     assert done == sorted(done) and done[-1] == calls[-1][1] == 20
     assert [c[2] for c in calls] == sorted(c[2] for c in calls) and calls[-1][2] == first.dps > 0
     assert calls[-1][3] == pytest.approx(first.evaluation.step_s)
+
+
+# -- ZB-H1 costed by the search ------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_zbh1_matches_brute_force(seed: int) -> None:
+    """ZB-H1 among the searched schedules (alone, or with 1F1B and GPipe): the search's
+    optimum is the oracle's, whose ZB-H1 memory is its lists' corners (``zbh1_held``) and
+    whose step is the closed form for equal stages; W held both lighter and heavier than a
+    micro-batch whole (memory rising or falling with the position)."""
+    rng = np.random.default_rng(300 + seed)
+    seen = {"zbh1": 0, "fewer stages than micro-batches": 0, "w heavier": 0}
+    for it in range(60):
+        table, space = random_case(rng, 6, 5, tight=0.5)
+        space = dataclasses.replace(space, schedules=[("zbh1",), ("1f1b", "zbh1"),
+                                                      ("gpipe", "1f1b", "zbh1")][it % 3])
+        if it % 2:
+            table = dataclasses.replace(
+                table, wheld=table.act * rng.uniform(0.2, 2.0, table.act.shape))
+        got, want = outcome(search_pass, table, space), brute_force(table, space)
+        if got is None:
+            assert want.strict is None, (space, want.strict)
+            continue
+        assert want.loose is not None, (space, got)
+        step = got.evaluation.step_s
+        assert step >= want.loose.step * (1 - 1e-9) - 1e-12, (space, want.loose, got)
+        if want.strict is not None:
+            assert step <= want.strict.step * (1 + 1e-9) + 1e-12, (space, want.strict, got)
+        assert got.evaluation.fits
+        assert evaluate(table, space, got.stages, got.micro_batches, got.schedule) == \
+            got.evaluation
+        if got.schedule == "zbh1":
+            seen["zbh1"] += 1
+            seen["fewer stages than micro-batches"] += len(got.stages) < got.micro_batches
+            seen["w heavier"] += bool(it % 2)
+    assert min(seen.values()) >= 2, seen
+
+
+@pytest.mark.parametrize(("S", "m"), [(1, 4), (2, 8), (3, 8), (4, 8), (4, 4), (6, 12)])
+@pytest.mark.parametrize("trained", [1.0, 0.5])
+def test_zbh1_closed_form_is_the_simulators_step_on_equal_stages(S: int, m: int,
+                                                                 trained: float) -> None:
+    """``StageTerms.zbh1_times`` against the simulator running ZB-H1's lists with the same
+    F, B and W on every stage (B and W the search's shares of the backward; every parameter
+    trained, W longer than F, or half of them, W shorter)."""
+    from rannc_fx.runtime.actions import Kind
+    from rannc_fx.runtime.lowering import Topology, lower
+    from rannc_fx.runtime.schedule import make_schedule
+    from rannc_fx.runtime.simulate import simulate
+    from rannc_fx.split_cost import SPLIT_OVERHEAD
+
+    F, Bw = 1.0, 2.1
+    table = CostTable(sizes=np.array([1]), fwd=np.full((1, S), F), bwd=np.full((1, S), Bw),
+                      act=np.ones((1, S)), cut=np.zeros((1, S + 1)),
+                      workspace=np.zeros((1, S)), param_bytes=np.ones((S, S + 1)),
+                      grad_bytes=np.full((S, S + 1), trained))
+    space = SearchSpace(world_size=S, global_batch=m, memory_budget=1e9,
+                        link_bandwidth=1e30, link_latency=0.0, micro_batches=(m,))
+    stages = tuple(StageChoice(s, s + 1, 1) for s in range(S))
+    got = evaluate(table, space, stages, m, "zbh1").step_s
+    w, ov = 0.5 * trained * Bw * (1 + SPLIT_OVERHEAD), SPLIT_OVERHEAD
+    dur = {Kind.F: F, Kind.B: Bw * (1 + ov) - w, Kind.W: w}
+    topo = Topology.chain(S)
+    sim = simulate(lower(make_schedule("zbh1", S, m), topo), topo,
+                   lambda a: dur.get(a.kind, 0.0))
+    assert got == pytest.approx(max(sim.end.values()), rel=1e-12)
+
+
+def test_below_keeps_the_optimum_or_says_none_is_shorter() -> None:
+    """``search_pass(below=...)``: the same plan where it is shorter than ``below``, else
+    ``NoFeasiblePlan`` naming the bound; a ZB-H1-only space that nothing fits says why."""
+    rng = np.random.default_rng(11)
+    checked = 0
+    for _ in range(40):
+        table, space = random_case(rng, 6, 4)
+        space = dataclasses.replace(space, schedules=("zbh1",))
+        got = outcome(search_pass, table, space)
+        if got is None:
+            with pytest.raises(NoFeasiblePlan, match="no ZB-H1 plan fits"):
+                search_pass(table, space)
+            continue
+        step = got.evaluation.step_s
+        again = search_pass(table, space, below=step * (1 + 1e-6))
+        assert (again.stages, again.micro_batches) == (got.stages, got.micro_batches)
+        with pytest.raises(NoFeasiblePlan, match="predicted step shorter than"):
+            search_pass(table, space, below=step)
+        checked += 1
+    assert checked > 5

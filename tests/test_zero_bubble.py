@@ -92,6 +92,36 @@ def test_a_named_zbh1_that_does_not_fit_says_so():
 
 
 
+def test_a_named_zbh1_is_searched_where_the_searched_stages_do_not_fit_it():
+    """The search's own ZB-H1 plan: at the budget of 1F1B's largest stage (8 ranks, stages
+    of 2 replicas, nothing sharded) ZB-H1 on the 1F1B plan searched there does not fit (its
+    last stage holds the weight backwards held back), while the ZB-H1 search finds stages
+    that shard, or offload, their optimizer state and fit."""
+    from rannc_fx.passes.search import search_pass
+    from rannc_fx.planner.analyze import analyze
+    from rannc_fx.planner.zero_bubble import zbh1_evaluation
+
+    model, args, kwargs = _example()
+
+    def config(**kw: Any) -> Config:
+        return Config(profile_cache_dir=None, micro_batches=8, **kw)
+
+    base = rannc_fx.partition(model, args, kwargs, world_size=8, device="v100-32gb",
+                              config=config(schedule="1f1b", zero=False)).plan
+    budget = max(s.memory.total for s in base.stages)
+    tight = config(device_memory=budget, memory_margin=0.0)
+    a = analyze(model, args, kwargs, world_size=8, device="v100-32gb", config=tight)
+    searched = search_pass(a.table, a.space)
+    assert not zbh1_evaluation(a, searched.stages, searched.micro_batches).fits
+    zb = rannc_fx.partition(model, args, kwargs, world_size=8, device="v100-32gb",
+                            config=config(device_memory=budget, memory_margin=0.0,
+                                          schedule="zbh1")).plan
+    assert zb.schedule == "zbh1"
+    assert all(s.memory.total <= budget for s in zb.stages)
+    assert any(s.zero or s.offload for s in zb.stages)
+    assert not any(s.recompute for s in zb.stages)
+
+
 def test_zbh1_runs_on_recomputing_stages_with_their_memory_counted():
     # ZB-H1 holds a recomputing stage's inputs until its B, what R rebuilt until its W
     plain = _plan(stages=4, micro_batches=8, schedule="zbh1", recompute=False)

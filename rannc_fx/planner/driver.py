@@ -126,7 +126,10 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
             current = search_pass(b.table, b.space)
         except NoFeasiblePlan:
             break
-        other = _with_schedules(b, current, seconds)
+        try:  # ZB-H1's own search is not repeated: it searches sharding and offloading
+            other = _with_schedules(b, current, seconds, search_zbh1=False)
+        except ValueError:  # a named schedule that does not fit this one: the first did
+            continue
         if _step(other) < _step(plan):
             note("plan: with %s=False too, %s: simulated step %.2f ms against %.2f ms",
                  field, other.schedule, _step(other), _step(plan))
@@ -134,12 +137,14 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
     return plan
 
 
-def _with_schedules(a: Analysis, result: SearchResult, seconds: float) -> Plan:
-    """The searched plan, or ZB-H1, interleaved 1F1B or ZBV on its stages where shorter."""
+def _with_schedules(a: Analysis, result: SearchResult, seconds: float, *,
+                    search_zbh1: bool = True) -> Plan:
+    """The searched plan, or ZB-H1 (searched itself, ``search_zbh1``, or on its stages),
+    interleaved 1F1B or ZBV on its stages where shorter."""
     def build(r: SearchResult) -> Plan:
         return build_plan(a, r, search_seconds=seconds)
 
-    plan = zero_bubble(a, result, build(result), build)
+    plan = zero_bubble(a, result, build(result), build, search=search_zbh1)
     return virtual_variants(a, result, plan, build)
 
 

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..plan import Plan, Stage
+from ..split_cost import SPLIT_NODE_MS, SPLIT_OVERHEAD
+from ..split_cost import weight_share as split_share
 from .lowering import Msg as _Msg
 from .lowering import Topology, lower_plan
 from .lowering import messages_received as _receives
@@ -160,21 +162,11 @@ def _ready_at(a: Action, k: int, expected: list[tuple[int, _Msg]],
     return max(times, default=0.0)
 
 
-# What a backward split in two costs over one, measured on one CPU thread: a share of the
-# backward (B + W against one backward on 4 GPT layers of width 256: 36.8-36.9 ms against
-# 34.7-36.3 ms), and per node of the stage's graph, for B's walk of the autograd graph and
-# W's calls (2 encoder layers of width 128, 72 nodes of the exported graph, micro-batches of
-# 2 x 64 tokens: 3.19 against 2.71 ms, of which 4 % is the share above)
-SPLIT_OVERHEAD = 0.04
-SPLIT_NODE_MS = 0.0052
-
-
 def weight_share(stage: Stage) -> float:
-    """The share of a stage's backward that its weight gradients take: half (the input and
-    the weight side of a matmul cost alike), times the share of its parameter bytes that
-    train (a LoRA stage's frozen base has no weight gradient to defer)."""
-    p = stage.memory.params
-    return 0.5 if p <= 0 else 0.5 * min(1.0, stage.memory.grads / p)
+    """The share of a stage's backward that its weight gradients take
+    (``split_cost.weight_share``: a LoRA stage's frozen base has no weight gradient to
+    defer)."""
+    return float(split_share(stage.memory.grads, stage.memory.params))
 
 
 def plan_durations(plan: Plan, lowered: Schedule) -> Durations:

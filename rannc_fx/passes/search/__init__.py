@@ -11,12 +11,13 @@ The search imports numpy only (no torch); its modules, in the order a search use
                 host) and the terms
                 that depend on its replica count
     evaluate    one plan's step time and per-stage costs under it
-    inflight    1F1B's in-flight limits: the most micro-batches a variant of a stage holds
+    inflight    1F1B's in-flight limits: the most micro-batches a variant of a stage holds;
+                the view of one m the layered DP reads (1F1B or ZB-H1)
     candidates  every stage of one micro-batch count, costed
     windows     range minima: stages that differ only in consecutive replica counts and
                 share a weight read one window of a DP row
     kernel      the DP over the block chain (a stage's weight is one number)
-    layers      the 1F1B DP (a stage's weight depends on its position from the end)
+    layers      the 1F1B and ZB-H1 DP (a stage's weight depends on its position from the end)
     scan        ``search_pass``: the exact optimum by a threshold scan over the bottleneck
     explain     ``NoFeasiblePlan``: why nothing fits, and what would
 """

@@ -39,11 +39,13 @@ __all__ = ["evaluate", "held_once", "lane_memory", "plan_step"]
 
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
-           m: int, n: int
+           m: int, n: int, zb: int = 0, split: bool = False, queue: bool = True
            ) -> tuple[StageCost, float, float, float,
                       tuple[float, float, float, float, float, float]]:
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
-    micro-batch's held parts as ``lane_memory`` reads them."""
+    micro-batch's held parts as ``lane_memory`` reads them; ``split``: t and u under ZB-H1
+    (``StageTerms.zbh1_times``); ``zb``: its memory too, holding that many micro-batches from
+    F to W, n = min(zb, d) (``StageTerms.memory_zbh1``)."""
     i, j, r, rho = st.start, st.end, st.replicas, st.level
     zeta, omega = st.zero and r > 1, st.offload
     q = samples_per_replica(space.global_batch, m, r)
@@ -101,6 +103,20 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     mem = float((terms.memory(n, rho, tr, hp) - (0.0 if hp else saved))[0])
+    if zb:  # ZB-H1: its corner, t and u (``Candidates.zero_bubble``)
+        if rho or hp:
+            raise ValueError(f"stage {st} recomputes or keeps its parameters on the host: "
+                             "ZB-H1 costs it off its lists (evaluate's lanes)")
+        whole = act + cuts
+        nw = n if whole >= float(terms.wheld[0]) else n - 1
+        x = nw * whole + (zb - nw) * float(terms.wheld[0])
+        mem = float((terms.memory_zbh1(n, zb, tr) - saved)[0])
+        cost = replace(cost, in_flight=zb, activations=round(nw * act + (zb - nw) * float(
+            terms.wheld[0])), comm_buffers=round(nw * cuts), overlap=0,
+            workspace=round(max(float(terms.ws[0]), float(tr[0]) - x)))
+    if split:
+        tz, uz = terms.zbh1_times(rho, np.array([acc]), up, queue)
+        t, u = float(tz[0]), float(uz[0])
     if host > space.host_budget:  # offloaded state the host cannot hold
         mem = math.inf
     # what its backward rebuilds: recomputing, its activations and outputs; selectively,
@@ -136,8 +152,10 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     the formula's here only a lower bound.
     """
     m, end = micro_batches, 0
-    listed = schedule in ("zbh1", "interleaved", "zbv")
-    if schedule not in SCHEDULES and not listed:
+    # ZB-H1 without lanes: the search's own, its closed form (stages that do not recompute)
+    closed = schedule == "zbh1" and lanes is None and lane_units is None
+    listed = schedule in ("interleaved", "zbv") or (schedule == "zbh1" and not closed)
+    if schedule not in SCHEDULES and not listed and not closed:
         raise ValueError(f"schedule={schedule!r}: expected one of "
                          f"{(*SCHEDULES, 'zbh1', 'interleaved', 'zbv')}")
     if listed and (lanes is None or in_flight_counts is None or lane_units is None):
@@ -159,9 +177,12 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
                          f"replicas sum to the world size {space.world_size} (a lane's counted "
                          "once, the same on each of its stages)")
     kidx, S = size_index(table), len(stages)
+    zb = min(m, S) if closed else 0
     counts = (list(in_flight_counts) if in_flight_counts is not None
-              else [in_flight(schedule, m, S - s) for s in range(S)])
-    got = [_stage(table, space, kidx, st, m, counts[s]) for s, st in enumerate(stages)]
+              else [min(zb, S - s) if zb else in_flight(schedule, m, S - s)
+                    for s in range(S)])
+    got = [_stage(table, space, kidx, st, m, counts[s], zb, schedule == "zbh1", S > 2)
+           for s, st in enumerate(stages)]
     step = plan_step([g[1] for g in got], [g[2] for g in got])
     costs = [g[0] for g in got]
     if lane_units is None:

@@ -1,6 +1,7 @@
 """Under 1F1B, how many micro-batches a stage may hold in flight as each of its variants,
-and the view of one micro-batch count the 1F1B DP works on (``OneFOneB``: per edge every
-variant's t, u and the largest n that fits).
+and the view of one micro-batch count the layered DP works on (``Positioned``: per edge
+every variant's t, u and the positions where it is the one the stage runs, under 1F1B or
+ZB-H1).
 
 This module imports numpy only (no torch).
 """
@@ -16,7 +17,7 @@ from .layers import Entries
 from .terms import SELECTIVE, StageTerms, reruns
 from .variants import VARIANTS
 
-__all__ = ["OneFOneB", "depth_limit", "max_in_flight"]
+__all__ = ["Positioned", "depth_limit", "max_in_flight"]
 
 
 def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
@@ -59,34 +60,60 @@ def depth_limit(fit: np.ndarray, lo: np.ndarray, m: int) -> int:
 
 
 @dataclass(frozen=True)
-class OneFOneB:
-    """The 1F1B view of one m: the relaxed edges, and per edge every variant's t, u and the
-    largest n that fits (0: none; -1: the variant is not allowed, its t and u meaningless).
+class Positioned:
+    """One m under a schedule where a stage's variant depends on its position: the relaxed
+    edges, and per edge every variant's t, u and the positions where the stage runs it,
+    x in [lo, fit] (fit 0: none; -1: the variant is not allowed, its t and u meaningless),
+    x = min(held, d) for a stage d from the end.
 
-    Variant v (``variants.VARIANTS``) is valid where the variants before it do not fit:
-    n in [1 + max(fit[:v]), fit[v]].
+    1F1B (``held`` = m): x is the stage's in-flight count, and variant v (``VARIANTS``) is
+    valid where the variants before it do not fit: x in [1 + max(fit[:v]), fit[v]].
+    ZB-H1 (``schedule`` "zbh1", ``held`` = min(m, S): ``zero_bubble_view``) gives ``lo``.
     """
 
     m: int
     edges: Edges
-    t: np.ndarray  # (edges, len(VARIANTS))
+    t: np.ndarray  # (edges, len(VARIANTS)), or (edges, len(kinds))
     u: np.ndarray
     fit: np.ndarray
+    held: int = 0  # 0: m
+    schedule: str = "1f1b"
+    first: np.ndarray | None = None  # lo where given
+    stages: int = 0  # the view's plans have this many stages (0: any; ZB-H1's, held = S)
+    kinds: tuple[int, ...] = ()  # the variants (``VARIANTS`` indices) of t's columns; (): all
+
+    def kind(self, col: np.ndarray) -> np.ndarray:
+        """The variants of columns ``col``."""
+        return np.asarray(self.kinds)[col] if self.kinds else np.asarray(col)
+
+    def column(self, kind: np.ndarray) -> np.ndarray:
+        """The columns of variants ``kind``."""
+        if not self.kinds:
+            return np.asarray(kind)
+        where = np.zeros(len(VARIANTS), np.int64)
+        where[list(self.kinds)] = np.arange(len(self.kinds))
+        return where[np.asarray(kind, np.int64)]
+
+    @property
+    def limit(self) -> int:
+        return self.held or self.m
 
     @property
     def lo(self) -> np.ndarray:
+        if self.first is not None:
+            return self.first
         before = np.maximum.accumulate(np.maximum(self.fit, 0), axis=1)
         return np.concatenate((np.ones((len(self.fit), 1), np.int64), before[:, :-1] + 1),
                               axis=1)
 
     @property
     def exists(self) -> np.ndarray:
-        """(edges, 2): whether the variant is valid anywhere."""
+        """(edges, variants): whether the variant is valid anywhere."""
         return self.fit >= self.lo
 
     def depth(self) -> int:
         ok = self.exists
-        return depth_limit(self.fit[ok], self.lo[ok], self.m)
+        return depth_limit(self.fit[ok], self.lo[ok], self.limit)
 
     def entries(self, mask: np.ndarray) -> Entries:
         """The variants in ``mask`` (edges, variants), sorted by (end, reps, start, variant)."""
@@ -95,20 +122,25 @@ class OneFOneB:
         order = np.lexsort((v, e.start[x], e.reps[x], e.end[x]))
         x, v = x[order], v[order]
         return Entries(e.start[x], e.end[x], e.reps[x], self.t[x, v], self.u[x, v],
-                       v, lo[x, v], self.fit[x, v], x)
+                       self.kind(v), lo[x, v], self.fit[x, v], x)
 
     def exact(self, path: list[int]) -> tuple[list[float], list[float], list[int],
                                                bool] | None:
         """t, u and variant of the stages of ``path`` at their true positions, and whether
-        every one fits at n = m (so GPipe runs them alike); None if one does not fit."""
-        ts, us, kinds, alike = [], [], [], True
+        every one fits at n = m (so GPipe runs them alike: 1F1B only); None if one does not
+        fit."""
+        ts, us, kinds, alike = [], [], [], self.schedule == "1f1b"
+        if self.schedule != "1f1b" and min(self.m, len(path)) > self.limit:
+            return None  # holds more than the view counts
+        lo = self.lo
         for s, x in enumerate(path):
-            n = min(self.m, len(path) - s)
-            kind = next((v for v in range(len(VARIANTS)) if self.fit[x, v] >= n), None)
-            if kind is None:
+            n = min(self.limit, len(path) - s)
+            col = next((v for v in range(self.t.shape[1]) if lo[x, v] <= n <= self.fit[x, v]),
+                       None)
+            if col is None:
                 return None
-            ts.append(float(self.t[x, kind]))
-            us.append(float(self.u[x, kind]))
-            kinds.append(kind)
-            alike &= bool(self.fit[x, kind] >= self.m)  # GPipe (n = m) picks the same variant
+            ts.append(float(self.t[x, col]))
+            us.append(float(self.u[x, col]))
+            kinds.append(int(self.kind(np.array(col))))
+            alike &= bool(self.fit[x, col] >= self.m)  # GPipe (n = m) picks the same variant
         return ts, us, kinds, alike

@@ -4,7 +4,7 @@ This module imports numpy only (no torch). All times are in seconds, sizes in by
 
 A stage covers blocks [i, j) with r replicas; with m micro-batches each replica handles
 q = ceil(global_batch / (m * r)) samples per micro-batch, and ``k`` is the index of q in
-``table.sizes``. The schedule sigma ("gpipe" or "1f1b") is chosen for the whole plan, the
+``table.sizes``. The schedule sigma ("gpipe", "1f1b", or "zbh1" below) is chosen for the whole plan, the
 activation recomputation rho (0 none, 1 the stage's forward, 2 layer by layer, 3 selective)
 per stage;
 d is the stage's position from the end (the last stage has d = 1). n is how many
@@ -115,6 +115,18 @@ without (unless ``SearchSpace.recompute`` forces it on or off). 1F1B never holds
 flight than GPipe; with m = 1 the two are the same plan and the search reports "gpipe"
 unless only "1f1b" was allowed.
 
+ZB-H1 ("zbh1", searched only where ``schedules`` names it: the planner asks for it apart,
+``planner/zero_bubble.py``) runs 1F1B's order with each backward split into B (input
+gradients) and W (weight gradients), W held back into the bubble. Its stages do not
+recompute and keep their parameters on the device (the variants above with rho = 0, not
+eta). A stage holds held = min(m, S) micro-batches from F to W, x = min(held, d) of them at
+most whole, the rest between B and W, each holding w = ``wheld`` (what W reads and the
+gradients kept for it), so with G + held w + x (A + c - w) at one corner of its list, or
+(x - 1) at the other where w > A + c (``StageTerms.memory_zbh1``); t and u are
+``StageTerms.zbh1_times`` (the simulator's step on equal stages). Since held depends on S
+where S < m, the search runs ZB-H1's layered DP with held = m (exact for S >= m, S >= 3) and
+again with each S < m (and S = 1, 2) forced.
+
 ``StageTerms`` (module ``terms``) holds the formulas; ``evaluate`` (module ``evaluate``) and the
 search kernel both read them, so a plan the search returns has the step and the memory
 ``evaluate`` gives it, bit for bit.
@@ -130,6 +142,7 @@ from .segments import Segments
 
 __all__ = [
     "SCHEDULES",
+    "SEARCHED",
     "CostTable",
     "Evaluation",
     "SearchResult",
@@ -145,7 +158,8 @@ __all__ = [
     "size_index",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b")  # searched unless the space names others
+SEARCHED = (*SCHEDULES, "zbh1")  # what the search can cost (ties go to the earlier)
 
 
 @dataclass(frozen=True)
@@ -378,8 +392,8 @@ def _check(table: CostTable, space: SearchSpace) -> None:
         raise ValueError(f"need blocks, world size, global batch and link bandwidth > 0: {space}")
     if not space.micro_batches or min(space.micro_batches) < 1:
         raise ValueError(f"micro_batches={space.micro_batches}: need counts >= 1")
-    if not space.schedules or not set(space.schedules) <= set(SCHEDULES):
-        raise ValueError(f"schedules={space.schedules}: need one or more of {SCHEDULES}")
+    if not space.schedules or not set(space.schedules) <= set(SEARCHED):
+        raise ValueError(f"schedules={space.schedules}: need one or more of {SEARCHED}")
     if space.replicas is not None:
         if min(space.replicas, default=0) < 1 or sum(space.replicas) != space.world_size:
             raise ValueError(f"replicas={list(space.replicas)} must be >= 1 and sum to the "

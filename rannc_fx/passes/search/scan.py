@@ -20,6 +20,10 @@ whose u can still win (it often settles the m), and a backward min-sum DP that b
 stage by the least ``sum t + max(u, U_min)`` of a plan through it; the scan's DPs see only the
 stages whose bound is below the best step.
 
+ZB-H1, where the space names it, runs last with the incumbent of the others: the same
+layered scans over ``Candidates.zero_bubble``'s views (``_search_zbh1``), once with held = m
+and once per forced stage count below m.
+
 GPipe (n = m for every stage) is the plain DP of ``kernel``: each stage is one edge, without
 recomputation if it fits, else with it. It runs first, for every m, whatever the schedules:
 1F1B runs a GPipe plan at the same cost or less (without GPipe among the schedules its plans
@@ -44,6 +48,7 @@ under GPipe (always so with m = 1) is reported as GPipe when GPipe is a candidat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -55,10 +60,10 @@ import numpy as np
 from . import kernel, layers
 from .candidates import Candidates
 from .evaluate import evaluate, plan_step
-from .explain import no_plan
-from .inflight import OneFOneB, depth_limit
+from .explain import NoFeasiblePlan, no_plan
+from .inflight import Positioned, depth_limit
 from .model import (
-    SCHEDULES,
+    SEARCHED,
     CostTable,
     SearchResult,
     SearchSpace,
@@ -80,7 +85,7 @@ SearchProgress = Callable[[int, int, int, float], None]
 
 def _key(step: float, stages: tuple[StageChoice, ...], m: int, schedule: str
          ) -> tuple[object, ...]:
-    return (step, len(stages), m, SCHEDULES.index(schedule),
+    return (step, len(stages), m, SEARCHED.index(schedule),
             tuple((s.start, s.end, s.replicas) for s in stages))
 
 
@@ -114,8 +119,9 @@ class _Run:
         self.best = _Best()
         self.most_stages = layers.max_depth(space, self.B)
         self.progress = progress
-        schedules = 2 if "1f1b" in space.schedules else 1
+        schedules = ("1f1b" in space.schedules) + ("zbh1" in space.schedules) + 1
         self.steps, self.total = 0, 2 * schedules * len(set(space.micro_batches))
+
 
     def ran(self, dps: int) -> None:
         """Count DPs (and tell the caller: one DP can take seconds on a large table)."""
@@ -127,9 +133,11 @@ class _Run:
         if self.progress is not None:
             self.progress(self.steps, self.total, self.best.dps, self.best.step)
 
-    def label(self, m: int, alike: bool) -> str:
+    def label(self, m: int, alike: bool, schedule: str = "1f1b") -> str:
         """The schedule to report for a 1F1B plan (``alike``: GPipe runs it the same); a
-        forced 1F1B stays 1F1B, as the user asked."""
+        forced 1F1B stays 1F1B, as the user asked; ZB-H1 is ZB-H1."""
+        if schedule != "1f1b":
+            return schedule
         return "gpipe" if alike and "gpipe" in self.space.schedules else "1f1b"
 
     def offer_1f1b(self, stages: tuple[StageChoice, ...], m: int) -> None:
@@ -146,7 +154,7 @@ class _Run:
                     for a, b in zip(stages, out, strict=True))
         self.best.offer(ts, us, tuple(out), m, self.label(m, alike))
 
-    def offer_exact(self, ff: OneFOneB, path: list[int]) -> None:
+    def offer_exact(self, ff: Positioned, path: list[int]) -> None:
         """Offer a plan of relaxed edges at its true 1F1B cost, if it fits."""
         got = ff.exact(path)
         if got is not None:
@@ -154,7 +162,7 @@ class _Run:
             e = ff.edges
             stages = tuple(choice(int(e.start[x]), int(e.end[x]), int(e.reps[x]), kind)
                            for x, kind in zip(path, kinds, strict=True))
-            self.best.offer(ts, us, stages, ff.m, self.label(ff.m, alike))
+            self.best.offer(ts, us, stages, ff.m, self.label(ff.m, alike, ff.schedule))
 
 
 class _Flat:
@@ -207,23 +215,34 @@ class _Flat:
 
 
 class _Layered:
-    """The 1F1B DP of one m over the variants of the stages (see ``layers``)."""
+    """The 1F1B (or ZB-H1) DP of one m over the variants of the stages (see ``layers``)."""
 
-    def __init__(self, run: _Run, ff: OneFOneB) -> None:
+    def __init__(self, run: _Run, ff: Positioned) -> None:
         self.run, self.ff, self.m = run, ff, ff.m
         self.e, self.lb = ff.entries(np.zeros(ff.fit.shape, bool)), np.zeros(0)
-        self.L = layers.build_layers(run.space, 1)
+        self.L = self._layers(1)
+
+    def _layers(self, cap: int) -> layers.Layers:
+        """The states, positions capped at ``cap``; a view of exactly S stages (ZB-H1's
+        with fewer stages than micro-batches) has positions 1..S and S + 1, where its first
+        stage starts and no stage is (``dp``)."""
+        S = self.ff.stages
+        if not S:
+            return layers.build_layers(self.run.space, cap)
+        L = layers.build_layers(self.run.space, S + 1)
+        return dataclasses.replace(L, init=L.init[S : S + 1])
 
     def depth(self) -> int:
-        return depth_limit(self.e.fit, self.e.lo, self.m)
+        return depth_limit(self.e.fit, self.e.lo, self.ff.limit)
 
     def dp(self, U: float, *, strict: bool = False) -> tuple[float, float]:
         run, B, L, m = self.run, self.run.B, self.L, self.m
         e = self.e.take(np.flatnonzero(self.e.u < U if strict else self.e.u <= U))
-        n = np.minimum(L.depth, m)
+        n = np.minimum(L.depth, self.ff.limit)
+        at = L.depth <= (self.ff.stages or L.depth.max())  # no stage at S + 1
 
         def weights(idx: np.ndarray) -> np.ndarray:
-            return np.where(e.valid(idx, n), e.t[idx, None], np.inf)
+            return np.where(e.valid(idx, n) & at, e.t[idx, None], np.inf)
 
         V = layers.forward(e, weights, L, B, keys=(e.t, e.lo, e.fit))
         run.ran(1)
@@ -234,7 +253,7 @@ class _Layered:
                        for k in path)
         alike = bool((e.fit[path] >= m).all())
         return run.best.offer([float(x) for x in e.t[path]], [float(x) for x in e.u[path]],
-                              stages, m, run.label(m, alike))
+                              stages, m, run.label(m, alike, self.ff.schedule))
 
     def bound(self, pre: np.ndarray, u_min: float) -> None:
         """Bound each variant through the relaxed edges' DPs; keep those below the best step."""
@@ -242,13 +261,13 @@ class _Layered:
         through = kernel.through_bound(ff.edges, pre, kernel.backward(ff.edges, st, B), st, B)
         lb = through[:, None] + ff.t + np.maximum(ff.u, u_min)
         self.e = ff.entries(lb < self.run.best.step)
-        self.lb = lb[self.e.edge, self.e.kind.astype(int)]
+        self.lb = lb[self.e.edge, ff.column(self.e.kind)]
         self.keep(np.ones(len(self.lb), bool))
 
     def keep(self, mask: np.ndarray) -> None:
         idx = np.flatnonzero(mask)
         self.e, self.lb = self.e.take(idx), self.lb[idx]
-        self.L = layers.build_layers(self.run.space, min(self.depth(), self.run.most_stages))
+        self.L = self._layers(min(self.depth(), self.run.most_stages))
 
 
 def _bisect(p: _Flat | _Layered, best: _Best, cands: np.ndarray, s_top: float) -> None:
@@ -290,7 +309,7 @@ def _scan_flat(p: _Flat, pre: np.ndarray, u_min: float) -> None:
 def _scan_layered(p: _Layered, pre: np.ndarray, u_min: float) -> None:
     run, best = p.run, p.run.best
     p.bound(pre, u_min)  # from the relaxed edges: as cheap as GPipe's bounds
-    if not len(p.lb) or p.depth() == 1:
+    if not len(p.lb) or (p.depth() == 1 and p.ff.schedule == "1f1b"):
         return  # what is left runs alike under GPipe, whose DP was searched already
     s_top, u_top = p.dp(best.step - float(pre[run.B, run.states.final]), strict=True)
     if s_top + u_min >= best.step:
@@ -342,7 +361,7 @@ def _first_flat(run: _Run, m: int) -> tuple[float, np.ndarray, float] | None:
     return s_inf + u_min, pre, u_min
 
 
-def _first_1f1b(run: _Run, ff: OneFOneB) -> tuple[float, np.ndarray, float] | None:
+def _first_1f1b(run: _Run, ff: Positioned) -> tuple[float, np.ndarray, float] | None:
     """As ``_first_flat`` on the relaxed edges: bounds, and their plans offered if they fit
     (at their true cost, never below the relaxed edges')."""
     e, B, st = ff.edges, run.B, run.states
@@ -358,21 +377,49 @@ def _first_1f1b(run: _Run, ff: OneFOneB) -> tuple[float, np.ndarray, float] | No
     return s_inf + u_min, pre, u_min
 
 
+def _search_zbh1(run: _Run, ms: list[int]) -> None:
+    """ZB-H1 (``Candidates.zero_bubble``): a stage holds min(m, S) micro-batches from F to W,
+    so its memory depends on the stage count S where S < m, on its position d alone where
+    S >= m. Per m: the layered DP with min(m, S) taken as m (exact for S >= 3 and S >= m;
+    for fewer stages it counts more held than they hold, so its plans fit, and one or two
+    stages a queue of W they do not have), then, for each S in [1, m) and S = 1, 2, one over
+    plans of exactly S stages (its first stage at position S: ``_Layered``), bounded through
+    the relaxed edges' DPs over any stage count. A forced stage count, or forced replicas,
+    is one S."""
+    forced = len(run.space.replicas) if run.space.replicas is not None else run.space.stages
+    for m in ms:
+        if forced:
+            views = [(min(m, forced), 0, forced > 2)]
+        else:
+            views = [(m, 0, True)] + [(min(m, S), S, S > 2) for S in sorted(
+                {*range(1, min(m, run.most_stages + 1)), *range(1, min(2, run.most_stages) + 1)})]
+        for held, S, queue in sorted(views, key=lambda v: not v[2]):  # one cost table each
+            zb = run.cands.zero_bubble(m, held, run.best.step, queue=queue, stages=S)
+            got = _first_1f1b(run, zb) if zb is not None else None
+            if zb is not None and got is not None and got[0] < run.best.step:
+                _scan_layered(_Layered(run, zb), got[1], got[2])
+        run.step(2)
+
+
 def search_pass(
-    table: CostTable, space: SearchSpace, *, progress: SearchProgress | None = None
+    table: CostTable, space: SearchSpace, *, progress: SearchProgress | None = None,
+    below: float = math.inf,
 ) -> SearchResult:
     """The plan with the least predicted step time whose stages fit the memory budget.
 
     ``progress`` is called after every DP and every step (see ``SearchProgress``), for the
-    caller's progress lines; the driver logs the search's line from the result.
+    caller's progress lines; the driver logs the search's line from the result. ``below``:
+    only a plan whose step is shorter than that (a plan in hand; its bounds prune the
+    search from the start), else ``NoFeasiblePlan`` saying so.
     """
     t0 = time.perf_counter()
     _check(table, space)
     run, ms = _Run(table, space, progress), sorted(set(space.micro_batches))
+    run.best.step = below
     flat: list[tuple[float, int, np.ndarray, float]] = []
     # per m: the least sum, the least bottleneck, and their plans; the most micro-batches
     # first, whose plans are often best at scale and prune the others' bottleneck DPs
-    for m in ms[::-1]:
+    for m in ms[::-1] if {"gpipe", "1f1b"} & set(space.schedules) else []:
         if (got := _first_flat(run, m)) is not None:
             flat.append((got[0], m, got[1], got[2]))
         run.step(1 if got is not None else 2)  # no plan at this m: nothing to scan either
@@ -395,7 +442,19 @@ def search_pass(
         if lower < run.best.step and (ff := run.cands.one_f_one_b(m, run.best.step)) is not None:
             _scan_layered(_Layered(run, ff), pre, u_min)
         run.step()
+    if "zbh1" in space.schedules:
+        _search_zbh1(run, ms)
     best = run.best
+    if not best.stages and math.isfinite(below):
+        raise NoFeasiblePlan(f"no plan under {'/'.join(space.schedules)} fits with a "
+                             f"predicted step shorter than {1e3 * below:.2f} ms")
+    if not best.stages and not {"gpipe", "1f1b"} & set(space.schedules):
+        raise NoFeasiblePlan(
+            f"no ZB-H1 plan fits {space.world_size} devices of "
+            f"{space.memory_budget / 2**20:.1f} MiB: its stages do not recompute and keep "
+            "their parameters on the device, and each holds min(m, stages) micro-batches "
+            "from their forward to their weight backward; search 1F1B too "
+            "(schedules=('1f1b', 'zbh1')) to be told what would fit")
     if not best.stages:
         raise no_plan(table, space)
     result = SearchResult(best.m, best.stages,

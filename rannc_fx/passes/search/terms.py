@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...split_cost import SPLIT_OVERHEAD, weight_share
 from .model import CostTable, SearchSpace, range_max
 
 __all__ = ["HELD", "SELECTIVE", "TERMS", "StageTerms", "fetches", "held_bytes", "kept_cuts",
@@ -105,6 +106,45 @@ class StageTerms:
         return stage_memory(fixed, grads, self.held(rho), self.cuts, self.cout,
                             self.ws, n, self.m, reruns(rho), transient,
                             self.keep if rho == SELECTIVE else None)
+
+    def memory_zbh1(self, x: int | np.ndarray, held: int,
+                    transient: np.ndarray | float = 0.0) -> np.ndarray:
+        """memory_s under ZB-H1 without recomputation: the stage holds ``held`` = min(m, S)
+        micro-batches from their F to their W, at position x = min(held, d) at most x of
+        them whole (F to B) and the rest between their B and their W (``wheld``); its peak
+        is one of two corners of its list (x whole, or x - 1 whole and one more between B
+        and W), the first where a micro-batch whole weighs at least what it holds between
+        B and W. The gradients meet all of it (forwards follow the first backward), the
+        all-reduce's transient after the backwards as under 1F1B."""
+        whole = self.act + self.cuts
+        n = np.where(whole >= self.wheld, x, np.asarray(x) - 1)
+        peak = self.grads + n * whole + (held - n) * self.wheld
+        return self.fixed + np.maximum(peak + self.ws, self.grads + transient)
+
+    def zbh1_times(self, rho: int, acc: np.ndarray, up: np.ndarray, queue: bool = True
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """t and u under ZB-H1 at level rho (``acc``: the accumulation, ``up``: up_s), with
+        W = the weight share of the backward and B the rest (together ``SPLIT_OVERHEAD``
+        longer than one backward). On S equal stages the simulator runs ZB-H1's lists in
+
+            (S - 1) (F + B - W) + m (F + B + W) + (S - 1) max(0, W - F)
+                + [S >= 3] max(0, min(F, 2 W - F))
+
+        (fill and drain, steady state, a W longer than the F it fills in for, and the queue
+        of W behind the first stage's; exact for m >= S and F <= B, checked on random
+        stages), written per stage as the search sums them (``queue``: S >= 3):
+
+            t' = t + ov Bw - 2 W + max(0, W - F)
+            u' = (m - 1) (t + ov Bw + acc) + up + 2 W - max(0, W - F)
+                 + [queue] max(0, min(F, 2 W - F))
+
+        On unequal stages the simulator's step is the plan's."""
+        bw = self.fb - self.fwd
+        w = weight_share(self.grads, self.params) * bw * (1 + SPLIT_OVERHEAD)
+        t = self.time(rho) + SPLIT_OVERHEAD * bw
+        late = np.maximum(0.0, w - self.fwd)
+        queued = np.maximum(0.0, np.minimum(self.fwd, 2 * w - self.fwd)) if queue else 0.0
+        return t - 2 * w + late, (self.m - 1) * (t + acc) + up + 2 * w - late + queued
 
     def take(self, idx: np.ndarray) -> StageTerms:
         return StageTerms(**{f: np.asarray(getattr(self, f))[idx] for f in TERMS}, m=self.m,
