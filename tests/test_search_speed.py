@@ -18,6 +18,8 @@ from rannc_fx.passes.search import (
     kernel,
     layers,
     needed_sizes,
+    positions,
+    run,
     samples_per_replica,
     scan,
     search_pass,
@@ -166,9 +168,10 @@ def _plain_search(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel, "runs_and_tables", lambda *a, **k: None)
     monkeypatch.setattr(layers, "runs_and_tables", lambda *a, **k: None)
     monkeypatch.setattr(candidates.Candidates, "_live", lambda self: np.arange(len(self.iu)))
-    least = scan._least_bottleneck
-    monkeypatch.setattr(scan, "_least_bottleneck",
-                        lambda run, e, s_inf, prune: least(run, e, s_inf, prune=False))
+    least = run.least_bottleneck
+    for user in (scan, positions):  # where the flat and the layered scans call it
+        monkeypatch.setattr(user, "least_bottleneck",
+                            lambda r, e, s_inf, prune: least(r, e, s_inf, prune=False))
 
 
 def _key(res: object) -> object:

@@ -5,7 +5,7 @@ ZB-H1 (``runtime/schedule.py``: 1F1B's order with each backward split into ``B``
 differs from 1F1B in its memory and its step. Two plans are tried:
 
 * the search's optimum under ZB-H1 (``search_pass`` with ``schedules=("zbh1",)``,
-  ``Candidates.zero_bubble``): exact over stage boundaries, replicas, micro-batches,
+  ``search.zerobubble``): exact over stage boundaries, replicas, micro-batches,
   sharding and offloading, for stages that do not recompute and keep their parameters on
   the device, with ZB-H1's memory in closed form (``StageTerms.memory_zbh1``: what its lists
   hold at their two corners) and its step by the closed form for equal stages

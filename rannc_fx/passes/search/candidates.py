@@ -11,14 +11,11 @@ takes the first that fits:
   its variants (as ``layers.Entries`` on demand), and the relaxed edges --
   each stage at its cheapest variant, as if it were the last stage (n = 1): a lower bound on
   its weight at any position, for the bounds of the search;
-* ``zero_bubble(m, held)``: the same under ZB-H1, at the variants it runs;
 * ``stage(...)``: one stage at a given n (a GPipe plan re-costed under 1F1B);
 * ``least_memory(m, n)``: every stage at its least memory (for ``NoFeasiblePlan``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
@@ -44,10 +41,10 @@ from .variants import (
     variants,
 )
 
-__all__ = ["Candidates", "dominated"]
+__all__ = ["TWIN", "Candidates", "dominated"]
 
 # each unsharded variant's sharded twin: the same recomputation and offloading
-_TWIN = {k: next(j for j, w in enumerate(VARIANTS)
+TWIN = {k: next(j for j, w in enumerate(VARIANTS)
                  if w.zero and (w.recompute, w.offload) == (v.recompute, v.offload))
          for k, v in enumerate(VARIANTS) if not (v.zero or v.host)}
 
@@ -57,8 +54,8 @@ def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
     (the twin's memory is never more and its t the same: the stage takes the twin)."""
     out = np.zeros(u.shape, bool)
     for v in kinds:
-        if v in _TWIN and _TWIN[v] in kinds:
-            out[..., v] = u[..., _TWIN[v]] < u[..., v]
+        if v in TWIN and TWIN[v] in kinds:
+            out[..., v] = u[..., TWIN[v]] < u[..., v]
     return out
 
 
@@ -82,8 +79,6 @@ class Candidates:
         self._terms: dict[tuple[int, int], StageTerms] = {}
         self._fixed: dict[tuple[bool, bool, bool], np.ndarray] = {}
         self._saved: dict[tuple[bool, bool], np.ndarray] = {}
-        # ZB-H1's costs of one m (``_zbh1_costs``): key, below, rows, T, U, UP
-        self._zb: tuple[Any, ...] | None = None
         self.live = self._live()
 
     def _live(self) -> np.ndarray:
@@ -188,12 +183,12 @@ class Candidates:
            kind: int = 0) -> np.ndarray:
         """u of the stages (rows; all if None) at each replica count (columns) given t, as
         variant ``kind`` (its sharding and offloading)."""
-        f = self._fixed_u(kind)  # up_s of every stage at every replica count, once
+        f = self.fixed_u(kind)  # up_s of every stage at every replica count, once
         up = f[:, reps - 1] if rows is None else f[rows[:, None], reps - 1]
         acc = self.acc if rows is None else self.acc[rows]
         return bottleneck_s(m, t, acc[:, None], up)
 
-    def _edges(self, keep: np.ndarray, reps: np.ndarray, t: np.ndarray, u: np.ndarray,
+    def edges(self, keep: np.ndarray, reps: np.ndarray, t: np.ndarray, u: np.ndarray,
                mem: np.ndarray, kind: np.ndarray, rows: np.ndarray | None = None) -> Edges:
         """Edges from the flat indices ``keep`` of (stage rows x replica columns) arrays."""
         pair, col = np.divmod(keep, len(reps))
@@ -237,7 +232,7 @@ class Candidates:
                 unset &= ~take
             T[:, cols], U[:, cols], M[:, cols], KIND[:, cols] = t, u, mem_, kind
         keep = np.flatnonzero(M.ravel() <= sp.memory_budget)
-        return self._edges(keep, reps, T, U, M, KIND, rows)
+        return self.edges(keep, reps, T, U, M, KIND, rows)
 
     def least_memory(self, m: int, n: int) -> Edges | None:
         """Every stage with its least memory (over the allowed variants) at n in flight."""
@@ -249,7 +244,7 @@ class Candidates:
             terms = self.terms(self.size(m, r), m)
             M[:, c] = np.min([self.memory(terms, n, v, r) for v in self.kinds], axis=0)
         zero = np.zeros(M.shape)
-        return self._edges(np.arange(M.size), reps, zero, zero, M, zero.astype(np.int64))
+        return self.edges(np.arange(M.size), reps, zero, zero, M, zero.astype(np.int64))
 
     def stage(self, i: int, j: int, r: int, m: int, n: int) -> tuple[float, float, int] | None:
         """t, u and variant of the stage [i, j) on r replicas with n in flight, its first
@@ -309,101 +304,11 @@ class Candidates:
         keep = np.flatnonzero(ok.ravel())
         if not len(keep):
             return None
-        edges = self._edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
+        edges = self.edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
         return Positioned(m, edges, T.reshape(-1, V)[keep], U.reshape(-1, V)[keep],
                         FIT.reshape(-1, V)[keep])
 
-    def zero_bubble(self, m: int, held: int, below: float = np.inf, queue: bool = True,
-                    stages: int = 0) -> Positioned | None:
-        """Stages under ZB-H1 holding ``held`` = min(m, S) micro-batches from F to W, at their
-        variants without recomputation and with their parameters on the device (those the
-        split backward runs as it is): t and u by ``StageTerms.zbh1_times``, and where each
-        variant is the one the stage runs, x = min(held, d) in [lo, fit]. A stage's memory
-        moves with x the same way for every variant (up where a micro-batch whole weighs at
-        least what it holds between B and W, else down: ``memory_zbh1``), so where a variant
-        fits is a run of x from one end, and where it runs, an interval. None when no
-        stage is left below ``below`` (its cheapest t + u); ``queue``: three stages or more
-        (``zbh1_times``); ``stages``: the view is of plans of that many stages (0: any)."""
-        reps = self.replicas(m)
-        kinds = [v for v in self.kinds if not VARIANTS[v].recompute and not VARIANTS[v].host]
-        if not len(reps) or not kinds:
-            return None
-        sp, R, K = self.space, len(reps), len(kinds)
-        ks = [self.size(m, r) for r in reps.tolist()]
-        rows, T, U, UP = self._zbh1_costs(m, reps, ks, kinds, below, queue)
-        # (rows, columns, the allowed kinds in chain order): V of these only
-        FIT = np.full((len(rows), R, K), -1, np.int64)
-        for k in dict.fromkeys(ks):  # the columns of one size at once: (rows, columns) arrays
-            cols = np.flatnonzero(np.array(ks) == k)
-            wide = self.terms(k, m).take(rows).column()
-            for c, v in enumerate(kinds):
-                saved, tr = self.offsets(v, reps[cols][None, :], rows)
-                FIT[:, cols, c] = _fits(wide, held, saved, tr, sp.memory_budget, UP[:, cols])
-        for c, v in enumerate(kinds):  # ``dominated``, on these kinds' axis
-            if v in _TWIN and _TWIN[v] in kinds:
-                FIT[:, :, c][U[:, :, kinds.index(_TWIN[v])] < U[:, :, c]] = -1
-        # in x' (x where memory grows with it, held + 1 - x where it falls) each variant fits
-        # on [1, FIT]; it runs past the variants before it
-        before = np.maximum.accumulate(np.maximum(FIT, 0), axis=2)
-        lo = np.concatenate((np.ones((len(rows), R, 1), np.int64), before[:, :, :-1] + 1), axis=2)
-        up3 = UP[:, :, None]
-        LO = np.where(up3, lo, held + 1 - FIT)
-        HI = np.where(up3, FIT, held + 1 - lo)
-        HI[FIT < 0] = -1
-        ok_v = HI >= LO
-        # the relaxed edge: the stage at its cheapest variant that runs somewhere (the same t
-        # for each; u the least of them)
-        first = np.argmax(ok_v, axis=2)
-        t = np.take_along_axis(T, first[:, :, None], 2)[:, :, 0]
-        u = np.where(ok_v, U, np.inf).min(axis=2)
-        keep = np.flatnonzero((ok_v.any(axis=2) & (t + u < below)).ravel())
-        if not len(keep):
-            return None
-        kind = np.asarray(kinds)[first]
-        edges = self._edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
-        t_, u_, hi_, lo_ = (x.reshape(-1, K)[keep] for x in (T, U, HI, LO))
-        return Positioned(m, edges, t_, u_, hi_, held=held, schedule="zbh1", first=lo_,
-                          stages=stages, kinds=tuple(kinds))
-
-    def _zbh1_costs(self, m: int, reps: np.ndarray, ks: list[int], kinds: list[int],
-                    below: float, queue: bool
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The live stages whose ZB-H1 t + u at one of ``kinds`` is below ``below`` at some
-        replica count (a plan with a stage has a step of at least its t + u), and their t,
-        u (rows, replica counts, kinds) and whether their memory grows with x (rows, replica
-        counts). Kept for the views of one m that follow (held and S differ, these do not);
-        a later ``below`` is never higher (the incumbent only falls), so they filter it."""
-        key = (m, queue, tuple(kinds))
-        if self._zb is not None and self._zb[0] == key and below <= self._zb[1]:
-            rows, T, U, UP = self._zb[2:]
-            win = (T + U < below).any(axis=(1, 2))
-            return rows[win], T[win], U[win], UP[win]
-        self._zb = None  # one m at a time: at 1024 ranks these take gigabytes
-        rows = self.live
-        win = np.zeros(len(rows), bool)
-        for k in dict.fromkeys(ks):  # which rows can win, before the (rows, R, K) arrays
-            cols = np.flatnonzero(np.array(ks) == k)
-            wide, acc = self.terms(k, m).take(rows).column(), self.acc[rows][:, None]
-            for v in kinds:
-                up = self._fixed_u(v)[rows[:, None], reps[cols] - 1]
-                t, u = wide.zbh1_times(0, acc, up, queue)
-                win |= (t + u < below).any(axis=1)
-        rows = rows[win]
-        R, K = len(reps), len(kinds)
-        T, U = np.zeros((len(rows), R, K)), np.zeros((len(rows), R, K))
-        UP = np.zeros((len(rows), R), bool)
-        for k in dict.fromkeys(ks):
-            cols = np.flatnonzero(np.array(ks) == k)
-            terms = self.terms(k, m).take(rows)
-            wide, acc = terms.column(), self.acc[rows][:, None]
-            UP[:, cols] = (terms.act + terms.cuts >= terms.wheld)[:, None]
-            for c, v in enumerate(kinds):
-                up = self._fixed_u(v)[rows[:, None], reps[cols] - 1]
-                T[:, cols, c], U[:, cols, c] = wide.zbh1_times(0, acc, up, queue)
-        self._zb = (key, below, rows, T, U, UP)
-        return rows, T, U, UP
-
-    def _fixed_u(self, kind: int) -> np.ndarray:
+    def fixed_u(self, kind: int) -> np.ndarray:
         """up_s of every stage (rows) at every replica count (columns) as variant ``kind``."""
         v = VARIANTS[kind]
         key = (v.zero, v.offload, v.host)
@@ -412,22 +317,6 @@ class Candidates:
             self._fixed[key] = update_s(self.space, self.grad[:, None], self.opt[:, None],
                                         every[None, :], v.zero, v.offload, v.host)
         return self._fixed[key]
-
-
-def _fits(terms: StageTerms, held: int, saved: np.ndarray, transient: np.ndarray,
-          budget: float, up: np.ndarray) -> np.ndarray:
-    """Per element, how many x' in 1..held fit under ZB-H1 (``memory_zbh1`` less ``saved``),
-    x' = x where ``up`` (memory grows with x), else held + 1 - x: a run from x' = 1
-    (bisection on the formula itself)."""
-    lo = np.zeros(up.shape, np.int64)  # fits at x' <= lo (0: nowhere)
-    hi = np.full(up.shape, held, np.int64)
-    while (lo < hi).any():
-        mid = (lo + hi + 1) // 2
-        x = np.where(up, mid, held + 1 - mid)
-        good = terms.memory_zbh1(x, held, transient) - saved <= budget
-        lo = np.where((lo < hi) & good, mid, lo)
-        hi = np.where((lo < hi) & ~good, mid - 1, hi)
-    return lo
 
 
 def _rh(kind: int) -> tuple[int, bool]:

@@ -103,7 +103,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     mem = float((terms.memory(n, rho, tr, hp) - (0.0 if hp else saved))[0])
-    if zb:  # ZB-H1: its corner, t and u (``Candidates.zero_bubble``)
+    if zb:  # ZB-H1: its corner (``zerobubble.ZeroBubble``)
         if rho or hp:
             raise ValueError(f"stage {st} recomputes or keeps its parameters on the host: "
                              "ZB-H1 costs it off its lists (evaluate's lanes)")
