@@ -83,8 +83,8 @@ class ZeroBubble:
                           stages=stages, kinds=tuple(kinds))
 
     def _costs(self, m: int, reps: np.ndarray, ks: list[int], kinds: list[int],
-                    below: float, queue: bool
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+               below: float, queue: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The live stages whose ZB-H1 t + u at one of ``kinds`` is below ``below`` at some
         replica count (a plan with a stage has a step of at least its t + u), and their t,
         u (rows, replica counts, kinds) and whether their memory grows with x (rows, replica
@@ -122,18 +122,18 @@ class ZeroBubble:
 
 
 def fits(terms: StageTerms, held: int, saved: np.ndarray, transient: np.ndarray,
-          budget: float, up: np.ndarray) -> np.ndarray:
+         budget: float, up: np.ndarray) -> np.ndarray:
     """Per element, how many x' in 1..held fit under ZB-H1 (``memory_zbh1`` less ``saved``),
     x' = x where ``up`` (memory grows with x), else held + 1 - x: a run from x' = 1
     (bisection on the formula itself)."""
     lo = np.zeros(up.shape, np.int64)  # fits at x' <= lo (0: nowhere)
     hi = np.full(up.shape, held, np.int64)
-    while (lo < hi).any():
+    while (open_ := lo < hi).any():
         mid = (lo + hi + 1) // 2
         x = np.where(up, mid, held + 1 - mid)
         good = terms.memory_zbh1(x, held, transient) - saved <= budget
-        lo = np.where((lo < hi) & good, mid, lo)
-        hi = np.where((lo < hi) & ~good, mid - 1, hi)
+        lo = np.where(open_ & good, mid, lo)
+        hi = np.where(open_ & ~good, mid - 1, hi)
     return lo
 
 
