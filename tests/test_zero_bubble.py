@@ -122,6 +122,30 @@ def test_a_named_zbh1_is_searched_where_the_searched_stages_do_not_fit_it():
     assert not any(s.recompute for s in zb.stages)
 
 
+def test_a_named_zbh1_is_the_shorter_of_the_searched_and_the_searched_stages():
+    """Both ZB-H1 candidates fit on 6 ranks, the search's own (2 stages, m=4) and the
+    searched plan's one stage run as ZB-H1, with different steps: the planner keeps the
+    shorter by the simulator."""
+    from rannc_fx.passes.search import search_pass
+    from rannc_fx.planner.analyze import analyze
+    from rannc_fx.planner.build import build_plan
+    from rannc_fx.planner.zero_bubble import _on_stages, searched, step_ms
+
+    model, args, kwargs = _example()
+    a = analyze(model, args, kwargs, world_size=6, device="v100-32gb",
+                config=Config(profile_cache_dir=None))
+    result = search_pass(a.table, a.space)
+
+    def build(r: Any) -> rannc_fx.Plan:
+        return build_plan(a, r)
+
+    own, on = searched(a, build), _on_stages(a, result, build, [])
+    assert own is not None and on is not None
+    steps = sorted([step_ms(own), step_ms(on)])
+    assert steps[0] < steps[1]
+    assert _plan(world=6, schedule="zbh1").simulated_step_ms == steps[0]
+
+
 def test_zbh1_runs_on_recomputing_stages_with_their_memory_counted():
     # ZB-H1 holds a recomputing stage's inputs until its B, what R rebuilt until its W
     plain = _plan(stages=4, micro_batches=8, schedule="zbh1", recompute=False)

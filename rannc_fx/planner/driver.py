@@ -34,7 +34,7 @@ from ..values import ValueSpec
 from .analyze import Analysis, Target, analyze
 from .build import build_plan
 from .virtual import virtual_variants
-from .zero_bubble import zero_bubble
+from .zero_bubble import step_ms, zero_bubble
 
 __all__ = ["Planned", "choose", "plan_model", "run_search", "split_stages"]
 
@@ -130,9 +130,9 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
             other = _with_schedules(b, current, seconds, search_zbh1=False)
         except ValueError:  # a named schedule that does not fit this one: the first did
             continue
-        if _step(other) < _step(plan):
+        if step_ms(other) < step_ms(plan):
             note("plan: with %s=False too, %s: simulated step %.2f ms against %.2f ms",
-                 field, other.schedule, _step(other), _step(plan))
+                 field, other.schedule, step_ms(other), step_ms(plan))
             plan = other
     return plan
 
@@ -155,10 +155,6 @@ def _uses(st: StageChoice, field: str) -> bool:
         return st.host
     return (st.layers or st.selective) if field == "layers" else st.offload if field == "offload" else (
         st.zero or st.offload)
-
-
-def _step(plan: Plan) -> float:
-    return plan.simulated_step_ms or plan.predicted_step_ms
 
 
 def run_search(table: CostTable, space: SearchSpace) -> SearchResult:

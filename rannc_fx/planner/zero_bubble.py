@@ -40,7 +40,7 @@ from ..runtime.schedule import make_schedule
 from .analyze import Analysis
 from .virtual import held_units
 
-__all__ = ["searched", "zbh1_evaluation", "zero_bubble"]
+__all__ = ["searched", "step_ms", "zbh1_evaluation", "zero_bubble"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -67,8 +67,8 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
                              "schedule='zbh1' found no plan: the search's ZB-H1 plans (stages "
                              "that do not recompute, parameters on the device) do not fit")
         return plan
-    zb, how = min(found, key=lambda x: _step(x[0]))
-    before, after = _step(plan), _step(zb)
+    zb, how = min(found, key=lambda x: step_ms(x[0]))
+    before, after = step_ms(plan), step_ms(zb)
     if forced or after < before:
         note("plan: ZB-H1 (split backward, %s): simulated step %.2f ms against %.2f ms with "
              "%s%s", how, after, before, plan.schedule,
@@ -77,7 +77,8 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
     return plan
 
 
-def _step(plan: Plan) -> float:
+def step_ms(plan: Plan) -> float:
+    """The plan's step: the simulator's, where its schedule was simulated."""
     return plan.simulated_step_ms or plan.predicted_step_ms
 
 
@@ -128,8 +129,8 @@ def _on_stages(a: Analysis, result: SearchResult, build: Callable[[SearchResult]
 
 def zbh1_evaluation(a: Analysis, stages: tuple[StageChoice, ...], m: int) -> Evaluation:
     """``stages`` under ZB-H1 with ``m`` micro-batches: each stage's memory at the peak of
-    what its list holds (``held_units``), the step by 1F1B's formula (the simulator's is the
-    plan's)."""
+    what its list holds (``held_units``), the step by ZB-H1's closed form
+    (``StageTerms.zbh1_times``; the simulator's is the plan's)."""
     S = len(stages)
     sched = make_schedule("zbh1", S, m)
     return evaluate(a.table, a.space, stages, m, "zbh1", lanes=[[s] for s in range(S)],

@@ -186,6 +186,7 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
                 first_b.setdefault(a.stage, a.microbatch)
     split = {(a.stage, a.microbatch) for acts in lowered for a in acts if a.kind is Kind.W}
     lane = {s: held for held in plan.lanes for s in held}
+    shares = [weight_share(st) for st in plan.stages]  # once a stage, not once an action
 
     def of(a: Action) -> float:
         st = plan.stages[a.stage]
@@ -195,7 +196,7 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
         if a.kind is Kind.R:
             return 1e-3 * k * st.fwd_ms
         acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
-        w = weight_share(st)
+        w = shares[a.stage]
         if a.kind is Kind.B and (a.stage, a.microbatch) in split:
             walk = SPLIT_NODE_MS * st.num_nodes
             return 1e-3 * (k * st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + walk

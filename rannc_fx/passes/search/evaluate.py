@@ -107,13 +107,12 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         if rho or hp:
             raise ValueError(f"stage {st} recomputes or keeps its parameters on the host: "
                              "ZB-H1 costs it off its lists (evaluate's lanes)")
-        whole = act + cuts
-        nw = n if whole >= float(terms.wheld[0]) else n - 1
-        x = nw * whole + (zb - nw) * float(terms.wheld[0])
+        nw, w = int(terms.zbh1_whole(n)[0]), float(terms.wheld[0])
+        acts = nw * act + (zb - nw) * w
         mem = float((terms.memory_zbh1(n, zb, tr) - saved)[0])
-        cost = replace(cost, in_flight=zb, activations=round(nw * act + (zb - nw) * float(
-            terms.wheld[0])), comm_buffers=round(nw * cuts), overlap=0,
-            workspace=round(max(float(terms.ws[0]), float(tr[0]) - x)))
+        cost = replace(cost, in_flight=zb, activations=round(acts),
+                       comm_buffers=round(nw * cuts), overlap=0,
+                       workspace=round(max(float(terms.ws[0]), float(tr[0]) - acts - nw * cuts)))
     if split:
         tz, uz = terms.zbh1_times(rho, np.array([acc]), up, queue)
         t, u = float(tz[0]), float(uz[0])

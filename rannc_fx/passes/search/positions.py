@@ -89,7 +89,7 @@ def scan_layered(p: Layered, pre: np.ndarray, u_min: float) -> None:
 
 
 def first_positioned(run: Run, ff: Positioned) -> tuple[float, np.ndarray, float] | None:
-    """As ``_first_flat`` on the relaxed edges: bounds, and their plans offered if they fit
+    """As ``scan``'s ``_first_flat`` on the relaxed edges: bounds, and their plans offered if they fit
     (at their true cost, never below the relaxed edges')."""
     e, B, st = ff.edges, run.B, run.states
     pre, shifted = kernel.forward(e, e.t, st, B)

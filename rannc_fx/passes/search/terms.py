@@ -116,10 +116,14 @@ class StageTerms:
         and W), the first where a micro-batch whole weighs at least what it holds between
         B and W. The gradients meet all of it (forwards follow the first backward), the
         all-reduce's transient after the backwards as under 1F1B."""
-        whole = self.act + self.cuts
-        n = np.where(whole >= self.wheld, x, np.asarray(x) - 1)
-        peak = self.grads + n * whole + (held - n) * self.wheld
+        n = self.zbh1_whole(x)
+        peak = self.grads + n * (self.act + self.cuts) + (held - n) * self.wheld
         return self.fixed + np.maximum(peak + self.ws, self.grads + transient)
+
+    def zbh1_whole(self, x: int | np.ndarray) -> np.ndarray:
+        """How many micro-batches a ZB-H1 stage holds whole at its peak (``memory_zbh1``):
+        x, or x - 1 where one between B and W weighs more than one whole."""
+        return np.where(self.act + self.cuts >= self.wheld, x, np.asarray(x) - 1)
 
     def zbh1_times(self, rho: int, acc: np.ndarray, up: np.ndarray, queue: bool = True
                    ) -> tuple[np.ndarray, np.ndarray]:
