@@ -107,7 +107,10 @@ class SavedBytes:
             self.live += s.nbytes()
             self.peak = max(self.peak, self.live)
         self.count[ptr] = self.count.get(ptr, 0) + 1
-        holder = _Held(t)
+        # its data only: a node's saved output holds the node as its grad_fn, and the node
+        # the holder, a cycle no collector sees through once a backward keeps its graph
+        # (retain_graph, as a split backward's W runs)
+        holder = _Held(t.detach())
         weakref.finalize(holder, self._drop, ptr, s.nbytes())
         return holder
 
@@ -236,8 +239,9 @@ def _row(name: str, plan: Any, got: dict[str, float]) -> str:
 
 
 def _saved(predicted: float, saved: float) -> str:
-    """Measured saved bytes and the error; none where the backward is split: the runtime's
-    own saved-tensor hooks (``backward_split.keeping_for_split``) replace this one's there."""
+    """Measured saved bytes and the error; none where the backward is split, but on a first
+    stage: the runtime's own saved-tensor hooks (``backward_split.keeping_for_split``)
+    replace this one's there (a first stage's ``W`` runs its whole backward, unhooked)."""
     if not saved:
         return "— | —"
     return f"{saved / MiB:.2f} | {100 * (predicted - saved) / saved:+.1f}%"

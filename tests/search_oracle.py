@@ -258,7 +258,8 @@ def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
     """t, u and memory of stage s of S under ZB-H1, without recomputation (its only kind):
     the stage holds at its peak one of ``zbh1_held``'s corners, each micro-batch whole as
     1F1B holds it (activations and cut values) or between its B and its W (``wheld``, by
-    default 1.5 times that), the gradients beside all of it; after the backwards, the
+    default 1.5 times that; whole on the first stage, whose inputs need no gradient), the
+    gradients beside all of it; after the backwards, the
     all-reduce's copy. Its time: W is a weight share of the backward (half, times the
     share of parameter bytes that train), B and W together 4 % longer than one backward;
     on equal stages the step is S (F + B - W) less one B - W, plus m (F + B + W), plus
@@ -277,6 +278,8 @@ def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
               else float(table.wheld[k][b]))
     if table.wheld is None:
         w += 1.5 * c
+    if i == 0:  # a first stage's B makes nothing: its micro-batches stay whole until W
+        w = A + c
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
     peak = max(grad + whole * (A + c) + held * w for whole, held in zbh1_held(s, S, m))
     copy = min(grad, space.reduce_bucket) if r > 1 else 0.0

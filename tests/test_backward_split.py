@@ -39,6 +39,19 @@ class Tied(nn.Module):
         return (torch.tanh(self.mid(x @ self.w)) @ self.w.T) + self.b
 
 
+class FirstStage(nn.Module):
+    """Embeddings of the ids and a residual block: the inputs need no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(16, 8), nn.Parameter(torch.randn(4, 8) / 3)
+        self.norm, self.a, self.b = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) + self.pos
+        return h + self.b(torch.tanh(self.a(self.norm(h))))
+
+
 class TwoOutputs(nn.Module):
     """Two outputs, one computed from the other, a frozen layer and a multi-output op."""
 
@@ -70,10 +83,15 @@ def _run(make: Callable[[], nn.Module], input_grad: bool, split: bool,
     params = list(m.parameters())
     if split:
         work = backward_inputs(outs, grads, [x], params, boxes)
+        in_b = {n for n, p in m.named_parameters() if p.grad is not None}
         if input_grad:
             assert x.grad is not None
-        # nothing of W yet: the matrices' gradients (a vector's comes with B's kernels)
-        assert all(p.grad is None for p in params if p.dim() >= 2)
+            # the vectors' gradients come with B's kernels; the tied weight, which W would
+            # reach at two depths, with B's walk; the other matrices' wait for W
+            assert in_b == {n for n, p in m.named_parameters() if p.requires_grad
+                            and (p.dim() < 2 or (make is Tied and n == "w"))}, in_b
+        else:  # nobody waits for B: W runs the whole backward
+            assert not in_b, in_b
         backward_weights(work)
     else:
         torch.autograd.backward(outs, grads)
@@ -83,10 +101,13 @@ def _run(make: Callable[[], nn.Module], input_grad: bool, split: bool,
 @pytest.mark.parametrize("make", [_mlp, Tied, TwoOutputs], ids=["mlp", "tied", "two-outputs"])
 @pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
 @pytest.mark.parametrize("drop", [False, True], ids=["all-kept", "b-drops"])
-def test_the_two_parts_equal_one_backward(make, input_grad, drop):
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "public-call"])
+def test_the_two_parts_equal_one_backward(make, input_grad, drop, engine, monkeypatch):
     """With ``drop``, B empties the saved tensors its W does not read: W, which raises on an
-    empty one, still makes every gradient (the tied weight's W runs nodes below its first
-    frontier node again, so those keep theirs)."""
+    empty one, still makes every gradient. Alike through autograd's engine entry and,
+    where a torch has none, through ``torch.autograd.backward``."""
+    if not engine:
+        monkeypatch.setattr("rannc_fx.runtime.backward_split._ENGINE", None)
     want_x, want = _run(make, input_grad, split=False)
     got_x, got = _run(make, input_grad, split=True, boxes=SavedBoxes() if drop else None)
     assert_close(got_x, want_x, **TOL)
@@ -130,9 +151,47 @@ def test_a_stage_that_returns_its_input_and_one_without_parameters():
     lin = copy.deepcopy(nn.Linear(8, 8))
     y = lin(torch.randn(4, 8))  # an input without a gradient: W does the whole backward
     work = backward_inputs([y], [torch.ones_like(y)], [], list(lin.parameters()))
-    assert lin.weight.grad is None and lin.bias.grad is not None
+    assert lin.weight.grad is None and lin.bias.grad is None
     backward_weights(work)
     assert_close(lin.bias.grad, torch.full((8,), 4.0))
+
+
+def _node_named(y: torch.Tensor, name: str) -> Any:
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if name in node.name():
+            return node
+        seen.add(node)
+        todo += [c for c, _ in node.next_functions if c is not None and c not in seen]
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("make", [FirstStage, Tied], ids=["first-stage", "tied"])
+def test_no_node_runs_twice_where_w_would_start_below_itself(make):
+    """A first stage (the ids need no gradient: W runs the one backward, B nothing) and a
+    weight read at two depths (B computes it): tanh's node, between the two places W
+    would start from, runs once in all, and the gradients are one backward's."""
+    torch.manual_seed(0)
+    m = make()
+    x = torch.randint(0, 16, (2, 4)) if make is FirstStage else torch.randn(4, 8,
+                                                                            requires_grad=True)
+    want = copy.deepcopy(m)
+    want(x).backward(torch.ones(2, 4, 8) if make is FirstStage else torch.ones(4, 8))
+    boxes = SavedBoxes()
+    with keeping_for_split(boxes):
+        y = m(x)
+    calls: list[str] = []
+    tanh = _node_named(y, "Tanh")
+    h = tanh.register_prehook(lambda _: calls.append("B"))
+    work = backward_inputs([y], [torch.ones_like(y)], [x], list(m.parameters()), boxes)
+    h.remove()
+    h = tanh.register_prehook(lambda _: calls.append("W"))
+    backward_weights(work)
+    h.remove()
+    assert calls == (["W"] if make is FirstStage else ["B"])
+    for (name, p), q in zip(m.named_parameters(), want.parameters(), strict=True):
+        assert_close(p.grad, q.grad, **TOL, msg=lambda msg, n=name: f"{n}: {msg}")
 
 
 def test_b_drops_the_saved_tensors_w_does_not_read():

@@ -77,8 +77,9 @@ def _train_module():  # type: ignore[no-untyped-def]
 def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
     """README: with its default 24 MiB per device the main job's model fits no single rank
     with Adam even with one micro-batch in flight, nor two replicas with the Adam state
-    sharded between them, and on 2 ranks the search (nothing forced) picks two stages, 1F1B,
-    16 micro-batches, the tied embedding on both. Planned here with
+    sharded between them, and on 2 ranks the search (nothing forced) picks two stages,
+    16 micro-batches, the tied embedding on both, run as ZB-H1 (its simulated step shorter
+    than the same stages' under 1F1B: the first stage's backward is not split). Planned here with
     the script's own options and model, costed analytically (the same on any machine; the
     job measures its costs and printed the same plan on this one)."""
     import torch
@@ -103,7 +104,11 @@ def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
 
     chosen = plan(2)
     assert [st.replicas for st in chosen.stages] == [1, 1]
-    assert chosen.schedule == "1f1b" and chosen.micro_batches == 16
+    assert chosen.schedule == "zbh1" and chosen.micro_batches == 16
+    one_f_one_b = plan(2, schedule="1f1b")
+    assert [(st.first_block, st.end_block) for st in one_f_one_b.stages] == [
+        (st.first_block, st.end_block) for st in chosen.stages]
+    assert chosen.simulated_step_ms < one_f_one_b.simulated_step_ms
     assert [sp.name for sp in chosen.shared_params] == ["embed.weight"]
     assert all(st.memory.total <= chosen.memory_budget for st in chosen.stages)
     # one rank, one micro-batch in flight (1F1B on one stage), recomputing: still too big

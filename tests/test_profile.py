@@ -111,15 +111,18 @@ def _autograd_saved_bytes(model: nn.Module, *args: Any) -> int:
 
 def _split_held_bytes(model: nn.Module, *args: Any) -> int:
     """What the runtime's split backward holds between B and W for the whole model (its
-    input needing no gradient, as a first stage's): the saved storages B leaves for W, and
-    the gradients kept for W's first nodes, parameters excluded."""
+    input needing a gradient, as a later stage's: a first stage's B makes nothing and
+    leaves it all): the saved storages B leaves for W, and the gradients kept for W's
+    first nodes, parameters excluded."""
     from rannc_fx.runtime.backward_split import SavedBoxes, backward_inputs, keeping_for_split
 
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     boxes = SavedBoxes()
+    args = (args[0].detach().requires_grad_(True), *args[1:])
     with keeping_for_split(boxes):
         out = model(*args)
-    work = backward_inputs([out], [torch.ones_like(out)], [], list(model.parameters()), boxes)
+    work = backward_inputs([out], [torch.ones_like(out)], [args[0]], list(model.parameters()),
+                           boxes)
     held = {b.tensor.untyped_storage()._cdata: b.tensor.untyped_storage().nbytes()
             for b in boxes if b.tensor is not None}
     grads = [g for gs in work.kept.values() for g in gs if g is not None] + [
@@ -148,14 +151,17 @@ def test_saved_and_weight_held_bytes_match_autograd(samples: int) -> None:
     # layers' inputs and their outputs' gradients, not the ReLUs' saved outputs beyond
     # those): summed over the nodes, what the runtime's split holds for the whole model.
     held = {n: c.wheld_bytes[0] for n, c in prof.nodes.items()}
-    # the first Linear: its input x and its output's gradient; each ReLU: its output, which
-    # the next Linear's W reads (charged to the ReLU that made it); each later Linear and the
-    # head: their outputs' gradients; the loss: nothing
-    assert held["layers_0"] == samples * (32 + 64) * f32
+    # the first Linear, whose input needs no gradient: its input x (W runs its whole backward
+    # from a gradient it does not own); each ReLU: its output, which the next Linear's W
+    # reads (charged to the ReLU that made it); each later Linear and the head: their
+    # outputs' gradients; the loss: nothing
+    assert held["layers_0"] == samples * 32 * f32
     assert held["relu"] == held["relu_1"] == held["relu_2"] == samples * 64 * f32
     assert held["layers_1"] == held["layers_2"] == samples * 64 * f32
     assert held["head"] == samples * 10 * f32
-    assert sum(held.values()) == _split_held_bytes(model, xs, ys)
+    # the model split as a later stage (x needing a gradient) keeps the first Linear's
+    # output gradient too
+    assert sum(held.values()) + samples * 64 * f32 == _split_held_bytes(model, xs, ys)
 
 
 def test_inplace_ops_profile_on_clones(one_thread: None) -> None:

@@ -311,18 +311,21 @@ def test_plan_durations_price_every_action_from_the_plan():
     low = lower(make_schedule("zbh1", 2, 4), topo)
     dur = plan_durations(plan, low)
     half = 1.0 * (1 + SPLIT_OVERHEAD)
-    walk = SPLIT_NODE_MS * plan.stages[0].num_nodes  # B walks the autograd graph
-    assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * (half + walk + 1.0))
-    assert dur(Action(0, W, 1)) == pytest.approx(1e-3 * (half + 0.5))
-    assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * half)
+    walk = SPLIT_NODE_MS * plan.stages[1].num_nodes  # B walks the autograd graph
+    assert dur(Action(1, B, 1)) == pytest.approx(1e-3 * (half + walk + 1.0))
+    assert dur(Action(1, W, 1)) == pytest.approx(1e-3 * (half + 0.5))
+    assert dur(Action(1, W, 0)) == pytest.approx(1e-3 * half)
+    # the first stage's inputs need no gradient: its B makes nothing, its W the whole backward
+    assert dur(Action(0, B, 1)) == pytest.approx(1e-3 * 1.0)
+    assert dur(Action(0, W, 1)) == pytest.approx(1e-3 * (2.0 + 0.5))
     # a stage whose parameters are mostly frozen (LoRA) has little weight gradient to defer
     frozen = plan.model_copy(update={"stages": tuple(
         st.model_copy(update={"memory": st.memory.model_copy(update={"params": 1000,
                                                                       "grads": 100})})
         for st in plan.stages)})
     dur = plan_durations(frozen, low)
-    assert dur(Action(0, W, 0)) == pytest.approx(1e-3 * 2.0 * 0.05 * (1 + SPLIT_OVERHEAD))
-    assert dur(Action(0, B, 0)) == pytest.approx(
+    assert dur(Action(1, W, 0)) == pytest.approx(1e-3 * 2.0 * 0.05 * (1 + SPLIT_OVERHEAD))
+    assert dur(Action(1, B, 0)) == pytest.approx(
         1e-3 * (2.0 * 0.95 * (1 + SPLIT_OVERHEAD) + walk + 1.0))
 
 

@@ -12,9 +12,11 @@ is left. Storages are reported as ``opcost`` reports saved ones (input and outpu
 bytes made inside the op), so the profile charges each once, to the node that made it.
 
 Per op this agrees with a stage's split wherever the op's inputs need gradients in the stage
-too. An op whose inputs need none (the first stage's embeddings of the ids) hands ``W`` the
-gradient of the first node above it that ``B`` reaches, which several such ops share: it is
-not counted (at most one micro-batch's activations of one width, on the first stage).
+too. An op whose inputs need none (the embeddings of the ids) runs its whole backward in
+``W`` and holds what it saved, not the gradient ``W`` starts it from, which it does not own
+(a first stage's output gradient: the search counts a first stage's micro-batches whole
+between its ``B`` and its ``W``, its ``B`` making nothing, ``search.terms``; elsewhere a
+node's above it, which several such ops share).
 """
 
 from __future__ import annotations
@@ -66,9 +68,8 @@ def weight_held(call: OpCall) -> WeightHeld:
     in_ids, out_ids = [storage_id(t) for t in bound], [storage_id(t) for t in tensors(out)]
     kept_grads = {storage_id(g): g for grads in work.kept.values() for g in grads
                   if g is not None}
-    if inputs:  # else (an embedding of the ids) W starts from a node above it that B
-        # reached, whose gradient several such ops share (the embeddings' sum): none counts
-        # it, at most one micro-batch's activations of one width on the first stage
+    if inputs:  # else W runs the op's whole backward from a gradient it does not own: a
+        # first stage's (counted whole, ``search.terms``), or a node's above it, shared
         kept_grads.update({storage_id(g): g for group in work.groups
                            for _, _, g in group.seeded})
     return WeightHeld(

@@ -21,13 +21,19 @@ norm's backward makes all three at once), so ``B`` computes it: deferring it wou
 kernel twice (4 GPT layers on the CPU: B + W 13-15 % over one backward with every parameter
 in W, 1.5-5 % with vectors in B).
 
-Where no path from an output to an input passes by a parameter's nodes (every parameter of a
-stage whose inputs need no gradient; a bias added after the last matmul), that parameter's
-frontier is the output's own node, with the output's gradient. A parameter read at two places
-one of which lies below the other's frontier node (a tied weight used twice in a stage) is
-reached from both in one ``W`` call; each frontier node there gets exactly its kept gradient
-(a pre-hook replaces what flows into it from above), so nothing is counted twice, though the
-nodes between the two places run again.
+Where no input of the stage needs a gradient (a first stage, fed the ids), nobody waits for
+its ``B``: ``B`` does nothing and ``W`` runs the one whole backward, every parameter's gradient
+included, as torch.distributed.pipelining runs a first stage (split, the embeddings and first two
+layers of the benchmarks' GPT took 37-40 % longer than one backward on the CPU, their ``W``
+running the first layer's attention backward again); between ``B`` and ``W`` such a
+micro-batch is held whole.
+
+Where no path from an output to an input passes by a parameter's nodes (a bias added after the
+last matmul), that parameter's frontier is the output's own node, with the output's gradient.
+A parameter whose frontier nodes lie one below another (a weight read at two depths of the
+stage, as layers that share their weights read it) is computed in ``B`` with the vectors:
+``W`` from both nodes would run every node between them again, where ``B``, which runs them
+anyway, only adds the parameter's own side.
 
 Between ``B`` and ``W`` a micro-batch holds only what ``W`` reads: the forward of a micro-batch
 whose backward is split runs under ``keeping_for_split`` (saved-tensor hooks that put each
@@ -37,19 +43,20 @@ keeps no graph. The saved tensors of normalizations, activations and attention g
 inputs of the weight GEMMs stay (on a BERT-large layer ``W`` reads 16 % of the forward's saved
 bytes, and the gradients kept for its frontier nodes are 22 % more:
 ``benchmarks/split_backward_memory.py``). The rest of the graph lives until ``W`` has run.
-Where a group starts from two nodes, ``W`` reruns the nodes between them (above), and keeps
-their saved tensors: on a first stage, the embeddings feed the first layer's norm and its
-residual sum, so that layer's attention is kept and its backward run again in ``W``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+# what torch.autograd.backward calls once it has checked its arguments (None: the public call)
+_ENGINE: Callable[..., Any] | None = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 __all__ = ["Held", "SavedBoxes", "WeightWork", "backward_inputs", "backward_weights",
            "keeping_for_split"]
@@ -128,17 +135,31 @@ def backward_inputs(
     saved: SavedBoxes | None = None,
 ) -> WeightWork:
     """``B``: the gradients of ``inputs`` and of ``params`` of fewer than two dimensions
-    (accumulated into their ``.grad``) from ``outputs`` seeded with ``grads``; returns what
-    ``backward_weights`` needs for the other ``params``' (those that require a gradient; the
-    others are left alone). ``saved``: the forward's boxes (``keeping_for_split``), emptied
-    where no node of ``W`` reads them."""
+    (and of those ``W`` would reach twice), accumulated into their ``.grad``, from
+    ``outputs`` seeded with ``grads``; returns what ``backward_weights`` needs for the other
+    ``params``' (those that require a gradient; the others are left alone). Where no input
+    needs a gradient, nothing: ``W`` runs the whole backward. ``saved``: the forward's boxes
+    (``keeping_for_split``), emptied where no node of ``W`` reads them."""
     roots = [get_gradient_edge(o) for o in outputs]
-    parents = _parents([e.node for e in roots])
     trainable = [p for p in params if p.requires_grad]
+    if not any(x.requires_grad for x in inputs):
+        # nobody waits for this B (a first stage): W runs the one whole backward
+        whole = _Group(params=trainable, seeded=[
+            (e.node, e.output_nr, g) for e, g in zip(roots, grads, strict=True)])
+        return WeightWork([whole] if trainable else [], {})
+    parents = _parents([e.node for e in roots])
     matrices = [p for p in trainable if p.dim() >= 2]
     wanted = [x for x in inputs if x.requires_grad] + [p for p in trainable if p.dim() < 2]
-    on_path = _above({get_gradient_edge(x).node for x in wanted}, parents)
-    groups = _groups(roots, grads, matrices, parents, on_path)
+    while True:
+        on_path = _above({get_gradient_edge(x).node for x in wanted}, parents)
+        groups = _groups(roots, grads, matrices, parents, on_path)
+        # a group whose W would run nodes again (one of its starts below another) is
+        # computed in B: its nodes run once there, and B's path to it runs anyway
+        again = [p for g in groups if _runs_again(g) for p in g.params]
+        if not again:
+            break
+        wanted += again
+        matrices = [p for p in matrices if all(p is not q for q in again)]
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     if saved is not None:
         saved.w_nodes = _run_by_w(groups)
@@ -150,8 +171,7 @@ def backward_inputs(
             hooks.append(node.register_prehook(keep))
     try:
         if wanted:
-            torch.autograd.backward(list(outputs), list(grads), inputs=wanted,
-                                    retain_graph=True)
+            _backward(outputs, grads, wanted)
     finally:
         for h in hooks:
             h.remove()
@@ -161,27 +181,30 @@ def backward_inputs(
 
 
 def _run_by_w(groups: list[_Group]) -> set[Node]:
-    """The nodes ``W`` runs: each group's frontier nodes and the nodes up from its
-    parameters to them; where a group starts from two or more nodes, one may lie below
-    another, and ``W`` runs the nodes between too (everything below them counts then)."""
+    """The nodes ``W`` runs: each group's nodes from its parameters up to its frontier (no
+    start of a group lies below another: ``_runs_again``)."""
     out: set[Node] = set()
     for g in groups:
         out |= g.nodes
-        starts = g.frontier + [node for node, _, _ in g.seeded]
-        if len(starts) > 1:
-            out |= _below(starts)
     return out
 
 
-def _below(nodes: list[Node]) -> set[Node]:
-    out = set(nodes)
-    queue = deque(nodes)
+def _runs_again(g: _Group) -> bool:
+    """Whether one of the group's start nodes lies below another: ``W`` from both would run
+    the nodes between them a second time (one walk down from all of them)."""
+    starts = set(g.frontier) | {node for node, _, _ in g.seeded}
+    if len(starts) < 2:
+        return False
+    seen: set[Node] = set()
+    queue = deque(c for s in starts for c, _ in s.next_functions if c is not None)
     while queue:
-        for child, _ in queue.popleft().next_functions:
-            if child is not None and child not in out:
-                out.add(child)
-                queue.append(child)
-    return out
+        node = queue.popleft()
+        if node in starts:
+            return True
+        if node not in seen:
+            seen.add(node)
+            queue.extend(c for c, _ in node.next_functions if c is not None)
+    return False
 
 
 def backward_weights(work: WeightWork) -> None:
@@ -200,18 +223,23 @@ def backward_weights(work: WeightWork) -> None:
             seeds.append(grad)
         if not edges:
             continue
-        clamps = []
-        if len(edges) > 1:  # a frontier node below another gets its kept gradient, no more
-            for node in g.frontier:
-                if node in work.kept:
-                    clamps.append(node.register_prehook(
-                        lambda _, kept=work.kept[node]: kept))
-        try:
-            torch.autograd.backward(edges, seeds, inputs=g.params, retain_graph=True)
-        finally:
-            for h in clamps:
-                h.remove()
+        # no start lies below another (``_runs_again``): each gets its seed, nothing more
+        _backward(edges, seeds, g.params)
     work.groups, work.kept = [], {}
+
+
+def _backward(roots: Sequence[torch.Tensor] | Sequence[GradientEdge],
+              seeds: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """``torch.autograd.backward(roots, seeds, inputs=inputs, retain_graph=True)`` without
+    its checks of the seeds against the roots (which read every root node's input metadata:
+    45 us a call on the CPU, 17 % of a 2-layer GPT stage's ``W`` at 64 tokens a micro-batch,
+    whose 8 weight groups make 8 calls): the seeds are the gradients autograd made for
+    those very nodes, or the outputs' gradients, made in their shapes and types."""
+    if _ENGINE is None:
+        torch.autograd.backward(roots, list(seeds), inputs=list(inputs), retain_graph=True)
+        return
+    _ENGINE(tuple(roots), tuple(seeds), True, False, tuple(inputs), allow_unreachable=True,
+            accumulate_grad=True)
 
 
 def _parents(roots: list[Node]) -> dict[Node, list[Node]]:

@@ -177,7 +177,8 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
     and ``SPLIT_OVERHEAD`` more between them, the accumulation in ``W``: ``W`` the weight
     side of its matmuls, half the backward where every parameter trains, less where some
     are frozen (``weight_share``); ``B`` also walks the autograd graph (``SPLIT_NODE_MS`` a
-    node of the stage).
+    node of the stage). The first stage's inputs need no gradient: its ``B`` makes nothing
+    and its ``W`` runs the whole backward.
     """
     first_b: dict[int, int | None] = {}
     for acts in lowered:
@@ -198,13 +199,16 @@ def plan_durations(plan: Plan, lowered: Schedule) -> Durations:
         acc = st.accumulate_ms if a.microbatch != first_b[a.stage] else 0.0
         w = shares[a.stage]
         if a.kind is Kind.B and (a.stage, a.microbatch) in split:
+            if a.stage == 0:  # its inputs need no gradient: W runs the whole backward
+                return 1e-3 * st.comm_ms / 2
             walk = SPLIT_NODE_MS * st.num_nodes
             return 1e-3 * (k * st.bwd_ms * (1 - w) * (1 + SPLIT_OVERHEAD) + walk
                            + st.comm_ms / 2)
         if a.kind is Kind.B:  # layer by layer, each layer's forward runs again inside it
             return 1e-3 * (k * (st.bwd_ms + st.again_ms) + st.comm_ms / 2 + acc)
         if a.kind is Kind.W:
-            return 1e-3 * (k * st.bwd_ms * w * (1 + SPLIT_OVERHEAD) + acc)
+            whole = 1.0 if a.stage == 0 else w * (1 + SPLIT_OVERHEAD)
+            return 1e-3 * (k * st.bwd_ms * whole + acc)
         if a.kind is Kind.REDUCE:  # every stage of its lane
             return 1e-3 * sum(plan.stages[j].allreduce_ms + plan.stages[j].optimizer_ms
                               + plan.stages[j].gather_ms + plan.stages[j].host_ms

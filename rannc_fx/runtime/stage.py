@@ -285,7 +285,7 @@ class StageRunner:
         elif step.grad and self.selective:
             outs = self._run_selective(args)
         else:
-            with saving(self.host), self._keeping(step, i):
+            with saving(self.host), self._keeping(step, i, args):
                 outs = self._run(args)
         self.buffers.after_microbatch(i, self.shares[i])
         check_stage_outputs(self.stage, self.cuts, self.spans[i][1] - self.spans[i][0], outs)
@@ -308,14 +308,17 @@ class StageRunner:
             rng_restored(step.rng.pop(i), self.device),
             self.buffers.recompute_scope(),
             saving(self.host),
-            self._keeping(step, i),
+            self._keeping(step, i, step.args[i]),
         ):
             step.outs[i] = self._run(step.args[i], self.segmented)
 
-    def _keeping(self, step: StepState, i: int) -> contextlib.AbstractContextManager[Any]:
+    def _keeping(self, step: StepState, i: int,
+                 args: list[Any]) -> contextlib.AbstractContextManager[Any]:
         """Micro-batch i's saved tensors in boxes where its backward is split, so that its
-        B can drop what its W does not read (``backward_split``)."""
-        if not (step.grad and i in step.split) or self.host is not None:
+        B can drop what its W does not read (``backward_split``; where no input needs a
+        gradient, W runs the whole backward and B drops nothing)."""
+        if not (step.grad and i in step.split) or self.host is not None or not any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in args):
             return contextlib.nullcontext()
         return keeping_for_split(step.saved.setdefault(i, SavedBoxes()))
 

@@ -227,7 +227,9 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
         keep=A if table.kept is None else _range(table.kept[k], i, j),
         redo=F if table.redo is None else _range(table.redo[k], i, j),
         rebuilt=A if table.rebuilt is None else _range(table.rebuilt[k], i, j),
-        wheld=(1 + HELD) * (A + both) if table.wheld is None else _range(table.wheld[k], i, j),
+        # a first stage's B makes nothing (its inputs need no gradient): whole until its W
+        wheld=np.where(i == 0, A + both, (1 + HELD) * (A + both) if table.wheld is None
+                       else _range(table.wheld[k], i, j)),
         cuts=both, cout=cut[j], ws=np.asarray(ws, float),
         params=params, window=block_params(table)[i, j], outs=outs, m=m,
         host_bw=space.host_bandwidth or np.inf, host_overlap=space.host_overlap)
