@@ -140,12 +140,13 @@ def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
 def _with_schedules(a: Analysis, result: SearchResult, seconds: float, *,
                     search_zbh1: bool = True) -> Plan:
     """The searched plan, or ZB-H1 (searched itself, ``search_zbh1``, or on its stages),
-    interleaved 1F1B or ZBV on its stages where shorter."""
+    interleaved 1F1B or ZBV on its stages where shorter. The lanes' schedules first: ZB-H1's
+    search then looks only for plans predicted shorter than the best so far."""
     def build(r: SearchResult) -> Plan:
         return build_plan(a, r, search_seconds=seconds)
 
-    plan = zero_bubble(a, result, build(result), build, search=search_zbh1)
-    return virtual_variants(a, result, plan, build)
+    plan = virtual_variants(a, result, build(result), build)
+    return zero_bubble(a, result, plan, build, search=search_zbh1)
 
 
 def _uses(st: StageChoice, field: str) -> bool:

@@ -25,7 +25,7 @@ schedule puts it (``plan.lane_layout``):
   A recomputing stage under ZBV holds a micro-batch's inputs until its ``B``, and from its
   ``B`` to its ``W`` what ``W`` reads of what ``R`` rebuilt (``held_units``).
 
-``virtual_variants`` is called after the search (and after ``zero_bubble``): a variant
+``virtual_variants`` is called after the search (and before ``zero_bubble``): a variant
 replaces the plan only where its simulated step is shorter, so a one-lane plan, or one
 whose bubble is already small, stays as it is. Not exact over all plans: the lanes are the
 searched plan's (a plan the search rejected might be best interleaved).
@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -133,6 +134,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
     sched = make_schedule(schedule, v * lanes, m, v)
     counts = [in_flight(sched[lane_of[s]], s) for s in range(v * lanes)]
     seen: dict[tuple[int, tuple[bool, ...]], np.ndarray] = {}
+    memo: dict[Any, Any] = {}  # each stage's costs, once (evaluate)
 
     def units_of(levels: Sequence[int]) -> list[np.ndarray]:
         out = []  # a selectively recomputing stage holds its micro-batches whole, as a plain one
@@ -164,14 +166,14 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
                        for (i, j), r, rho, z, o in zip(bounds, reps, level, zero, offload,
                                                        strict=True))
         ev = evaluate(a.table, a.space, stages, m, schedule, lanes=layout,
-                      in_flight_counts=counts, lane_units=units_of(level))
+                      in_flight_counts=counts, lane_units=units_of(level), memo=memo)
         if ev.fits:
             # give back what the lanes can hold after all: recomputation, offloading, sharding
             for field, forced in (("recompute", a.config.recompute),
                                   ("offload", a.space.offload), ("zero", a.space.zero)):
                 if forced is None:
                     stages, ev = _undo(a, stages, field, m, schedule, layout, counts,
-                                       units_of, ev, selective)
+                                       units_of, ev, selective, memo)
             return dataclasses.replace(result, stages=stages, evaluation=ev, schedule=schedule,
                                        virtual_stages=v)
         # each lane over the budget shards its stages' optimizer state, else offloads it,
@@ -212,7 +214,8 @@ def _level(st: StageChoice, selective: bool) -> int:
 def _undo(a: Analysis, stages: tuple[StageChoice, ...], field: str, m: int, schedule: str,
           layout: tuple[tuple[int, ...], ...], counts: list[int],
           units_of: Callable[[Sequence[int]], list[np.ndarray]],
-          ev: Evaluation, selective: bool = False) -> tuple[tuple[StageChoice, ...], Evaluation]:
+          ev: Evaluation, selective: bool = False, memo: dict[Any, Any] | None = None
+          ) -> tuple[tuple[StageChoice, ...], Evaluation]:
     """The same boundaries with each stage that recomputes, slowest forward first, or each
     lane whose stages offload or shard (``field``: the lanes took those whole), running
     without where its lane still fits (a stage recomputing whole: else selectively, where
@@ -235,7 +238,7 @@ def _undo(a: Analysis, stages: tuple[StageChoice, ...], field: str, m: int, sche
                           for k, st in enumerate(stages))
             got = evaluate(a.table, a.space, trial, m, schedule, lanes=layout,
                            in_flight_counts=counts,
-                           lane_units=units_of([st.level for st in trial]))
+                           lane_units=units_of([st.level for st in trial]), memo=memo)
             if got.fits and (field != "zero" or got.step_s <= ev.step_s):
                 stages, ev = trial, got
                 break

@@ -47,17 +47,20 @@ log = logging.getLogger("rannc_fx")
 
 def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
                 build: Callable[[SearchResult], Plan], *, search: bool = True) -> Plan:
-    """``plan`` (built from ``result``), or a ZB-H1 plan where one fits and its simulated step
-    is shorter (or where ``Config(schedule="zbh1")`` asks for it and one fits): the search's
-    own ZB-H1 optimum (``searched``), or ``result``'s stages run as ZB-H1 (``_on_stages``),
-    whichever the simulator finds shorter (``search``: False, the second only)."""
+    """``plan`` (built from ``result``, or a schedule tried on its lanes), or a ZB-H1 plan
+    where one fits and its simulated step is shorter (or where ``Config(schedule="zbh1")``
+    asks for it and one fits): the search's own ZB-H1 optimum (``searched``, predicted
+    shorter than both ``result`` and ``plan``), or ``result``'s stages run as ZB-H1
+    (``_on_stages``), whichever the simulator finds shorter (``search``: False, the second
+    only)."""
     forced = a.config.schedule == "zbh1"
     if not forced and (a.config.schedule is not None or "1f1b" not in a.space.schedules):
         return plan  # a schedule named, or a model that cannot run the step in the call
     if len(result.stages) < 2 and not forced:
         return plan
     why: list[str] = []
-    own = searched(a, build, None if forced else result) if search else None
+    own = searched(a, build, None if forced else result,
+                   None if forced else 1e-3 * step_ms(plan)) if search else None
     found = [(p, how) for p, how in ((own, "searched"),
                                      (_on_stages(a, result, build, why), "on the searched stages"))
              if p is not None]
@@ -83,13 +86,16 @@ def step_ms(plan: Plan) -> float:
 
 
 def searched(a: Analysis, build: Callable[[SearchResult], Plan],
-             result: SearchResult | None = None) -> Plan | None:
+             result: SearchResult | None = None, best_s: float | None = None) -> Plan | None:
     """The search's optimum under ZB-H1 (``search_pass`` with ``schedules=("zbh1",)``: its
     stages do not recompute and keep their parameters on the device), built; None where
-    no such plan fits, or (given the searched ``result``) none is predicted shorter than it
-    (its closed form against the result's formula: the search then prunes from the
-    start)."""
-    below = result.evaluation.step_s if result is not None else math.inf
+    no such plan fits, or (given the searched ``result``, and ``best_s``, the simulated step
+    of the best plan so far) none is predicted shorter than either (its closed form against
+    the result's formula, and against that step: the closed form is the simulator's step on
+    equal stages and below it on the plans measured, so a plan it puts above cannot win;
+    the search then prunes from the start)."""
+    below = min(result.evaluation.step_s if result is not None else math.inf,
+                best_s if best_s is not None else math.inf)
     try:
         zb = search_pass(a.table, dataclasses.replace(a.space, schedules=("zbh1",)),
                          below=below)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -136,6 +137,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
              in_flight_counts: Sequence[int] | None = None,
              lane_units: Sequence[Sequence[Sequence[tuple[float, float, float]]] | np.ndarray]
              | None = None,
+             memo: dict[Any, Any] | None = None,
              ) -> Evaluation:
     """Predicted step time and per-stage costs of a plan; ``fits`` checks the memory budget.
 
@@ -149,6 +151,10 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     (``lane_memory``): a lane's stages reach their peaks at different points, so the lane's
     memory is the largest sum, not the sum of the largest. Their step is the simulator's,
     the formula's here only a lower bound.
+
+    ``memo``: a dict the caller keeps across calls with the same table, space, micro-batch
+    count and schedule, in which each stage's costs are kept (a caller trying one change
+    at a time to many stages costs each stage once).
     """
     m, end = micro_batches, 0
     # ZB-H1 without lanes: the search's own, its closed form (stages that do not recompute)
@@ -180,8 +186,15 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     counts = (list(in_flight_counts) if in_flight_counts is not None
               else [min(zb, S - s) if zb else in_flight(schedule, m, S - s)
                     for s in range(S)])
-    got = [_stage(table, space, kidx, st, m, counts[s], zb, schedule == "zbh1", S > 2)
-           for s, st in enumerate(stages)]
+    def cost(st: StageChoice, n: int) -> Any:
+        args = (st, m, n, zb, schedule == "zbh1", S > 2)
+        if memo is None:
+            return _stage(table, space, kidx, *args)
+        if args not in memo:
+            memo[args] = _stage(table, space, kidx, *args)
+        return memo[args]
+
+    got = [cost(st, counts[s]) for s, st in enumerate(stages)]
     step = plan_step([g[1] for g in got], [g[2] for g in got])
     costs = [g[0] for g in got]
     if lane_units is None:
