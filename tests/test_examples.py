@@ -79,9 +79,9 @@ def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
     with Adam even with one micro-batch in flight, nor two replicas with the Adam state
     sharded between them, and on 2 ranks the search (nothing forced) picks two stages,
     16 micro-batches, the tied embedding on both, run as ZB-H1 (its simulated step shorter
-    than the same stages' under 1F1B: the first stage's backward is not split). Planned here with
-    the script's own options and model, costed analytically (the same on any machine; the
-    job measures its costs and printed the same plan on this one)."""
+    than the same stages' under 1F1B: the first stage's backward is not split). Planned here
+    with the script's own options and model, costed analytically (the same on any machine;
+    the job measures its costs, and its plan follows them)."""
     import torch
 
     import rannc_fx

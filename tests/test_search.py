@@ -828,6 +828,26 @@ def test_zbh1_matches_brute_force(seed: int) -> None:
     assert min(seen.values()) >= 2, seen
 
 
+def test_evaluate_with_a_memo_costs_as_without() -> None:
+    """``evaluate(memo=)``, which the lanes' trials share: a stage met again at another
+    position (another count of micro-batches in flight) costs as it does without the memo."""
+    B, m = 4, 4
+    table = CostTable(sizes=np.array([1, 2]), fwd=np.ones((2, B)), bwd=np.full((2, B), 2.0),
+                      act=np.ones((2, B)), cut=np.ones((2, B + 1)), workspace=np.zeros((2, B)),
+                      param_bytes=np.ones((B, B + 1)), grad_bytes=np.ones((B, B + 1)))
+    space = SearchSpace(world_size=4, global_batch=8, memory_budget=1e9, link_bandwidth=1e9,
+                        link_latency=0.0, micro_batches=(m,))
+    two = (StageChoice(0, 2, 2), StageChoice(2, 4, 2))
+    three = (StageChoice(0, 2, 2), StageChoice(2, 3, 1), StageChoice(3, 4, 1))
+    for schedule in ("1f1b", "zbh1"):
+        memo: dict = {}
+        got = [evaluate(table, space, stages, m, schedule, memo=memo)
+               for stages in (two, three, two)]
+        want = [evaluate(table, space, stages, m, schedule) for stages in (two, three, two)]
+        assert got == want
+        assert got[0].stages[0] != got[1].stages[0]  # the same stage, another count
+
+
 @pytest.mark.parametrize(("S", "m"), [(1, 4), (2, 8), (3, 8), (4, 8), (4, 4), (6, 12)])
 @pytest.mark.parametrize("trained", [1.0, 0.5])
 def test_zbh1_closed_form_is_the_simulators_step_on_equal_stages(S: int, m: int,

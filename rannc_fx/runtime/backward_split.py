@@ -232,9 +232,9 @@ def _backward(roots: Sequence[torch.Tensor] | Sequence[GradientEdge],
               seeds: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
     """``torch.autograd.backward(roots, seeds, inputs=inputs, retain_graph=True)`` without
     its checks of the seeds against the roots (which read every root node's input metadata:
-    45 us a call on the CPU, 17 % of a 2-layer GPT stage's ``W`` at 64 tokens a micro-batch,
-    whose 8 weight groups make 8 calls): the seeds are the gradients autograd made for
-    those very nodes, or the outputs' gradients, made in their shapes and types."""
+    about 45 us a call on the CPU, 11-17 % of a 2-layer GPT stage's ``W`` at 64 tokens a
+    micro-batch, whose 8 weight groups make 8 calls): the seeds are the gradients autograd
+    made for those very nodes, or the outputs' gradients, made in their shapes and types."""
     if _ENGINE is None:
         torch.autograd.backward(roots, list(seeds), inputs=list(inputs), retain_graph=True)
         return
