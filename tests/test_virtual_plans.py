@@ -14,7 +14,7 @@ import pytest
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
-from rannc_fx.passes.search.model import CostTable, SearchSpace
+from rannc_fx.passes.search.model import CostTable, SearchSpace, StageChoice
 from rannc_fx.passes.search.terms import stage_terms
 from rannc_fx.planner.virtual import balanced_stages
 
@@ -86,12 +86,88 @@ def test_zbv_with_recomputation_holds_what_r_rebuilt_until_w():
     assert 0.9 * held(plain, turn) < held(rc, turn) <= held(plain, turn)
 
 
+def _tight(world: int) -> dict[str, Any]:
+    """A memory budget under which the search pipelines the WIDE GPT on ``world`` V100s: 0.3
+    of what its one-stage plan on 4 ranks needs."""
+    whole = _plan(world=4).stages[0].memory.total
+    return dict(world=world, device_memory=int(0.3 * whole), memory_margin=0.0)
+
+
+def test_interleaving_is_tried_on_other_lanes_than_the_searched_ones(monkeypatch):
+    import rannc_fx.planner.virtual as virtual
+
+    plan = _plan(**_tight(8))  # the search: 1F1B on 8 lanes of one rank each, m = 16
+    assert plan.schedule == "interleaved" and plan.virtual_stages == 2
+    assert len(plan.lanes) == 4 and {st.replicas for st in plan.stages} == {2}
+    choices = virtual.lane_choices
+    monkeypatch.setattr(virtual, "lane_choices", lambda a, r: choices(a, r)[:1])
+    searched = _plan(**_tight(8))
+    assert len(searched.lanes) == 8 and {st.replicas for st in searched.stages} == {1}
+    assert plan.simulated_step_ms < 0.95 * searched.simulated_step_ms
+
+
+def test_the_bounds_that_skip_lanes_hold_and_skip_no_better_plan():
+    """Every variant's simulated step is at least its bounds (``lanes.work_s`` before it is
+    cut, ``lanes.step_bound`` after), so the plan ``virtual_variants`` keeps is the
+    shortest of them all, built one by one."""
+    from rannc_fx.plan import lane_layout
+    from rannc_fx.planner.analyze import analyze
+    from rannc_fx.planner.build import build_plan
+    from rannc_fx.planner.driver import run_search
+    from rannc_fx.planner.lanes import lane_choices, step_bound, work_s
+    from rannc_fx.planner.virtual import VIRTUAL, _variant, virtual_variants
+
+    tight = _tight(8)
+    model, args, kwargs = gpt_example(batch=16, **WIDE)
+    a = analyze(model, args, kwargs, world_size=8, device="v100-32gb", config=Config(
+        profile_cache_dir=None, device_memory=tight["device_memory"], memory_margin=0.0))
+    result = run_search(a.table, a.space)
+    choices = lane_choices(a, result)
+    assert len(choices) > 8 and choices[0].replicas == (1,) * 8
+    steps = []
+    for k, lanes in enumerate(choices):
+        base = result if not k else replace(result, stages=tuple(
+            StageChoice(0, 0, r) for r in lanes.replicas), micro_batches=lanes.m)
+        for schedule, v in [("interleaved", v) for v in VIRTUAL] + [("zbv", 2)]:
+            if v * len(lanes.replicas) > a.table.num_blocks:
+                continue
+            got = _variant(a, base, schedule, v)
+            if got is None:
+                continue
+            step = 1e-3 * build_plan(a, got).simulated_step_ms
+            bound = step_bound(got.evaluation, lane_layout(schedule, len(got.stages), v),
+                               lanes.m, schedule == "zbv")
+            assert bound <= step and (not k or work_s(a, lanes) <= step), (lanes, schedule, v)
+            steps.append(step)
+    assert len(steps) > 20
+    kept = virtual_variants(a, result, build_plan(a, result), lambda r: build_plan(a, r))
+    assert kept.simulated_step_ms == pytest.approx(1e3 * min(steps))
+
+
+def test_lane_choices_are_the_searched_then_every_equal_split_by_their_work():
+    from rannc_fx.planner.lanes import Lanes, lane_choices, work_s
+
+    rng = np.random.default_rng(0)
+    t = _table(rng, 6)
+    a = SimpleNamespace(table=t.table, space=replace(t.space, micro_batches=(1, 2, 4, 8)))
+    result = SimpleNamespace(stages=(StageChoice(0, 2, 3), StageChoice(2, 6, 1)),
+                             micro_batches=2)
+    got = lane_choices(a, result)
+    assert got[0] == Lanes((3, 1), 2)
+    # 4 ranks: 2 lanes of 2 (4 lanes of 1 would need 8 blocks for two stages each; the table
+    # has 6), at each m whose 8 / (2 m) samples a replica the table has costs for (1, 2, 4)
+    assert set(got[1:]) == {Lanes((2, 2), m) for m in (1, 2, 4)}
+    assert [work_s(a, x) for x in got[1:]] == sorted(work_s(a, x) for x in got[1:])
+    forced = SimpleNamespace(table=t.table, space=replace(a.space, stages=2))
+    assert lane_choices(forced, result) == [Lanes((3, 1), 2)]
+
+
 def test_a_named_virtual_schedule_that_does_not_fit_says_so():
     one_f = _plan(stages=4, micro_batches=8, schedule="1f1b")
     # 1F1B's first stage fits; a lane holding 8 micro-batches of its first stage does not
     budget = max(s.memory.total for s in one_f.stages)
-    with pytest.raises(ValueError, match="schedule='interleaved' with 2 stages a lane on the "
-                                         "searched 4 lanes .* does not fit the memory budget"):
+    with pytest.raises(ValueError, match="schedule='interleaved' with 2 stages a lane does not "
+                                         "fit the memory budget on the searched 4 lanes"):
         _plan(stages=4, micro_batches=8, schedule="interleaved", recompute=False,
               device_memory=budget, memory_margin=0.0)
 
@@ -191,6 +267,38 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
     got = lane_memory([cost(False, 0), cost(False, 0)], per_mb, split)
     assert [c.activations for c in got] == [0, 6 + 7 * 2]
     assert [c.comm_buffers for c in got] == [0, 2]
+
+
+def test_a_tensor_two_stages_of_a_lane_use_is_reduced_and_stepped_once():
+    """ZBV's first lane holds the tied embedding's stage and the LM head's: the head's stage
+    holds, reduces and steps nothing of it (what it has besides, it still does)."""
+    from rannc_fx.passes.search.evaluate import held_once
+    from rannc_fx.passes.search.model import StageChoice, StageCost
+    from rannc_fx.passes.search.variants import allreduce_s
+
+    space = SearchSpace(world_size=4, global_batch=8, memory_budget=1e9, link_bandwidth=1e3,
+                        link_latency=1e-3)
+    table = SimpleNamespace(shared=(((0, 3), 400.0, 400.0, 0.25),))
+
+    def cost(grads: int, opt_s: float) -> StageCost:
+        return StageCost(samples=1, fwd_s=0, bwd_s=0, comm_s=0, optimizer_s=opt_s,
+                         allreduce_s=float(allreduce_s(space, np.array([grads]),
+                                                       np.array([2]))[0]),
+                         accumulate_s=0, params=grads, grads=grads, optimizer_state=2 * grads,
+                         activations=0, comm_buffers=0, workspace=0)
+
+    lane = [StageChoice(0, 1, 2), StageChoice(3, 4, 2)]
+    for extra, opt in ((0, 0.25), (100, 0.3)):  # the head alone, or with a bias of its own
+        first, head = held_once(table, space, lane, [cost(500, 0.4), cost(400 + extra, opt)])
+        assert first == cost(500, 0.4)  # the first user keeps it
+        assert (head.params, head.grads, head.optimizer_state) == (extra, extra, 2 * extra)
+        assert head.optimizer_s == pytest.approx(opt - 0.25)
+        assert head.allreduce_s == pytest.approx(
+            float(allreduce_s(space, np.array([extra]), np.array([2]))[0]) if extra else 0.0)
+    # sharded over the lane's 2 replicas: each steps half of it
+    sharded = [replace(st, zero=True) for st in lane]
+    _, head = held_once(table, space, sharded, [cost(500, 0.2), cost(500, 0.3 / 2)])
+    assert head.optimizer_s == pytest.approx(0.15 - 0.125)
 
 
 def test_the_command_line_plans_a_named_virtual_schedule(tmp_path, capsys):

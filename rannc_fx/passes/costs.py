@@ -190,7 +190,9 @@ def build_cost_table(
         accumulate_s=_per_tensor(nb, grad_uses, grads, accumulate),
         out=out if out.any() else None,
         segments=segments,
-        shared=tuple((tuple(sorted(set(bs))), float(nbytes[k]), float(grads.get(k, 0)))
+        shared=tuple((tuple(sorted(set(bs))), float(nbytes[k]), float(grads.get(k, 0)),
+                      float(optimizer(np.array([float(grads[k])]))[0])
+                      if optimizer is not None and k in grads else 0.0)
                      for k, bs in uses.items() if len(set(bs)) > 1),
     )
     note("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),

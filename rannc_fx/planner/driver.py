@@ -5,7 +5,6 @@ through ``plan_model``; every rank splits through ``split_stages``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -24,17 +23,16 @@ from ..passes.search import (
     NoFeasiblePlan,
     SearchResult,
     SearchSpace,
-    StageChoice,
     search_pass,
 )
 from ..passes.split import split_pass
 from ..plan import Plan
-from ..progress import Progress, note
+from ..progress import Progress
 from ..values import ValueSpec
 from .analyze import Analysis, Target, analyze
 from .build import build_plan
 from .virtual import virtual_variants
-from .zero_bubble import step_ms, zero_bubble
+from .zero_bubble import zero_bubble
 
 __all__ = ["Planned", "choose", "plan_model", "run_search", "split_stages"]
 
@@ -97,65 +95,16 @@ def plan_model(
 
 
 def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:
-    """The plan: the searched one, or a schedule the search does not cost on its stages or
-    lanes (``_with_schedules``), or the same on the plans searched without what the first
-    used, where its simulated step is shorter."""
-    plan = _with_schedules(a, result, seconds)
-    # the schedules tried after the search keep its lanes: the plan it makes without
-    # recomputing layer by layer or selectively, then also without offloading, then without sharding either,
-    # may suit them better (the 1024-layer BERT-large's on 32 V100s interleaved, the 100 B
-    # BERT's on 33 A100s under ZBV, the 512-layer BERT-large's interleaved). Those schedules
-    # never keep parameters on the host, so neither do these searches
-    if a.space.host_params:
-        return plan
-    space, current = dataclasses.replace(a.space, host_params=False), result
-    for field in ("host_params", "layers", "offload", "zero"):
-        if getattr(a.space, field) is not None or not any(_uses(st, field)
-                                                         for st in current.stages):
-            continue  # forced by the user, or not used
-        if field == "layers":  # and without selective recomputation: both rerun in B
-            space = dataclasses.replace(space, layers=False, selective=(
-                False if a.space.selective is None else a.space.selective))
-        else:  # without sharding, without offloading either (unless the user forced it)
-            space = dataclasses.replace(space, offload=False if field == "offload" or (
-                a.space.offload is None) else a.space.offload)
-            if field == "zero":
-                space = dataclasses.replace(space, zero=False)
-        b = dataclasses.replace(a, space=space)
-        try:
-            current = search_pass(b.table, b.space)
-        except NoFeasiblePlan:
-            break
-        try:  # ZB-H1's own search is not repeated: it searches sharding and offloading
-            other = _with_schedules(b, current, seconds, search_zbh1=False)
-        except ValueError:  # a named schedule that does not fit this one: the first did
-            continue
-        if step_ms(other) < step_ms(plan):
-            note("plan: with %s=False too, %s: simulated step %.2f ms against %.2f ms",
-                 field, other.schedule, step_ms(other), step_ms(plan))
-            plan = other
-    return plan
-
-
-def _with_schedules(a: Analysis, result: SearchResult, seconds: float, *,
-                    search_zbh1: bool = True) -> Plan:
-    """The searched plan, or ZB-H1 (searched itself, ``search_zbh1``, or on its stages),
-    interleaved 1F1B or ZBV on its stages where shorter. The lanes' schedules first: ZB-H1's
-    search then looks only for plans predicted shorter than the best so far."""
+    """The plan: the searched one, or a schedule the search does not cost where its simulated
+    step is shorter (or the one ``Config.schedule`` names). Interleaved 1F1B and ZBV first,
+    on the searched lanes and on every equal split of the ranks into lanes
+    (``virtual_variants``); then ZB-H1, whose own search looks only for plans predicted
+    shorter than the best so far, and on the searched stages (``zero_bubble``)."""
     def build(r: SearchResult) -> Plan:
         return build_plan(a, r, search_seconds=seconds)
 
     plan = virtual_variants(a, result, build(result), build)
-    return zero_bubble(a, result, plan, build, search=search_zbh1)
-
-
-def _uses(st: StageChoice, field: str) -> bool:
-    """The searched stage keeps its parameters in host memory, recomputes layer by layer,
-    offloads, or shards (or offloads)."""
-    if field == "host_params":
-        return st.host
-    return (st.layers or st.selective) if field == "layers" else st.offload if field == "offload" else (
-        st.zero or st.offload)
+    return zero_bubble(a, result, plan, build)
 
 
 def run_search(table: CostTable, space: SearchSpace) -> SearchResult:

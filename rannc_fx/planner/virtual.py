@@ -1,10 +1,12 @@
-"""Several stages a lane: the searched plan's lanes under interleaved 1F1B or ZBV, simulated.
+"""Several stages a lane: interleaved 1F1B or ZBV on the searched plan's lanes and on every
+equal split of the ranks into lanes, simulated.
 
 The search picks ``P`` stages, their replica counts and the micro-batch count for GPipe or
 1F1B. Interleaved 1F1B with ``v`` stages a lane (``runtime/schedule_virtual.py``) or ZBV
-(``v = 2``, a V over the lanes, backwards split) keep those ``P`` lanes, their replica counts
-and ``m``, and cut the blocks into ``v P`` stages instead, stage ``s`` on the lane the
-schedule puts it (``plan.lane_layout``):
+(``v = 2``, a V over the lanes, backwards split) take ``P`` lanes, their replica counts and
+``m`` (the searched plan's, or another split of the ranks, ``lanes.lane_choices``), and cut
+the blocks into ``v P`` stages, stage ``s`` on the lane the schedule puts it
+(``plan.lane_layout``):
 
 - the boundaries minimize the slowest stage's time per micro-batch (forward, backward,
   messages, and the forward again where its lane recomputes), each stage costed at the
@@ -25,16 +27,20 @@ schedule puts it (``plan.lane_layout``):
   A recomputing stage under ZBV holds a micro-batch's inputs until its ``B``, and from its
   ``B`` to its ``W`` what ``W`` reads of what ``R`` rebuilt (``held_units``).
 
-``virtual_variants`` is called after the search (and before ``zero_bubble``): a variant
-replaces the plan only where its simulated step is shorter, so a one-lane plan, or one
-whose bubble is already small, stays as it is. Not exact over all plans: the lanes are the
-searched plan's (a plan the search rejected might be best interleaved).
+``virtual_variants`` is called after the search (and before ``zero_bubble``): every variant
+is cut, then built and simulated in the order of a lower bound of its step
+(``lanes.step_bound``) until that bound reaches the best step so far; a variant replaces the
+plan only where its simulated step is shorter, so a plan whose bubble is already small
+stays as it is. Exact over the lanes tried, not over all plans: lanes of unequal replica
+counts other than the searched plan's are not tried, and a variant's stages are balanced
+for time, then made to fit, not searched over both at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +62,7 @@ from ..runtime.actions import Action, Kind, in_flight
 from ..runtime.schedule import make_schedule
 from ..runtime.simulate import ScheduleError
 from .analyze import Analysis
+from .lanes import Lanes, lane_choices, step_bound, work_s
 
 __all__ = ["balanced_stages", "held_units", "virtual_variants"]
 
@@ -66,40 +73,50 @@ VIRTUAL = (2, 3, 4)  # stages a lane the search tries interleaved 1F1B with
 
 def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
                      build: Callable[[SearchResult], Plan]) -> Plan:
-    """``plan``, or the interleaved (``VIRTUAL`` stages a lane) or ZBV plan on its lanes with
-    the shortest simulated step where that is shorter (or the one ``Config.schedule``
-    names, where it fits)."""
+    """``plan``, or the interleaved (``VIRTUAL`` stages a lane) or ZBV plan with the shortest
+    simulated step where that is shorter (or the shortest of the one ``Config.schedule``
+    names, where one fits), on the searched plan's lanes and the others of
+    ``lanes.lane_choices``, bounded (``lanes.work_s``, ``lanes.step_bound``)."""
     named = a.config.schedule
     forced = named in ("interleaved", "zbv")
     if named is not None and not forced:
         return plan
     if "1f1b" not in a.space.schedules and not forced:
         return plan  # the step cannot run in the call (several losses, a tail)
-    lanes = len(result.stages)
+    searched = len(result.stages)
     candidates: list[tuple[str, int]] = [("interleaved", v) for v in VIRTUAL] + [("zbv", 2)]
     if named == "interleaved":
         candidates = [("interleaved", a.config.virtual_stages or 2)]
     elif named == "zbv":
         candidates = [("zbv", 2)]
-    best = plan
-    for schedule, v in candidates:
-        why = _ineligible(lanes, v, a.table.num_blocks)
-        if why is not None:
-            if forced:
-                raise ValueError(f"schedule={schedule!r}: {why}")
-            continue
-        got = _variant(a, result, schedule, v)
-        if got is None:
-            if forced:
-                raise ValueError(
-                    f"schedule={schedule!r} with {v} stages a lane on the searched {lanes} lanes "
-                    f"(replicas {[s.replicas for s in result.stages]}, m={result.micro_batches}) "
-                    "does not fit the memory budget (with every stage of a lane recomputing "
-                    "where needed, unless Config.recompute says otherwise: a lane holds more "
-                    "micro-batches of its first stage than 1F1B's first stage); use "
-                    "schedule='1f1b' or None (searched), or give the devices more memory"
-                )
-            continue
+    choices = lane_choices(a, result)
+    # named: the shortest plan of that schedule, however long; else shorter than ``plan``
+    best: Plan | None = None if forced else plan
+    best_s = math.inf if forced else 1e-3 * (plan.simulated_step_ms or plan.predicted_step_ms)
+    why: str | None = None
+    tried = False
+    # every variant cut (cheap), then built and simulated best bound first, until the
+    # bound reaches the best step found
+    cut: list[tuple[float, int, str, int, Lanes, SearchResult]] = []
+    for k, lanes in enumerate(choices):
+        if k and work_s(a, lanes) >= best_s:
+            continue  # no plan on these lanes can be shorter
+        base = result if not k else dataclasses.replace(
+            result, stages=tuple(StageChoice(0, 0, r) for r in lanes.replicas),
+            micro_batches=lanes.m)
+        for schedule, v in candidates:
+            no = _ineligible(len(lanes.replicas), v, a.table.num_blocks)
+            if no is not None:
+                why = why or no
+                continue
+            tried = True
+            got = _variant(a, base, schedule, v)
+            if got is not None:
+                cut.append((step_bound(got.evaluation, lane_layout(schedule, len(got.stages), v),
+                                       lanes.m, schedule == "zbv"), k, schedule, v, lanes, got))
+    for bound, k, schedule, v, lanes, got in sorted(cut, key=lambda x: x[:4]):
+        if bound >= best_s:
+            break
         try:
             candidate = build(got)
         except ScheduleError as e:  # lowering could not match the lanes' messages
@@ -107,11 +124,28 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
                 raise
             note("plan: %s skipped: %s", schedule, e)
             continue
-        after, before = candidate.simulated_step_ms or 0.0, best.simulated_step_ms or 0.0
-        if forced or after < before:
-            note("plan: %s with %d stages a lane on %d lanes: simulated step %.2f ms against "
-                 "%.2f ms (%s)", schedule, v, lanes, after, before, best.schedule)
-            best = candidate
+        after = 1e-3 * (candidate.simulated_step_ms or math.inf)
+        if after < best_s:
+            note("plan: %s with %d stages a lane on %d lanes (%s, m=%d): simulated step "
+                 "%.2f ms against %.2f ms (%s)", schedule, v, len(lanes.replicas),
+                 "the searched ones" if not k else f"{lanes.replicas[0]} ranks each",
+                 lanes.m, 1e3 * after, 1e3 * best_s,
+                 "none yet" if best is None else best.schedule)
+            best, best_s = candidate, after
+    if best is None:
+        schedule, v = candidates[0]
+        if not tried:
+            raise ValueError(f"schedule={schedule!r}: {why}")
+        raise ValueError(
+            f"schedule={schedule!r} with {v} stages a lane does not fit the memory budget on "
+            f"the searched {searched} lanes (replicas {[s.replicas for s in result.stages]}, "
+            f"m={result.micro_batches})"
+            + (f" nor on any of {len(choices) - 1} other splits of the ranks into lanes"
+               if len(choices) > 1 else "")
+            + " (with every stage of a lane recomputing where needed, unless Config.recompute "
+            "says otherwise: a lane holds more micro-batches of its first stage than 1F1B's "
+            "first stage); use schedule='1f1b' or None (searched), or give the devices more "
+            "memory")
     return best
 
 

@@ -46,13 +46,12 @@ log = logging.getLogger("rannc_fx")
 
 
 def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
-                build: Callable[[SearchResult], Plan], *, search: bool = True) -> Plan:
+                build: Callable[[SearchResult], Plan]) -> Plan:
     """``plan`` (built from ``result``, or a schedule tried on its lanes), or a ZB-H1 plan
     where one fits and its simulated step is shorter (or where ``Config(schedule="zbh1")``
     asks for it and one fits): the search's own ZB-H1 optimum (``searched``, predicted
     shorter than both ``result`` and ``plan``), or ``result``'s stages run as ZB-H1
-    (``_on_stages``), whichever the simulator finds shorter (``search``: False, the second
-    only)."""
+    (``_on_stages``), whichever the simulator finds shorter."""
     forced = a.config.schedule == "zbh1"
     if not forced and (a.config.schedule is not None or "1f1b" not in a.space.schedules):
         return plan  # a schedule named, or a model that cannot run the step in the call
@@ -60,7 +59,7 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
         return plan
     why: list[str] = []
     own = searched(a, build, None if forced else result,
-                   None if forced else 1e-3 * step_ms(plan)) if search else None
+                   None if forced else 1e-3 * step_ms(plan))
     found = [(p, how) for p, how in ((own, "searched"),
                                      (_on_stages(a, result, build, why), "on the searched stages"))
              if p is not None]

@@ -215,21 +215,28 @@ def held_once(table: CostTable, space: SearchSpace, stages: Sequence[StageChoice
               costs: Sequence[StageCost]) -> list[StageCost]:
     """A lane's stages with a tensor that several of them use (``table.shared``) counted on
     the first only: the lane's ranks hold one copy of it, one gradient and one optimizer
-    state (ZBV puts the first stage, with a tied embedding, and the last, with the LM head
-    tied to it, on one lane)."""
+    state, and reduce and step it once (ZBV puts the first stage, with a tied embedding, and
+    the last, with the LM head tied to it, on one lane)."""
     out = list(costs)
-    for blocks, pb, gb in table.shared:
+    for blocks, pb, gb, opt_s in table.shared:
         users = [k for k, st in enumerate(stages) if any(st.start <= b < st.end for b in blocks)]
         for k in users[1:]:
             st, c = stages[k], out[k]
             if st.host:  # parameters on the host: fetched per use, counted as windows
                 continue
             r = st.replicas
-            state = gb * space.optimizer_state_factor / (r if st.zero and r > 1 else 1)
+            zeta = st.zero and r > 1
+            state = gb * space.optimizer_state_factor / (r if zeta else 1)
             host = state if st.offload else 0.0
-            out[k] = replace(c, params=round(c.params - pb), grads=round(c.grads - gb),
+            grads = c.grads - round(gb)
+            # the all-reduce of what gradients the stage has left (none: no all-reduce)
+            ar = float(allreduce_s(space, np.array([float(grads)]), np.array([r]), zeta)[0])
+            out[k] = replace(c, params=round(c.params - pb), grads=grads,
                              optimizer_state=round(c.optimizer_state - (state - host)),
-                             host_state=round(c.host_state - host))
+                             host_state=round(c.host_state - host),
+                             allreduce_s=ar if grads > 0 else 0.0,
+                             optimizer_s=max(0.0, c.optimizer_s - (opt_s / r if zeta else opt_s))
+                             if grads > 0 else 0.0)
     return out
 
 

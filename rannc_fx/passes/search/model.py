@@ -197,8 +197,9 @@ class CostTable:
     rebuilt: np.ndarray | None = None  # (Q, B): of act, what its backward rebuilds
     wheld: np.ndarray | None = None  # (Q, B): held between a split backward's B and W
     # the tensors several blocks use (a tied embedding and LM head): (the blocks, parameter
-    # bytes, gradient bytes) each; a lane holding two stages that both use one holds it once
-    shared: tuple[tuple[tuple[int, ...], float, float], ...] = ()
+    # bytes, gradient bytes, optimizer step seconds) each; a lane holding two stages that
+    # both use one holds it, reduces its gradient and steps it once
+    shared: tuple[tuple[tuple[int, ...], float, float, float], ...] = ()
 
     @property
     def num_blocks(self) -> int:
