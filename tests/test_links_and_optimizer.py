@@ -95,7 +95,10 @@ def test_the_plan_charges_each_stage_its_optimizer_step_and_the_given_link():
         i, j = st.first_block, st.end_block
         assert st.optimizer_ms == pytest.approx(1e3 * a.table.optimizer_s[i, j])
         assert st.accumulate_ms == pytest.approx(1e3 * a.table.accumulate_s[i, j])
-        assert st.optimizer_ms > 0 and st.accumulate_ms > 0
+        # a stage with parameters has a step to cost (the measured boundaries may leave the
+        # last stage the loss alone: then none)
+        assert (st.optimizer_ms > 0) == (st.accumulate_ms > 0) == bool(ps)
+    assert any(st.optimizer_ms > 0 for st in plan.stages)
     # the cut crosses once each way per micro-batch: bytes over 123 MB/s plus 2 x 0.25 ms
     cut = plan.cut_values[0].spec.nbytes_for(plan.stages[0].samples)
     assert plan.stages[0].comm_ms == pytest.approx(1e3 * (2 * cut / 123e6 + 2 * 0.25e-3))

@@ -3,6 +3,7 @@ searched lanes, their balanced stage boundaries, and when the planner keeps them
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import replace
 from types import SimpleNamespace
@@ -86,11 +87,16 @@ def test_zbv_with_recomputation_holds_what_r_rebuilt_until_w():
     assert 0.9 * held(plain, turn) < held(rc, turn) <= held(plain, turn)
 
 
+@functools.cache
+def _whole() -> int:
+    """What the WIDE GPT's one-stage plan on 4 V100s needs of a device."""
+    return _plan(world=4).stages[0].memory.total
+
+
 def _tight(world: int) -> dict[str, Any]:
     """A memory budget under which the search pipelines the WIDE GPT on ``world`` V100s: 0.3
     of what its one-stage plan on 4 ranks needs."""
-    whole = _plan(world=4).stages[0].memory.total
-    return dict(world=world, device_memory=int(0.3 * whole), memory_margin=0.0)
+    return dict(world=world, device_memory=int(0.3 * _whole()), memory_margin=0.0)
 
 
 def test_interleaving_is_tried_on_other_lanes_than_the_searched_ones(monkeypatch):
