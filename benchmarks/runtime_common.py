@@ -179,6 +179,19 @@ def interleave(
     return wall, cpu
 
 
+def pin_to_core() -> int:
+    """Bind this process, and the threads it starts from now on (gloo's, the runtime's
+    waiter), to core ``LOCAL_RANK`` modulo the cores it may use; returns that core.
+
+    On a machine with as many cores as ranks, unpinned ranks' threads migrate between the
+    cores as each wakes, and the steps of a contender that wakes more threads read slower
+    by an amount that changes from run to run; pinned, each rank keeps its core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
 # -- environment -----------------------------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ from runtime_common import (  # noqa: E402
     lm_loss,
     make_batch,
     median_ratio,
+    pin_to_core,
     summarize,
 )
 
@@ -110,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed rounds (default: 30)")
     p.add_argument(
         "--no-traced", action="store_true", help="same-split: leave out the pipeline() frontend"
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="bind each rank (every thread of its process) to one core, LOCAL_RANK modulo "
+        "the cores, before the process group starts; every contender runs so pinned",
     )
     p.add_argument(
         "--profile-repeats",
@@ -284,6 +291,8 @@ def even_bounds(layers: int, stages: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.pin:
+        pin_to_core()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -373,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     print(plan.summary())
     print(f"\nrannc_fx setup (capture, profile, search, split, first step) of "
           f"{len(variants)} contender(s): {setup_s:.1f} s")
-    print(f"peer: {peer_desc}; {args.steps} timed rounds after {args.warmup} warm-up rounds\n")
+    print(f"peer: {peer_desc}; {args.steps} timed rounds after {args.warmup} warm-up rounds"
+          + ("; each rank pinned to its own core" if args.pin else "") + "\n")
     print(
         f"| contender | wall ms median | p10 | p90 | {ref} / contender, wall | CPU ms (all ranks) "
         f"| {ref} / contender, CPU | first-step loss |"

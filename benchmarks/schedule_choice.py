@@ -5,9 +5,10 @@
 Each workload of ``plan_time.WORKLOADS`` (a meta-device BertForPreTraining returning its
 pre-training loss, so every schedule is eligible) is analyzed once; the search then runs with
 GPipe only, 1F1B only, and both (as ``Config(schedule=None)`` does), and the planner's
-zero-bubble and interleaving steps (``planner/zero_bubble.py``, ``planner/virtual.py``) are
-applied to the last, also on the plans searched without recomputation layer by layer,
-offloading and sharding, as the planner does (``planner.driver.choose``). ``gpt-13b`` is a meta-device GPT-2 architecture at GPT-3 13B's shape
+interleaving and zero-bubble steps (``planner/virtual.py`` on the searched lanes and every
+equal split of the ranks into lanes, ``planner/lanes.py``; then ``planner/zero_bubble.py``)
+are applied to the last, as the planner does (``planner.driver.choose``). ``gpt-13b`` is a
+meta-device GPT-2 architecture at GPT-3 13B's shape
 (40 layers of 5120, 40 heads, sequence 2048, global batch 64) returning its LM loss
 (``labels=``) on 16 A100-80GB. Per workload: the best
 GPipe/1F1B plan's simulated step and bubble (the share of the step the busiest lane is idle:

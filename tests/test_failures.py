@@ -213,6 +213,34 @@ def test_a_wait_returns_when_its_works_finish_and_times_out_when_nothing_does():
                    on_error=lambda i, e: KeyError(f"work {i}: {e}"))
 
 
+def test_a_released_send_is_waited_in_place_and_its_error_read_against_the_board():
+    """A send waited at its release point blocks this thread itself (its receiver has posted
+    the receive); a closed pair is ``PeerFailed`` where a peer posted its failure, else a
+    ``CommError`` naming the peer."""
+    import torch.distributed as dist
+
+    from rannc_fx.runtime.comm import CommError, Groups, Message, Pending
+
+    store = dist.HashStore()
+    board, other = Board(store), Board(store)
+    groups = Groups([], [], [], [], board=board)
+    done = _Work()
+    done.done.set()
+    waited_by = []
+    done_wait = done.wait
+    done.wait = lambda: waited_by.append(threading.current_thread()) or done_wait()
+    msg = Message("send", torch.zeros(2), 1, "cut value 'h' of micro-batch 0")
+    Pending([msg], [done], groups).wait_posted()
+    assert waited_by == [threading.current_thread()]  # no hand-over to the waiter
+    closed = _Work(RuntimeError("Connection closed by peer"))
+    closed.done.set()
+    with pytest.raises(CommError, match=r"send of cut value 'h' of micro-batch 0 to rank 1"):
+        Pending([msg], [closed], groups).wait_posted()
+    other.post(1, 1, IndexError("bad labels"), "in its forward")
+    with pytest.raises(PeerFailed, match=r"rank 1 \(stage 1\) raised IndexError"):
+        Pending([msg], [closed], groups).wait_posted()
+
+
 def test_an_error_is_posted_once_and_refusals_every_rank_made_not_at_all():
     board = _board()
     e = ValueError("bad")

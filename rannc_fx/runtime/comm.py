@@ -122,6 +122,9 @@ class Groups:
     world: dist.ProcessGroup | None = None  # every rank: the runtime's messages, the agreement
     timeout_s: float = 300.0
     board: Board | None = None  # the job's failure board (failures.py); None alone
+    # ``world`` is gloo: each message starts on its own (``post``); its ranks are the global
+    # ones (it spans every rank, in order)
+    gloo: bool = False
 
 
 def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
@@ -157,7 +160,8 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
 
     stage = [make(r) for r in stage_ranks]
     shared = [make(r) for r in shared_ranks]
-    return Groups(stage, shared, stage_ranks, shared_ranks, world, timeout_s, board())
+    return Groups(stage, shared, stage_ranks, shared_ranks, world, timeout_s, board(),
+                  gloo=backend_of(world) == "gloo")
 
 
 def abort_groups(groups: Groups) -> None:
@@ -210,19 +214,13 @@ class Pending:
         """Idempotent: a finished gloo work waited on again waits for a new message."""
         if len(self.works) == len(self.messages):
             g = self.groups
-            on_cpu = all(m.tensor.device.type == "cpu" for m in self.messages)
-            if g is not None and g.board is not None and on_cpu:
+            if g is not None and g.board is not None and self._on_cpu():
                 ms = self.messages
                 g.board.wait(self.works, lambda i: f"waiting to {ms[i].op} {ms[i].what}",
                              timeout_s=g.timeout_s, on_error=lambda i, e: _p2p_failed(ms[i], e))
                 self.works.clear()
                 return
-            for w, m in zip(self.works, self.messages, strict=True):
-                try:
-                    w.wait()
-                except RuntimeError as e:
-                    raise CommError(_p2p_error(m, e)) from e
-            self.works.clear()
+            self.wait_posted()
             return
         # NCCL coalesces a batch into one work: name every peer in it.
         for w in self.works:
@@ -236,28 +234,56 @@ class Pending:
                 ) from e
         self.works.clear()
 
+    def wait_posted(self) -> None:
+        """``wait`` for sends whose receivers have posted their receives (``release.py``):
+        they complete on the transports' threads whatever the peers do next, so this thread
+        waits for them itself, with no hand-over to the failure board's waiter. A peer that
+        failed and already tore its communicators down closes the pair: that error is read
+        against the board first, as ``wait`` does."""
+        if len(self.works) != len(self.messages):
+            self.wait()
+            return
+        for w, m in zip(self.works, self.messages, strict=True):
+            try:
+                w.wait()
+            except RuntimeError as e:
+                g = self.groups
+                if g is not None and g.board is not None:
+                    g.board.raise_news(f"waiting to {m.op} {m.what}")
+                raise CommError(_p2p_error(m, e)) from e
+        self.works.clear()
+
+    def _on_cpu(self) -> bool:
+        return all(m.tensor.device.type == "cpu" for m in self.messages)
+
 
 def post(messages: Sequence[Message], groups: Groups | None = None) -> Pending:
-    """Start every message in order with one ``batch_isend_irecv`` on ``groups.world`` (the
-    default group without groups); returns at once.
+    """Start every message in order on ``groups.world`` (the default group without groups);
+    returns at once. On gloo each message starts by itself on the group (``batch_isend_irecv``
+    only loops over them there, checking each op's group and ranks again on the way), on
+    NCCL as one batch.
 
     Messages between two ranks match in the order they are posted (no tags), so both
     sides must list them in the same order: the canonical order of ``routing``.
     """
     if not messages:
         return Pending([], [])
-    group = groups.world if groups is not None else None
     me = _rank()
-    ops = []
     for m in messages:
         if m.peer == me:
             raise ValueError(f"rank {me} would {m.op} {m.what} to itself; copy it locally")
         if not m.tensor.is_contiguous():
             raise ValueError(f"{m.what}: p2p needs a contiguous tensor")
-        fn = dist.isend if m.op == "send" else dist.irecv
-        ops.append(dist.P2POp(fn, m.tensor, m.peer, group=group))
     try:
-        works = dist.batch_isend_irecv(ops)
+        if groups is not None and groups.gloo and groups.world is not None:
+            pg = groups.world
+            works = [pg.send([m.tensor], m.peer, 0) if m.op == "send"
+                     else pg.recv([m.tensor], m.peer, 0) for m in messages]
+        else:
+            group = groups.world if groups is not None else None
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if m.op == "send" else dist.irecv, m.tensor, m.peer,
+                           group=group) for m in messages])
     except RuntimeError as e:
         raise CommError(_p2p_error(messages[0], e)) from e
     return Pending(messages, works, groups)

@@ -2,11 +2,13 @@
 
 A rank whose call or ``loss.backward()`` raises posts what failed (its rank, its stage, the
 exception's type and message) on the board: a counter and a message in the job's c10d store,
-which every rank reaches without its peers. Every wait of the runtime on gloo (a message, an
-all-reduce, the per-call agreement) reads the board every ``CHECK_S`` while it waits; when
-the board shows a failure the rank has not seen, it abandons its step and raises
-``PeerFailed`` naming the rank that failed, its stage and its exception. So no rank waits
-for a peer that has already failed, and none needs that peer to tell it::
+which every rank reaches without its peers. Every wait of the runtime on gloo that a peer
+could leave unfinished (a message, an all-reduce, the per-call agreement) reads the board
+every ``CHECK_S`` while it waits; when the board shows a failure the rank has not seen, it
+abandons its step and raises ``PeerFailed`` naming the rank that failed, its stage and its
+exception. So no rank waits for a peer that has already failed, and none needs that peer to
+tell it. (A send waited at its release point, whose receiver has already posted the receive,
+completes whatever that peer does next: it is waited in place, ``comm.Pending.wait_posted``.)::
 
     rank 0   F0 ✗ IndexError ── post(rank 0, stage 0, IndexError) ──▶ store
     rank 1   RECV_F 0 … waits, reads the board every CHECK_S ──────── PeerFailed(rank 0)
@@ -24,7 +26,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
@@ -102,18 +103,9 @@ class Board:
         """
         job = _waiter().submit(works)
         start = time.monotonic()
-        while True:
+        while not job.wait(CHECK_S):
             try:
-                job.done.result(timeout=CHECK_S)
-                return
-            except TimeoutError:
-                pass
-            except _WorkFailed as e:
-                self.raise_news(what(e.index))  # a peer's failure explains a closed pair best
-                raise on_error(e.index, e.error) from e.error
-            try:
-                self.raise_news(what(job.current), finished=lambda: job.done.done() and (
-                    job.done.exception() is None))
+                self.raise_news(what(job.current), finished=job.succeeded)
             except PeerFailed:
                 _abandon()
                 raise
@@ -122,6 +114,12 @@ class Board:
                 raise on_error(job.current, RuntimeError(
                     f"Timed out after {timeout_s:g} s (Config.timeout_s) with no failure "
                     "posted by another rank"))
+        error = job.error
+        if isinstance(error, _WorkFailed):
+            self.raise_news(what(error.index))  # a peer's failure explains a closed pair best
+            raise on_error(error.index, error.error) from error.error
+        if error is not None:
+            raise error
 
 
 class _WorkFailed(Exception):
@@ -131,11 +129,31 @@ class _WorkFailed(Exception):
 
 
 class _Job:
-    """A batch of works handed to the waiter: ``current`` is the one it waits on."""
+    """A batch of works handed to the waiter: ``current`` is the one it waits on. Its latch
+    is a plain lock, held until the waiter is done (a ``Future``'s condition costs more per
+    hand-over, and a step makes dozens)."""
+
+    __slots__ = ("works", "current", "error", "_latch")
 
     def __init__(self, works: Sequence[Any]) -> None:
         self.works, self.current = works, 0
-        self.done: Future[None] = Future()
+        self.error: BaseException | None = None
+        self._latch = threading.Lock()
+        self._latch.acquire()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._latch.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the waiter is done, waiting up to ``timeout`` seconds for it."""
+        if self._latch.acquire(timeout=timeout):
+            self._latch.release()  # done stays done
+            return True
+        return False
+
+    def succeeded(self) -> bool:
+        return not self._latch.locked() and self.error is None
 
 
 class _Waiter:
@@ -159,18 +177,18 @@ class _Waiter:
     def _finish(job: _Job) -> None:
         """Wait on the job's works, then drop them: a work holds its tensors (an all-gather's
         buffers, a step's last messages), which must not live on until the next job."""
+        error: BaseException | None = None
         try:
             for i, w in enumerate(job.works):
                 job.current = i
                 w.wait()
         except RuntimeError as e:
-            job.done.set_exception(_WorkFailed(job.current, e))
+            error = _WorkFailed(job.current, e)
         except BaseException as e:
-            job.done.set_exception(e)
-        else:
-            job.done.set_result(None)
+            error = e
         finally:
             job.works = ()
+            job.finish(error)
 
 
 _WAITER: list[_Waiter] = []

@@ -185,13 +185,22 @@ class StageRunner:
         return piece.contiguous()
 
     def scatter(self, step: StepState, _: int | None = None) -> None:
-        """Every micro-batch's graph inputs at once; owners never wait on anything first."""
+        """Every micro-batch's graph inputs at once, as one batch of messages each way (owners
+        never wait on anything first): they leave together, so the first forward that reads
+        them waits for all of them, once."""
+        sends: list[Message] = []
+        recvs: list[Message] = []
+        received = []
         for i in range(self.plan.micro_batches):
             msgs, recv = self._messages(
                 self.routes.inputs[i], lambda t: step.local[t.slot], "input"
             )
-            step.inputs.append((post([x for x in msgs if x.op == "recv"], self.groups), recv))
-            step.sends.append(post([x for x in msgs if x.op == "send"], self.groups))
+            sends += [x for x in msgs if x.op == "send"]
+            recvs += [x for x in msgs if x.op == "recv"]
+            received.append(recv)
+        pending = post(recvs, self.groups)
+        step.inputs.extend((pending, recv) for recv in received)
+        step.sends.append(post(sends, self.groups))
 
     def recv_f(self, step: StepState, i: int, peer: int | None = None) -> None:
         """Post micro-batch i's receives of cut values (from stage ``peer`` only, if given)."""

@@ -67,8 +67,10 @@ class StepState:
 
     def finish_send(self, what: str, i: int) -> None:
         """Wait for micro-batch i's sends of ``what`` ("F": cut values, "B": gradients), if
-        still pending: their tensors are freed now rather than at the step's end."""
+        still pending: their tensors are freed now rather than at the step's end. Called at
+        the sends' release points, where every receiver has posted its receive
+        (``release.py``): waited in place."""
         pending = self.sent.pop((what, i), None)
         if pending is not None:
-            pending.wait()
+            pending.wait_posted()
             self.sends.remove(pending)
