@@ -59,6 +59,7 @@ def run_ranks(
     variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) instead of a group.
     """
     import torch._dynamo  # noqa: F401  torch.optim imports it lazily: once here, not per fork
+    import torch.export._trace  # noqa: F401  torch.export.export too
 
     if dist.is_initialized():  # a one-process compile() earlier in this process made a group
         dist.destroy_process_group()  # of one; a forked worker must not inherit it

@@ -9,6 +9,11 @@ import torch
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
+# transformers loads a model's module at its first use: load them here, once, so that ranks
+# forked by ``dist_utils.run_ranks`` find them loaded instead of each loading them again.
+for _cls in ("BertForPreTraining", "GPT2LMHeadModel", "ResNetForImageClassification",
+             "LlamaForCausalLM", "T5ForConditionalGeneration"):
+    getattr(transformers, _cls)
 
 Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 

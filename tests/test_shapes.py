@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rannc_fx.passes.capture import capture_pass
-from rannc_fx.passes.shapes import infer_values_pass
+from rannc_fx.passes.shapes import infer_dtypes_pass, infer_values_pass
 from rannc_fx.runtime.pieces import interleave, sample_major
 from rannc_fx.values import ValueSpec
 
@@ -93,6 +93,23 @@ def test_every_zoo_value_has_a_spec(zoo, name):
     assert all(o.batch_dim == 0 for o in outs[1:])  # logits
     # Fake propagation never touches the real state (BatchNorm statistics included).
     assert all(torch.equal(t, state[k]) for k, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt", "gpt2"])
+def test_the_dtypes_pass_gives_the_shape_pass_s_dtypes_under_each_autocast_state(zoo, name):
+    """compile() infers the dtypes of the states it did not plan under with the cheap pass."""
+    if name == "gpt2":
+        pytest.importorskip("transformers")
+    model, args, kwargs, cg = zoo(name)
+    flat = cg.flatten_inputs(args, kwargs)
+    got = {}
+    for state in (None, torch.bfloat16):
+        with torch.autocast("cpu", dtype=state or torch.float32, enabled=state is not None):
+            want = {n: v.dtype for n, v in infer_values_pass(cg, flat).items()}
+            got[state] = infer_dtypes_pass(cg, flat)
+        assert got[state] == want
+    lowered = [n for n, d in got[torch.bfloat16].items() if d != got[None][n]]
+    assert lowered, "autocast changed no dtype: the comparison would pass a pass that ignores it"
 
 
 def test_meta_model_gives_the_same_values_as_a_real_one(zoo):

@@ -6,7 +6,8 @@ rank must know a value's dtype before it posts the receive. The plan holds the d
 autocast state it was made under (``Config.autocast_dtype``, else the state of the call that
 planned). Before the rest of the model is freed, ``AmpSpecs.of`` infers the dtypes of every
 value under the other states a training job switches between (autocast off, bfloat16, and on
-CUDA float16) with the same shape pass as planning (FakeTensorProp: no real compute); a call
+CUDA float16) with one run on fake tensors at the example's sizes (``infer_dtypes_pass``: no
+real compute, and none of the planning shape pass's symbols, a twentieth of its time); a call
 under one of them runs on a copy of the plan with those dtypes (``retype``), so each value
 moves in the dtype it has in that call: half the bytes of float32 for bfloat16.
 """
@@ -22,7 +23,7 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ..passes.capture import CapturedGraph
-from ..passes.shapes import infer_values_pass
+from ..passes.shapes import infer_dtypes_pass
 from ..plan import Plan
 
 __all__ = ["AmpSpecs", "GradScaler", "amp_state", "autocast_as"]
@@ -70,8 +71,8 @@ class AmpSpecs:
             if state == planned:
                 continue
             with autocast_as(device_type, state):
-                values = infer_values_pass(captured, flat_inputs, batch_dim=batch_dim)
-            dtypes[state] = {n: values[n].dtype for n in names if n in values}
+                values = infer_dtypes_pass(captured, flat_inputs, batch_dim=batch_dim)
+            dtypes[state] = {n: values[n] for n in names if n in values}
         return cls(device_type, planned, dtypes)
 
     def retype(self, plan: Plan, state: str | None) -> Plan:
