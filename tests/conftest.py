@@ -18,6 +18,8 @@ ZOO = {
     "bert": ("tests.hf_models", "bert_example"),
     "gpt2": ("tests.hf_models", "gpt2_example"),
     "resnet": ("tests.hf_models", "resnet_example"),
+    "llama": ("tests.hf_models", "llama_example"),
+    "t5": ("tests.hf_models", "t5_example"),
 }
 
 Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]

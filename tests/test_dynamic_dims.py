@@ -9,7 +9,6 @@ several ranks are in ``test_dynamic_lengths.py``.
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -26,8 +25,6 @@ from rannc_fx.passes.split import run_stages
 from rannc_fx.plan import Plan
 from rannc_fx.progress import Progress
 from rannc_fx.values import SAMPLES, ValueSpec, evaluate, formula_text
-
-from .conftest import zoo_example
 
 CFG = dict(profile_cache_dir=None, profile_repeats=1)
 
@@ -69,12 +66,6 @@ MODELS = {
 }
 
 
-def _example(name: str):
-    if name in ("llama", "t5"):
-        return getattr(importlib.import_module("tests.hf_models"), f"{name}_example")()
-    return zoo_example(name.removesuffix("-fx"))
-
-
 def _concrete(cg, flat, specs: list[ValueSpec], sizes: dict[str, int], samples: int):
     """Every node's value from a run on concrete fake inputs shaped as ``specs`` say."""
     mode = FakeTensorMode()
@@ -88,10 +79,9 @@ def _concrete(cg, flat, specs: list[ValueSpec], sizes: dict[str, int], samples: 
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_formulas_equal_concrete_propagation_at_other_lengths(name):
+def test_formulas_equal_concrete_propagation_at_other_lengths(zoo, name):
     dims, pinned = MODELS[name]
-    model, args, kwargs = _example(name)
-    cg = capture_pass(model, args, kwargs, tracer="fx" if name.endswith("-fx") else "auto")
+    model, args, kwargs, cg = zoo(name.removesuffix("-fx"), "fx" if name.endswith("-fx") else "auto")
     flat = cg.flatten_inputs(args, kwargs)
     shapes = shapes_pass(cg, flat)
     assert shapes.formulas is not None

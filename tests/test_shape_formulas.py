@@ -36,14 +36,6 @@ MODELS = {
 }
 
 
-def _example(name: str):
-    if name == "gpt-fx":  # nn.TransformerEncoder kept whole by torch.fx
-        return zoo_example("gpt")
-    if name in ("llama", "t5"):
-        return getattr(importlib.import_module("tests.hf_models"), f"{name}_example")()
-    return zoo_example(name)
-
-
 def _concrete(cg, flat, samples: int) -> dict[str, object]:
     """Every node's value from a run on concrete fake tensors of ``samples`` samples."""
     mode = FakeTensorMode()
@@ -63,16 +55,14 @@ def _facts(v: object) -> object:
     return pytree.tree_map(leaf, v)
 
 
-@pytest.fixture(scope="module")
-def captured():
-    cache: dict[str, tuple] = {}
+@pytest.fixture
+def captured(zoo):
+    """(model, captured, flat inputs) of a zoo model, captured once a session (``zoo``); the
+    fake runs here leave it as it is."""
 
     def get(name: str):
-        if name not in cache:
-            model, args, kwargs = _example(name)
-            cg = capture_pass(model, args, kwargs, tracer="fx" if name == "gpt-fx" else "auto")
-            cache[name] = (model, cg, cg.flatten_inputs(args, kwargs))
-        return cache[name]
+        model, args, kwargs, cg = zoo(*(("gpt", "fx") if name == "gpt-fx" else (name,)))
+        return model, cg, cg.flatten_inputs(args, kwargs)
 
     return get
 
