@@ -81,7 +81,7 @@ def _concrete(cg, flat, specs: list[ValueSpec], sizes: dict[str, int], samples: 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_formulas_equal_concrete_propagation_at_other_lengths(zoo, name):
     dims, pinned = MODELS[name]
-    model, args, kwargs, cg = zoo(name.removesuffix("-fx"), "fx" if name.endswith("-fx") else "auto")
+    _, args, kwargs, cg = zoo(name.removesuffix("-fx"), "fx" if name.endswith("-fx") else "auto")
     flat = cg.flatten_inputs(args, kwargs)
     shapes = shapes_pass(cg, flat)
     assert shapes.formulas is not None

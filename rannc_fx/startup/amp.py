@@ -7,9 +7,10 @@ autocast state it was made under (``Config.autocast_dtype``, else the state of t
 planned). Before the rest of the model is freed, ``AmpSpecs.of`` infers the dtypes of every
 value under the other states a training job switches between (autocast off, bfloat16, and on
 CUDA float16) with one run on fake tensors at the example's sizes (``infer_dtypes_pass``: no
-real compute, and none of the planning shape pass's symbols, a twentieth of its time); a call
-under one of them runs on a copy of the plan with those dtypes (``retype``), so each value
-moves in the dtype it has in that call: half the bytes of float32 for bfloat16.
+real compute, and none of the planning shape pass's symbols: 17-40x faster than that pass
+under bfloat16 on the suite's models); a call under one of them runs on a copy of the plan
+with those dtypes (``retype``), so each value moves in the dtype it has in that call: half
+the bytes of float32 for bfloat16.
 """
 
 from __future__ import annotations
