@@ -33,6 +33,7 @@ from .runtime.comm import agree, init_distributed
 from .runtime.lane import LaneModules, graph_modules
 from .runtime.trace import Recorder
 from .startup import set_up_rank
+from .startup.modes import Modes
 from .startup.placement import InitFn, Placement, rank_device
 from .state import StateNames, load_local
 
@@ -71,6 +72,8 @@ def compile(
 class CompiledModel(nn.Module):
     """The model as this rank runs it: ``plan``, ``stages`` and ``print(model)`` show where."""
 
+    _root: nn.Module  # the model object compiled (set without registering it as a child)
+
     def __init__(
         self,
         model: nn.Module,
@@ -83,6 +86,10 @@ class CompiledModel(nn.Module):
         init: InitFn | None = None,
     ):
         super().__init__()
+        self.training = model.training  # the mode calls run in: train() and eval() switch it
+        # the user's model object itself, whose flag counts too (``net.eval()`` on the model
+        # compiled, as with DDP); not a submodule: its other stages' tensors are freed
+        object.__setattr__(self, "_root", model)
         self.config = Config.from_env(config)
         self.device = rank_device(self.config.device)
         init_distributed(self.config, device=self.device)
@@ -99,6 +106,7 @@ class CompiledModel(nn.Module):
         self.placement: Placement | None = None
         self._checked = False  # whether the first step checked every rank's tensors
         self._trace: Recorder | None = None  # Config.trace_dir: the traced steps' events
+        self._modes: Modes | None = None  # the graph of each mode, from the first call
         if example_args is not None or example_kwargs is not None:
             self._setup(tuple(example_args or ()), dict(example_kwargs or {}))
 
@@ -134,6 +142,20 @@ class CompiledModel(nn.Module):
         return f"CompiledModel(\n{plan.summary()}\n{where}\none step:\n{grid}\n)"
 
     # -- a step ---------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> CompiledModel:
+        """Run later calls in training (``True``) or eval mode: dropout, batch norm and every
+        branch of the forward on ``self.training`` as ``model.train(mode)`` would set them.
+
+        Each mode runs a graph captured in that mode (``startup/modes.py``: the first call's
+        mode is the planned graph, the other is captured at its first call), so this sets no
+        flag on the stages' modules: the graphs keep the modes they were captured in. A call
+        runs in eval mode where this model or the model object it compiled is in eval mode
+        (``net.eval()`` on the original works as with DDP)."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be a bool, got {mode!r}")
+        self.training = mode
+        return self
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._executor is None:
             self._setup(args, kwargs)
@@ -145,8 +167,10 @@ class CompiledModel(nn.Module):
         assert self._batches is not None
         try:
             flat = self._captured.flatten_inputs(args, kwargs)
-            executor = self._last = self._batches.for_inputs(flat)
-            return self._captured.unflatten_outputs(executor.forward(flat))
+            training = self.training and self._root.training
+            executor = self._last = self._batches.for_inputs(flat, training)
+            assert self._modes is not None
+            return self._modes.of(training).captured.unflatten_outputs(executor.forward(flat))
         except Exception as e:  # tell the other ranks (runtime/failures.py), unless they know
             self._batches.failed(e, "in its call")
             raise
@@ -201,6 +225,7 @@ class CompiledModel(nn.Module):
         )  # fmt: skip
         self._captured, self.stage = ready.captured, ready.stage
         self.placement, self._names, self._batches = ready.placement, ready.names, ready.batches
+        self._modes = ready.modes
         self._executor = ready.batches.default
         self.model = None  # drops the full model; `stage` holds the parameters that remain
         if self.config.trace_dir is not None:

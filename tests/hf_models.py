@@ -18,11 +18,12 @@ for _cls in ("BertForPreTraining", "GPT2LMHeadModel", "ResNetForImageClassificat
 Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
-def bert_example(batch: int = 4, seq: int = 16, layers: int = 2) -> Example:
+def bert_example(batch: int = 4, seq: int = 16, layers: int = 2,
+                 dropout: float = 0.0) -> Example:
     cfg = transformers.BertConfig(
         vocab_size=320, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=64,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(0)
     model = transformers.BertForPreTraining(cfg)

@@ -330,7 +330,10 @@ def split_pass(
         )
     stages = []
     for st in plan.stages:
-        sub = parts.get_submodule(f"submod_{st.index}")
+        sub = getattr(parts, f"submod_{st.index}", None)
+        if sub is None:  # no node of this graph runs there (a mode's graph: restage)
+            sub = fx.GraphModule(nn.Module(), fx.Graph())
+            sub.graph.output(())
         assert isinstance(sub, fx.GraphModule)
         stages.append(_stage_module(sub, captured, st.index, st.inputs, st.outputs,
                                     staged.recomputed))

@@ -11,6 +11,10 @@ The same goes for the autocast state a call runs under: ``retype`` (given by
 ``rannc_fx.compile``, see ``rannc_fx/startup/amp.py``) gives the plan with its cut values and outputs
 in that state's dtypes, and the executor for (size, state) is kept likewise.
 
+The same goes for the mode: a call in the mode the model was not planned in (``model.eval()``
+after training, ``startup/modes.py``) runs that mode's graph on its own plan (``other``),
+with an executor per (size, state, lengths) likewise.
+
 The same goes for the sizes of the plan's dynamic dimensions (``Plan.dynamic_dims``: a
 sequence length under dynamic padding): a call of another length up to the planned one runs
 on ``plan.at_sizes(...)``, every message sized for it, with its own executor (the most
@@ -47,6 +51,7 @@ from .trace import Recorder
 __all__ = ["KEPT", "BatchSizes", "rebatched"]
 
 Executor = StageExecutor | AloneExecutor
+Key = tuple[int, str | None, tuple[int, ...], bool]  # global batch, state, lengths, training
 KEPT = 32  # executors kept for sizes other than the plan's (dynamic padding makes many)
 
 
@@ -75,13 +80,19 @@ class BatchSizes:
         state: Callable[[], str | None] = lambda: None,
         retype: Callable[[Plan, str | None], Plan] = lambda plan, _: plan,
         check: bool = True,
+        training: bool = True,
+        other: Callable[[bool], tuple[Plan, fx.GraphModule | LaneModules,
+                                      Callable[[Plan, str | None], Plan]]] | None = None,
     ) -> None:  # fmt: skip
+        """``training``: the mode ``plan`` and ``module`` are for; ``other(mode)`` gives the
+        plan, module and retype of the other mode (made at its first call)."""
         self.module, self.device, self.timeout_s = module, device, timeout_s
+        self.training, self.other = training, other
         self.default: Executor = build_executor(plan, module, device=device, timeout_s=timeout_s)
         self.plan, self.state, self.retype, self.check = plan, state, retype, check
         self._planned_sizes = tuple(d.size for d in plan.dynamic_dims)
-        self._planned_key = (plan.global_batch, planned, self._planned_sizes)
-        self._by_key: dict[tuple[int, str | None, tuple[int, ...]], Executor] = {
+        self._planned_key: Key = (plan.global_batch, planned, self._planned_sizes, training)
+        self._by_key: dict[Key, Executor] = {
             self._planned_key: self.default
         }
         self.trace: Recorder | None = None
@@ -90,10 +101,11 @@ class BatchSizes:
         # an input's shape travels in the agreement as (index, rank, dims): this many dims
         self._dims = max((len(s.shape) for s in plan.inputs if s.kind == "tensor"), default=0)
 
-    def for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
-        """The executor for the batch ``flat_inputs`` holds (the same on every rank)."""
+    def for_inputs(self, flat_inputs: Sequence[Any], training: bool | None = None) -> Executor:
+        """The executor for the batch ``flat_inputs`` holds (the same on every rank), in
+        mode ``training`` (default: the planned one)."""
         self._recover()
-        return self._for_inputs(flat_inputs)
+        return self._for_inputs(flat_inputs, self.training if training is None else training)
 
     def failed(self, e: Exception, during: str) -> None:
         """A call raised outside the executor (its inputs' structure, the agreement, its
@@ -130,7 +142,7 @@ class BatchSizes:
         self._by_key = {self._planned_key: self.default}
         self._broken = False
 
-    def _for_inputs(self, flat_inputs: Sequence[Any]) -> Executor:
+    def _for_inputs(self, flat_inputs: Sequence[Any], training: bool) -> Executor:
         sizes, state = self._sizes(flat_inputs), self.state()
         plan = self._sized(sizes)
         local = self._local_size(plan, flat_inputs)
@@ -150,15 +162,22 @@ class BatchSizes:
                 raise
         else:
             self._check_sizes([sizes])
-        key = (local * world, state, sizes)
+        key = (local * world, state, sizes, training)
         return _recent(self._by_key, key, self._planned_key,
                        lambda: self._build(key, plan, state, agreed))
 
-    def _build(self, key: tuple[int, str | None, tuple[int, ...]], plan: Plan,
-               state: str | None, agreed: bool) -> Executor:
-        """The executor for a batch size, state and lengths not seen lately."""
+    def _build(self, key: Key, plan: Plan, state: str | None, agreed: bool) -> Executor:
+        """The executor for a batch size, state, lengths and mode not seen lately."""
         groups = getattr(self.default, "groups", None)
-        plan = self.retype(plan, state)
+        module, retype = self.module, self.retype
+        if key[3] != self.training:
+            if self.other is None:
+                raise RuntimeError("this model was compiled for one mode only")
+            plan, module, retype = self.other(key[3])
+            if key[2] != self._planned_sizes:
+                plan = plan.at_sizes({d.name: n for d, n in zip(plan.dynamic_dims, key[2],
+                                                                 strict=True)})
+        plan = retype(plan, state)
         if key[0] != plan.global_batch:
             try:
                 plan = rebatched(plan, key[0])
@@ -167,7 +186,7 @@ class BatchSizes:
                     raised_everywhere(e)
                 raise
         found = build_executor(
-            plan, self.module, device=self.device, timeout_s=self.timeout_s, groups=groups
+            plan, module, device=self.device, timeout_s=self.timeout_s, groups=groups
         )
         if isinstance(found, StageExecutor):
             found.set_trace(self.trace)

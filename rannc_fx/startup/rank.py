@@ -38,6 +38,7 @@ from ..runtime.lane import LaneModules, graph_modules
 from ..runtime.zero import shard_optimizer
 from ..state.checkpoint import StateNames
 from .amp import AmpSpecs, amp_state, autocast_as
+from .modes import Modes
 from .placement import InitFn, Placement, free_others, place_stage
 from .probe import measure_link
 
@@ -53,7 +54,8 @@ class Ready:
     plan: Plan
     placement: Placement
     names: StateNames  # this rank's part under the original names
-    batches: BatchSizes  # the executors, one per batch size and autocast state
+    batches: BatchSizes  # the executors, one per batch size, autocast state and mode
+    modes: Modes  # the graph of each mode (train, eval)
 
 
 def set_up_rank(
@@ -84,6 +86,8 @@ def set_up_rank(
         )  # fmt: skip
     amp_type = home.type if home.type != "meta" else device.type
     planned_amp = cfg.autocast_dtype or amp_state(amp_type)
+    modes = Modes(model, args, kwargs, config=cfg, device=device, rank=rank, amp_type=amp_type,
+                  planned_amp=planned_amp, home=home)  # before any tensor moves or is freed
     with _untouched(model), autocast_as(amp_type, planned_amp):
         if planned:
             assert target is not None
@@ -130,11 +134,18 @@ def set_up_rank(
     if optimizer is not None:
         _prune_optimizer(optimizer, stage)
     device_type = device.type
+    planned_mode = modes.planned(captured, plan, stage,
+                                 amp.retype if amp is not None else _planned_only(planned_amp))
+
+    def other(training: bool) -> tuple[Plan, fx.GraphModule | LaneModules,
+                                       Callable[[Plan, str | None], Plan]]:
+        made = modes.of(training)
+        return made.plan, made.module, made.retype
+
     batches = BatchSizes(
         plan, stage, device=device, timeout_s=cfg.timeout_s, planned=planned_amp,
-        state=lambda: amp_state(device_type),
-        retype=amp.retype if amp is not None else _planned_only(planned_amp),
-        check=cfg.check_batches,
+        state=lambda: amp_state(device_type), retype=planned_mode.retype,
+        check=cfg.check_batches, training=modes.planned_mode, other=other,
     )  # fmt: skip
     shard_optimizer(
         optimizer, plan, rank,
@@ -143,7 +154,7 @@ def set_up_rank(
     )  # fmt: skip
     note("compiled %s for %d rank(s) in %.2f s total (plan, split, placement)",
          captured.model_name, world, time.perf_counter() - started)
-    return Ready(captured, stage, plan, placement, names, batches)
+    return Ready(captured, stage, plan, placement, names, batches, modes)
 
 def _plan_here(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple[Any, ...],
