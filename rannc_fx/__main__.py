@@ -1,4 +1,5 @@
-"""Command line: ``python -m rannc_fx plan MODULE:FACTORY --world-size N --device PRESET`` and
+"""Command line: ``python -m rannc_fx plan MODULE:FACTORY --world-size N --device PRESET``
+(with a flag for every Config field: ``--max-micro-batches 64``) and
 ``python -m rannc_fx trace summary FILE``."""
 
 from __future__ import annotations
@@ -15,12 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from .config import Config
+from .config_flags import add_config_flags, config_from_flags, explain, name_flags
 from .device import DeviceSpec
 from .partition import partition
 
 __all__ = ["main"]
+
+# the plan is made for the device its ranks will run on, so here Config.device is also where
+# the costs come from, and it may name a device that is not this machine's
+_DEVICE_NOTE = (
+    "here also where costs come from: a torch device (cpu, cuda) is measured on, a preset ("
+    + ", ".join(DeviceSpec.presets()) + ") is planned for with the analytic cost model "
+    "(needed with --meta); by default the costs are measured where the factory's model is"
+)
 
 
 def _factory_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -57,24 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
                       help="keyword argument for the factory (repeatable)")
     plan.add_argument("--world-size", type=int, required=True, help="number of devices")
-    plan.add_argument("--device", default=None,
-                      help=f"a preset ({', '.join(DeviceSpec.presets())}) for the analytic "
-                           "cost model, or a torch device (cpu, cuda) to measure on")
     plan.add_argument("--meta", action="store_true",
                       help="build the model on the meta device (no weights allocated)")
     plan.add_argument("--global-batch", type=int, default=None,
                       help="samples per step (default: the factory's example batch)")
-    plan.add_argument("--stages", type=int, default=None, help="force the stage count")
-    plan.add_argument("--replicas", default=None, help="force replica counts, e.g. 2,1")
-    plan.add_argument("--micro-batches", type=int, default=None, help="force the micro-batch count")
-    plan.add_argument("--schedule", choices=("gpipe", "1f1b", "zbh1", "interleaved", "zbv"),
-                      default=None, help="force the schedule (default: searched); with "
-                      "interleaved and zbv, --stages and --replicas count lanes")
-    plan.add_argument("--virtual-stages", type=int, default=None,
-                      help="stages a lane under --schedule interleaved (default: 2)")
-    plan.add_argument("--device-memory-gib", type=float, default=None,
-                      help="per-device memory in GiB (default: the device's)")
-    plan.add_argument("--tracer", choices=("auto", "fx", "export"), default=None)
     plan.add_argument("--out", default="plan.json", help="where to write the plan JSON")
     talk = plan.add_mutually_exclusive_group()
     talk.add_argument("-q", "--quiet", action="store_true",
@@ -83,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     talk.add_argument("-v", "--verbose", action="store_true",
                       help="also log debug details (DPs run, ops without a backward, what "
                            "torch.export printed)")
+    add_config_flags(plan, notes={"device": _DEVICE_NOTE})
     trace = sub.add_parser("trace", help="read a trace written with Config.trace_dir")
     what = trace.add_subparsers(dest="trace_command", required=True)
     summary = what.add_parser("summary", help="busy, bubble and communication per stage, "
@@ -126,35 +123,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    try:  # before the model is built: a bad flag costs nothing
+        config = config_from_flags(args)
+    except ValidationError as e:
+        for line in explain(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    device = config.device
+    if device in DeviceSpec.presets():  # a cost model, not a device a rank could run on
+        config = config.model_copy(update={"device": None})
+    elif device is None and args.meta:
+        raise SystemExit("--meta needs --device PRESET (the analytic cost model): "
+                         + ", ".join(DeviceSpec.presets()))
     factory = _load_factory(args.factory)
     with torch.device("meta") if args.meta else nullcontext():
         made = factory(**_factory_kwargs(args.arg))
     model, ex_args, ex_kwargs = (*made, {}) if len(made) == 2 else made
-    overrides: dict[str, Any] = {}
-    if args.stages is not None:
-        overrides["stages"] = args.stages
-    if args.replicas is not None:
-        overrides["replicas"] = tuple(int(r) for r in args.replicas.split(","))
-    if args.micro_batches is not None:
-        overrides["micro_batches"] = args.micro_batches
-    if args.schedule is not None:
-        overrides["schedule"] = args.schedule
-    if args.virtual_stages is not None:
-        overrides["virtual_stages"] = args.virtual_stages
-    if args.device_memory_gib is not None:
-        overrides["device_memory"] = int(args.device_memory_gib * 1024**3)
-    if args.tracer is not None:
-        overrides["tracer"] = args.tracer
-    config = Config(**overrides)
-    device = args.device
-    if device is None and args.meta:
-        raise SystemExit("--meta needs --device PRESET (the analytic cost model): "
-                         + ", ".join(DeviceSpec.presets()))
     try:
         parted = partition(model, tuple(ex_args), dict(ex_kwargs), world_size=args.world_size,
                            device=device, config=config, global_batch=args.global_batch)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {name_flags(str(e))}", file=sys.stderr)
         return 2
     print(parted.plan.summary())
     parted.plan.save(args.out)

@@ -31,12 +31,12 @@ class Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # -- what the search may choose ------------------------------------------------------
-    stages: int | None = Field(default=None, ge=1, description="number of pipeline stages")
+    stages: int | None = Field(default=None, ge=1, description="number of pipeline stages; None = searched")
     replicas: tuple[int, ...] | None = Field(
-        default=None, description="replica count of each stage; sums to the world size"
+        default=None, description="replica count of each stage, summing to the world size; None = searched"
     )
-    micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step")
-    max_micro_batches: int = Field(default=32, ge=1, description="largest count the search tries")
+    micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step; None = searched")
+    max_micro_batches: int = Field(default=32, ge=1, description="largest micro-batch count the search tries")
     schedule: Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"] | None = Field(
         default=None, description="pipeline schedule; None = searched (GPipe or 1F1B, then "
         "ZB-H1, interleaved 1F1B and ZBV on the searched stages where they fit and simulate "
@@ -46,7 +46,7 @@ class Config(BaseModel):
         "replicas count lanes)",
     )
     virtual_stages: int | None = Field(
-        default=None, ge=2, description="stages a lane under schedule='interleaved' (None: 2)",
+        default=None, ge=2, description="stages a lane under schedule='interleaved'; None = 2",
     )
     recompute: bool | None = Field(
         default=None,
@@ -120,7 +120,7 @@ class Config(BaseModel):
         default=0.1, ge=0, lt=1, description="fraction of device memory kept free"
     )
     optimizer_state_factor: float = Field(
-        default=2.0, ge=0, description="optimizer state bytes per parameter byte (Adam: 2)"
+        default=2.0, ge=0, description="optimizer state bytes per parameter byte (Adam: 2, SGD: 0)"
     )
 
     # -- links -----------------------------------------------------------------------------
@@ -143,12 +143,20 @@ class Config(BaseModel):
     )
 
     # -- capture and profile ---------------------------------------------------------------
-    tracer: Literal["auto", "fx", "export"] = "auto"
+    tracer: Literal["auto", "fx", "export"] = Field(
+        default="auto",
+        description="how the model is captured: 'fx' (torch.fx.symbolic_trace), 'export' "
+        "(non-strict torch.export, ATen level), 'auto' = fx where its graph matches the model "
+        "on the example batch and keeps no torch.nn container opaque, else export",
+    )
     leaf_modules: tuple[str, ...] = Field(
         default=(), description="module class names that torch.fx keeps as single calls"
     )
     cost_model: Literal["auto", "measured", "analytic"] = Field(
-        default="auto", description="auto = measured on a real device, analytic on meta"
+        default="auto",
+        description="how op costs are found: 'measured' (timed on the device), 'analytic' "
+        "(from FLOPs and bytes), 'auto' = measured where the model's tensors are on the rank's "
+        "device, analytic for a meta-device model or one elsewhere",
     )
     batch_dim: int = Field(default=0, ge=0, description="batch dimension of the inputs")
     dynamic_dims: Literal["auto", "batch"] | tuple[str, ...] = Field(
@@ -179,7 +187,7 @@ class Config(BaseModel):
         "adds them and seeds each slice's backward with 1 (exact for a sum, or for a loss "
         "already divided by a global count such as transformers' num_items_in_batch)",
     )
-    timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout")
+    timeout_s: float = Field(default=300.0, gt=0, description="process-group timeout, seconds")
     batch_norm: Literal["step", "micro-batch"] = Field(
         default="step",
         description="BatchNorm running statistics: 'step' updates them once a step from the "

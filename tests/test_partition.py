@@ -284,5 +284,5 @@ def test_max_micro_batches_bounds_the_searched_count():
         assert [st.replicas for st in bounded.stages] == [1, 1]
         assert all(st.memory.total <= bounded.memory_budget for st in bounded.stages)
     # one micro-batch does not fit 4.0 MiB on 2 ranks: the error names the bound's way out
-    with pytest.raises(ValueError, match=r"use more micro-batches \(2 fit"):
+    with pytest.raises(ValueError, match=r"use more micro-batches \(2 fit: max_micro_batches=2;"):
         _plan_in(4, memory_margin=0.0, max_micro_batches=1)

@@ -675,7 +675,8 @@ def test_no_feasible_plan_says_what_fits() -> None:
     search_pass(table, dataclasses.replace(space, memory_budget=e.largest_stage_bytes))
     # 4 micro-batches of 2 samples fit once a stage holds one micro-batch's activations only
     # (2 stages: 0.5 + 2 x 0.2 GiB, recomputing; or 1F1B's 2 + 1 in flight, 0.5 + 2 x 0.4 GiB)
-    assert "or use more micro-batches (4 fit; global batch 8 allows up to 8)" in str(e)
+    assert ("or use more micro-batches (4 fit: max_micro_batches=4; global batch 8 allows up "
+            "to 8)") in str(e)
     plain = dataclasses.replace(space, schedules=("gpipe",), recompute=False)
     with pytest.raises(NoFeasiblePlan, match="more micro-batches .global batch 8 allows up "
                                              "to 8. do not fit either"):
@@ -689,8 +690,8 @@ def test_more_micro_batches_suggested() -> None:
                                 workspace=table.workspace + table.sizes[:, None] * 0.3 * GiB)
     space = SearchSpace(world_size=2, global_batch=8, memory_budget=1.0 * GiB,
                         link_bandwidth=1.0, micro_batches=(1, 2))
-    with pytest.raises(NoFeasiblePlan, match=r"or use more micro-batches \(4 fit; global "
-                                               r"batch 8 allows up to 8\)") as info:
+    with pytest.raises(NoFeasiblePlan, match=r"or use more micro-batches \(4 fit: "
+                       r"max_micro_batches=4; global batch 8 allows up to 8\)") as info:
         search_pass(table, space)
     assert info.value.micro_batches == 4
     search_pass(table, dataclasses.replace(space, micro_batches=(4,)))

@@ -141,7 +141,8 @@ def no_plan(table: CostTable, space: SearchSpace) -> NoFeasiblePlan:
     more = next((m for m in _more_micro_batches(space)
                  if _smallest_world(table, space, m, W, W) is not None), None)
     if more is not None:
-        msg += f"; or use more micro-batches ({more} fit; global batch {G} allows up to {G})."
+        msg += (f"; or use more micro-batches ({more} fit: max_micro_batches={more}; global "
+                f"batch {G} allows up to {G}).")
     elif G > ms[-1]:
         msg += f"; more micro-batches (global batch {G} allows up to {G}) do not fit either."
     else:
