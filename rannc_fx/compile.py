@@ -17,7 +17,7 @@ the executor for their batch size and autocast state (``runtime/batches.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from .config import Config
 from .passes.capture import CapturedGraph
+from .passes.capture_loss import with_loss
 from .plan import Plan
 from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
 from .runtime.comm import agree, init_distributed
@@ -51,6 +52,7 @@ def compile(
     example_args: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     init: InitFn | None = None,
+    loss_fn: Callable[..., Any] | None = None,
 ) -> CompiledModel:
     """Wrap ``model`` for pipeline-parallel training on the default process group.
 
@@ -62,10 +64,15 @@ def compile(
     and place the stage now instead of on the first call. ``init(module)`` initializes a
     module's own tensors when they are materialized from the meta device (default: the
     module's ``reset_parameters()``).
+
+    ``loss_fn(output, *targets)`` (torch.distributed.pipelining's convention): calls then pass
+    the targets as ``target=`` (a tensor or a tuple), ``loss = model(x, target=y)``; the loss
+    runs eagerly on the last stage, so it may hold code no tracer captures
+    (``passes/capture_loss.py``).
     """
     return CompiledModel(
         model, optimizer, config=config, plan=plan, example_args=example_args,
-        example_kwargs=example_kwargs, init=init,
+        example_kwargs=example_kwargs, init=init, loss_fn=loss_fn,
     )  # fmt: skip
 
 
@@ -84,6 +91,7 @@ class CompiledModel(nn.Module):
         example_args: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
         init: InitFn | None = None,
+        loss_fn: Callable[..., Any] | None = None,
     ):
         super().__init__()
         self.training = model.training  # the mode calls run in: train() and eval() switch it
@@ -93,7 +101,8 @@ class CompiledModel(nn.Module):
         self.config = Config.from_env(config)
         self.device = rank_device(self.config.device)
         init_distributed(self.config, device=self.device)
-        self.model: nn.Module | None = model  # until the first call; then only `stage` is kept
+        # until the first call (with the loss, where loss_fn is given); then only `stage` is kept
+        self.model: nn.Module | None = model if loss_fn is None else with_loss(model, loss_fn)
         self.stage: fx.GraphModule | LaneModules | None = None
         self._optimizer = optimizer
         self._given = plan

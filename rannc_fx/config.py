@@ -150,7 +150,9 @@ class Config(BaseModel):
         "on the example batch and keeps no torch.nn container opaque, else export",
     )
     leaf_modules: tuple[str, ...] = Field(
-        default=(), description="module class names that torch.fx keeps as single calls"
+        default=(), description="module class names kept as single calls: torch.fx calls "
+        "them without tracing inside, torch.export runs them eagerly as one node each (as it "
+        "does by itself with a module it fails inside)"
     )
     cost_model: Literal["auto", "measured", "analytic"] = Field(
         default="auto",

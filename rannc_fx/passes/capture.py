@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
@@ -30,6 +31,8 @@ from torch.utils import _pytree as pytree
 from ..progress import Progress
 from .capture_check import GraphMismatch, check_capture
 from .capture_graph import CapturedGraph, CaptureError, autocast_state, batch_size_of
+from .capture_loss import LossFn
+from .capture_opaque import CallRecord, record_calls
 from .capture_trace import opaque_modules, trace_export, trace_fx
 
 __all__ = [
@@ -52,6 +55,7 @@ def capture_pass(
     leaf_modules: tuple[str, ...] = (),
     batch_dim: int = 0,
     dynamic: bool = True,
+    opaque: Mapping[str, list[CallRecord]] | None = None,
 ) -> CapturedGraph:
     """``model(*args, **kwargs)`` as a CapturedGraph.
 
@@ -61,8 +65,13 @@ def capture_pass(
     ``nn.TransformerEncoder`` as one opaque node, it tries non-strict torch.export (ATen-level
     graph) and keeps the finer graph. ``"fx"`` raises CaptureError when the check finds a
     difference; the check costs one forward of the model and one of the graph, under no_grad.
-    ``leaf_modules`` (class names) are kept as single ``call_module`` nodes by torch.fx;
-    torch.export always traces through them. With torch.export the batch dimension of every
+    ``leaf_modules`` (class names) are kept as single ``call_module`` nodes by torch.fx, and
+    run eagerly as one node each under torch.export (``capture_opaque``). Where a tracer
+    fails inside a submodule (data-dependent code, an op without a fake kernel), that module
+    and every other of its class are kept whole too, run eagerly, and the capture goes on
+    (torch.export always; torch.fx when it is the tracer asked for): a graph break at the
+    module's boundary. ``opaque`` gives such modules' recorded calls (a capture of the
+    model's other mode keeps the planned capture's). With torch.export the batch dimension of every
     input whose ``batch_dim`` has the example's batch size is dynamic, so the graph runs at any
     micro-batch size; with ``dynamic``, so is every other input dimension the model allows
     (``trace_export``).
@@ -70,7 +79,7 @@ def capture_pass(
     kwargs = dict(kwargs or {})
     with Progress("capture", doing="tracing with torch.fx") as p:
         captured, notes, warn = _capture(model, tuple(args), kwargs, tracer, leaf_modules,
-                                         batch_dim, dynamic, p)
+                                         batch_dim, dynamic, p, dict(opaque or {}))
         captured.model_name = type(model).__name__
         captured.autocast = autocast_state()
         if captured.copied_calls:
@@ -97,6 +106,7 @@ def _capture(
     batch_dim: int,
     dynamic: bool,
     p: Progress,
+    known: dict[str, list[CallRecord]],
 ) -> tuple[CapturedGraph, list[str], bool]:
     """(the graph, notes for the log line, whether they are a warning); ``p.doing`` says
     which step runs, for the progress lines of a long capture."""
@@ -104,9 +114,14 @@ def _capture(
     captured: CapturedGraph | None = None
     opaque: list[tuple[str, str]] = []
     notes: list[str] = []
+    breaks = _Breaks(model, args, kwargs, batch_dim, known)
     if tracer in ("auto", "fx"):
         try:
-            captured = trace_fx(model, args, kwargs, leaf_modules, batch_dim)
+            if tracer == "fx" or known:
+                captured = breaks.run(lambda o: trace_fx(model, args, kwargs, leaf_modules,
+                                                         batch_dim, o), p)
+            else:
+                captured = trace_fx(model, args, kwargs, leaf_modules, batch_dim)
             opaque = opaque_modules(captured, leaf_modules)
         except CaptureError:
             raise
@@ -118,15 +133,18 @@ def _capture(
         if captured is None and tracer == "fx":
             raise CaptureError(_failure_message(model, errors, tracer)) from errors["torch.fx"]
     if tracer == "export" or (tracer == "auto" and (captured is None or opaque)):
-        if tracer == "export" and leaf_modules:
-            notes.append(f"leaf_modules {list(leaf_modules)} are ignored by torch.export")
+        breaks.wanted |= _of_classes(model, leaf_modules)
+        # where torch.fx has a graph (a container kept whole), export is tried as it is
+        breaks.grow = tracer == "export" or captured is None
         p.doing = "tracing with torch.export"
         # torch.export prints the partial graph of a failure to stderr; keep it for debugging.
         printed = io.StringIO()
         try:
             with contextlib.redirect_stderr(printed):
-                exported = trace_export(model, args, kwargs, batch_dim, dynamic=dynamic)
-            sys.stderr.write(printed.getvalue())
+                exported = breaks.run(lambda o: trace_export(
+                    model, args, kwargs, batch_dim, dynamic=dynamic, opaque=o), p)
+            if not breaks.found:  # else it holds the failed attempts' partial graphs
+                sys.stderr.write(printed.getvalue())
             captured, opaque = exported, []
         except Exception as e:
             log.debug("torch.export printed:\n%s", printed.getvalue())
@@ -142,6 +160,12 @@ def _capture(
             "torch.export", errors.get("torch.fx")
         )
     warn = False
+    if captured.opaque:
+        warn = bool(breaks.found)
+        notes.append(
+            f"kept {', '.join(sorted(captured.opaque))} whole, run eagerly as one node each"
+            + (f" (capture failed inside: {breaks.why})" if breaks.found else "")
+        )
     if isinstance(errors.get("torch.fx"), GraphMismatch):
         warn = True
         notes.append(
@@ -156,6 +180,73 @@ def _capture(
             f"{_first_line(errors['torch.export'])}), so no stage boundary can fall inside"
         )
     return captured, notes, warn
+
+
+_MAX_BREAKS = 8  # kinds of modules kept whole before capture gives up
+
+
+class _Breaks:
+    """The modules a capture keeps whole: those asked for, and each kind it failed inside."""
+
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 batch_dim: int, known: dict[str, list[CallRecord]]) -> None:
+        self.model, self.args, self.kwargs, self.batch_dim = model, args, kwargs, batch_dim
+        self.records = dict(known)
+        self.wanted = set(known) | {n for n, m in model.named_modules() if isinstance(m, LossFn)}
+        self.found: list[str] = []  # kept whole because capture failed inside them
+        self.grow = True  # whether a failure inside a module keeps it whole and goes on
+        self.why = ""
+        self.names = {id(m): name for name, m in model.named_modules() if name}
+
+    def run(self, trace: Callable[[dict[str, list[CallRecord]]], CapturedGraph],
+            p: Progress) -> CapturedGraph:
+        for _ in range(_MAX_BREAKS + 1):
+            missing = self.wanted - set(self.records)
+            if missing:
+                p.doing = "running the model once to record the calls of the modules kept whole"
+                self.records.update(record_calls(self.model, self.args, self.kwargs, missing,
+                                                 self.batch_dim))
+            try:
+                return trace({n: self.records[n] for n in sorted(self.wanted)})
+            except CaptureError:
+                raise
+            except Exception as e:
+                culprit = _innermost_module(e, self.names) if self.grow else None
+                if culprit is None or culprit in self.wanted or len(self.found) >= _MAX_BREAKS:
+                    raise
+                kind = type(self.model.get_submodule(culprit))
+                self.wanted |= {n for n, m in self.model.named_modules()
+                                if n and type(m) is kind}
+                self.found.append(culprit)
+                self.why = f"{culprit} ({kind.__name__}): {_first_line(e)}"
+                log.debug("capture: failed inside %s; keeping its kind whole: %s", culprit, e)
+        raise AssertionError("unreachable")
+
+
+def _of_classes(model: nn.Module, classes: tuple[str, ...]) -> set[str]:
+    """The submodules whose class name (or qualified name) ``classes`` lists."""
+    return {n for n, m in model.named_modules() if n and (
+        type(m).__name__ in classes or f"{type(m).__module__}.{type(m).__qualname__}" in classes)}
+
+
+def _innermost_module(e: BaseException, modules: dict[int, str]) -> str | None:
+    """The name of the innermost submodule whose code was running where ``e`` was raised."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for exc in chain:
+        found = None
+        tb: TracebackType | None = exc.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in modules:
+                found = modules[id(owner)]
+            tb = tb.tb_next
+        if found is not None:
+            return found
+    return None
 
 
 def _checked(captured: CapturedGraph, model: nn.Module, args: tuple[Any, ...],
@@ -283,8 +374,13 @@ def _failure_message(model: nn.Module, errors: dict[str, BaseException], tracer:
         )
     names = tuple(sorted(culprits)) or ("ClassName",)
     lines.append(
-        f"  - keep the failing module whole as one node: Config(leaf_modules={names!r}) "
-        "(torch.fx calls it without tracing inside; torch.export ignores leaf_modules)"
+        f"  - keep the failing module whole as one node run eagerly: "
+        f"Config(leaf_modules={names!r})"
+    )
+    lines.append(
+        "  - where the failing code is the loss: take it out of the model and pass it as "
+        "rannc_fx.compile(model, optimizer, loss_fn=...), called as model(x, target=y); it "
+        "runs eagerly on the last stage"
     )
     if tracer != "auto" and not differs:
         other = "export" if tracer == "fx" else "fx"

@@ -78,6 +78,9 @@ class CapturedGraph:
     # the autocast state the capture ran under: torch.export's values hold its dtypes
     autocast: tuple[tuple[str, str], ...] = ()
     copied_calls: int = 0  # calls of repeated submodules copied from a first one (export)
+    # submodules kept whole and run eagerly, by name: their calls as on the example
+    # (``capture_opaque``: a capture of the model's other mode reuses them)
+    opaque: dict[str, Any] = field(default_factory=dict)
 
     def flatten_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None

@@ -7,7 +7,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from ..progress import note
 from .capture_copy import RepeatError
 from .capture_graph import CapturedGraph, CaptureError, batch_size_of, build_captured, is_batched
+from .capture_opaque import CallRecord, export_opaque_pass, exporting, fx_opaque_pass
 from .capture_repeat import RepeatedCapture
 
 __all__ = ["opaque_modules", "trace_export", "trace_fx"]
@@ -35,8 +36,9 @@ class _FlatTracer(fx.Tracer):
     """torch.fx with flat tensor placeholders, class-name leaves and buffers as graph values."""
 
     def __init__(self, leaf_modules: tuple[str, ...], leaves: list[Any], in_spec: Any,
-                 names: list[str]):
+                 names: list[str], opaque: Mapping[str, Any] | None = None):
         super().__init__()
+        self.opaque = set(opaque or ())  # module names kept whole and run eagerly
         self.proxy_buffer_attributes = True  # `self.mask[:s]` with a traced `s` must stay in the graph
         self.leaf_modules = set(leaf_modules)
         self.leaves, self.in_spec, self.names = leaves, in_spec, names
@@ -44,6 +46,8 @@ class _FlatTracer(fx.Tracer):
         self.out_spec: pytree.TreeSpec | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.opaque:
+            return True
         cls = type(m)
         if cls.__name__ in self.leaf_modules or f"{cls.__module__}.{cls.__qualname__}" in self.leaf_modules:
             return True
@@ -68,16 +72,23 @@ class _FlatTracer(fx.Tracer):
 
 
 def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             leaf_modules: tuple[str, ...], batch_dim: int) -> CapturedGraph:
-    """``model(*args, **kwargs)`` traced by torch.fx (module level; ``leaf_modules`` kept whole)."""
+             leaf_modules: tuple[str, ...], batch_dim: int,
+             opaque: Mapping[str, list[CallRecord]] | None = None) -> CapturedGraph:
+    """``model(*args, **kwargs)`` traced by torch.fx (module level; ``leaf_modules`` kept
+    whole; the modules ``opaque`` names run eagerly, ``capture_opaque``)."""
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    tracer = _FlatTracer(leaf_modules, leaves, in_spec, _leaf_names(model, args, kwargs))
+    tracer = _FlatTracer(leaf_modules, leaves, in_spec, _leaf_names(model, args, kwargs), opaque)
     graph = tracer.trace(model)
     assert tracer.out_spec is not None
     out_idx = [i for i, x in enumerate(tracer.out_leaves) if isinstance(x, (fx.Proxy, torch.Tensor))]
     consts = {i: x for i, x in enumerate(tracer.out_leaves) if i not in set(out_idx)}
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    return build_captured(gm, model, "fx", in_spec, tracer.out_spec, leaves, out_idx, consts, batch_dim)
+    if opaque:
+        fx_opaque_pass(gm, model, opaque)
+    captured = build_captured(gm, model, "fx", in_spec, tracer.out_spec, leaves, out_idx,
+                              consts, batch_dim)
+    captured.opaque = dict(opaque or {})
+    return captured
 
 
 def _leaf_names(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -121,7 +132,8 @@ def opaque_modules(captured: CapturedGraph, leaf_modules: tuple[str, ...]) -> li
 
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 batch_dim: int, *, repeated: bool = True, dynamic: bool = True) -> CapturedGraph:
+                 batch_dim: int, *, repeated: bool = True, dynamic: bool = True,
+                 opaque: Mapping[str, list[CallRecord]] | None = None) -> CapturedGraph:
     """``model(*args, **kwargs)`` exported by non-strict torch.export (ATen level), with the
     batch dimension of every batched input dynamic.
 
@@ -138,7 +150,10 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     With ``repeated``, each kind of repeated submodule (the layers of an encoder) is traced
     once and its nodes copied for the others (``capture_repeat``): the same graph, in time
     that grows with the kinds of layers rather than their number.
+
+    The modules ``opaque`` names are one node each, run eagerly (``capture_opaque``).
     """
+    opaque = dict(opaque or {})
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     batch = batch_size_of(leaves, batch_dim)
 
@@ -165,11 +180,11 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         return {"tensors": tuple(dims(x, others) for x in tensors)}
 
     try:
-        ep, gm, copied = _export(model, flat, tensors, spec(dynamic), repeated)
+        ep, gm, copied = _export(model, flat, tensors, spec(dynamic), repeated, opaque)
     except Exception as e:
         if not dynamic:
             raise
-        ep, gm, copied = _export(model, flat, tensors, spec(False), repeated)
+        ep, gm, copied = _export(model, flat, tensors, spec(False), repeated, opaque)
         note("capture: torch.export with the inputs' other dimensions dynamic failed "
              "(%s: %s), so only the batch dimension is: every call passes the example's "
              "other sizes", type(e).__name__, str(e).strip().split("\n")[0])
@@ -215,6 +230,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     captured = build_captured(gm, model, "export", in_spec, ep.call_spec.out_spec, leaves,
                               out_idx, consts, batch_dim)
     captured.copied_calls = copied
+    captured.opaque = opaque
     return captured
 
 
@@ -301,12 +317,13 @@ class _FlatInputs(nn.Module):
 
 
 def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ...],
-            dynamic: Any, repeated: bool) -> tuple[torch.export.ExportedProgram, fx.GraphModule, int]:
+            dynamic: Any, repeated: bool, opaque: Mapping[str, list[CallRecord]],
+            ) -> tuple[torch.export.ExportedProgram, fx.GraphModule, int]:
     """The exported program, its graph module, and how many calls of repeated submodules were
     copied rather than traced. (The module is made before the copies: making it compiles the
     graph's code.)"""
     keep: set[str] = set()
-    while repeated:
+    while repeated and not opaque:  # an opaque call's key is its own: never copied
         t0 = time.perf_counter()
         rep = RepeatedCapture(model, keep=set(keep))
         try:
@@ -328,9 +345,12 @@ def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ..
             log.debug("capture: tracing repeated modules once failed (%s: %s); exporting each",
                       type(e).__name__, e)
             break
-    with _sized_len():
+    with _sized_len(), exporting(model, opaque) as seen:
         ep = torch.export.export(flat, tensors, strict=False, dynamic_shapes=dynamic)
-    return ep, _graph_module(ep, model), 0
+        gm = _graph_module(ep, model)
+        if opaque:
+            export_opaque_pass(gm, model, seen, opaque)
+    return ep, gm, 0
 
 
 @contextlib.contextmanager

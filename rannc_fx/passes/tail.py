@@ -32,6 +32,7 @@ from torch import fx
 
 from ..values import ValueSpec, dtype_itemsize
 from .capture_graph import CapturedGraph, CaptureError, TailNodes
+from .capture_opaque import OPAQUE
 from .group_boundary import recomputed_values
 from .group_ops import CALL_OPS
 from .profile import Profile
@@ -41,12 +42,17 @@ __all__ = ["TAIL", "TailCost", "TailNodes", "find_tail", "insert_tail_inputs", "
 TAIL = "rannc_tail"  # node.meta key: "input" on the clones, "node" on the tail's nodes
 
 
-def find_tail(captured: CapturedGraph, values: dict[str, ValueSpec]) -> TailNodes | None:
+def find_tail(captured: CapturedGraph, values: dict[str, ValueSpec], *,
+              loss_reduction: str = "mean") -> TailNodes | None:
     """The graph's tail, or None where no value mixes samples. Raises CaptureError where the
-    tail cannot run on the whole batch, naming the node and why."""
+    tail cannot run on the whole batch, naming the node and why.
+
+    A module run eagerly (``capture_opaque``) whose batch-free outputs are not a
+    ``loss_reduction`` over the samples (a mean over the tokens a mask keeps) mixes them too."""
     gm = captured.gm
     nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
-    mixed = {n.name for n in nodes if _mixed(values.get(n.name))}
+    mixed = {n.name for n in nodes
+             if _mixed(values.get(n.name)) or _couples(captured, n, loss_reduction)}
     if not mixed:
         return None
     mixing = [n for n in nodes if n.name in mixed
@@ -80,7 +86,7 @@ def find_tail(captured: CapturedGraph, values: dict[str, ValueSpec]) -> TailNode
             _check_read(a, n, values)
             reads[a.name] = None
     for n in tail:
-        if n.op == "call_module" or _writes(n):
+        if (n.op == "call_module" and OPAQUE not in n.meta) or _writes(n):
             raise CaptureError(
                 f"node {n.name} ({_what(n)}) comes after samples mix at "
                 f"{mixing[0].name} but {'is a module call' if n.op == 'call_module' else 'writes its input in place'}; "
@@ -162,6 +168,17 @@ def _nbytes(spec: ValueSpec, whole: int) -> int:
     if spec.kind != "tensor":
         return 0
     return math.prod(spec.shape_for(whole)) * dtype_itemsize(spec.dtype or "float32")
+
+
+def _couples(captured: CapturedGraph, n: fx.Node, loss_reduction: str) -> bool:
+    """An opaque call whose batch-free outputs do not reduce over the samples as the plan
+    combines micro-batches (``loss_reduction``)."""
+    where = n.meta.get(OPAQUE)
+    if where is None:
+        return False
+    name, key = where
+    reduces = captured.opaque[name][key].reduces
+    return reduces is not None and reduces != loss_reduction
 
 
 def _mixed(spec: ValueSpec | None) -> bool:

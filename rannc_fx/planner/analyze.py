@@ -66,21 +66,23 @@ class Captured:
 
 
 def capture_model(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config, *,
+    opaque: dict[str, Any] | None = None,
 ) -> Captured:
-    """``capture_pass`` then ``shapes_pass`` on one example batch, as ``config`` says."""
+    """``capture_pass`` then ``shapes_pass`` on one example batch, as ``config`` says
+    (``opaque``: the modules kept whole and their recorded calls, ``capture_opaque``)."""
     args, kwargs = tuple(args), dict(kwargs)
     if device_of(model).type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     graph = capture_pass(
         model, args, kwargs,
         tracer=config.tracer, leaf_modules=config.leaf_modules, batch_dim=config.batch_dim,
-        dynamic=config.dynamic_dims != "batch",
+        dynamic=config.dynamic_dims != "batch", opaque=opaque,
     )  # fmt: skip
     inputs = graph.flatten_inputs(args, kwargs)
     dynamic = config.dynamic_dims != "batch"
     shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
-    tail = find_tail(graph, shapes.specs)
+    tail = find_tail(graph, shapes.specs, loss_reduction=config.loss_reduction)
     if tail is not None:  # its inputs get nodes of their own: the shapes again, with them
         insert_tail_inputs(graph, tail)
         graph.tail = tail

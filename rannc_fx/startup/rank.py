@@ -84,6 +84,8 @@ def set_up_rank(
         param_costs = parameter_costs(
             optimizer, target.measure_on, target.spec, cfg.optimizer_state_factor,
         )  # fmt: skip
+    if world > 1:  # every rank captures rank 0's batch: the same graph everywhere, even
+        args, kwargs = _same_example(args, kwargs, rank)  # where it depends on the data
     amp_type = home.type if home.type != "meta" else device.type
     planned_amp = cfg.autocast_dtype or amp_state(amp_type)
     modes = Modes(model, args, kwargs, config=cfg, device=device, rank=rank, amp_type=amp_type,
@@ -225,6 +227,26 @@ def _broadcast_plan(plan: Plan | Exception | None, rank: int, world: int) -> Pla
             raise plan
         raise RuntimeError(f"rank 0 could not plan the model: {text}")
     return Plan.from_json(str(text))
+
+
+def _same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
+                  rank: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Rank 0's example batch on every rank, each tensor on the device this rank's was on.
+
+    Capture runs the model on its example where it must (a loss kept whole is recorded and
+    probed on it, ``passes/capture_opaque.py``), so ranks with their own data could capture
+    different graphs; with rank 0's every rank captures the graph rank 0 plans."""
+    mine, spec = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
+    payload: list[Any] = [[x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type
+                           != "meta" else x for x in mine], spec] if rank == 0 else [None, None]
+    dist.broadcast_object_list(payload, src=0)
+    leaves, theirs = payload
+    if theirs != spec:  # the first call's structure differs: the call's checks say how
+        return args, kwargs
+    out = [t.to(x.device) if isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor) else t
+           for t, x in zip(leaves, mine, strict=True)]
+    a, kw = torch.utils._pytree.tree_unflatten(out, spec)
+    return tuple(a), dict(kw)
 
 
 def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
