@@ -80,8 +80,8 @@ class Accumulation:
                 f"{what} with gradients accumulated under model.no_sync() that no call has "
                 "summed over the ranks yet: each rank holds only its own samples' gradients, "
                 "so the replicas would step apart; make the last call of the accumulation "
-                "outside no_sync() (it sums every call's gradients once), then "
-                f"{what} (every rank raises this)"
+                "outside no_sync() and call loss.backward() on it (that sums every call's "
+                f"gradients once), then {what} (every rank raises this)"
             )
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
