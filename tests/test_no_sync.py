@@ -1,8 +1,9 @@
 """``model.no_sync()`` (``runtime/accumulation.py``): 4 calls inside and 1 outside, then
 ``optimizer.step()``, train like one process over the 5 batches (every call's loss, every
-gradient after the 5th call, every parameter after 2 such steps), with each sum over ranks
-(the replicas' all-reduce, a tied weight's over its holders, ZeRO-2's reduce-scatter) run
-once a step and never inside; across schedules, ZeRO-2, a tied and partly frozen model,
+gradient after the 5th call; every parameter after 2 such steps and a third whose window
+opens on gradients a call outside summed), with each sum over ranks (the replicas'
+all-reduce, a tied weight's over its holders, ZeRO-2's reduce-scatter) run once per call
+outside and never inside; across schedules, ZeRO-2, a tied and partly frozen model,
 parameters in host memory, both capture paths and ``GradScaler`` with clipping after the
 sync call. A step or a clip with unsummed gradients, and ranks that disagree on
 ``no_sync()``, are refused on every rank."""
