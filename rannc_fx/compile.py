@@ -4,6 +4,10 @@
     loss = model(x, y)                              # this rank's local batch
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
+    with model.no_sync():                           # gradient accumulation: k - 1 calls
+        model(x1, y1).backward()                    # without the sums over ranks,
+    model(x2, y2).backward()                        # the k-th sums them all once
+
 Each rank runs its stage on its own device (``cuda:LOCAL_RANK`` when CUDA is available, else
 the CPU; ``Config.device`` overrides). The model may be built on the CPU or on the meta
 device; each rank moves or materializes only its stage's tensors (``startup/placement.py``).
@@ -17,8 +21,8 @@ the executor for their batch size and autocast state (``runtime/batches.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ from .passes.capture import CapturedGraph
 from .passes.capture_loss import with_loss
 from .plan import Plan
 from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
+from .runtime.accumulation import Accumulation
 from .runtime.comm import agree, init_distributed
 from .runtime.lane import LaneModules, graph_modules
 from .runtime.trace import Recorder
@@ -116,6 +121,10 @@ class CompiledModel(nn.Module):
         self._checked = False  # whether the first step checked every rank's tensors
         self._trace: Recorder | None = None  # Config.trace_dir: the traced steps' events
         self._modes: Modes | None = None  # the graph of each mode, from the first call
+        self._sync = True  # False inside no_sync()
+        self._accumulation = Accumulation()  # every executor's: calls left unsummed
+        if optimizer is not None:  # before ZeRO's step hooks (at planning): refused first
+            self._accumulation.guard(optimizer)
         if example_args is not None or example_kwargs is not None:
             self._setup(tuple(example_args or ()), dict(example_kwargs or {}))
 
@@ -180,9 +189,39 @@ class CompiledModel(nn.Module):
             executor = self._last = self._batches.for_inputs(flat, training)
             assert self._modes is not None
             return self._modes.of(training).captured.unflatten_outputs(executor.forward(flat))
+            executor = self._last = self._batches.for_inputs(flat, sync=self._sync)
+            return self._captured.unflatten_outputs(executor.forward(flat, sync=self._sync))
         except Exception as e:  # tell the other ranks (runtime/failures.py), unless they know
             self._batches.failed(e, "in its call")
             raise
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As ``DistributedDataParallel.no_sync()``: calls made inside add their gradients
+        to ``.grad`` on each rank alone, without summing them over ranks (the replicas'
+        all-reduce, a tied weight's over its holders, ZeRO-2's reduce-scatter); the first
+        call outside sums what they left together with its own, once, so k calls then
+        ``optimizer.step()`` equal one process's step over the k batches::
+
+            with model.no_sync():
+                for x, y in batches[:-1]:
+                    model(x, y).backward()      # local sums only
+            model(*batches[-1]).backward()      # one sum over ranks for all of them
+            optimizer.step()
+
+        A call's choice is made at the call, as DDP's at its forward. Every rank enters it
+        for the same calls (checked with the batch sizes, ``Config.check_batches``).
+        ``optimizer.step()`` and ``clip_grad_norm_`` are refused while ``.grad`` holds
+        sums no call has summed; inside, ``.grad`` holds this rank's part (a gradient summed
+        before the first call inside is kept on one rank of its group). Under a schedule that
+        runs the backwards in the call (1F1B), the closing call's sum runs in its
+        ``loss.backward()``."""
+        before = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = before
 
     def clip_grad_norm_(
         self,
@@ -200,6 +239,7 @@ class CompiledModel(nn.Module):
                 "clip_grad_norm_ before the first call: there are no gradients yet (and the "
                 "model is planned on its first call); call it after loss.backward()"
             )
+        self._accumulation.check_summed("clip_grad_norm_")
         rec = self._trace
         with nullcontext() if rec is None else rec.span(
             "clip_grad_norm_", "collective", kind="clip", peers=rec.others, match="clip",
@@ -230,7 +270,7 @@ class CompiledModel(nn.Module):
         assert self.model is not None
         ready = set_up_rank(
             self.model, self._optimizer, args, kwargs, config=self.config, device=self.device,
-            given=self._given, init=self._init,
+            given=self._given, init=self._init, accumulation=self._accumulation,
         )  # fmt: skip
         self._captured, self.stage = ready.captured, ready.stage
         self.placement, self._names, self._batches = ready.placement, ready.names, ready.batches

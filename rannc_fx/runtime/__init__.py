@@ -9,6 +9,7 @@ pieces    cutting tensors into sample pieces and reassembling them
 checks    plan, stage module and inputs agree
 buffers   BatchNorm-style buffers under micro-batching, replicas and recomputation
 grads     gradient all-reduce; gradients held for loss.backward()
+accumulation  model.no_sync(): calls that leave their gradients unsummed over ranks
 outputs   model outputs home, the loss to every rank
 stage     StageRunner: the operations the actions name, on this rank's stage
 bridge    the loss's autograd function: loss.backward() reaches the executor

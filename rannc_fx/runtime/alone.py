@@ -17,6 +17,7 @@ from torch import fx
 from ..device import device_of
 from ..plan import Plan
 from . import routing
+from .accumulation import Accumulation
 from .batchnorm import DeferredBatchNorm
 from .checks import (
     check_inputs,
@@ -53,12 +54,15 @@ def build_executor(
     device: torch.device | str | None = None,
     timeout_s: float | None = None,
     groups: Groups | None = None,
+    accumulation: Accumulation | None = None,
 ) -> StageExecutor | AloneExecutor:
-    """The executor for this rank: the fast path where ``runs_alone``, else the interpreter."""
+    """The executor for this rank: the fast path where ``runs_alone``, else the interpreter
+    (``accumulation``: the model's, shared by its executors)."""
     if runs_alone(plan):
         assert isinstance(module, fx.GraphModule)  # one rank runs one stage
         return AloneExecutor(plan, module, device=device)
-    return StageExecutor(plan, module, device=device, timeout_s=timeout_s, groups=groups)
+    return StageExecutor(plan, module, device=device, timeout_s=timeout_s, groups=groups,
+                         accumulation=accumulation)
 
 
 class AloneExecutor:
@@ -101,7 +105,8 @@ class AloneExecutor:
             else:
                 self._outs.append((out_pos[spec.name], "copy", None))
 
-    def forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
+    def forward(self, flat_inputs: Sequence[Any], *, sync: bool = True) -> list[Any]:
+        """``sync`` is ignored: one rank sums nothing over ranks (``model.no_sync()``)."""
         local = check_inputs(self.plan, flat_inputs, self._in_shapes, self._local, self.device)
         deferred = DeferredBatchNorm.of(self.module)  # made by another size's executor
         if deferred is not None:

@@ -21,10 +21,12 @@ on ``plan.at_sizes(...)``, every message sized for it, with its own executor (th
 recent ``KEPT`` kept).
 
 With more than one rank each call first all-gathers the ranks' local batch sizes, autocast
-states, dynamic sizes and the first input (if any) whose shape is not the plan's for them:
+states, whether the call is under ``model.no_sync()``, dynamic sizes and the first input (if
+any) whose shape is not the plan's for them:
 every rank then picks the same executor, and unequal local batches or lengths, a length over
 the plan's, or an input of another shape on any rank, are refused on every rank at once
-instead of leaving the ranks that passed good shapes waiting for a peer that raised. That
+instead of leaving the ranks that passed good shapes waiting for a peer that raised (a rank
+that skipped the sum over ranks would leave the others in it). That
 costs one collective's latency per call, before the first message (every message's size
 depends on these sizes, so it cannot overlap them); ``Config(check_batches=False)`` skips it
 for a job whose ranks always pass equal batches.
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from torch import fx
 
 from ..plan import Plan
+from .accumulation import Accumulation
 from .alone import AloneExecutor, build_executor
 from .comm import CommError, abort_groups, build_groups
 from .executor import StageExecutor
@@ -83,12 +86,16 @@ class BatchSizes:
         training: bool = True,
         other: Callable[[bool], tuple[Plan, fx.GraphModule | LaneModules,
                                       Callable[[Plan, str | None], Plan]]] | None = None,
+        accumulation: Accumulation | None = None,
     ) -> None:  # fmt: skip
         """``training``: the mode ``plan`` and ``module`` are for; ``other(mode)`` gives the
         plan, module and retype of the other mode (made at its first call)."""
         self.module, self.device, self.timeout_s = module, device, timeout_s
         self.training, self.other = training, other
-        self.default: Executor = build_executor(plan, module, device=device, timeout_s=timeout_s)
+        # one for every executor: the calls of one accumulation may run on several
+        self.accumulation = accumulation if accumulation is not None else Accumulation()
+        self.default: Executor = build_executor(plan, module, device=device, timeout_s=timeout_s,
+                                                accumulation=self.accumulation)
         self.plan, self.state, self.retype, self.check = plan, state, retype, check
         self._planned_sizes = tuple(d.size for d in plan.dynamic_dims)
         self._planned_key: Key = (plan.global_batch, planned, self._planned_sizes, training)
@@ -101,11 +108,14 @@ class BatchSizes:
         # an input's shape travels in the agreement as (index, rank, dims): this many dims
         self._dims = max((len(s.shape) for s in plan.inputs if s.kind == "tensor"), default=0)
 
-    def for_inputs(self, flat_inputs: Sequence[Any], training: bool | None = None) -> Executor:
+    def for_inputs(self, flat_inputs: Sequence[Any], training: bool | None = None, *,
+                   sync: bool = True) -> Executor:
         """The executor for the batch ``flat_inputs`` holds (the same on every rank), in
-        mode ``training`` (default: the planned one)."""
+        mode ``training`` (default: the planned one); ``sync``: the call is outside
+        ``model.no_sync()``, checked alike on every rank."""
         self._recover()
-        return self._for_inputs(flat_inputs, self.training if training is None else training)
+        return self._for_inputs(flat_inputs, self.training if training is None else training,
+                                sync)
 
     def failed(self, e: Exception, during: str) -> None:
         """A call raised outside the executor (its inputs' structure, the agreement, its
@@ -136,13 +146,14 @@ class BatchSizes:
         dist.barrier(group=fresh.world)
         abort_groups(groups)
         self.default = build_executor(self.plan, self.module, device=self.device,
-                                      timeout_s=self.timeout_s, groups=fresh)
+                                      timeout_s=self.timeout_s, groups=fresh,
+                                      accumulation=self.accumulation)
         if isinstance(self.default, StageExecutor):
             self.default.set_trace(self.trace)
         self._by_key = {self._planned_key: self.default}
         self._broken = False
 
-    def _for_inputs(self, flat_inputs: Sequence[Any], training: bool) -> Executor:
+    def _for_inputs(self, flat_inputs: Sequence[Any], training: bool, sync: bool) -> Executor:
         sizes, state = self._sizes(flat_inputs), self.state()
         plan = self._sized(sizes)
         local = self._local_size(plan, flat_inputs)
@@ -154,9 +165,9 @@ class BatchSizes:
                 if rec is not None and rec.on:
                     with rec.span("agree", "collective", kind="agree", peers=rec.others,
                                   match="agree"):
-                        self._agree(local, state, sizes, plan, flat_inputs)
+                        self._agree(local, state, sync, training, sizes, plan, flat_inputs)
                 else:
-                    self._agree(local, state, sizes, plan, flat_inputs)
+                    self._agree(local, state, sync, training, sizes, plan, flat_inputs)
             except ValueError as e:  # a refusal every rank makes from every rank's rows
                 raised_everywhere(e)
                 raise
@@ -186,7 +197,8 @@ class BatchSizes:
                     raised_everywhere(e)
                 raise
         found = build_executor(
-            plan, module, device=self.device, timeout_s=self.timeout_s, groups=groups
+            plan, module, device=self.device, timeout_s=self.timeout_s, groups=groups,
+            accumulation=self.accumulation,
         )
         if isinstance(found, StageExecutor):
             found.set_trace(self.trace)
@@ -268,17 +280,18 @@ class BatchSizes:
                 return [j, t.dim()] + dims + [-1] * (self._dims - len(dims))
         return [-1, -1] + [-1] * self._dims
 
-    def _agree(self, local: int, state: str | None, sizes: tuple[int, ...], plan: Plan,
-               flat: Sequence[Any]) -> None:
-        """One all-gather of (size, state, dynamic sizes, the odd input) per rank; every rank
-        then sees every rank's.
+    def _agree(self, local: int, state: str | None, sync: bool, training: bool,
+               sizes: tuple[int, ...], plan: Plan, flat: Sequence[Any]) -> None:
+        """One all-gather of (size, state, sync and mode, dynamic sizes, the odd input) per
+        rank; every rank then sees every rank's.
 
         It is the cheapest collective that agrees (gloo, 2 ranks, 40-48 ms steps: +1.0 and
         +3.5 % against +2.8 and +5.0 % for an all-reduce of four integers, measured
         interleaved), and a mismatch needs no second exchange to say who passed what."""
         world = self.plan.world_size
         k = len(sizes)
-        row = [local, _state_code(state), *sizes, *self._odd_input(plan, flat, local)]
+        flags = int(sync) | int(training) << 1
+        row = [local, _state_code(state), flags, *sizes, *self._odd_input(plan, flat, local)]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         everyone = torch.empty(len(row) * world, dtype=torch.int64, device=self.device)
         groups = getattr(self.default, "groups", None)
@@ -303,7 +316,7 @@ class BatchSizes:
         except RuntimeError as e:
             raise failed(e) from e
         rows = [tuple(r) for r in everyone.view(world, len(row)).tolist()]
-        if all(r == rows[0] for r in rows) and rows[0][2 + k] == -1 and (
+        if all(r == rows[0] for r in rows) and rows[0][3 + k] == -1 and (
             not k or sizes == self._planned_sizes
         ):
             return
@@ -323,9 +336,24 @@ class BatchSizes:
                 f"the ranks call the model under different autocast states ({shown}); enter "
                 "the same torch.autocast(...) on every rank"
             )
-        self._check_sizes([r[2 : 2 + k] for r in rows])
-        if rows[0][2 + k] != -1 or any(r[2 + k] != -1 for r in rows):
-            self._refuse_shapes([r[:2] + r[2 + k :] for r in rows], local, plan)
+        if any(r[2] >> 1 != rows[0][2] >> 1 for r in rows):
+            shown = ", ".join(f"rank {i}: {'training' if r[2] >> 1 else 'eval'}"
+                              for i, r in enumerate(rows))
+            raise ValueError(
+                f"the ranks call the model in different modes ({shown}); each mode runs a graph "
+                "of its own: call model.train() or model.eval() on every rank alike"
+            )
+        if any(r[2] & 1 != rows[0][2] & 1 for r in rows):
+            shown = ", ".join(f"rank {i}: {'outside' if r[2] & 1 else 'inside'}"
+                              for i, r in enumerate(rows))
+            raise ValueError(
+                f"the ranks call the model inside and outside model.no_sync() ({shown}): the "
+                "ranks outside would wait for the others in the gradients' sum over ranks; "
+                "enter model.no_sync() for the same calls on every rank"
+            )
+        self._check_sizes([r[3 : 3 + k] for r in rows])
+        if rows[0][3 + k] != -1 or any(r[3 + k] != -1 for r in rows):
+            self._refuse_shapes([r[:2] + r[3 + k :] for r in rows], local, plan)
 
     def _refuse_shapes(self, rows: list[tuple[int, ...]], local: int, plan: Plan) -> None:
         """Every rank's odd input, named, with the plan's shapes and the ways out."""

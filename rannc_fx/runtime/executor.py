@@ -35,6 +35,7 @@ from ..config import Config
 from ..device import device_of
 from ..plan import Plan
 from . import routing
+from .accumulation import Accumulation
 from .bridge import Bridge
 from .checks import (
     check_inputs,
@@ -73,7 +74,9 @@ class StageExecutor:
     an optimizer over them trains the model. ``groups`` defaults to ``build_groups(plan)``
     with ``timeout_s`` (default ``Config().timeout_s``); that, and a check that every rank
     holds the same plan, are collectives: every rank builds its executor at the same point.
-    A one-rank plan needs no process group.
+    A one-rank plan needs no process group. ``accumulation``: whether ``.grad`` holds sums
+    of calls under ``no_sync()`` not yet summed over ranks, shared by every executor of the
+    model (default: this executor's own).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class StageExecutor:
         groups: Groups | None = None,
         device: torch.device | str | None = None,
         timeout_s: float | None = None,
+        accumulation: Accumulation | None = None,
     ):
         self.plan = plan
         self.module = module
@@ -162,6 +166,7 @@ class StageExecutor:
         self.outputs, self.buffers = self.runner.outputs, self.runner.buffers
         self.tail = self.lane.tails[self.stage.index]
         self.grads = GradSync(plan, tuple(self.runners), module, self.groups)
+        self.accumulation = accumulation if accumulation is not None else Accumulation()
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
         self._loss = plan.loss_output
@@ -214,17 +219,18 @@ class StageExecutor:
         ``.grad`` (1F1B holds them aside, GPipe has not computed them)."""
         return self._saved
 
-    def forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
+    def forward(self, flat_inputs: Sequence[Any], *, sync: bool = True) -> list[Any]:
         """Run this call's part of the step; returns the model's flat outputs for this rank.
 
-        ``flat_inputs`` is this rank's local batch, one entry per ``plan.inputs``. Batched
+        ``flat_inputs`` is this rank's local batch, one entry per ``plan.inputs``; ``sync``
+        False (``model.no_sync()``): its gradients stay local sums (``accumulation``). Batched
         outputs come back for the local samples (detached); outputs without a batch
         dimension are equal on every rank, and with grad enabled ``.backward()`` on the loss
         (on every rank) finishes the step. Whatever raises here is posted on the failure
         board for the other ranks (``failures``), and this executor is ``failed``.
         """
         try:
-            return self._forward(flat_inputs)
+            return self._forward(flat_inputs, sync)
         except Exception as e:
             self._fail(e, "in its forward")
             raise
@@ -238,7 +244,7 @@ class StageExecutor:
         if board is not None:
             board.post(self.rank, tuple(self.runners), e, during)
 
-    def _forward(self, flat_inputs: Sequence[Any]) -> list[Any]:
+    def _forward(self, flat_inputs: Sequence[Any], sync: bool) -> list[Any]:
         self.outputs.finish_sends()
         local = check_inputs(self.plan, flat_inputs, self._in_shapes, self._local, self.device)
         self._step += 1
@@ -246,7 +252,7 @@ class StageExecutor:
         self.grads.drop_held()
         mode = self.mode()
         step = StepState(self._step, grad=mode is not Mode.EVAL, local=local,
-                         held=mode is Mode.CALL)
+                         held=mode is Mode.CALL, sync=sync)
         # one state per stage this rank runs; the main stage's is ``step`` itself
         step.parts = {s: step if s == self.stage.index else
                       StepState(self._step, grad=step.grad, local=local, held=step.held)
@@ -297,7 +303,10 @@ class StageExecutor:
         self._saved = None
         if step.held:
             g = grads[0]
-            self.grads.apply(None if g is None or _is_one(g) else g)
+            if step.late:  # a sum over ranks follows: this rank's sends first
+                self.outputs.finish_sends()
+            self.accumulation.apply(self.grads, None if g is None or _is_one(g) else g,
+                                    late=step.late)
             self.outputs.finish_sends()
             return
         seeds, tail_seeds = self.lane.seeds(self._diff, grads)
@@ -402,11 +411,7 @@ class StageExecutor:
 
     def _reduce(self, step: StepState, _: int | None = None) -> None:
         self._finish_sends(step)
-        self.grads.reduce()
-        if step.held:
-            self.grads.hold()
-        else:
-            self.grads.merge()
+        step.late = self.accumulation.reduce(self.grads, sync=step.sync, held=step.held)
 
 
 def _is_one(g: torch.Tensor) -> bool:

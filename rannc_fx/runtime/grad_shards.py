@@ -30,7 +30,7 @@ never chosen by the search on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -88,15 +88,19 @@ class GradShards:
     def owns(self, p: nn.Parameter) -> bool:
         return self.owner[id(p)] == self.replica
 
-    def reduce(self, groups: Groups) -> None:
+    def reduce(self, groups: Groups, *,
+               earlier: Mapping[int, torch.Tensor | None] | None = None) -> None:
         """SUM each gradient over the replicas into its owner's ``.grad``; every other
-        replica's ``.grad`` of it becomes None (a tensor no backward reached counts as 0)."""
+        replica's ``.grad`` of it becomes None (a tensor no backward reached counts as 0).
+        ``earlier`` (by ``id``): a local sum of earlier calls (``model.no_sync()``) to add to
+        each gradient before the sum."""
         group = groups.stage[self.stage]
         with torch.no_grad():
             for rd in self._rounds:
-                self._round(rd, groups, group)
+                self._round(rd, groups, group, earlier or {})
 
-    def _round(self, rd: Round, groups: Groups, group: dist.ProcessGroup | None) -> None:
+    def _round(self, rd: Round, groups: Groups, group: dist.ProcessGroup | None,
+               earlier: Mapping[int, torch.Tensor | None]) -> None:
         chunk, dtype, device = rd.chunk, rd.dtype, rd.device
         flat = torch.zeros(chunk * self.replicas, dtype=dtype, device=device)
         for q, share in enumerate(rd.shares):
@@ -105,6 +109,9 @@ class GradShards:
                 n = p.numel()
                 if p.grad is not None:
                     flat[at : at + n].copy_(p.grad.reshape(-1))
+                old = earlier.get(id(p))
+                if old is not None:
+                    flat[at : at + n].add_(old.reshape(-1))
                 at += n
                 p.grad = None  # the local sum is in the buffer: its memory goes now
         gloo = backend_of(group) != "nccl"

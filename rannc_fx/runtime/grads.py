@@ -15,6 +15,9 @@ itself; ``hold`` keeps it aside, and ``loss.backward()`` applies it scaled by th
 reaches the loss (the chain rule: d f(loss)/dθ = f'(loss) · dloss/dθ). A call whose loss never
 gets a backward leaves ``.grad`` as it was. Between the call and ``loss.backward()`` the held
 gradients and any gradients of earlier calls (accumulation) exist side by side.
+
+Calls under ``model.no_sync()`` skip the sums and leave local sums in ``.grad``
+(``accumulation``); the closing call's ``reduce(earlier=True)`` adds them into what it sums.
 """
 
 from __future__ import annotations
@@ -88,10 +91,16 @@ class GradSync:
     def every(self) -> list[nn.Parameter]:
         return [p for _, group in self.shared for p in group] + self.own
 
-    def reduce(self) -> None:
-        """After the backwards: the SUM all-reduces, shared parameters first (plan order),
-        then the stage's own; every rank walks the groups in that one global order. Leaves
-        this step's reduced gradients in ``.grad`` (the set-aside ones stay aside)."""
+    @property
+    def sums(self) -> bool:
+        """Whether the plan sums any gradient over ranks (read off the plan: every rank
+        answers alike, whichever stage it runs)."""
+        g = self.groups
+        return any(len(r) > 1 for r in (*g.stage_ranks, *g.shared_ranks))
+
+    def _jobs(self) -> list[tuple[dist.ProcessGroup, list[nn.Parameter], str, tuple[int, ...]]]:
+        """The all-reduces of this rank: shared parameters first (plan order), then the
+        stage's own; every rank walks the groups in that one global order."""
         todo: list[tuple[dist.ProcessGroup, list[nn.Parameter], str, tuple[int, ...]]] = []
         for j, ps in self.shared:
             g = self.groups.shared[j]
@@ -100,25 +109,51 @@ class GradSync:
                 todo.append((g, ps, what, self.groups.shared_ranks[j]))
         g = self.groups.stage[self.stage]
         if g is not None and self.whole:
-            todo.append(
-                (
-                    g,
-                    self.whole,
-                    f"gradients of stage {self.stage}",
-                    self.groups.stage_ranks[self.stage],
-                )
-            )
-        for group, ps, what, ranks in todo:
+            todo.append((g, self.whole, f"gradients of stage {self.stage}",
+                         self.groups.stage_ranks[self.stage]))
+        return todo
+
+    def reduce(self, *, earlier: bool = False) -> None:
+        """After the backwards: the SUM all-reduces (``_jobs``), then ZeRO-2's
+        reduce-scatter. Leaves this step's reduced gradients in ``.grad`` (the set-aside ones
+        stay aside). ``earlier``: the set-aside gradients are local sums of calls made under
+        ``no_sync()``; each is added into what is summed and is no longer set aside once the
+        sums have finished (until then ``abandon`` gives it back)."""
+        jobs = self._jobs()
+        stash = self._stash if earlier else {}
+        for group, ps, what, ranks in jobs:
             # a bucket at a time: the flat copy is a bucket's, not the whole stage's gradients
             for bucket in buckets(ps, comm.BUCKET_BYTES):
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+                grads = [_plus(p, p.grad, stash.get(id(p))) for p in bucket]
                 reduced = all_reduce_flat(grads, group, what=what, ranks=ranks,
                                           groups=self.groups)
                 del grads
                 for p, r in zip(bucket, reduced, strict=True):
                     p.grad = r
         if self.shards is not None:  # ZeRO-2: after every all-reduce, on every replica alike
-            self.shards.reduce(self.groups)
+            self.shards.reduce(self.groups, earlier=stash)
+        if earlier:  # summed in: what stays aside is what no group sums
+            for p in self._summed():
+                stash.pop(id(p), None)
+
+    def _summed(self) -> list[nn.Parameter]:
+        """The parameters some group sums over ranks."""
+        ps = [p for _, group, _, _ in self._jobs() for p in group]
+        return ps + (self.shards.params if self.shards is not None else [])
+
+    def keep_summed_once(self) -> None:
+        """Before the first call under ``no_sync()`` adds to the set-aside gradients: one
+        already summed over its group (equal on every rank of it) stays aside on one rank of
+        the group only, the first (ZeRO-2: the owner), so the closing sum counts it once."""
+        rank = dist.get_rank()
+        for _, ps, _, ranks in self._jobs():
+            if ranks[0] != rank:
+                for p in ps:
+                    self._stash.pop(id(p), None)
+        if self.shards is not None:
+            for p in self.shards.params:
+                if not self.shards.owns(p):
+                    self._stash.pop(id(p), None)
 
     def merge(self) -> None:
         """Add the set-aside gradients back: ``.grad`` = earlier calls' + this step's."""
@@ -150,12 +185,32 @@ class GradSync:
             p.grad = h if p.grad is None else p.grad.add_(h)
         self._held = {}
 
+    def apply_and_reduce(self, scale: torch.Tensor | None) -> None:
+        """``apply``, then the sum over ranks of all of ``.grad``: the local sums of earlier
+        calls (``no_sync()``), set aside meanwhile (``abandon`` gives them back), and this
+        call's held gradients, scaled."""
+        held, self._held = self._held, {}
+        self.begin()
+        for p in self.every:
+            h = held.get(id(p))
+            if h is not None:
+                p.grad = h if scale is None else h.mul_(scale.to(h.device, h.dtype))
+        self.reduce(earlier=True)
+        self.merge()
+
     def drop_held(self) -> None:
         self._held = {}
 
     @property
     def held_bytes(self) -> int:
         return sum(h.numel() * h.element_size() for h in self._held.values())
+
+
+def _plus(p: nn.Parameter, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """``a + b`` for ``p``'s gradient, either of them None (zeros where both are)."""
+    if a is None:
+        return b if b is not None else torch.zeros_like(p)
+    return a if b is None else a + b
 
 
 def _grad_shards(plan: Plan, stages: tuple[int, ...], module: nn.Module, shared: set[int]

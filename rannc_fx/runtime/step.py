@@ -22,7 +22,9 @@ class StepState:
     """Everything one step holds between actions, per micro-batch where it is per micro-batch.
 
     ``grad``: the step keeps what a backward needs. ``held``: its backwards run in the call
-    and their gradients wait for ``loss.backward()``. ``seeds``: stage output position -> the
+    and their gradients wait for ``loss.backward()``. ``sync``: its call was made outside
+    ``model.no_sync()``, and its ``REDUCE`` sums over ranks; ``late``: that sum waits for
+    ``loss.backward()`` (``accumulation``). ``seeds``: stage output position -> the
     gradient that reaches it from the caller (scaled by each micro-batch's share in B).
     """
 
@@ -30,6 +32,8 @@ class StepState:
     grad: bool
     local: list[Any]
     held: bool = False
+    sync: bool = True
+    late: bool = False
     seeds: dict[int, torch.Tensor] = field(default_factory=dict)
     inputs: list[_Received] = field(default_factory=list)  # per micro-batch (SCATTER)
     cut_recv: dict[int, list[_Received]] = field(default_factory=dict)  # a receive action each

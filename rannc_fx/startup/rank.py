@@ -33,6 +33,7 @@ from ..plan import Plan
 from ..planner import Planned, Target, capture_model, pick_target, plan_model, split_stages
 from ..progress import note
 from ..runtime import BatchSizes
+from ..runtime.accumulation import Accumulation
 from ..runtime.comm import CommError, agree
 from ..runtime.lane import LaneModules, graph_modules
 from ..runtime.zero import shard_optimizer
@@ -68,9 +69,11 @@ def set_up_rank(
     device: torch.device,
     given: Plan | str | Path | None,
     init: InitFn | None,
+    accumulation: Accumulation | None = None,
 ) -> Ready:
     """Plan (rank 0) or receive the plan, split, place this rank's stage and build its
-    executors; the rest of ``model`` is freed."""
+    executors (sharing ``accumulation``, the model's ``no_sync()`` state); the rest of
+    ``model`` is freed."""
     cfg = config
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,6 +151,7 @@ def set_up_rank(
         plan, stage, device=device, timeout_s=cfg.timeout_s, planned=planned_amp,
         state=lambda: amp_state(device_type), retype=planned_mode.retype,
         check=cfg.check_batches, training=modes.planned_mode, other=other,
+        accumulation=accumulation,
     )  # fmt: skip
     shard_optimizer(
         optimizer, plan, rank,
