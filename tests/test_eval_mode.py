@@ -187,3 +187,23 @@ def test_eval_of_a_transformers_model_that_only_torch_export_captures(name, cfg,
     for r in results:
         assert r["first"] == r["second"], r
         assert_close(r["first"], results[0]["one_process"], **TOL)
+
+
+def _modes_differ(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Net(depth=0)  # no batch norm: one sample a replica plans too
+    x, y = _data(0, world)
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    cm = rannc_fx.compile(model, None, Config(profile_cache_dir=None, profile_repeats=1,
+                                              timeout_s=30.0, replicas=(2,), tracer="fx"))
+    with torch.no_grad():
+        cm(x[mine], y[mine])
+        cm.train(rank == 0)
+        with pytest.raises(ValueError, match="in different modes") as e:
+            cm(x[mine], y[mine])
+    return str(e.value)
+
+
+def test_ranks_in_different_modes_are_refused_on_every_rank() -> None:
+    said = run_ranks(_modes_differ, 2, timeout_s=30.0, wall_s=120.0)
+    assert all("rank 0: training, rank 1: eval" in s for s in said), said
