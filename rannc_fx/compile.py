@@ -186,11 +186,10 @@ class CompiledModel(nn.Module):
         try:
             flat = self._captured.flatten_inputs(args, kwargs)
             training = self.training and self._root.training
-            executor = self._last = self._batches.for_inputs(flat, training)
+            executor = self._last = self._batches.for_inputs(flat, training, sync=self._sync)
             assert self._modes is not None
-            return self._modes.of(training).captured.unflatten_outputs(executor.forward(flat))
-            executor = self._last = self._batches.for_inputs(flat, sync=self._sync)
-            return self._captured.unflatten_outputs(executor.forward(flat, sync=self._sync))
+            return self._modes.of(training).captured.unflatten_outputs(
+                executor.forward(flat, sync=self._sync))
         except Exception as e:  # tell the other ranks (runtime/failures.py), unless they know
             self._batches.failed(e, "in its call")
             raise
