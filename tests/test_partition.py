@@ -66,7 +66,9 @@ def test_stages_compose_to_the_model(name, world_size):
 
 def test_forced_stages_split_the_transformer_and_share_the_tied_embedding():
     model, args, kwargs = gpt_example(layers=4)
-    cfg = CFG.model_copy(update={"replicas": (1, 1, 1, 1), "micro_batches": 2})
+    # one stage a rank: interleaved 1F1B would put two on each of the four lanes
+    cfg = CFG.model_copy(update={"replicas": (1, 1, 1, 1), "micro_batches": 2,
+                                 "schedule": "1f1b"})
     parted = rannc_fx.partition(model, args, kwargs, world_size=4, config=cfg)
     plan = parted.plan
     assert [s.replicas for s in plan.stages] == [1, 1, 1, 1] and plan.micro_batches == 2
