@@ -234,4 +234,4 @@ def _itemsize(dtype: str) -> int:
 def _described(lane: tuple[int, int, int, str]) -> str:
     count, nbytes, meta, digest = lane
     return (f"{count} tensor(s), {nbytes / MiB:.2f} MiB, {meta} on the meta device "
-            f"(shapes and dtypes {digest})")
+            f"(their shapes and dtypes hash to {digest})")
