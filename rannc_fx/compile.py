@@ -10,7 +10,8 @@
 
 Each rank runs its stage on its own device (``cuda:LOCAL_RANK`` when CUDA is available, else
 the CPU; ``Config.device`` overrides). The model may be built on the CPU or on the meta
-device; each rank moves or materializes only its stage's tensors (``startup/placement.py``).
+device; each rank moves or materializes only its stage's tensors (``startup/placement.py``),
+which start from rank 0's values whatever each rank built (``startup/sync.py``).
 ``compile(..., example_args=...)`` plans at once (so a checkpoint can be loaded before the
 first step); otherwise the first call plans.
 

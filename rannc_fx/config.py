@@ -105,6 +105,14 @@ class Config(BaseModel):
         description="where this rank runs its stage: None = cuda:LOCAL_RANK when CUDA is "
         "available, else cpu; 'cuda' means cuda:LOCAL_RANK",
     )
+    sync_module_states: bool = Field(
+        default=True,
+        description="start training from rank 0's model: compile() sends rank 0's parameters "
+        "and buffers to every stage's ranks (DDP's construction, FSDP's sync_module_states), "
+        "so ranks seeded differently, or where only rank 0 loaded weights, train one model; "
+        "False skips that transfer for a script whose ranks build identical models (a "
+        "meta-device model is materialized from rank 0's seed either way)",
+    )
 
     autocast_dtype: Literal["bfloat16", "float16"] | None = Field(
         default=None,

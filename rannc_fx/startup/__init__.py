@@ -4,6 +4,7 @@
     probe      the link between ranks, measured before planning
     amp        the cut values' dtypes under each autocast state; GradScaler
     placement  this rank's stage on its device: move or materialize, free the rest
+    sync       every stage starts from rank 0's model: the ranks agree, rank 0 sends its values
 """
 
 from .rank import Ready, set_up_rank

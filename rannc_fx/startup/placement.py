@@ -39,7 +39,7 @@ from torch import fx, nn
 
 from ..runtime.lane import LaneModules, graph_modules
 
-__all__ = ["InitFn", "Placement", "free_others", "place_stage", "rank_device"]
+__all__ = ["InitFn", "Placement", "free_others", "place_stage", "rank_device", "stage_tensors"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -109,7 +109,7 @@ def place_stage(
     materialized: list[torch.Tensor] = []
     host = torch.device("cpu")
     with torch.no_grad():
-        for t in _stage_tensors(stage).values():
+        for t in stage_tensors(stage).values():
             where = host if host_params and isinstance(t, nn.Parameter) else device
             pin = where != device and device.type == "cuda"
             if t.device.type == "meta":
@@ -131,7 +131,7 @@ def free_others(model: nn.Module, stage: fx.GraphModule | LaneModules,
 
     The objects stay (user code may still refer to them) but hold nothing.
     """
-    keep = _stage_tensors(stage)
+    keep = stage_tensors(stage)
     with torch.no_grad():
         for t in (*model.parameters(), *model.buffers()):
             if id(t) not in keep and t.numel():
@@ -145,10 +145,7 @@ def free_others(model: nn.Module, stage: fx.GraphModule | LaneModules,
     )  # fmt: skip
 
 
-# -- helpers ---------------------------------------------------------------------------------
-
-
-def _stage_tensors(stage: fx.GraphModule | LaneModules) -> dict[int, torch.Tensor]:
+def stage_tensors(stage: fx.GraphModule | LaneModules) -> dict[int, torch.Tensor]:
     """Parameters, buffers and plain tensor attributes the stage (or each stage of a rank's
     lane) reads, by identity."""
     out: dict[int, torch.Tensor] = {}
@@ -161,6 +158,9 @@ def _stage_tensors(stage: fx.GraphModule | LaneModules) -> dict[int, torch.Tenso
                 if isinstance(value, torch.Tensor):
                     out.setdefault(id(value), value)
     return out
+
+
+# -- helpers ---------------------------------------------------------------------------------
 
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str, str]]]:

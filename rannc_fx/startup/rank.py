@@ -7,9 +7,12 @@ accumulation per tensor size, then captures the model on every rank; rank 0 alon
 JSON. A meta-device model, or one whose tensors are not on the rank's device, is planned
 with the analytic cost model for the rank's device (``planner.pick_target``); the measured link
 goes into that device's spec. Each rank then splits the graph, infers
-the dtypes of the other autocast states while the model is whole (``amp.py``), places its own
-stage (``placement.py``), frees every other parameter and buffer of the model, and prunes the
-optimizer to the parameters it still holds.
+the dtypes of the other autocast states while the model is whole (``amp.py``), checks with the
+others that they built alike and takes rank 0's seed (``sync.py``), places its own stage
+(``placement.py``), builds its executors (and the plan's process groups), takes rank 0's
+values into its stage (``sync.py``; ``Config.sync_module_states``), frees every other parameter
+and buffer of the model, and prunes the optimizer to the parameters it still holds, before
+ZeRO shards it.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from ..passes.optcost import ParameterCosts, parameter_costs
 from ..plan import Plan
 from ..planner import Planned, Target, capture_model, pick_target, plan_model, split_stages
 from ..progress import note
-from ..runtime import BatchSizes
+from ..runtime import BatchSizes, StageExecutor
 from ..runtime.accumulation import Accumulation
-from ..runtime.comm import CommError, agree
+from ..runtime.comm import CommError, Groups, agree
 from ..runtime.lane import LaneModules, graph_modules
 from ..runtime.zero import shard_optimizer
 from ..state.checkpoint import StateNames
@@ -42,6 +45,7 @@ from .amp import AmpSpecs, amp_state, autocast_as
 from .modes import Modes
 from .placement import InitFn, Placement, free_others, place_stage
 from .probe import measure_link
+from .sync import Layout, check_alike, sync_stages
 
 __all__ = ["Ready", "set_up_rank"]
 
@@ -123,7 +127,8 @@ def set_up_rank(
     if home != device:
         for gm in graph_modules(stage):
             retarget_device_pass(gm, device)  # export baked the capture device in
-    seed = _shared_seed(world) if home.type == "meta" else 0
+    layout = Layout.of(stages, plan)  # what each lane holds, before placement replaces it
+    seed = check_alike(layout, world)  # rank 0's: a meta-device model's values are drawn from it
     try:
         placement = place_stage(
             model, stage, device, holders=(captured.gm,), optimizer=optimizer,
@@ -135,9 +140,6 @@ def set_up_rank(
     agree([], "cannot place the stages", error=RuntimeError)
     held = {id(t) for t in (*stage.parameters(), *stage.buffers())}
     names = StateNames.of(model, held)  # before the rest is freed: whole-model shapes
-    free_others(model, stage, placement)
-    if optimizer is not None:
-        _prune_optimizer(optimizer, stage)
     device_type = device.type
     planned_mode = modes.planned(captured, plan, stage,
                                  amp.retype if amp is not None else _planned_only(planned_amp))
@@ -153,6 +155,11 @@ def set_up_rank(
         check=cfg.check_batches, training=modes.planned_mode, other=other,
         accumulation=accumulation,
     )  # fmt: skip
+    if cfg.sync_module_states and isinstance(batches.default, StageExecutor):
+        _sync(stages, plan, layout, batches.default.groups, device)  # rank 0 holds them all
+    free_others(model, stage, placement)
+    if optimizer is not None:
+        _prune_optimizer(optimizer, stage)
     shard_optimizer(
         optimizer, plan, rank,
         {s: gm for s, gm in zip(sorted(mine), graph_modules(stage), strict=True)},
@@ -293,12 +300,15 @@ def _planned_only(planned: str | None) -> Callable[[Plan, str | None], Plan]:
     return retype
 
 
-def _shared_seed(world: int) -> int:
-    """Rank 0's seed, so that every rank materializes a module's tensors identically."""
-    seed = [torch.initial_seed()]
-    if world > 1:
-        dist.broadcast_object_list(seed, src=0)
-    return int(seed[0])
+def _sync(stages: list[fx.GraphModule], plan: Plan, layout: Layout, groups: Groups,
+          device: torch.device) -> None:
+    """Rank 0's values into every rank's stage; a failure on any rank raises on all."""
+    try:
+        sync_stages(stages, plan, layout, groups, device=device)
+    except RuntimeError as e:
+        agree([str(e)], "cannot start from rank 0's model", error=RuntimeError)
+        raise
+    agree([], "cannot start from rank 0's model", error=RuntimeError)
 
 
 def _prune_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:
