@@ -53,13 +53,23 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .device import DeviceSpec
-from .plan_parts import Block, CutValue, MemoryEstimate, OutputRef, SharedParam, Stage, Tail
+from .plan_parts import (
+    Block,
+    CutValue,
+    ExcludedSize,
+    MemoryEstimate,
+    OutputRef,
+    SharedParam,
+    Stage,
+    Tail,
+)
 from .values import DynamicDim, ValueSpec
 
 __all__ = [
     "FORMAT_VERSION",
     "Block",
     "CutValue",
+    "ExcludedSize",
     "MemoryEstimate",
     "OutputRef",
     "Plan",
@@ -114,6 +124,10 @@ class Plan(BaseModel):
     # the search minimizes predicted_step_ms, the cost model's closed form
     simulated_step_ms: float | None = None
     search_seconds: float = 0.0
+    # sizes a stage never runs (a node raised there when profiled), and what planning says
+    # beside the table, for people (``summary``)
+    excluded_sizes: tuple[ExcludedSize, ...] = ()
+    notes: tuple[str, ...] = ()
 
     # -- invariants ------------------------------------------------------------------------
     @model_validator(mode="before")
@@ -197,6 +211,9 @@ class Plan(BaseModel):
                     f"size {d.size}, which the plan's inputs do not have"
                 )
         n = len(self.stages)
+        if any(x.stage >= n for x in self.excluded_sizes):
+            raise ValueError(f"excluded sizes name stages {[x.stage for x in self.excluded_sizes]}"
+                             f" of {n}")
         if self.tail is not None:
             last = self.stages[-1]
             if self.schedule != "gpipe":
@@ -391,6 +408,7 @@ class Plan(BaseModel):
             )
         for sp in self.shared_params:
             tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
+        tail += [f"note: {n}" for n in self.notes]
         return "\n".join([head, line, "-" * len(line), *body, *tail])
 
 

@@ -1,5 +1,5 @@
 """The parts of a plan (``plan.py``): blocks, stages and their memory, cut values, outputs,
-shared parameters and the tail. Each is a frozen pydantic model; ``Plan`` checks how they fit
+shared parameters, the tail and the sizes a stage never runs. Each is a frozen pydantic model; ``Plan`` checks how they fit
 together."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .values import ValueSpec
 
-__all__ = ["Block", "CutValue", "MemoryEstimate", "OutputRef", "SharedParam", "Stage", "Tail"]
+__all__ = ["Block", "CutValue", "ExcludedSize", "MemoryEstimate", "OutputRef", "SharedParam",
+           "Stage", "Tail"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -173,3 +174,23 @@ class SharedParam(BaseModel):
     name: str
     aliases: tuple[str, ...] = ()
     stages: tuple[int, ...]
+
+
+class ExcludedSize(BaseModel):
+    """A per-replica micro-batch size stage ``stage`` never runs: its ``nodes`` raised there
+    when profiled (a training-mode BatchNorm that sees one value per channel at one sample).
+    The search planned around it; the runtime refuses a call that would run it."""
+
+    model_config = _FROZEN
+
+    stage: int = Field(ge=0)
+    samples: int = Field(ge=1)
+    nodes: tuple[str, ...] = Field(min_length=1)
+    error: str  # what the first of them raised, its first line
+
+    def note(self) -> str:
+        """The line ``Plan.summary`` shows."""
+        more = f" (and {len(self.nodes) - 1} more of its nodes)" if len(self.nodes) > 1 else ""
+        return (f"stage {self.stage} never runs {self.samples} sample(s) a replica a "
+                f"micro-batch: node {self.nodes[0]}{more} raised there when profiled: "
+                f"{self.error}")

@@ -5,7 +5,8 @@ Plain Python: loops over blocks, no numpy, nothing from the search but its datac
 out again. A stage's recomputation and ZeRO-1 follow the stated policy (``variant``): the
 first of (plain, sharded, recomputing selectively, recomputing, then recomputing layer by
 layer, each plain, sharded, ...) that fits, an
-unsharded one passed over where its sharded twin's u is smaller. ``brute_force`` enumerates every plan (micro-batch count, stage
+unsharded one passed over where its sharded twin's u is smaller; a stage holding a block that
+cannot run a size its replicas' micro-batches hold (``cannot_run``) has none. ``brute_force`` enumerates every plan (micro-batch count, stage
 boundaries, replicas, schedule; each stage's variant by the policy); ``pareto`` keeps
 (sum t, max u) labels per DP state, per total stage count under 1F1B so that a stage's
 position from the end is known; ``least_largest_stage`` is the least largest-stage memory
@@ -212,12 +213,24 @@ def allowed(space: SearchSpace, table: CostTable) -> list[tuple[int, bool, bool,
             and (host or not (omega or h))]
 
 
+def cannot_run(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int) -> bool:
+    """Whether a block of [i, j) cannot run (``CostTable.excluded``) a size one of the r
+    replicas' micro-batches holds: the batch split into m nearly equal micro-batches, each
+    into r nearly equal parts."""
+    G = space.global_batch
+    held = {mb // r + (k < mb % r) for a in range(m) for mb in [G // m + (a < G % m)]
+            for k in range(r)}
+    return any(b in table.excluded.get(q, ()) for q in held for b in range(i, j))
+
+
 def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
             budget: float | None = None) -> Figures | None:
     """The stage as the policy runs it: its first allowed variant that fits (``budget``, the
     space's if None), passing over an unsharded one whose sharded twin is allowed and has a
-    smaller u; None if none fits."""
+    smaller u; None if none fits, or if it cannot run its size (``cannot_run``)."""
     budget = space.memory_budget if budget is None else budget
+    if cannot_run(table, space, i, j, r, m):
+        return None
     ok = allowed(space, table)
     for rho, zeta, omega, h in ok:
         f = stage_figures(table, space, i, j, r, m, n, rho, zeta, omega, h)
@@ -302,6 +315,8 @@ def zbh1_variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
     recomputation or parameters on the host that fits (an unsharded one passed over where
     its sharded twin's u is smaller); None if none fits."""
     ok = [(zeta, omega) for rho, zeta, omega, h in allowed(space, table) if not rho and not h]
+    if cannot_run(table, space, i, j, r, m):
+        return None
     for zeta, omega in ok:
         t, u, mem = zbh1_figures(table, space, i, j, r, m, s, S, zeta, omega)
         if not zeta and (True, omega) in ok and \
@@ -418,6 +433,8 @@ def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
     memo: dict[tuple[int, int, int, int, int], float] = {}
 
     def least(i: int, j: int, r: int, m: int, n: int) -> float:
+        if cannot_run(table, space, i, j, r, m):
+            return math.inf
         if (i, j, r, m, n) not in memo:
             figs = [stage_figures(table, space, i, j, r, m, n, *v)
                     for v in allowed(space, table)]

@@ -17,6 +17,7 @@ from rannc_fx.passes.search import (
     StageChoice,
     evaluate,
     needed_sizes,
+    run_sizes,
     samples_per_replica,
     search_pass,
 )
@@ -26,6 +27,7 @@ from .search_oracle import (
     Verdict,
     allowed,
     brute_force,
+    cannot_run,
     least_largest_stage,
     pareto,
     plan_figures,
@@ -899,3 +901,52 @@ def test_below_keeps_the_optimum_or_says_none_is_shorter() -> None:
             search_pass(table, space, below=step)
         checked += 1
     assert checked > 5
+
+
+# -- sizes a block cannot run ----------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_brute_force_with_sizes_ruled_out(seed: int) -> None:
+    """Blocks that cannot run some per-replica sizes (a node of theirs raised there when
+    profiled: ``CostTable.excluded``): no plan runs a stage holding one at a size any of its
+    replicas' micro-batches holds (the floor or the ceiling of q), under GPipe, 1F1B or
+    ZB-H1, and the search's optimum among the rest is the oracle's."""
+    rng = np.random.default_rng(700 + seed)
+    seen = {"moved": 0, "none left": 0, "uneven": 0}
+    for it in range(80):
+        table, space = random_case(rng, 5, 4, tight=0.3)
+        if it % 3 == 0:
+            space = dataclasses.replace(space, schedules=("1f1b", "zbh1"))
+        sizes = run_sizes(space)
+        picked = rng.choice(sizes, size=min(len(sizes), int(rng.integers(1, 3))), replace=False)
+        B = table.num_blocks
+        ruled = dataclasses.replace(table, excluded={
+            int(q): tuple(sorted({int(b) for b in rng.choice(B, int(rng.integers(1, B + 1)))}))
+            for q in picked})
+        before = outcome(search_pass, table, space)
+        got = compare(ruled, space)[0] if "zbh1" not in space.schedules else \
+            _compare_zbh1(ruled, space)
+        if got is None:
+            seen["none left"] += before is not None
+            continue
+        for st in got.stages:
+            assert not cannot_run(ruled, space, st.start, st.end, st.replicas,
+                                  got.micro_batches), (st, ruled.excluded)
+        assert before is not None
+        seen["moved"] += (got.stages, got.micro_batches) != (before.stages, before.micro_batches)
+        seen["uneven"] += any(space.global_batch % (got.micro_batches * st.replicas)
+                              for st in got.stages)
+    assert min(seen.values()) >= 3, seen
+
+
+def _compare_zbh1(table: CostTable, space: SearchSpace) -> SearchResult | None:
+    """``compare`` where ZB-H1 is among the schedules (its step the closed form's)."""
+    got, want = outcome(search_pass, table, space), brute_force(table, space)
+    if got is None:
+        assert want.strict is None, (space, want.strict)
+        return None
+    assert want.loose is not None and got.evaluation.fits, (space, got)
+    assert got.evaluation.step_s >= want.loose.step * (1 - 1e-9) - 1e-12, (space, want.loose)
+    if want.strict is not None:
+        assert got.evaluation.step_s <= want.strict.step * (1 + 1e-9) + 1e-12, (space, want)
+    assert evaluate(table, space, got.stages, got.micro_batches, got.schedule) == got.evaluation
+    return got

@@ -116,6 +116,9 @@ def build_cost_table(
     micro-batch: they cost nothing per micro-batch here, and what the tail holds while it
     runs (``tail.held_bytes``) is the last block's workspace, on top of the activations every
     micro-batch holds then. Its time is the same for every plan (``build`` adds it to the step).
+
+    A node that raised at a profiled size (``Profile.failures``) rules that size out for its
+    block (``CostTable.excluded``); a tail node's does not (the tail runs on the whole batch).
     """
     t0 = time.perf_counter()
     nb = len(blocks.blocks)
@@ -173,6 +176,10 @@ def build_cost_table(
     grads = {k: nbytes[k] for k, t in tensors.items()
              if isinstance(t, torch.nn.Parameter) and t.requires_grad}
     grad_uses = {k: uses[k] for k in grads}
+    excluded: dict[int, set[int]] = {}
+    for f in profile.failures:
+        if f.node in where and f.node not in made:
+            excluded.setdefault(f.samples, set()).add(where[f.node])
     table = CostTable(
         sizes=np.asarray(sizes, dtype=np.int64),
         fwd=per_block["fwd_s"],
@@ -194,6 +201,7 @@ def build_cost_table(
                       float(optimizer(np.array([float(grads[k])]))[0])
                       if optimizer is not None and k in grads else 0.0)
                      for k, bs in uses.items() if len(set(bs)) > 1),
+        excluded={q: tuple(sorted(bs)) for q, bs in sorted(excluded.items())},
     )
     note("cost table of %d blocks at %d sizes in %.2f s", nb, len(sizes),
          time.perf_counter() - t0)

@@ -23,6 +23,7 @@ from operator import attrgetter
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -211,6 +212,7 @@ class NodeRunner:
             fn = node.target
             mutates = _mutates_fn(node.target, kwargs)
             op = qualname(fn)
+            _check_batch_norm(fn, args, kwargs)
         return OpCall(fn, args, kwargs, params, mutates, self.excluded, f"node {node.name} ({op})")
 
     def _module_fn(self, mod: nn.Module) -> tuple[Any, tuple[torch.Tensor, ...]]:
@@ -261,6 +263,21 @@ def _robust(fn: Callable[[OpCall], _T], call: OpCall, warn: Callable[[str], None
         if call.mutates or "in-place" not in str(e):
             raise
     return fn(dataclasses.replace(call, mutates=True))
+
+
+def _check_batch_norm(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The check ``F.batch_norm`` makes before a batch norm in training mode (one value per
+    channel cannot be normalized: ValueError), for an exported graph's ATen batch norms,
+    which torch.export traced below it: a size the model's own code refuses is refused
+    under either capture."""
+    if not isinstance(fn, torch._ops.OpOverload) or "batch_norm" not in fn._schema.name:
+        return
+    names = [a.name for a in fn._schema.arguments]
+    given = dict(zip(names, args, strict=False)) | kwargs
+    x = given.get("input")
+    training = given.get("training") is True or fn._schema.name.endswith("_batch_norm_with_update")
+    if isinstance(x, torch.Tensor) and training:
+        F._verify_batch_size(list(x.shape))  # type: ignore[attr-defined]  # torch's own
 
 
 def _state(mod: nn.Module) -> dict[str, torch.Tensor]:

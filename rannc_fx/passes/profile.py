@@ -13,16 +13,24 @@ Saved bytes are charged per storage, once, to the node that made the storage: a 
 that the ReLU and the next Linear both save counts once, at the ReLU. So summing
 ``saved_bytes`` over nodes gives what autograd keeps for one micro-batch (parameters and
 buffers excluded). A graph input that some node saves is charged to that node.
+
+A node that raises at a profiled size (a training-mode BatchNorm that sees one value per
+channel at one sample) is an ``OpFailure`` of the profile, not an error: the stages holding it
+must not run that size (``costs`` rules it out for its block). So that no size the search may
+use is read off a line through such a size, the sizes next to it among ``candidates`` are
+profiled too. Its costs there are its nearest profiled size's, never read at that size. Only a
+node that raises at every profiled size is an error: there is no size left to plan with.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from ..device import DeviceSpec
 from ..progress import Progress
@@ -31,10 +39,10 @@ from .capture import CapturedGraph
 from .noderun import NodeRunner, home_device, measure_device
 from .opcache import CostCache
 from .opcost import OpCost
-from .profile_walk import Row, WalkStats, walk_formulas, walk_run
-from .shapes_symbolic import SymbolicValues
+from .profile_walk import Failed, Row, WalkStats, walk_formulas, walk_run
+from .shapes_symbolic import Leaf, SymbolicValues
 
-__all__ = ["NodeCost", "Profile", "profile_pass"]
+__all__ = ["NodeCost", "OpFailure", "Profile", "first_line", "profile_pass"]
 
 _FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s",
            "rebuilt_bytes", "wheld_bytes")
@@ -66,12 +74,30 @@ class NodeCost(BaseModel):
         return getattr(self, field) or getattr(self, _STAND_IN.get(field, field))
 
 
+class OpFailure(BaseModel):
+    """A node that raised when profiled at ``samples`` samples (per replica, per micro-batch):
+    the first line of what it raised."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: str
+    samples: int
+    error: str
+
+
+def first_line(e: BaseException) -> str:
+    """``ValueError: Expected more than 1 value per channel ...``: the type and first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 class Profile(BaseModel):
     """Costs of every call node at each profiled micro-batch size.
 
     ``measured`` ops were profiled in this run; ``from_cache`` node profiles were answered by
     the cache (same key earlier in the graph, at another node, or on disk); ``distinct`` is the
-    number of different op keys over all sizes.
+    number of different op keys over all sizes. ``failures`` are the nodes that raised at a
+    profiled size: their costs there are stand-ins (``costs`` rules the size out for them).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,6 +109,7 @@ class Profile(BaseModel):
     measured: int = 0
     from_cache: int = 0
     distinct: int = 0
+    failures: tuple[OpFailure, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> Profile:
@@ -128,8 +155,11 @@ def profile_pass(
     repeats: int = 3,
     batch_dim: int = 0,
     formulas: SymbolicValues | None = None,
+    candidates: tuple[int, ...] = (),
 ) -> Profile:
-    """Profile every call node of ``captured.gm`` at each size in ``batch_sizes``.
+    """Profile every call node of ``captured.gm`` at each size in ``batch_sizes``, and where
+    a node raises at one, at the nearest sizes of ``candidates`` (the sizes the plan may run)
+    on either side of it too.
 
     ``flat_inputs`` is one batch of the graph's inputs; the batch size and dimension come from
     the placeholders' ValueSpecs in ``values`` (else ``batch_dim`` and the first input's size).
@@ -151,29 +181,117 @@ def profile_pass(
     cache = CostCache(cache_dir, device=runner.device_name, cost_model=cost_model)
     calls = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
     stats = WalkStats(progress=Progress("profile", total=calls * len(sizes)))
-    per_size = []
+    walked: dict[int, tuple[dict[str, Row], Failed]] = {}
+    known: dict[tuple[str, int], OpCost | Exception] = {}
+
+    def stand_in(node: fx.Node, samples: int) -> Any:
+        return _zeros(node, samples, values, formulas, runner)
+
     with runner.session():
-        if formulas is not None and runner.analytic:
-            known: dict[tuple[str, int], OpCost] = {}
-            per_size = [walk_formulas(gm, formulas, runner, cache, stats, s, known) for s in sizes]
-        else:
-            for s in sizes:
-                inputs = runner.inputs(list(flat_inputs), batch, s, bdim)
-                per_size.append(walk_run(gm, inputs, runner, cache, stats, s))
+        todo = list(sizes)
+        while todo:
+            for s in todo:
+                if formulas is not None and runner.analytic:
+                    walked[s] = walk_formulas(gm, formulas, runner, cache, stats, s, known)
+                else:
+                    inputs = runner.inputs(list(flat_inputs), batch, s, bdim)
+                    walked[s] = walk_run(gm, inputs, runner, cache, stats, s, stand_in)
+            todo = _next_to_failures(walked, candidates)
+            if stats.progress.total is not None:
+                stats.progress.total += calls * len(todo)
     cache.save()
+    sizes = tuple(sorted(walked))
+    failures = _failures(gm, walked)
     spec = device_spec if runner.analytic else None
-    nodes = {name: _node_cost([p[name] for p in per_size], spec) for name in per_size[0]}
+    nodes = {name: _node_cost(_rows_of(name, walked), spec) for name in _called(gm)}
     stats.progress.done(
-        "profiled %d nodes at %d size(s) (%d measured, %d from cache, %d distinct ops; %s) "
+        "profiled %d nodes at %d size(s) (%d measured, %d from cache, %d distinct ops; %s)%s "
         "in %.2f s", len(nodes), len(sizes), stats.measured, stats.hits, len(stats.keys),
         f"analytic costs for {device_spec.name}" if runner.analytic
-        else f"measured on {runner.device_name}", stats.progress.seconds,
+        else f"measured on {runner.device_name}",
+        "".join(f"; node {f.node} raised at {f.samples} sample(s): {f.error}"
+                for f in failures[:3]) + (f" (and {len(failures) - 3} more)"
+                                          if len(failures) > 3 else ""),
+        stats.progress.seconds,
     )
     return Profile(
         batch_sizes=sizes, cost_model=cost_model,
         device=device_spec.name if runner.analytic else runner.device_name,
         nodes=nodes, measured=stats.measured, from_cache=stats.hits, distinct=len(stats.keys),
+        failures=failures,
     )
+
+
+# -- nodes that raise ------------------------------------------------------------------------
+
+
+def _called(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+
+
+def _next_to_failures(walked: dict[int, tuple[dict[str, Row], Failed]],
+                      candidates: tuple[int, ...]) -> list[int]:
+    """The nearest candidate sizes on either side of each size where a node raised, that
+    are not profiled yet: a candidate between two profiled sizes is read off the line
+    through them, so both must be sizes where every node ran."""
+    out: set[int] = set()
+    for s, (_, failed) in walked.items():
+        if failed:
+            below = [c for c in candidates if c < s]
+            above = [c for c in candidates if c > s]
+            out.update(x for x in (max(below, default=None), min(above, default=None))
+                       if x is not None and x not in walked)
+    return sorted(out)
+
+
+def _failures(gm: fx.GraphModule, walked: dict[int, tuple[dict[str, Row], Failed]]
+              ) -> tuple[OpFailure, ...]:
+    """Every (node, size) that raised, in graph order; a RuntimeError for the first node that
+    raised at every size (nothing is left to plan it with)."""
+    out = []
+    for node in gm.graph.nodes:
+        raised = {s: failed[node.name] for s, (_, failed) in sorted(walked.items())
+                  if node.name in failed}
+        if len(raised) == len(walked):
+            s, e = next(iter(raised.items()))
+            raise RuntimeError(
+                f"profiling node {node.name!r} ({node.format_node()}) failed at every size "
+                f"profiled ({', '.join(map(str, sorted(walked)))} sample(s)); at {s}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        out += [OpFailure(node=node.name, samples=s, error=first_line(e))
+                for s, e in raised.items()]
+    return tuple(sorted(out, key=lambda f: f.samples))
+
+
+def _rows_of(name: str, walked: dict[int, tuple[dict[str, Row], Failed]]) -> list[Row]:
+    """A node's rows at every profiled size: where it raised, its nearest size's (never read
+    at that size, which ``costs`` rules out for it)."""
+    ran = [s for s, (rows, _) in walked.items() if name in rows]
+    return [walked[s][0][name] if name in walked[s][0]
+            else walked[min(ran, key=lambda r: (abs(r - s), r))][0][name]
+            for s in sorted(walked)]
+
+
+def _zeros(node: fx.Node, samples: int, values: dict[str, ValueSpec],
+           formulas: SymbolicValues | None, runner: NodeRunner) -> Any:
+    """Zeros in the shape of ``node``'s value at ``samples`` samples (for the nodes after
+    one that raised): from the formulas, else from its spec where that is a tensor; None
+    where neither says."""
+    device = runner.home if runner.analytic else runner.device
+
+    def zeros(leaf: Any) -> Any:
+        if not isinstance(leaf, Leaf):
+            return leaf
+        t = torch.zeros(leaf.shape, dtype=leaf.dtype, device=device)
+        return t.requires_grad_(True) if leaf.requires_grad and t.is_floating_point() else t
+
+    if formulas is not None:
+        return pytree.tree_map(zeros, formulas.value_at(node.name, samples))
+    spec = values.get(node.name)
+    if spec is None or spec.kind != "tensor" or spec.dtype is None:
+        return None
+    return zeros(Leaf(spec.shape_for(samples), getattr(torch, spec.dtype), spec.requires_grad))
 
 
 # -- inputs and device -----------------------------------------------------------------------

@@ -1,13 +1,19 @@
 """How nodes get their costs for the profile: a run of the graph, or a walk over formulas.
 
-Both walks visit the call nodes of one graph at one micro-batch size and return, per node, its
-``OpCost``, the bytes of saved storages charged to it, of those the bytes a kept op made
+Both walks visit the call nodes of one graph at one micro-batch size and return, per node that
+ran, its ``OpCost``, the bytes of saved storages charged to it, of those the bytes a kept op made
 (``selective.kept``: what selective recomputation keeps instead of rebuilding), and the bytes
 held between a split backward's ``B`` and ``W`` charged to it (``opcost_split``: the storages
 the weight GEMMs read, charged as saved ones are, and the gradients kept for them). Saved bytes are charged per storage,
 once, to the node that made the storage (a ReLU output that the ReLU and the next Linear both
 save counts once, at the ReLU), so summing them over nodes gives what autograd keeps for one
 micro-batch, parameters and buffers excluded.
+
+A node that raises at this size (a training-mode BatchNorm that sees one value per channel)
+does not end the walk: the walk returns what it raised, by node, beside the rows, and the
+nodes after it run on its stand-in (zeros shaped as its value at this size, from the shape
+pass's formulas or spec). A node whose input has no value at all does not run either, and is
+returned as raising (``NotRun``). The profile rules such sizes out for the nodes' blocks.
 
     walk_run        runs the graph node by node (real tensors, or fake ones), so each node sees
                     its real inputs; the ledger follows real storages
@@ -18,6 +24,7 @@ micro-batch, parameters and buffers excluded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +39,7 @@ from .opcache import CostCache, op_key
 from .opcost import OpCost, storage_id, tensors
 from .shapes_symbolic import Label, SymbolicValues
 
-__all__ = ["Row", "WalkStats", "walk_formulas", "walk_run"]
-
+__all__ = ["Failed", "NotRun", "Row", "StandIn", "WalkStats", "walk_formulas", "walk_run"]
 
 
 @dataclass
@@ -132,14 +138,26 @@ def _rows(costs: dict[str, OpCost], ledger: _SavedLedger | _RefLedger) -> dict[s
                    ledger.w_charged.get(name, 0)) for name, c in costs.items()}
 
 
+# what each node that did not run at a size raised, by node name
+Failed = dict[str, Exception]
+# a node's value at a sample count, as zeros (None: not known, its readers do not run)
+StandIn = Callable[[fx.Node, int], Any]
+
+
+class NotRun(RuntimeError):
+    """A node that did not run because one of its inputs has no value at this size."""
+
+
 def walk_run(
     gm: fx.GraphModule, inputs: list[Any], runner: NodeRunner, cache: CostCache, stats: WalkStats,
-    samples: int,
-) -> dict[str, Row]:
-    """Run the graph node by node once, profiling (or looking up) every call node."""
+    samples: int, stand_in: StandIn | None = None,
+) -> tuple[dict[str, Row], Failed]:
+    """Run the graph node by node once, profiling (or looking up) every call node; a node
+    that raises gives way to ``stand_in``'s value for it."""
     env: dict[fx.Node, Any] = {}
     ledger = _SavedLedger(runner.excluded)
     costs: dict[str, OpCost] = {}
+    failed: Failed = {}
     it = iter(inputs)
     frees = _last_uses(gm.graph)
     for node in gm.graph.nodes:
@@ -149,17 +167,23 @@ def walk_run(
         elif node.op == "get_attr":
             env[node] = runner.attr(str(node.target))
         elif node.op != "output":
+            lost = [n.name for n in node.all_input_nodes if n not in env]
+            if lost:
+                failed[node.name] = NotRun(f"its input {lost[0]} has no value at {samples} "
+                                           "sample(s)")
+                continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             try:
                 costs[node.name] = _profile_node(node, args, kwargs, env, runner, cache, stats, ledger)
             except Exception as e:
-                raise RuntimeError(
-                    f"profiling node {node.name!r} ({node.format_node()}) at {samples} sample(s) "
-                    f"failed: {type(e).__name__}: {e}"
-                ) from e
+                failed[node.name] = e
+                out = stand_in(node, samples) if stand_in is not None else None
+                if out is not None:
+                    env[node] = out
+                    ledger.made(node.name, tensors(out), tensors((args, kwargs)))
         for done in frees.get(node, ()):
             env.pop(done, None)
-    return _rows(costs, ledger)
+    return _rows(costs, ledger), failed
 
 
 @dataclass
@@ -213,34 +237,37 @@ class _RefLedger:
 
 def walk_formulas(
     gm: fx.GraphModule, formulas: SymbolicValues, runner: NodeRunner, cache: CostCache,
-    stats: WalkStats, samples: int, known: dict[tuple[str, int], OpCost],
-) -> dict[str, Row]:
-    """Every call node's cost at ``samples`` samples, counting each distinct signature once."""
+    stats: WalkStats, samples: int, known: dict[tuple[str, int], OpCost | Exception],
+) -> tuple[dict[str, Row], Failed]:
+    """Every call node's cost at ``samples`` samples, counting each distinct signature once
+    (``known``: the costs, or what the signature raised, of the sizes so far)."""
     ledger = _RefLedger(formulas, samples)
     costs: dict[str, OpCost] = {}
+    failed: Failed = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             ledger.made(node.name, len(formulas.requires_grad[node.name]), [], (), owned=False)
         elif node.op not in ("get_attr", "output"):
             sig = formulas.signatures[node.name]
-            cost = known.get((sig, samples))
-            if cost is None:
+            got = known.get((sig, samples))
+            if got is None:
                 try:
-                    cost = _count_signature(node, formulas, runner, cache, stats, samples)
-                except Exception as e:
-                    raise RuntimeError(
-                        f"profiling node {node.name!r} ({node.format_node()}) at {samples} "
-                        f"sample(s) failed: {type(e).__name__}: {e}"
-                    ) from e
-                known[(sig, samples)] = cost
-            else:
+                    got = _count_signature(node, formulas, runner, cache, stats, samples)
+                except Exception as e:  # every node of this signature raises it
+                    got = e
+                known[(sig, samples)] = got
+            elif isinstance(got, OpCost):
                 stats.count(hit=True)
-            costs[node.name] = cost
             ins = [ledger.of(r) for r in formulas.inputs_of(node)]
-            outs = ledger.made(node.name, len(formulas.requires_grad[node.name]), ins, cost.views,
-                               kept_outputs=cost.kept_outputs)
-            _charge(ledger, node.name, cost, ins, outs)
-    return _rows(costs, ledger)
+            count = len(formulas.requires_grad[node.name])
+            if isinstance(got, Exception):  # its outputs: storages of its own, as zeros
+                failed[node.name] = got
+                ledger.made(node.name, count, ins, ())
+                continue
+            costs[node.name] = got
+            outs = ledger.made(node.name, count, ins, got.views, kept_outputs=got.kept_outputs)
+            _charge(ledger, node.name, got, ins, outs)
+    return _rows(costs, ledger), failed
 
 
 def _count_signature(node: fx.Node, formulas: SymbolicValues, runner: NodeRunner,

@@ -40,7 +40,7 @@ from ..passes.costs import build_cost_table
 from ..passes.group import BlockGraph, group_pass
 from ..passes.optcost import ParameterCosts, parameter_costs
 from ..passes.profile import Profile, profile_pass
-from ..passes.search import CostTable, SearchSpace, needed_sizes
+from ..passes.search import CostTable, SearchSpace, needed_sizes, run_sizes
 from ..passes.shapes import shapes_pass
 from ..passes.shapes_symbolic import SymbolicValues
 from ..passes.tail import TailCost, find_tail, insert_tail_inputs, tail_cost
@@ -150,18 +150,23 @@ def analyze(
         space, output_bytes=_local_output_bytes(captured, values, local, batch)
     )
     sizes = needed_sizes(space)
+    runs = run_sizes(space)
 
     profile = profile_pass(
         captured, flat, values,
-        # the tail runs on the whole batch: its nodes' costs there, not extrapolated
-        batch_sizes=tuple(sorted({*_profile_sizes(sizes), *([batch] if captured.tail else [])})),
+        # the tail runs on the whole batch: its nodes' costs there, not extrapolated; the
+        # smallest size a replica may run (an uneven split's floor), where ops fail first
+        batch_sizes=tuple(sorted({*_profile_sizes(sizes), *([batch] if captured.tail else []),
+                                  *runs[:1]})),
         device_spec=spec,
         cost_model=cost_model,
         device=run_device,
         cache_dir=cfg.profile_cache_dir,
         repeats=cfg.profile_repeats,
         formulas=cap.formulas,
+        candidates=runs,
     )
+    _check_tail_runs(captured, profile, batch)
     blocks = group_pass(captured, profile, values, max_blocks=cfg.max_blocks)
     if cfg.debug:
         log.info("captured graph:\n%s", captured.gm.print_readable(print_output=False))
@@ -179,6 +184,16 @@ def analyze(
 
 
 # -- the target and helpers ------------------------------------------------------------------
+
+
+def _check_tail_runs(captured: CapturedGraph, profile: Profile, batch: int) -> None:
+    """A tail node that raised on the whole batch: the tail runs on nothing else."""
+    tail = set(captured.tail.nodes) if captured.tail is not None else set()
+    for f in profile.failures:
+        if f.node in tail and f.samples == batch:
+            raise RuntimeError(
+                f"node {f.node!r} runs once a step on the whole batch of {batch} samples (the "
+                f"model mixes its samples there), but raised when profiled there: {f.error}")
 
 
 def _batch_size(

@@ -14,6 +14,7 @@ from ..passes.split_interface import StageInterface, dimension_source
 from ..plan import (
     Block,
     CutValue,
+    ExcludedSize,
     MemoryEstimate,
     OutputRef,
     Plan,
@@ -140,6 +141,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
     # only parameters have gradients to sum over their holders
     shared = _shared_params(captured, [names & params_set for names in stage_params])
 
+    excluded = _excluded(a, node_stage, num)
     plan = Plan(
         model_fingerprint=captured.fingerprint(),
         tracer=captured.tracer,
@@ -165,6 +167,8 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         tail=tail,
         predicted_step_ms=ms * result.evaluation.step_s + tail_ms,
         search_seconds=search_seconds,
+        excluded_sizes=excluded,
+        notes=tuple(x.note() for x in excluded),
     )
     simulated = ms * simulate_plan(plan).makespan + tail_ms
     update = {"simulated_step_ms": simulated}
@@ -228,6 +232,20 @@ def _dynamic(a: Analysis, ifaces: list[StageInterface]) -> Dynamic:
         note("plan: %s pinned at the example's size: a stage rebuilds a size in it but "
              "none of its inputs has that dimension", ", ".join(sorted(unread)))
         wanted = tuple(d.name for d in dynamic.dims if d.name not in unread) or "batch"
+
+
+def _excluded(a: Analysis, node_stage: dict[str, int], num: int) -> tuple[ExcludedSize, ...]:
+    """The sizes each stage never runs: those where a node it holds raised when profiled
+    (the tail's nodes run on the whole batch only)."""
+    found: dict[tuple[int, int], list[str]] = {}
+    first: dict[tuple[int, int], str] = {}
+    for f in a.profile.failures:
+        s = node_stage.get(f.node, num)
+        if s < num:
+            found.setdefault((s, f.samples), []).append(f.node)
+            first.setdefault((s, f.samples), f.error)
+    return tuple(ExcludedSize(stage=s, samples=q, nodes=tuple(nodes), error=first[(s, q)])
+                 for (s, q), nodes in sorted(found.items()))
 
 
 def _param_bytes(captured: CapturedGraph) -> dict[str, int]:

@@ -70,18 +70,7 @@ def plan_model(
     try:
         result = run_search(a.table, a.space)
     except NoFeasiblePlan as e:
-        tail = a.tail
-        if tail is None or a.captured.tail is None:
-            raise
-        raise NoFeasiblePlan(
-            f"{e} The model mixes its samples at {', '.join(a.captured.tail.mixing)}: from there "
-            f"it runs once a step on the whole batch of {a.space.global_batch} samples, on every "
-            f"replica of the last stage, which holds {tail.held_bytes / 2**20:.1f} MiB for it "
-            "(its inputs, their gradients, its activations and outputs; more replicas do not "
-            "shrink it); a smaller global batch does",
-            largest_stage_bytes=e.largest_stage_bytes, world_size=e.world_size,
-            micro_batches=e.micro_batches,
-        ) from None
+        raise _explained(a, e) from None
     p = Progress("plan")
     seconds = time.perf_counter() - t0
     plan = choose(a, result, seconds)
@@ -92,6 +81,29 @@ def plan_model(
         plan.simulated_step_ms or plan.predicted_step_ms,
     )  # fmt: skip
     return Planned(plan, a.captured, a.values, a.started)
+
+
+def _explained(a: Analysis, e: NoFeasiblePlan) -> NoFeasiblePlan:
+    """``e`` with what the search alone cannot say: the sizes nodes raised at, a tail."""
+    why = str(e)
+    if a.profile.failures:
+        shown = a.profile.failures[:3]
+        why += " Sizes ruled out: " + "; ".join(
+            f"node {f.node} raised at {f.samples} sample(s): {f.error}" for f in shown) + (
+            f" (and {len(a.profile.failures) - 3} more)" if len(a.profile.failures) > 3
+            else "") + "."
+    tail = a.tail
+    if tail is not None and a.captured.tail is not None:
+        why += (
+            f" The model mixes its samples at {', '.join(a.captured.tail.mixing)}: from there "
+            f"it runs once a step on the whole batch of {a.space.global_batch} samples, on every "
+            f"replica of the last stage, which holds {tail.held_bytes / 2**20:.1f} MiB for it "
+            "(its inputs, their gradients, its activations and outputs; more replicas do not "
+            "shrink it); a smaller global batch does")
+    if why == str(e):
+        return e
+    return NoFeasiblePlan(why, largest_stage_bytes=e.largest_stage_bytes,
+                          world_size=e.world_size, micro_batches=e.micro_batches)
 
 
 def choose(a: Analysis, result: SearchResult, seconds: float = 0.0) -> Plan:

@@ -51,6 +51,7 @@ from ..passes.search.evaluate import evaluate
 from ..passes.search.model import (
     Evaluation,
     StageChoice,
+    blocked,
     range_max,
     samples_per_replica,
     size_index,
@@ -330,7 +331,8 @@ def balanced_stages(a: Analysis, replicas: list[int], m: int,
     """Block ranges of ``len(replicas)`` stages in chain order that minimize the slowest
     stage's time per micro-batch, stage ``s`` costed at the samples per replica of its
     ``replicas[s]`` and its recomputation level ``recompute[s]`` (rho: 0, 1, 2 or 3; a bool
-    reads as 0 or 1) (None when the table lacks that size)."""
+    reads as 0 or 1), never one holding a block that cannot run its size (None when the
+    table lacks that size, or no such stages exist)."""
     table, space = a.table, a.space
     B, n = table.num_blocks, len(replicas)
     kidx = size_index(table)
@@ -343,7 +345,8 @@ def balanced_stages(a: Analysis, replicas: list[int], m: int,
         k = kidx[q]
         ws = range_max(np.asarray(table.workspace[k], float))[i, j]
         c = np.full((B + 1, B + 1), np.inf)
-        c[i, j] = stage_terms(table, space, k, i, j, ws, m).time(int(rho))
+        c[i, j] = np.where(blocked(table, space.global_batch, m, r, i, j), np.inf,
+                           stage_terms(table, space, k, i, j, ws, m).time(int(rho)))
         cost[r, rho] = c
     best = np.full(B + 1, np.inf)
     best[0] = 0.0

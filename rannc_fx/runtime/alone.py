@@ -109,11 +109,11 @@ class AloneExecutor:
         """``sync`` is ignored: one rank sums nothing over ranks (``model.no_sync()``)."""
         local = check_inputs(self.plan, flat_inputs, self._in_shapes, self._local, self.device)
         deferred = DeferredBatchNorm.of(self.module)  # made by another size's executor
-        if deferred is not None:
-            deferred.begin()
+        if deferred is not None:  # the whole batch: torch's own update, in the call
+            deferred.begin(whole=True)
         outs = self.module(*[local[j] if j >= 0 else v for j, v in self._args])
         if deferred is not None:
-            deferred.commit(deferred.sums())  # one micro-batch: its own statistics
+            deferred.commit(deferred.sums())  # nothing left to add: the calls updated them
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
         if len(outs) != len(self.stage.outputs):

@@ -4,7 +4,9 @@ What runs where is a function of the global batch and the micro-batch count alon
 (``routing``): the stages, their replica counts and the schedule stay. So a smaller last
 batch of an epoch (``DataLoader(drop_last=False)``), or a larger batch, runs on a copy of the
 plan with those two changed, its micro-batches capped so that every replica of every stage
-gets at least one sample of each. One executor is made per size, the first time it is seen,
+gets at least one sample of each, and fewer where a replica's micro-batch would hold a size
+its stage never runs (``Plan.excluded_sizes``: one sample for a training-mode BatchNorm
+that normalizes one value per channel). One executor is made per size, the first time it is seen,
 and kept (the plan's own stays the one ``model.plan`` shows).
 
 The same goes for the autocast state a call runs under: ``retype`` (given by
@@ -42,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..plan import Plan
+from ..plan import ExcludedSize, Plan
+from . import routing
 from .accumulation import Accumulation
 from .alone import AloneExecutor, build_executor
 from .comm import CommError, abort_groups, build_groups
@@ -59,7 +62,9 @@ KEPT = 32  # executors kept for sizes other than the plan's (dynamic padding mak
 
 
 def rebatched(plan: Plan, global_batch: int) -> Plan:
-    """``plan`` for a global batch of ``global_batch`` samples (the same stages and schedule)."""
+    """``plan`` for a global batch of ``global_batch`` samples (the same stages and schedule),
+    with the most micro-batches (up to the plan's) that give no stage a size it never runs
+    (``Plan.excluded_sizes``: a node of it raised there when profiled)."""
     widest = max(st.replicas for st in plan.stages)
     if global_batch < widest:
         stage = next(st.index for st in plan.stages if st.replicas == widest)
@@ -70,7 +75,34 @@ def rebatched(plan: Plan, global_batch: int) -> Plan:
             f"{-(-widest // plan.world_size)} sample(s) per rank"
         )
     micro = min(plan.micro_batches, global_batch // widest)
-    return plan.model_copy(update={"global_batch": global_batch, "micro_batches": micro})
+    hit = None
+    for m in range(micro, 0, -1):  # the most micro-batches that keep off excluded sizes
+        got = plan.model_copy(update={"global_batch": global_batch, "micro_batches": m})
+        hit = _runs_excluded(got)
+        if hit is None:
+            return got
+    assert hit is not None
+    raise ValueError(
+        f"a global batch of {global_batch} sample(s) gives stage {hit.stage}'s "
+        f"{plan.stages[hit.stage].replicas} replica(s) micro-batches of {hit.samples} "
+        f"sample(s) with any count of them up to {micro}, and node {hit.nodes[0]} of that "
+        f"stage cannot run {hit.samples} ({hit.error}); drop the last smaller batch "
+        "(DataLoader(drop_last=True)) or pass a batch that gives each of its replicas more "
+        "samples"
+    )
+
+
+def _runs_excluded(plan: Plan) -> ExcludedSize | None:
+    """A size a stage of ``plan`` never runs (``Plan.excluded_sizes``) that one of its
+    replicas' micro-batches would hold; None if none does."""
+    for x in plan.excluded_sizes:
+        r = plan.stages[x.stage].replicas
+        for i in range(plan.micro_batches):
+            for replica in range(r):
+                a, b = routing.replica_span(plan, x.stage, replica, i)
+                if b - a == x.samples:
+                    return x
+    return None
 
 
 class BatchSizes:

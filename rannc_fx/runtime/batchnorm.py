@@ -4,16 +4,27 @@ One process updates a BatchNorm's running mean and variance once per step, from 
 batch. A pipeline sees the batch as micro-batches on several replicas, and letting each
 update them would move the statistics m times a step, differently on each replica. As
 torchgpipe's ``DeferredBatchNorm`` does, the forward here normalizes each micro-batch with
-its own statistics (as GPipe does; the running statistics are untouched) and adds the input's
-per-channel sum, sum of squares and count to the step's; at the end of the step the replicas
-sum theirs (one all-reduce) and every replica makes the one update one process would make:
+its own statistics (as GPipe does; the running statistics are untouched) and keeps its input's
+per-channel count, mean and sum of squared deviations (M2), in float64 (``torch.var_mean``:
+no sum of squares, which cancels far from zero mean). Micro-batches combine by Chan's
+parallel formula; at the end of the step the replicas exchange
+theirs (one all-reduce of each replica's row), every replica combines them in replica order
+and makes the one update one process would make, in float64, rounded once:
 
-    mean = S / n      var = SS / n - mean²      running_var ← (1 - m) running_var + m var n / (n - 1)
+    n = na + nb    d = mb - ma    mean = ma + d nb / n    M2 = M2a + M2b + d² na nb / n
+    running_var ← (1 - m) running_var + m M2 / (n - 1)
 
-with ``num_batches_tracked`` + 1 (and ``momentum=None``'s cumulative average from it). A
-recomputed forward adds nothing. ``DeferredBatchNorm.install`` rewrites a stage's graph once:
-torch.fx's BatchNorm modules and torch.export's ``aten.batch_norm`` nodes in training mode
-become calls of parameterless modules that do the above; the parameters and buffers stay
+with ``num_batches_tracked`` + 1 (and ``momentum=None``'s cumulative average from it): the
+whole batch's statistics to within a few float64 roundings.
+
+Where a stage has one replica and one micro-batch (``begin(whole=True)``), that micro-batch is
+the whole batch: torch's own batch norm updates the running statistics in the forward, as in
+one process, so they are one process's bit for bit. A recomputed forward adds nothing and
+updates nothing (``recomputing``; whole, it runs the same op with momentum 0, so that
+checkpointing sees the tensors the forward saved, and the stage's buffer scope puts back
+the statistics around it). ``DeferredBatchNorm.install`` rewrites a stage's graph
+once: torch.fx's BatchNorm modules and torch.export's ``aten.batch_norm`` nodes in training
+mode become calls of parameterless modules that do the above; the parameters and buffers stay
 where they are, under their names.
 """
 
@@ -36,15 +47,16 @@ _MARK = "_rannc_fx_deferred_batch_norm"  # on a stage module: its DeferredBatchN
 
 @dataclass
 class _Stats:
-    """One BatchNorm: its running statistics and the step's sums of its inputs."""
+    """One BatchNorm: its running statistics and the step's count, mean and M2 of its inputs
+    (float64, per channel)."""
 
     running_mean: torch.Tensor
     running_var: torch.Tensor
     tracked: torch.Tensor | None  # num_batches_tracked
     momentum: float | None
-    sum: torch.Tensor | None = None
-    squares: torch.Tensor | None = None
     count: float = 0.0
+    mean: torch.Tensor | None = None
+    m2: torch.Tensor | None = None
 
 
 class DeferredBatchNorm:
@@ -53,6 +65,7 @@ class DeferredBatchNorm:
     def __init__(self) -> None:
         self.stats: list[_Stats] = []
         self.counting = True  # False while a forward is recomputed
+        self.whole = False  # one micro-batch on one replica: torch's own update, in the call
 
     @classmethod
     def install(cls, gm: fx.GraphModule) -> DeferredBatchNorm:
@@ -107,10 +120,11 @@ class DeferredBatchNorm:
         return found if isinstance(found, DeferredBatchNorm) else None
 
     # -- a step ------------------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self, *, whole: bool = False) -> None:
+        """A step starts; ``whole``: its one micro-batch is the whole batch, on one replica."""
+        self.whole = whole
         for s in self.stats:
-            s.sum = s.squares = None
-            s.count = 0.0
+            s.count, s.mean, s.m2 = 0.0, None, None
 
     def add(self, i: int, x: torch.Tensor) -> None:
         """Micro-batch input ``x`` of BatchNorm ``i`` (channels in dimension 1)."""
@@ -119,11 +133,9 @@ class DeferredBatchNorm:
         s = self.stats[i]
         with torch.no_grad():
             dims = [d for d in range(x.dim()) if d != 1]
-            y = x.detach().to(torch.float64)
-            total, squares = y.sum(dims), (y * y).sum(dims)
-            s.sum = total if s.sum is None else s.sum + total
-            s.squares = squares if s.squares is None else s.squares + squares
-            s.count += x.numel() / x.shape[1]
+            var, mean = torch.var_mean(x.detach().to(torch.float64), dim=dims, correction=0)
+            n = float(x.numel() // x.shape[1])
+            s.count, s.mean, s.m2 = _chan((s.count, s.mean, s.m2), (n, mean, var * n))
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
@@ -133,30 +145,34 @@ class DeferredBatchNorm:
         finally:
             self.counting = True
 
-    def sums(self) -> list[torch.Tensor]:
-        """What the replicas sum: each BatchNorm's [sum, squares, count], one flat tensor."""
+    def sums(self, slot: int = 0, slots: int = 1) -> list[torch.Tensor]:
+        """What the replicas exchange: each BatchNorm's [count, mean, M2] in row ``slot`` of
+        ``slots`` rows of zeros, so that summing over the replicas stacks their rows."""
         out = []
         for s in self.stats:
-            if s.sum is None or s.squares is None:
-                c = s.running_mean.numel()
-                out.append(torch.zeros(2 * c + 1, dtype=torch.float64,
-                                       device=s.running_mean.device))
-            else:
-                count = torch.tensor([s.count], dtype=torch.float64, device=s.sum.device)
-                out.append(torch.cat([s.sum, s.squares, count]))
+            c = s.running_mean.numel()
+            rows = torch.zeros(slots, 2 * c + 1, dtype=torch.float64,
+                               device=s.running_mean.device)
+            if s.mean is not None and s.m2 is not None:
+                rows[slot, 0] = s.count
+                rows[slot, 1:c + 1] = s.mean
+                rows[slot, c + 1:] = s.m2
+            out.append(rows.flatten())
         return out
 
     def commit(self, summed: list[torch.Tensor]) -> None:
-        """The step's one update of every running statistic, from the replicas' sums."""
+        """The step's one update of every running statistic, from the replicas' rows combined
+        in replica order (every replica the same)."""
         with torch.no_grad():
             for s, v in zip(self.stats, summed, strict=True):
                 c = s.running_mean.numel()
-                n = float(v[-1])
-                if n == 0:
-                    continue  # not run in training mode this step
-                mean = v[:c] / n
-                var = (v[c:2 * c] / n - mean * mean).clamp_min(0)
-                unbiased = var * n / max(n - 1, 1)
+                got: tuple[float, torch.Tensor | None, torch.Tensor | None] = (0.0, None, None)
+                for row in v.view(-1, 2 * c + 1):
+                    if float(row[0]) > 0:
+                        got = _chan(got, (float(row[0]), row[1:c + 1], row[c + 1:]))
+                n, mean, m2 = got
+                if mean is None or m2 is None:
+                    continue  # not run in training mode this step (or by torch, whole)
                 if s.tracked is not None:
                     s.tracked.add_(1)
                 m: float = 0.0
@@ -165,14 +181,34 @@ class DeferredBatchNorm:
                 elif s.tracked is not None:  # a cumulative moving average
                     m = 1.0 / float(s.tracked)
                 _update(s.running_mean, mean, m)
-                _update(s.running_var, unbiased, m)
-        self.begin()
+                _update(s.running_var, m2 / max(n - 1, 1), m)
+        self.begin(whole=self.whole)
+
+    @property
+    def updates_itself(self) -> bool:
+        """Whether a BatchNorm's call updates its running statistics itself: the step's one
+        micro-batch on one replica, in a forward that is not recomputed."""
+        return self.whole and self.counting
+
+
+def _chan(a: tuple[float, torch.Tensor | None, torch.Tensor | None],
+          b: tuple[float, torch.Tensor, torch.Tensor]
+          ) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Count, mean and M2 of two parts together (Chan et al.'s parallel formula)."""
+    na, ma, m2a = a
+    nb, mb, m2b = b
+    if ma is None or m2a is None or na == 0:
+        return nb, mb, m2b
+    n = na + nb
+    delta = mb - ma
+    return n, ma + delta * (nb / n), m2a + m2b + delta * delta * (na * nb / n)
 
 
 def _update(buf: torch.Tensor, value: torch.Tensor, momentum: float) -> None:
-    """``buf ← (1 - m) buf + m value`` in place, without bumping the version counter (a
-    pending backward of a recomputed BatchNorm saved the buffer)."""
-    buf.data.mul_(1 - momentum).add_(value.to(buf.dtype), alpha=momentum)
+    """``buf ← (1 - m) buf + m value`` in float64, rounded once, in place, without bumping
+    the version counter (a pending backward of a recomputed BatchNorm saved the buffer)."""
+    new = buf.detach().to(torch.float64) * (1 - momentum) + value * momentum
+    buf.data.copy_(new.to(buf.dtype))
 
 
 class _ModuleCall(nn.Module):
@@ -189,8 +225,11 @@ class _ModuleCall(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn: Any = self.bn
-        if not bn.training:
-            return bn(x)
+        if not bn.training or self.owner.updates_itself:
+            return bn(x)  # eval, or the whole batch: the module's own update, as one process
+        if self.owner.whole:  # recomputed: the same op (checkpoint counts what it saves)
+            return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True,
+                                0.0, bn.eps)
         self.owner.add(self.index, x)
         return F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
 
@@ -208,6 +247,14 @@ class _AtenCall(nn.Module):
     def forward(self, x: torch.Tensor, weight: Any, bias: Any, running_mean: Any,
                 running_var: Any, training: bool, momentum: Any, eps: float,
                 cudnn_enabled: bool = False) -> torch.Tensor:
+        if self.owner.whole:  # the whole batch: the update one process makes
+            tracked = self.owner.stats[self.index].tracked
+            if not self.owner.counting:  # recomputed: the same op, updating nothing
+                momentum = 0.0
+            elif tracked is not None:
+                tracked.add_(1)  # the graph's own count was dropped (``_drop_counters``)
+            return torch.ops.aten.batch_norm.default(x, weight, bias, running_mean, running_var,
+                                                     True, momentum, eps, cudnn_enabled)
         self.owner.add(self.index, x)
         return torch.ops.aten.batch_norm.default(x, weight, bias, None, None, True, 0.0, eps,
                                                  cudnn_enabled)

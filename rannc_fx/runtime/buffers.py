@@ -82,8 +82,8 @@ class BufferSync:
         """Call before the first micro-batch of a step."""
         self._reset()
         self._seen = {}
-        if self.deferred is not None:
-            self.deferred.begin()
+        if self.deferred is not None:  # one micro-batch on one replica: torch's own update
+            self.deferred.begin(whole=self.micro_batches == 1 and len(self.ranks) == 1)
         if not self._active:
             return
         self._key = tuple(m.training for m in self.module.modules())
@@ -124,7 +124,8 @@ class BufferSync:
         """Call after the last micro-batch: writes the step's final buffers (collective)."""
         d = self.deferred
         if d is not None and d.stats:
-            sums = d.sums()
+            mine = self.ranks.index(dist.get_rank()) if self.group is not None else 0
+            sums = d.sums(mine, len(self.ranks) if self.group is not None else 1)
             if self.group is not None:
                 sums = all_reduce_flat(sums, self.group, what="BatchNorm statistics",
                                        ranks=self.ranks, groups=self.groups)

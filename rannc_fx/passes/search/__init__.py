@@ -36,6 +36,7 @@ from .model import (
     StageChoice,
     StageCost,
     needed_sizes,
+    run_sizes,
     samples_per_replica,
 )
 from .scan import SearchProgress, search_pass
@@ -54,6 +55,7 @@ __all__ = [
     "StageCost",
     "evaluate",
     "needed_sizes",
+    "run_sizes",
     "samples_per_replica",
     "search_pass",
 ]

@@ -13,6 +13,10 @@ takes the first that fits:
   its weight at any position, for the bounds of the search;
 * ``stage(...)``: one stage at a given n (a GPipe plan re-costed under 1F1B);
 * ``least_memory(m, n)``: every stage at its least memory (for ``NoFeasiblePlan``).
+
+A stage holding a block that cannot run a size its replicas' micro-batches hold
+(``model.blocked``) fits nowhere with that m and r: ``offsets`` takes -inf off its memory, as
+for offloaded state the host cannot hold, so every path above drops it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .kernel import Edges, States
 from .model import (
     CostTable,
     SearchSpace,
+    blocked,
     bottleneck_s,
     range_max,
     range_sum,
@@ -79,6 +84,7 @@ class Candidates:
         self._terms: dict[tuple[int, int], StageTerms] = {}
         self._fixed: dict[tuple[bool, bool, bool], np.ndarray] = {}
         self._saved: dict[tuple[bool, bool], np.ndarray] = {}
+        self._blocked: dict[tuple[int, int], np.ndarray] = {}
         self.live = self._live()
 
     def _live(self) -> np.ndarray:
@@ -125,14 +131,15 @@ class Candidates:
                rows: np.ndarray | None = None) -> np.ndarray:
         """The memory of the stages ``terms`` holds (rows of them, all if None) on r replicas
         with n in flight, as variant ``kind`` (infinite where its host share does not fit)."""
-        saved, tr = self.offsets(kind, r, rows)
+        saved, tr = self.offsets(kind, r, rows, terms.m)
         v = VARIANTS[kind]
         return terms.memory(n, v.recompute, tr, v.host) - saved
 
-    def offsets(self, kind: int, r: int | np.ndarray, rows: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
+    def offsets(self, kind: int, r: int | np.ndarray, rows: np.ndarray | None = None,
+                m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """What variant ``kind`` on r replicas takes off the stages' memory (``state_saved``;
-        -inf where the offloaded state is over the host budget) and its ``after_transient``
+        -inf where the offloaded state is over the host budget, or, with m micro-batches,
+        where the stage holds a block that cannot run its size) and its ``after_transient``
         (``r``: one count, one per row, or a (1, columns) row of them for every row)."""
         v, sp = VARIANTS[kind], self.space
         grad = self.grad if rows is None else self.grad[rows]
@@ -148,7 +155,28 @@ class Candidates:
                 params = params[:, None]
             over = host_bytes(sp, params, grad) > sp.host_budget
             saved = np.where(over, -np.inf, saved)
+        if m is not None and self.table.excluded:
+            saved = np.where(self.blocked(m, r, rows), -np.inf, saved)
         return saved, after_transient(sp, grad, np.array(r), v.zero, v.offload)
+
+    def blocked(self, m: int, r: int | np.ndarray, rows: np.ndarray | None = None
+                ) -> np.ndarray:
+        """``model.blocked`` of the stages (rows; all if None) on r replicas with m
+        micro-batches, shaped as ``offsets`` takes r."""
+        def every(count: int) -> np.ndarray:
+            if (m, count) not in self._blocked:
+                self._blocked[(m, count)] = blocked(self.table, self.space.global_batch, m,
+                                                    count, self.iu, self.ju)
+            got = self._blocked[(m, count)]
+            return got if rows is None else got[rows]
+
+        if np.ndim(r) == 2:  # (1, columns)
+            return np.stack([every(int(x)) for x in np.asarray(r)[0]], axis=1)
+        if np.ndim(r):  # one count per row
+            assert rows is not None
+            by_count = {int(x): every(int(x)) for x in np.unique(r)}
+            return np.array([by_count[int(x)][k] for k, x in enumerate(np.asarray(r))], bool)
+        return every(int(r))
 
     def saved(self, zero: bool, offload: bool, r: int | np.ndarray,
               rows: np.ndarray | None = None) -> np.ndarray:
@@ -291,7 +319,7 @@ class Candidates:
                 rho, host = _rh(v)
                 T[:, cols, v] = terms.time(rho, host)[:, None]
                 FIT[:, cols, v] = max_in_flight(wide, rho, m, sp.memory_budget,
-                                                *self.offsets(v, reps[cols][None, :], rows),
+                                                *self.offsets(v, reps[cols][None, :], rows, m),
                                                 host=host)
         U = np.stack([self._u(m, T[:, :, v], reps, rows, v) for v in range(V)], axis=2)
         FIT[dominated(U, self.kinds)] = -1

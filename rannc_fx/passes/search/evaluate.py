@@ -19,6 +19,7 @@ from .model import (
     SearchSpace,
     StageChoice,
     StageCost,
+    blocked,
     bottleneck_s,
     in_flight,
     range_sum,
@@ -119,6 +120,8 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         t, u = float(tz[0]), float(uz[0])
     if host > space.host_budget:  # offloaded state the host cannot hold
         mem = math.inf
+    if blocked(table, space.global_batch, m, r, ii, jj)[0]:  # a block that cannot run q
+        mem = math.inf
     # what its backward rebuilds: recomputing, its activations and outputs; selectively,
     # the activations no kept op made
     rebuilt, rebuilt_out = (act, cout) if rerun else (act, 0.0) if selective else (0.0, 0.0)
@@ -151,6 +154,9 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     (``lane_memory``): a lane's stages reach their peaks at different points, so the lane's
     memory is the largest sum, not the sum of the largest. Their step is the simulator's,
     the formula's here only a lower bound.
+
+    A plan with a stage holding a block that cannot run a size its micro-batches hold
+    (``model.blocked``) does not fit.
 
     ``memo``: a dict the caller keeps across calls with the same table, space, micro-batch
     count and schedule, in which each stage's costs are kept (a caller trying one change
@@ -200,7 +206,8 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     if lane_units is None:
         return Evaluation(step, tuple(costs), all(
             sum(got[s][3] for s in lane) <= space.memory_budget for lane in lanes))
-    fits = True
+    fits = not any(blocked(table, space.global_batch, m, st.replicas, np.array([st.start]),
+                           np.array([st.end]))[0] for st in stages)
     for lane, units in zip(lanes, lane_units, strict=True):
         shares = lane_memory([costs[s] for s in lane], [got[s][4] for s in lane], units)
         shares = held_once(table, space, [stages[s] for s in lane], shares)

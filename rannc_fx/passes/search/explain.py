@@ -17,6 +17,7 @@ from .kernel import Edges
 from .model import (
     CostTable,
     SearchSpace,
+    blocked,
     range_max,
 )
 from .terms import TERMS, StageTerms, stage_terms
@@ -98,7 +99,7 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
         reps, rows = e.reps[idx].astype(np.int64), where[1][idx]
 
         def variant(k: int) -> np.ndarray:
-            saved, tr = cands.offsets(k, reps, rows)
+            saved, tr = cands.offsets(k, reps, rows, m)
             return terms.memory(n, VARIANTS[k].recompute, tr[:, None],
                                 VARIANTS[k].host) - saved[:, None]
 
@@ -120,6 +121,14 @@ def no_plan(table: CostTable, space: SearchSpace) -> NoFeasiblePlan:
     if not math.isfinite(need):
         forced = f", {len(space.replicas or ()) or space.stages} forced stages" if (
             space.replicas or space.stages) else ""
+        if table.excluded:
+            sizes = ", ".join(map(str, sorted(table.excluded)))
+            return NoFeasiblePlan(
+                f"no plan of {W} ranks for {B} blocks, global batch {G}, micro-batches "
+                f"{ms}{forced} keeps every stage off the micro-batch sizes its nodes cannot "
+                f"run ({sizes} sample(s) per replica, for some blocks): a larger global "
+                "batch, fewer ranks, or Config(micro_batches=...) with fewer micro-batches "
+                "gives each replica more samples")
         return NoFeasiblePlan(
             f"no plan of {W} ranks exists for {B} blocks, global batch {G}, micro-batches "
             f"{ms}{forced}: every stage needs at least one block and 1 to "
@@ -191,6 +200,7 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
         terms = stage_terms(table, space, k, iu, ju, range_max(table.workspace[k])[iu, ju], m)
         for n in ns:
             mem = np.min([_at(space, terms, grad, n, r, VARIANTS[v]) for v in kinds], axis=0)
+            mem = np.where(blocked(table, G, m, r, iu, ju), np.inf, mem)
             r_need[n] = np.where(mem <= space.memory_budget, np.minimum(r_need[n], r), r_need[n])
     need = {n: np.full((B + 1, B + 1), np.inf) for n in ns}
     for n in ns:

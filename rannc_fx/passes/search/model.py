@@ -106,8 +106,9 @@ other variant of the chain: each use fetches its parameter, so
 ``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
 bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer
 step (every replica steps the stage's parameters; stages step in parallel). A plan is feasible
-when every stage's memory is within ``memory_budget``, replica counts sum to ``world_size`` and
-m * r <= global_batch.
+when every stage's memory is within ``memory_budget``, replica counts sum to ``world_size``,
+m * r <= global_batch, and no stage holds a block that cannot run a size its replicas'
+micro-batches hold (``CostTable.excluded``, ``blocked``: the floor or the ceiling of q).
 
 Without recomputation a stage is never slower (same or lower t, hence u) and with it never
 needs more memory, so the search gives each stage recomputation only when it does not fit
@@ -134,7 +135,7 @@ search kernel both read them, so a plan the search returns has the step and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -149,13 +150,16 @@ __all__ = [
     "SearchSpace",
     "StageChoice",
     "StageCost",
+    "blocked",
     "bottleneck_s",
     "in_flight",
     "needed_sizes",
     "range_max",
     "range_sum",
+    "run_sizes",
     "samples_per_replica",
     "size_index",
+    "sizes_run",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")  # searched unless the space names others
@@ -177,7 +181,10 @@ class CostTable:
     and what of ``act`` its backward rebuilds (None: it keeps all, ``act``, runs all again,
     ``fwd``, and rebuilds all, ``act``); wheld (Q, B) what a micro-batch holds between a split
     backward's ``B`` and its ``W`` (``passes/opcost_split.py``; None: its activations and cut
-    values, and ``terms.HELD`` of them more for the gradients ``W`` reads).
+    values, and ``terms.HELD`` of them more for the gradients ``W`` reads). ``excluded``
+    maps a per-replica sample count to the blocks that cannot run it (a node of theirs
+    raised there when profiled): a stage holding one never runs a micro-batch of that size
+    on any replica (``blocked``).
     """
 
     sizes: np.ndarray
@@ -200,6 +207,7 @@ class CostTable:
     # bytes, gradient bytes, optimizer step seconds) each; a lane holding two stages that
     # both use one holds it, reduces its gradient and steps it once
     shared: tuple[tuple[tuple[int, ...], float, float, float], ...] = ()
+    excluded: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -341,6 +349,38 @@ class SearchResult:
 
 def samples_per_replica(global_batch: int, micro_batches: int, replicas: int) -> int:
     return -(-global_batch // (micro_batches * replicas))
+
+
+def sizes_run(global_batch: int, micro_batches: int, replicas: int) -> tuple[int, ...]:
+    """The samples a replica's micro-batch holds: the runtime splits the batch evenly into
+    micro-batches and each among the replicas (``routing.even_split``), so each holds the
+    floor or the ceiling of ``global_batch / (micro_batches * replicas)``."""
+    lo = global_batch // (micro_batches * replicas)
+    hi = samples_per_replica(global_batch, micro_batches, replicas)
+    return tuple(q for q in dict.fromkeys((lo, hi)) if q >= 1)
+
+
+def run_sizes(space: SearchSpace) -> tuple[int, ...]:
+    """Every per-replica micro-batch size a plan of the space may run (``needed_sizes`` and
+    the smaller of uneven splits), ascending."""
+    reps = sorted(set(space.replicas)) if space.replicas else range(1, space.world_size + 1)
+    return tuple(sorted({
+        q for m in set(space.micro_batches) for r in reps if m * r <= space.global_batch
+        for q in sizes_run(space.global_batch, m, r)
+    }))
+
+
+def blocked(table: CostTable, global_batch: int, micro_batches: int, replicas: int,
+            i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Whether each stage [i, j) holds a block that cannot run a size its replicas' micro-
+    batches hold (``CostTable.excluded``) with that many micro-batches and replicas."""
+    bad = np.zeros(table.num_blocks, bool)
+    for q in sizes_run(global_batch, micro_batches, replicas):
+        bad[list(table.excluded.get(q, ()))] = True
+    if not bad.any():
+        return np.zeros(np.shape(i), bool)
+    c = np.concatenate(([0], np.cumsum(bad)))
+    return (c[j] - c[i]) > 0
 
 
 def needed_sizes(space: SearchSpace) -> tuple[int, ...]:

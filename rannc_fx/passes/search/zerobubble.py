@@ -54,7 +54,7 @@ class ZeroBubble:
             cols = np.flatnonzero(np.array(ks) == k)
             wide = self.cands.terms(k, m).take(rows).column()
             for c, v in enumerate(kinds):
-                saved, tr = self.cands.offsets(v, reps[cols][None, :], rows)
+                saved, tr = self.cands.offsets(v, reps[cols][None, :], rows, m)
                 FIT[:, cols, c] = fits(wide, held, saved, tr, sp.memory_budget, UP[:, cols])
         for c, v in enumerate(kinds):  # ``dominated``, on these kinds' axis
             if v in TWIN and TWIN[v] in kinds:
