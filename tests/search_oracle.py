@@ -217,6 +217,8 @@ def cannot_run(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: 
     """Whether a block of [i, j) cannot run (``CostTable.excluded``) a size one of the r
     replicas' micro-batches holds: the batch split into m nearly equal micro-batches, each
     into r nearly equal parts."""
+    if not table.excluded:  # the enumerations call this for every stage of every plan
+        return False
     G = space.global_batch
     held = {mb // r + (k < mb % r) for a in range(m) for mb in [G // m + (a < G % m)]
             for k in range(r)}
