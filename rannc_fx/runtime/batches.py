@@ -22,21 +22,14 @@ sequence length under dynamic padding): a call of another length up to the plann
 on ``plan.at_sizes(...)``, every message sized for it, with its own executor (the most
 recent ``KEPT`` kept).
 
-With more than one rank each call first all-gathers the ranks' local batch sizes, autocast
-states, whether the call is under ``model.no_sync()``, dynamic sizes and the first input (if
-any) whose shape is not the plan's for them:
-every rank then picks the same executor, and unequal local batches or lengths, a length over
-the plan's, or an input of another shape on any rank, are refused on every rank at once
-instead of leaving the ranks that passed good shapes waiting for a peer that raised (a rank
-that skipped the sum over ranks would leave the others in it). That
-costs one collective's latency per call, before the first message (every message's size
-depends on these sizes, so it cannot overlap them); ``Config(check_batches=False)`` skips it
-for a job whose ranks always pass equal batches.
+With more than one rank each call first agrees with the others on all of these, and on its
+mode and ``model.no_sync()`` state (``agreement.py``: one all-gather), so every rank picks
+the same executor and a mismatch is refused on every rank at once;
+``Config(check_batches=False)`` skips it for a job whose ranks always pass equal batches.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,10 +40,11 @@ from torch import fx
 from ..plan import ExcludedSize, Plan
 from . import routing
 from .accumulation import Accumulation
+from .agreement import Agreement
 from .alone import AloneExecutor, build_executor
-from .comm import CommError, abort_groups, build_groups
+from .comm import abort_groups, build_groups
 from .executor import StageExecutor
-from .failures import PeerFailed, raised_everywhere
+from .failures import raised_everywhere
 from .lane import LaneModules
 from .trace import Recorder
 
@@ -137,8 +131,7 @@ class BatchSizes:
         self.trace: Recorder | None = None
         self._broken = False  # the agreement raised PeerFailed: recover at the next call
         self._by_sizes: dict[tuple[int, ...], Plan] = {self._planned_sizes: plan}
-        # an input's shape travels in the agreement as (index, rank, dims): this many dims
-        self._dims = max((len(s.shape) for s in plan.inputs if s.kind == "tensor"), default=0)
+        self.agreement = Agreement(plan, device)
 
     def for_inputs(self, flat_inputs: Sequence[Any], training: bool | None = None, *,
                    sync: bool = True) -> Executor:
@@ -192,19 +185,22 @@ class BatchSizes:
         world = self.plan.world_size
         agreed = world > 1 and self.check
         if agreed:
+            groups = getattr(self.default, "groups", None)
             rec = self.trace
             try:
                 if rec is not None and rec.on:
                     with rec.span("agree", "collective", kind="agree", peers=rec.others,
                                   match="agree"):
-                        self._agree(local, state, sync, training, sizes, plan, flat_inputs)
+                        self.agreement.agree(local, state, sync, training, sizes, plan,
+                                             flat_inputs, groups)
                 else:
-                    self._agree(local, state, sync, training, sizes, plan, flat_inputs)
+                    self.agreement.agree(local, state, sync, training, sizes, plan, flat_inputs,
+                                         groups)
             except ValueError as e:  # a refusal every rank makes from every rank's rows
                 raised_everywhere(e)
                 raise
         else:
-            self._check_sizes([sizes])
+            self.agreement.check_sizes([sizes])
         key = (local * world, state, sizes, training)
         return _recent(self._by_key, key, self._planned_key,
                        lambda: self._build(key, plan, state, agreed))
@@ -273,147 +269,6 @@ class BatchSizes:
                 return int(t.shape[dim]) // rows
         return self.plan.global_batch // self.plan.world_size
 
-    def _check_sizes(self, rows: list[tuple[int, ...]]) -> None:
-        """Refuse dynamic sizes outside the plan's range, or unequal over the ranks (``rows``:
-        each rank's sizes)."""
-        dims = self.plan.dynamic_dims
-        for j, d in enumerate(dims):
-            seen = [r[j] for r in rows]
-            by_rank = ", ".join(f"rank {i}: {n}" for i, n in enumerate(seen))
-            where = f"input {d.input} ({self.plan.inputs[d.input].name!r}) dimension {d.dim}"
-            if any(n > d.size or n < 2 for n in seen):
-                said = (f"{seen[0]}" + (" on every rank" if len(seen) > 1 else "")
-                        if all(n == seen[0] for n in seen) else f"({by_rank})")
-                raise ValueError(
-                    f"{where} ({d.name}) is {said}, outside the "
-                    f"sizes 2..{d.size} the plan covers (it was made for {d.size}, its largest); "
-                    f"plan with an example of the longest length you train with, or pad or "
-                    f"truncate every batch to at most {d.size}"
-                )
-            if any(n != seen[0] for n in seen):
-                raise ValueError(
-                    f"the ranks passed {where} ({d.name}) of different sizes ({by_rank}); every "
-                    "rank must pass the same length in one call: pad every rank's batch to one "
-                    "length (e.g. the longest over the ranks, or bucket by length with the same "
-                    "bucket on every rank)"
-                )
-
-    def _odd_input(self, plan: Plan, flat: Sequence[Any], local: int) -> list[int]:
-        """(index, rank, dims...) of this rank's first input whose shape is not ``plan``'s for
-        ``local`` samples (rank -1: not a tensor), or index -1: every input as planned."""
-        for j, spec in enumerate(plan.inputs):
-            if spec.kind != "tensor":
-                continue
-            t = flat[j] if j < len(flat) else None
-            if not isinstance(t, torch.Tensor):
-                return [j, -1] + [-1] * self._dims
-            if tuple(t.shape) != spec.shape_for(local):
-                dims = list(t.shape)[: self._dims]
-                return [j, t.dim()] + dims + [-1] * (self._dims - len(dims))
-        return [-1, -1] + [-1] * self._dims
-
-    def _agree(self, local: int, state: str | None, sync: bool, training: bool,
-               sizes: tuple[int, ...], plan: Plan, flat: Sequence[Any]) -> None:
-        """One all-gather of (size, state, sync and mode, dynamic sizes, the odd input) per
-        rank; every rank then sees every rank's.
-
-        It is the cheapest collective that agrees (gloo, 2 ranks, 40-48 ms steps: +1.0 and
-        +3.5 % against +2.8 and +5.0 % for an all-reduce of four integers, measured
-        interleaved), and a mismatch needs no second exchange to say who passed what."""
-        world = self.plan.world_size
-        k = len(sizes)
-        flags = int(sync) | int(training) << 1
-        row = [local, _state_code(state), flags, *sizes, *self._odd_input(plan, flat, local)]
-        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
-        everyone = torch.empty(len(row) * world, dtype=torch.int64, device=self.device)
-        groups = getattr(self.default, "groups", None)
-
-        def failed(e: RuntimeError) -> CommError:
-            return CommError(
-                f"rank {dist.get_rank()}: all-gather of the local batch sizes at the start of a "
-                f"call failed: {e}; a rank died or stopped calling the model (every rank calls "
-                "it every step): check the other ranks' logs"
-            )
-
-        try:
-            if groups is not None and groups.board is not None and mine.device.type == "cpu":
-                work = dist.all_gather_single(everyone, mine, group=groups.world, async_op=True)
-                groups.board.wait([work], lambda _: "agreeing on this call's batch",
-                                  timeout_s=groups.timeout_s, on_error=lambda _, e: failed(e))
-            else:
-                dist.all_gather_single(everyone, mine,
-                                       group=groups.world if groups is not None else None)
-        except (CommError, PeerFailed):
-            raise
-        except RuntimeError as e:
-            raise failed(e) from e
-        rows = [tuple(r) for r in everyone.view(world, len(row)).tolist()]
-        if all(r == rows[0] for r in rows) and rows[0][3 + k] == -1 and (
-            not k or sizes == self._planned_sizes
-        ):
-            return
-        if any(r[0] != rows[0][0] for r in rows):
-            shown = ", ".join(f"rank {i}: {r[0]}" for i, r in enumerate(rows))
-            raise ValueError(
-                f"the ranks passed local batches of different sizes ({shown}); every rank must "
-                "pass the same number of samples per call: a DistributedSampler gives every "
-                "rank the same count (it pads), and DataLoader(drop_last=True) drops a "
-                "smaller last batch"
-            )
-        if any(r[1] != rows[0][1] for r in rows):
-            names = {_state_code(state): state, **{_state_code(s): s for s in _STATES}}
-            shown = ", ".join(f"rank {i}: {names.get(r[1], 'another dtype')}"
-                              for i, r in enumerate(rows))
-            raise ValueError(
-                f"the ranks call the model under different autocast states ({shown}); enter "
-                "the same torch.autocast(...) on every rank"
-            )
-        if any(r[2] >> 1 != rows[0][2] >> 1 for r in rows):
-            shown = ", ".join(f"rank {i}: {'training' if r[2] >> 1 else 'eval'}"
-                              for i, r in enumerate(rows))
-            raise ValueError(
-                f"the ranks call the model in different modes ({shown}); each mode runs a graph "
-                "of its own: call model.train() or model.eval() on every rank alike"
-            )
-        if any(r[2] & 1 != rows[0][2] & 1 for r in rows):
-            shown = ", ".join(f"rank {i}: {'outside' if r[2] & 1 else 'inside'}"
-                              for i, r in enumerate(rows))
-            raise ValueError(
-                f"the ranks call the model inside and outside model.no_sync() ({shown}): the "
-                "ranks outside would wait for the others in the gradients' sum over ranks; "
-                "enter model.no_sync() for the same calls on every rank"
-            )
-        self._check_sizes([r[3 : 3 + k] for r in rows])
-        if rows[0][3 + k] != -1 or any(r[3 + k] != -1 for r in rows):
-            self._refuse_shapes([r[:2] + r[3 + k :] for r in rows], local, plan)
-
-    def _refuse_shapes(self, rows: list[tuple[int, ...]], local: int, plan: Plan) -> None:
-        """Every rank's odd input, named, with the plan's shapes and the ways out."""
-        specs = plan.inputs
-
-        def said(r: tuple[int, ...]) -> str:
-            j, rank, dims = r[2], r[3], r[4:]
-            if j == -1:
-                return "as planned"
-            if rank == -1:
-                return f"input {j} ({specs[j].name!r}) is missing or not a tensor"
-            shape = tuple(dims[: min(rank, self._dims)]) + (("...",) if rank > self._dims else ())
-            return f"input {j} ({specs[j].name!r}) has shape {shape}"
-
-        shown = "; ".join(f"rank {i}: {said(r)}" for i, r in enumerate(rows))
-        odd = {r[2] for r in rows if r[2] != -1}
-        want = ", ".join(f"{specs[j].name!r} {specs[j].shape_for(local)}" for j in sorted(odd))
-        dims = self.plan.dynamic_dims
-        may = ("the batch dimension and " + ", ".join(d.name for d in dims) + " (up to the "
-               "planned size)") if dims else "only the batch dimension"
-        raise ValueError(
-            f"the ranks' inputs do not all have the shapes the plan was made for ({shown}); "
-            f"with {local} samples per rank it expects {want} on every rank: pad every rank's "
-            f"batch to the planned shape ({may} may change between calls), or plan with an "
-            "example of the shapes you train with"
-        )
-
-
 def _recent(cache: dict[Any, Any], key: Any, pinned: Any, make: Callable[[], Any]) -> Any:
     """``cache[key]``, made by ``make()`` when missing; the ``KEPT`` most recently used stay
     besides ``pinned`` (dicts keep insertion order: the first key is the least recent)."""
@@ -425,13 +280,3 @@ def _recent(cache: dict[Any, Any], key: Any, pinned: Any, make: Callable[[], Any
             del cache[others[0]]
     cache[key] = found  # last: most recently used
     return found
-
-
-_STATES: list[str | None] = [None, "bfloat16", "float16"]
-
-
-def _state_code(state: str | None) -> int:
-    """An autocast state as an integer, equal on two ranks exactly when the states are."""
-    if state is None:
-        return 0
-    return int(hashlib.sha256(state.encode()).hexdigest()[:15], 16)
