@@ -291,10 +291,23 @@ class _BranchyRoot(nn.Module):
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.isnan().any():  # a check of the inputs
+            raise ValueError("a NaN in the inputs")
         h = self.lin(x)
         if h.sum() > 0:  # data-dependent Python control flow in the model's own forward
             return -h
         return h
+
+
+class _BranchyState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lin(x).sum() > 0:  # the branch reads the parameters: nothing left to pipeline
+            return -x
+        return x
 
 
 def test_data_dependent_code_in_a_submodule_keeps_that_module_whole():
@@ -306,14 +319,34 @@ def test_data_dependent_code_in_a_submodule_keeps_that_module_whole():
             torch.testing.assert_close(run(cg, (sign * x,), {}), model(sign * x), rtol=0, atol=0)
 
 
-def test_data_dependent_branch_in_the_forward_itself_gives_a_capture_error_with_ways_out():
+def test_data_dependent_code_in_the_forward_itself_runs_eagerly_around_the_graph():
+    model = _BranchyRoot()
+    # samples whose rows of lin(x) sum to +10 each in the first half, -30 in the second: each
+    # half takes its own branch, the whole batch the second half's
+    w, b = model.lin.weight.detach(), model.lin.bias.detach()
+    u = w.sum(0) / w.sum(0).square().sum()
+    x = torch.stack([(t - b.sum()) * u for t in (10.0, 10.0, -30.0, -30.0)])
+    for tracer in ("auto", "fx", "export"):
+        cg = capture_pass(model, (x,), tracer=tracer)  # type: ignore[arg-type]
+        assert cg.pieces == (1, 2), tracer  # the check before the body, the branch after it
+        assert set(cg.opaque) == {"forward_pre", "forward_post"}, tracer
+        # the branch reads the batch's sum: per micro-batch it would not be the model's
+        assert [r.reduces for r in cg.opaque["forward_post"]] == ["coupled"]
+        for sign in (1.0, -1.0):
+            torch.testing.assert_close(run(cg, (sign * x,), {}), model(sign * x), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="NaN"):  # the check runs, eagerly, in the graph
+            run(cg, (torch.full((4, 4), float("nan")),), {})
+
+
+def test_a_branch_on_the_parameters_own_output_gives_a_capture_error_with_ways_out():
     x = torch.randn(4, 4)
     with pytest.raises(CaptureError) as info:
-        capture_pass(_BranchyRoot(), (x,))
+        capture_pass(_BranchyState(), (x,))
     msg = str(info.value)
     assert "torch.fx failed: TraceError" in msg and "torch.export failed" in msg
-    assert re.search(r"test_capture\.py:\d+ in forward: if h\.sum\(\) > 0:", msg)
+    assert re.search(r"test_capture\.py:\d+ in forward: if self\.lin\(x\)\.sum\(\) > 0:", msg)
     assert "torch.cond" in msg and "loss_fn=" in msg
+    assert "cannot run in pieces: the code from line" in msg
     assert info.value.__cause__ is not None
 
 

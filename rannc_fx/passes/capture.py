@@ -33,6 +33,7 @@ from .capture_check import GraphMismatch, check_capture
 from .capture_graph import CapturedGraph, CaptureError, autocast_state, batch_size_of
 from .capture_loss import LossFn
 from .capture_opaque import CallRecord, record_calls
+from .capture_pieces import Cut, Piece, capture_in_pieces
 from .capture_trace import opaque_modules, trace_export, trace_fx
 
 __all__ = [
@@ -56,6 +57,7 @@ def capture_pass(
     batch_dim: int = 0,
     dynamic: bool = True,
     opaque: Mapping[str, list[CallRecord]] | None = None,
+    pieces: tuple[int, int] | None = None,
 ) -> CapturedGraph:
     """``model(*args, **kwargs)`` as a CapturedGraph.
 
@@ -74,12 +76,22 @@ def capture_pass(
     model's other mode keeps the planned capture's). With torch.export the batch dimension of every
     input whose ``batch_dim`` has the example's batch size is dynamic, so the graph runs at any
     micro-batch size; with ``dynamic``, so is every other input dimension the model allows
-    (``trace_export``).
+    (``trace_export``). Where capture fails in the model's own forward, its statements before
+    and after a traceable body run eagerly as one node each (``capture_pieces``); ``pieces``
+    cuts it where a capture of the model's other mode did.
     """
     kwargs = dict(kwargs or {})
     with Progress("capture", doing="tracing with torch.fx") as p:
-        captured, notes, warn = _capture(model, tuple(args), kwargs, tracer, leaf_modules,
-                                         batch_dim, dynamic, p, dict(opaque or {}))
+        def attempt(m: nn.Module) -> tuple[CapturedGraph, list[str], bool]:
+            return _capture(m, tuple(args), kwargs, tracer, leaf_modules, batch_dim, dynamic, p,
+                            dict(opaque or {}))
+
+        (captured, notes, warn), cut, cut_note = capture_in_pieces(
+            model, attempt, Cut(*pieces) if pieces else None)
+        if cut is not None:
+            captured.pieces = (cut.pre, cut.post)
+            notes.insert(0, cut_note)
+            warn = True
         captured.model_name = type(model).__name__
         captured.autocast = autocast_state()
         if captured.copied_calls:
@@ -160,10 +172,11 @@ def _capture(
             "torch.export", errors.get("torch.fx")
         )
     warn = False
-    if captured.opaque:
+    whole = sorted(n for n in captured.opaque if not isinstance(model.get_submodule(n), Piece))
+    if whole:
         warn = bool(breaks.found)
         notes.append(
-            f"kept {', '.join(sorted(captured.opaque))} whole, run eagerly as one node each"
+            f"kept {', '.join(whole)} whole, run eagerly as one node each"
             + (f" (capture failed inside: {breaks.why})" if breaks.found else "")
         )
     if isinstance(errors.get("torch.fx"), GraphMismatch):
@@ -192,7 +205,8 @@ class _Breaks:
                  batch_dim: int, known: dict[str, list[CallRecord]]) -> None:
         self.model, self.args, self.kwargs, self.batch_dim = model, args, kwargs, batch_dim
         self.records = dict(known)
-        self.wanted = set(known) | {n for n, m in model.named_modules() if isinstance(m, LossFn)}
+        self.wanted = set(known) | {
+            n for n, m in model.named_modules() if isinstance(m, (LossFn, Piece))}
         self.found: list[str] = []  # kept whole because capture failed inside them
         self.grow = True  # whether a failure inside a module keeps it whole and goes on
         self.why = ""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -13,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "CaptureError", "CapturedGraph", "autocast_state", "batch_size_of", "build_captured",
-    "inputs_for_samples", "is_batched", "same_constant",
+    "inputs_for_samples", "is_batched", "same_constant", "untouched",
 ]
 
 
@@ -73,6 +75,8 @@ class CapturedGraph:
     batch_dim: int = 0
     model_name: str = ""
     checked: Literal["values", "shapes"] | None = None
+    # the forward's statements [0, pre) and [post, n) run eagerly (``capture_pieces``)
+    pieces: tuple[int, int] | None = None
     # where samples mix: the tail that runs on the whole batch (``passes.tail``), if any
     tail: TailNodes | None = None
     # the autocast state the capture ran under: torch.export's values hold its dtypes
@@ -319,3 +323,25 @@ def _stable(x: Any, index: dict[fx.Node, int]) -> str:
         except Exception:
             pass
     return type(x).__qualname__
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Code that runs the model (profiling, recording calls) gives back the buffers, gradients and random state
+    it found, so training starts from exactly the user's initial state on every rank."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    grads = {id(p): p.grad for p in model.parameters()}
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+        for p in model.parameters():
+            p.grad = grads.get(id(p))
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,7 +38,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from .capture_graph import CaptureError
+from .capture_graph import CaptureError, untouched
 
 __all__ = [
     "OPAQUE", "CallRecord", "OpaqueCall", "export_opaque_pass", "exporting", "fx_opaque_pass",
@@ -148,7 +148,7 @@ def record_calls(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         return record
 
     handles = [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in names]
-    with _untouched(model), torch.no_grad():
+    with untouched(model), torch.no_grad():
         try:
             model(*args, **kwargs)
         finally:
@@ -186,30 +186,40 @@ def _batch(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> int
 
 def _reduces(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
              batch: int | None, batch_dim: int) -> Literal["mean", "sum", "coupled"] | None:
-    """How the call's batch-free floating outputs combine over parts of the samples."""
+    """How the call's batch-free floating outputs combine over parts of the samples; where
+    its outputs hold the batch, "coupled" when a sample's rows depend on the others."""
     outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
-    if batch is None or batch < 2 or not outs or any(
-            x.dim() > batch_dim and x.shape[batch_dim] == batch for x in outs):
+    if batch is None or batch < 2 or not outs:
         return None
     leaves, spec = pytree.tree_flatten((args, kwargs))
     cut = [i for i, x in enumerate(leaves)
            if isinstance(x, torch.Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch]
     if not cut:
         return None
-    floats = [j for j, x in enumerate(outs) if x.is_floating_point()]
-    ways = {"mean", "sum"}
-    for parts in _partitions(batch):
-        pieces = []
+
+    def on(parts: list[tuple[int, int]]) -> list[tuple[int, list[torch.Tensor]]] | None:
+        got = []
         for lo, hi in parts:
             part = list(leaves)
             for i in cut:
                 part[i] = leaves[i].narrow(batch_dim, lo, hi - lo)
             a, kw = pytree.tree_unflatten(part, spec)
             try:
-                got = [x for x in pytree.tree_leaves(mod(*a, **kw)) if isinstance(x, torch.Tensor)]
+                got.append((hi - lo, [x for x in pytree.tree_leaves(mod(*a, **kw))
+                                      if isinstance(x, torch.Tensor)]))
             except Exception:
-                return "coupled"  # it does not even run on a part of the samples
-            pieces.append((hi - lo, got))
+                return None  # it does not even run on a part of the samples
+        return got
+
+    rows = [j for j, x in enumerate(outs) if x.dim() > batch_dim and x.shape[batch_dim] == batch]
+    if rows:
+        return _rowwise(mod, args, kwargs, outs, rows, batch, batch_dim, on)
+    floats = [j for j, x in enumerate(outs) if x.is_floating_point()]
+    ways = {"mean", "sum"}
+    for parts in _partitions(batch):
+        pieces = on(parts)
+        if pieces is None:
+            return "coupled"
         for j in floats:
             whole = outs[j].double()
             if "mean" in ways and not _close(sum(n / batch * g[j].double() for n, g in pieces),
@@ -218,6 +228,32 @@ def _reduces(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out:
             if "sum" in ways and not _close(sum(g[j].double() for _, g in pieces), whole):
                 ways.discard("sum")
     return "mean" if "mean" in ways else "sum" if "sum" in ways else "coupled"
+
+
+def _rowwise(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             outs: list[torch.Tensor], rows: list[int], batch: int, batch_dim: int,
+             on: Callable[[list[tuple[int, int]]], list[tuple[int, list[torch.Tensor]]] | None],
+             ) -> Literal["coupled"] | None:
+    """None where the call gives each half of the samples their rows of its outputs on the
+    whole batch (run per micro-batch, it computes what it does on the batch), else "coupled"
+    (a branch on the batch's sum, batch statistics). A call whose outputs change with the
+    random seed (dropout) is not compared."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        again = [x for x in pytree.tree_leaves(mod(*args, **kwargs)) if isinstance(x, torch.Tensor)]
+        if len(again) != len(outs) or not all(
+                a.shape == x.shape and torch.equal(a, x) for a, x in zip(again, outs, strict=True)):
+            return None  # random: no two runs agree
+        halves = on([(0, batch // 2), (batch // 2, batch)])
+    if halves is None:
+        return "coupled"
+    for j in rows:
+        if any(len(g) != len(outs) for _, g in halves):
+            return "coupled"
+        joined = torch.cat([g[j] for _, g in halves], batch_dim)
+        if not _close(joined.double(), outs[j].double()):
+            return "coupled"
+    return None
 
 
 def _partitions(batch: int) -> list[list[tuple[int, int]]]:
@@ -234,19 +270,6 @@ def _partitions(batch: int) -> list[list[tuple[int, int]]]:
 
 def _close(a: Any, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=_PARTS_RTOL, atol=1e-7))
-
-
-@contextlib.contextmanager
-def _untouched(model: nn.Module) -> Iterator[None]:
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for n, b in model.named_buffers():
-                    if n in buffers:
-                        b.copy_(buffers[n])
 
 
 # -- torch.export: the custom op in the module's place ----------------------------------------

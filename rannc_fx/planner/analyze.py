@@ -67,10 +67,11 @@ class Captured:
 
 def capture_model(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config, *,
-    opaque: dict[str, Any] | None = None,
+    opaque: dict[str, Any] | None = None, pieces: tuple[int, int] | None = None,
 ) -> Captured:
     """``capture_pass`` then ``shapes_pass`` on one example batch, as ``config`` says
-    (``opaque``: the modules kept whole and their recorded calls, ``capture_opaque``)."""
+    (``opaque``: the modules kept whole and their recorded calls, ``capture_opaque``;
+    ``pieces``: where the forward is cut, ``capture_pieces``)."""
     args, kwargs = tuple(args), dict(kwargs)
     if device_of(model).type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
@@ -78,6 +79,7 @@ def capture_model(
         model, args, kwargs,
         tracer=config.tracer, leaf_modules=config.leaf_modules, batch_dim=config.batch_dim,
         dynamic=config.dynamic_dims != "batch", opaque=opaque,
+        pieces=pieces,
     )  # fmt: skip
     inputs = graph.flatten_inputs(args, kwargs)
     dynamic = config.dynamic_dims != "batch"

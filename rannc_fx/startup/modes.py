@@ -105,7 +105,8 @@ class Modes:
         args, kwargs = self._example
         # capture runs the model's code: the user's random stream must not move
         with torch.random.fork_rng(devices=[]), autocast_as(self.amp_type, self.planned_amp):
-            other = capture_model(copy_, args, kwargs, cfg, opaque=base.captured.opaque)
+            other = capture_model(copy_, args, kwargs, cfg, opaque=base.captured.opaque,
+                                  pieces=base.captured.pieces)
         plan = restage(base.plan, base.captured, other, mode=mode)
         retype = base.retype
         if self.home.type != "meta":  # the other autocast states' dtypes, as the planned's

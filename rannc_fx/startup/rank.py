@@ -17,7 +17,6 @@ ZeRO shards it.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from torch import fx, nn
 from ..config import Config
 from ..device import DeviceSpec, device_of
 from ..passes.capture import CapturedGraph, batch_size_of, retarget_device_pass
+from ..passes.capture_graph import untouched
 from ..passes.optcost import ParameterCosts, parameter_costs
 from ..plan import Plan
 from ..planner import Planned, Target, capture_model, pick_target, plan_model, split_stages
@@ -97,7 +97,7 @@ def set_up_rank(
     planned_amp = cfg.autocast_dtype or amp_state(amp_type)
     modes = Modes(model, args, kwargs, config=cfg, device=device, rank=rank, amp_type=amp_type,
                   planned_amp=planned_amp, home=home)  # before any tensor moves or is freed
-    with _untouched(model), autocast_as(amp_type, planned_amp):
+    with untouched(model), autocast_as(amp_type, planned_amp):
         if planned:
             assert target is not None
             try:
@@ -119,7 +119,7 @@ def set_up_rank(
         stages[mine[0]] if len(mine) == 1 else LaneModules({s: stages[s] for s in mine}))
     amp = None
     if home.type != "meta":  # the other autocast states' dtypes, while the model is whole
-        with _untouched(model):
+        with untouched(model):
             amp = AmpSpecs.of(
                 captured, captured.flatten_inputs(args, kwargs), plan, device_type=amp_type,
                 planned=planned_amp, batch_dim=cfg.batch_dim,
@@ -262,28 +262,6 @@ def _same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
     yield from torch.utils._pytree.tree_leaves((args, kwargs))
-
-
-@contextlib.contextmanager
-def _untouched(model: nn.Module) -> Iterator[None]:
-    """Planning runs the model (profiling): give back the buffers, gradients and random state
-    it found, so training starts from exactly the user's initial state on every rank."""
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    grads = {id(p): p.grad for p in model.parameters()}
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
-        for p in model.parameters():
-            p.grad = grads.get(id(p))
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _planned_only(planned: str | None) -> Callable[[Plan, str | None], Plan]:
