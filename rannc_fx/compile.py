@@ -33,6 +33,7 @@ from torch import fx, nn
 from .config import Config
 from .passes.capture import CapturedGraph
 from .passes.capture_loss import with_loss
+from .passes.input_casts import cast_inputs, input_casts
 from .plan import Plan
 from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
 from .runtime.accumulation import Accumulation
@@ -123,6 +124,9 @@ class CompiledModel(nn.Module):
         self._trace: Recorder | None = None  # Config.trace_dir: the traced steps' events
         self._modes: Modes | None = None  # the graph of each mode, from the first call
         self._sync = True  # False inside no_sync()
+        # inputs the model casts first (x.float()): converted on arrival (passes/input_casts.py)
+        self._casts: dict[int, torch.dtype] = {}
+        self._planned_dtypes: list[str | None] = []
         self._accumulation = Accumulation()  # every executor's: calls left unsummed
         if optimizer is not None:  # before ZeRO's step hooks (at planning): refused first
             self._accumulation.guard(optimizer)
@@ -185,7 +189,8 @@ class CompiledModel(nn.Module):
             self._trace.begin_call(torch.is_grad_enabled())
         assert self._batches is not None
         try:
-            flat = self._captured.flatten_inputs(args, kwargs)
+            flat = cast_inputs(self._captured.flatten_inputs(args, kwargs),
+                               self._planned_dtypes, self._casts)
             training = self.training and self._root.training
             executor = self._last = self._batches.for_inputs(flat, training, sync=self._sync)
             assert self._modes is not None
@@ -276,6 +281,9 @@ class CompiledModel(nn.Module):
         self.placement, self._names, self._batches = ready.placement, ready.names, ready.batches
         self._modes = ready.modes
         self._executor = ready.batches.default
+        self._casts = input_casts(ready.captured.gm)
+        self._planned_dtypes = [s.dtype if s.kind == "tensor" else None
+                                for s in self._executor.plan.inputs]
         self.model = None  # drops the full model; `stage` holds the parameters that remain
         if self.config.trace_dir is not None:
             self._trace = _recorder(self.config, self._executor, self._optimizer)

@@ -348,6 +348,11 @@ def test_a_branch_on_the_parameters_own_output_gives_a_capture_error_with_ways_o
     assert "torch.cond" in msg and "loss_fn=" in msg
     assert "cannot run in pieces: the code from line" in msg
     assert info.value.__cause__ is not None
+    with pytest.raises(CaptureError) as forced:
+        capture_pass(_BranchyState(), (x,), tracer="fx")
+    msg = str(forced.value)
+    assert "torch.fx failed" in msg and "test_capture.py:" in msg
+    assert "Config(tracer='export')" in msg and "torch.export failed" not in msg
 
 
 def test_the_suggested_leaf_module_way_out_works():
@@ -359,14 +364,13 @@ def test_the_suggested_leaf_module_way_out_works():
         torch.testing.assert_close(run(cg, (sign * x,), {}), model(sign * x), rtol=0, atol=0)
 
 
-def test_forced_fx_on_a_transformers_model_names_the_code_and_the_other_tracer():
+def test_forced_fx_on_a_transformers_model_runs_the_loss_it_cannot_trace_eagerly():
     pytest.importorskip("transformers")
     model, args, kwargs = zoo_example("bert")
-    with pytest.raises(CaptureError) as info:
-        capture_pass(model, args, kwargs, tracer="fx")
-    msg = str(info.value)
-    assert "torch.fx failed" in msg and "modeling_bert.py:" in msg
-    assert "Config(tracer='export')" in msg and "torch.export failed" not in msg
+    cg = capture_pass(model, args, kwargs, tracer="fx")
+    # the loss (a CrossEntropyLoss made in the forward) after the encoder's graph, eagerly
+    assert cg.tracer == "fx" and cg.pieces is not None and "forward_post" in cg.opaque
+    assert cg.checked == "values"  # the graph computed what the model does on the example
 
 
 def test_export_with_one_sample_is_refused():

@@ -30,7 +30,7 @@ from .analyze import Analysis
 
 log = logging.getLogger("rannc_fx")
 
-__all__ = ["build_plan"]
+__all__ = ["build_plan", "shared_params"]
 
 
 def _checkpoints(a: Analysis, choice: StageChoice) -> tuple[str, ...]:
@@ -139,7 +139,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
     tail_ms = tail.fwd_ms + tail.bwd_ms if tail is not None else 0.0
     # buffers read by several stages (a rotary embedding's inv_freq) are copied into each:
     # only parameters have gradients to sum over their holders
-    shared = _shared_params(captured, [names & params_set for names in stage_params])
+    shared = shared_params(captured, [names & params_set for names in stage_params])
 
     excluded = _excluded(a, node_stage, num)
     plan = Plan(
@@ -257,7 +257,7 @@ def _param_bytes(captured: CapturedGraph) -> dict[str, int]:
     return out
 
 
-def _shared_params(captured: CapturedGraph, stage_params: list[set[str]]) -> tuple[SharedParam, ...]:
+def shared_params(captured: CapturedGraph, stage_params: list[set[str]]) -> tuple[SharedParam, ...]:
     """Parameters (under any of their names) that more than one stage reads."""
     canon = captured.aliases
     users: dict[str, set[int]] = {}

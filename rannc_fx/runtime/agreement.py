@@ -59,18 +59,21 @@ class Agreement:
                 )
 
     def _odd_input(self, plan: Plan, flat: Sequence[Any], local: int) -> list[int]:
-        """(index, rank, dims...) of this rank's first input whose shape is not ``plan``'s for
-        ``local`` samples (rank -1: not a tensor), or index -1: every input as planned."""
+        """(index, rank, dims..., dtype) of this rank's first input whose shape or dtype is not
+        ``plan``'s for ``local`` samples (rank -1: not a tensor), or index -1: every input as
+        planned."""
         for j, spec in enumerate(plan.inputs):
             if spec.kind != "tensor":
                 continue
             t = flat[j] if j < len(flat) else None
             if not isinstance(t, torch.Tensor):
-                return [j, -1] + [-1] * self._dims
-            if tuple(t.shape) != spec.shape_for(local):
+                return [j, -1] + [-1] * self._dims + [-1]
+            dtype = _dtype_code(t.dtype)
+            if tuple(t.shape) != spec.shape_for(local) or (
+                    spec.dtype is not None and _DTYPES[dtype] != spec.dtype):
                 dims = list(t.shape)[: self._dims]
-                return [j, t.dim()] + dims + [-1] * (self._dims - len(dims))
-        return [-1, -1] + [-1] * self._dims
+                return [j, t.dim()] + dims + [-1] * (self._dims - len(dims)) + [dtype]
+        return [-1, -1] + [-1] * self._dims + [-1]
 
     def agree(self, local: int, state: str | None, sync: bool, training: bool,
               sizes: tuple[int, ...], plan: Plan, flat: Sequence[Any],
@@ -148,31 +151,33 @@ class Agreement:
             self._refuse_shapes([r[:2] + r[3 + k :] for r in rows], local, plan)
 
     def _refuse_shapes(self, rows: list[tuple[int, ...]], local: int, plan: Plan) -> None:
-        """Every rank's odd input, named, with the plan's shapes and the ways out."""
+        """Every rank's odd input, named, with the plan's shapes and dtypes and the ways out."""
         specs = plan.inputs
 
         def said(r: tuple[int, ...]) -> str:
-            j, rank, dims = r[2], r[3], r[4:]
+            j, rank, dims, dtype = r[2], r[3], r[4:-1], r[-1]
             if j == -1:
                 return "as planned"
             if rank == -1:
                 return f"input {j} ({specs[j].name!r}) is missing or not a tensor"
             shape = tuple(dims[: min(rank, self._dims)]) + (("...",) if rank > self._dims else ())
-            return f"input {j} ({specs[j].name!r}) has shape {shape}"
+            return f"input {j} ({specs[j].name!r}) has shape {shape} and dtype {_DTYPES[dtype]}"
 
         shown = "; ".join(f"rank {i}: {said(r)}" for i, r in enumerate(rows))
         odd = {r[2] for r in rows if r[2] != -1}
-        want = ", ".join(f"{specs[j].name!r} {specs[j].shape_for(local)}" for j in sorted(odd))
+        want = ", ".join(f"{specs[j].name!r} {specs[j].shape_for(local)} {specs[j].dtype}"
+                         for j in sorted(odd))
         dims = self.plan.dynamic_dims
         may = ("the batch dimension and " + ", ".join(d.name for d in dims) + " (up to the "
                "planned size)") if dims else "only the batch dimension"
         raise ValueError(
-            f"the ranks' inputs do not all have the shapes the plan was made for ({shown}); "
-            f"with {local} samples per rank it expects {want} on every rank: pad every rank's "
-            f"batch to the planned shape ({may} may change between calls), or plan with an "
-            "example of the shapes you train with"
+            f"the ranks' inputs do not all have the shapes and dtypes the plan was made for "
+            f"({shown}); with {local} samples per rank it expects {want} on every rank: pad "
+            f"every rank's batch to the planned shape ({may} may change between calls) and "
+            "pass the planned dtype (x.to(dtype); an input the model casts first, x.float(), "
+            "is converted for you where the captured graph shows the cast), or plan with an "
+            "example of the shapes and dtypes you train with"
         )
-
 
 
 _STATES: list[str | None] = [None, "bfloat16", "float16"]
@@ -183,3 +188,15 @@ def _state_code(state: str | None) -> int:
     if state is None:
         return 0
     return int(hashlib.sha256(state.encode()).hexdigest()[:15], 16)
+
+
+# dtypes as integers in the agreement's rows (index -1, the last: another dtype)
+_DTYPES: list[str] = [
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "another dtype",
+]
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPES.index(name) if name in _DTYPES else len(_DTYPES) - 1

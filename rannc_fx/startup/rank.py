@@ -42,6 +42,7 @@ from ..runtime.lane import LaneModules, graph_modules
 from ..runtime.zero import shard_optimizer
 from ..state.checkpoint import StateNames
 from .amp import AmpSpecs, amp_state, autocast_as
+from .given import check_given, load_given
 from .modes import Modes
 from .placement import InitFn, Placement, free_others, place_stage
 from .probe import measure_link
@@ -112,8 +113,10 @@ def set_up_rank(
     if given is None:
         plan = _broadcast_plan(plan if planned else None, rank, world)
     else:
-        plan = _load_given(given, captured, world)
+        plan = load_given(given, captured, world)
     stages = split_stages(captured, values, plan, debug=cfg.debug)
+    if given is not None:
+        check_given(plan, captured, stages, cfg)
     mine = [st.index for st in plan.stages_of_rank(rank)]
     stage: fx.GraphModule | LaneModules = (
         stages[mine[0]] if len(mine) == 1 else LaneModules({s: stages[s] for s in mine}))
@@ -191,23 +194,6 @@ def _target(home: torch.device, device: torch.device, cfg: Config, world: int) -
         if link is not None:
             spec = link.applied_to(spec)  # Config's figures, where set, still win
     return pick_target(home, device, cfg, spec=spec)
-
-
-def _load_given(given: Plan | str | Path | None, captured: CapturedGraph, world: int) -> Plan:
-    plan = given if isinstance(given, Plan) else Plan.load(given)  # type: ignore[arg-type]
-    if plan.world_size != world:
-        raise ValueError(
-            f"the plan is for {plan.world_size} ranks but {world} are running; launch with "
-            f"--nproc-per-node {plan.world_size} or make a plan for {world}"
-        )
-    fp = captured.fingerprint()
-    if plan.model_fingerprint != fp:
-        raise ValueError(
-            f"the plan was made for another model (fingerprint "
-            f"{plan.model_fingerprint[:12]}..., this model's is {fp[:12]}...): its graph, "
-            "parameter names, shapes or dtypes differ; make the plan again for this model"
-        )
-    return plan
 
 
 def _broadcast_plan(plan: Plan | Exception | None, rank: int, world: int) -> Plan:
