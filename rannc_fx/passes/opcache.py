@@ -5,15 +5,24 @@ layers of a transformer share the keys of its first layer. A key is the op (ATen
 qualified function name, tensor method, or a module's class with its constructor-relevant
 attributes and parameter shapes) plus every argument: tensors by dtype, shape, stride and
 ``requires_grad``, everything else by value.
+
+The disk cache never misleads a plan: its file is named by everything that changes a cost
+beyond the op (the cache format, the device and its thread count, the torch version, the
+cost model and the autocast state the op ran under), an entry that is not a cost (negative,
+not finite) is dropped with a warning and measured again, and a directory or file another
+user owns, or that every user may write, is not read or written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
+import stat
 import tempfile
 import types
 from pathlib import Path
@@ -22,6 +31,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from .capture_graph import autocast_state
 from .opcost import OpCost
 
 __all__ = ["CostCache", "device_name", "op_key", "qualname"]
@@ -119,17 +129,20 @@ def _cpu_model() -> str:
 
 
 class CostCache:
-    """Op costs by key, loaded from and saved to ``cache_dir`` (one JSON file per device)."""
+    """Op costs by key, loaded from and saved to ``cache_dir`` (one JSON file per device,
+    torch, cost model and autocast state)."""
 
     def __init__(self, cache_dir: Path | None, *, device: str, cost_model: str) -> None:
+        autocast = ",".join(f"{d}:{t}" for d, t in autocast_state()) or "off"
         self.tag = {"format": CACHE_FORMAT, "device": device, "torch": torch.__version__,
-                    "cost_model": cost_model}
+                    "cost_model": cost_model, "autocast": autocast}
         digest = hashlib.sha1(json.dumps(self.tag, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = Path(cache_dir) / f"profile-{cost_model}-{digest}.json" if cache_dir else None
+        self.path = (Path(cache_dir) / f"profile-{cost_model}-{digest}.json"
+                     if cache_dir is not None and _private(Path(cache_dir)) else None)
         self.entries: dict[str, OpCost] = {}
         self.new: dict[str, OpCost] = {}
         self.from_disk = 0
-        if self.path is not None and self.path.exists():
+        if self.path is not None and self.path.exists() and _private(self.path):
             self.entries = self._read(self.path)
             self.from_disk = len(self.entries)
 
@@ -144,7 +157,9 @@ class CostCache:
         """Merge the new entries into the file (others may have written it meanwhile)."""
         if self.path is None or not self.new:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not _private(self.path.parent) or (self.path.exists() and not _private(self.path)):
+            return
         merged = self._read(self.path) if self.path.exists() else {}
         merged.update(self.new)
         doc = {**self.tag, "entries": {k: v.to_json() for k, v in merged.items()}}
@@ -159,7 +174,46 @@ class CostCache:
             doc = json.loads(path.read_text())
             if {k: doc.get(k) for k in self.tag} != self.tag:
                 return {}
-            return {k: OpCost.from_json(v) for k, v in doc["entries"].items()}
+            found = {k: OpCost.from_json(v) for k, v in doc["entries"].items()}
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("ignoring unreadable profile cache %s (%s)", path, e)
             return {}
+        bad = [k for k, c in found.items() if not _valid(c)]
+        if bad:
+            log.warning("profile cache %s: %d entr%s with negative or non-finite costs ignored "
+                        "(measured again)", path, len(bad), "y" if len(bad) == 1 else "ies")
+        return {k: c for k, c in found.items() if k not in bad}
+
+
+def _valid(cost: OpCost) -> bool:
+    """Whether every figure of ``cost`` is a finite, non-negative number."""
+    for f in dataclasses.fields(cost):
+        value = getattr(cost, f.name)
+        for x in value if isinstance(value, tuple) else (value,):
+            if x is None or isinstance(x, str):
+                continue
+            if isinstance(x, bool) or not isinstance(x, int | float):
+                return False
+            if not math.isfinite(x) or x < 0:
+                return False
+    return True
+
+
+def _private(path: Path) -> bool:
+    """Whether ``path`` (where it exists) is this user's and not writable by every user: a
+    cache others can write could feed any plan made from it."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if not hasattr(os, "getuid"):
+        return True
+    if st.st_uid != os.getuid() or st.st_mode & stat.S_IWOTH:
+        log.warning("not using the profile cache at %s: %s; use a directory of your own "
+                    "(Config.profile_cache_dir)", path,
+                    "another user owns it" if st.st_uid != os.getuid()
+                    else "others may write it")
+        return False
+    return True
