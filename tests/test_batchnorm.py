@@ -29,9 +29,9 @@ class BatchNormFirst(nn.Module):
     """Its first layer is a BatchNorm, so that layer's input is the data: equal to one
     process's at every step, and so must its running statistics be."""
 
-    def __init__(self) -> None:
+    def __init__(self, momentum: float | None = 0.3) -> None:
         super().__init__()
-        self.bn = nn.BatchNorm1d(6, momentum=0.3)
+        self.bn = nn.BatchNorm1d(6, momentum=momentum)
         self.body = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
         self.head = nn.Linear(32, 4)
 
@@ -41,7 +41,7 @@ class BatchNormFirst(nn.Module):
 
 def _data(name: str, samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    if name == "first":  # far from zero mean and unit variance: the statistics move a lot
+    if name in ("first", "average"):  # far from zero mean and unit variance: the statistics move a lot
         return 3 + 2 * torch.randn(samples, 6, generator=g), torch.randint(0, 4, (samples,),
                                                                             generator=g)
     return torch.randn(samples, 3, 16, 16, generator=g), torch.randint(0, 10, (samples,),
@@ -54,7 +54,9 @@ def _buffers(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world: int, name: str, tracer: str, cfg: dict[str, Any]) -> float:
     torch.manual_seed(0)
-    model = BatchNormFirst() if name == "first" else ResCNN()
+    # "average": momentum=None, the cumulative average over the steps so far
+    model = (BatchNormFirst(None if name == "average" else 0.3) if name in ("first", "average")
+             else ResCNN())
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
@@ -77,7 +79,7 @@ def _train(rank: int, world: int, name: str, tracer: str, cfg: dict[str, Any]) -
         for n, b in mine_now.items():
             if n.endswith("num_batches_tracked"):
                 assert int(b) == step + 1, (n, int(b))
-            if name == "first" and n.startswith("bn."):  # the data's statistics, exactly
+            if name in ("first", "average") and n.startswith("bn."):  # the data's statistics, exactly
                 assert_close(b, ref.get_buffer(n), **TOL, msg=lambda m, n=n: f"{n}: {m}")
         if group is not None:  # every replica of the stage holds the same buffers
             for n, b in mine_now.items():
@@ -100,6 +102,14 @@ def test_statistics_of_a_first_batchnorm_equal_one_process_after_every_step(trac
     # the statistics are one process's; the weights are not quite (each micro-batch slice of 4
     # samples normalizes with its own statistics, as in GPipe): eval loss 0.990 (m = 2) and
     # 0.985 (m = 4) of one process's when measured
+    assert all(abs(r - 1) < 0.03 for r in ratios), ratios
+
+
+def test_a_cumulative_average_batchnorm_equals_one_process_after_every_step():
+    """momentum=None: each step's statistics weigh 1 / num_batches_tracked."""
+    ratios = run_ranks(_train, 3, "average", "fx",
+                       dict(replicas=(2, 1), micro_batches=2, schedule="gpipe"),
+                       timeout_s=60.0, wall_s=120.0)
     assert all(abs(r - 1) < 0.03 for r in ratios), ratios
 
 
