@@ -114,7 +114,6 @@ class CompiledModel(nn.Module):
         self._optimizer = optimizer
         self._given = plan
         self._captured: CapturedGraph | None = None
-        self._executor: StageExecutor | AloneExecutor | None = None  # the plan's batch size
         self._batches: BatchSizes | None = None  # one executor per batch size seen
         self._last: StageExecutor | AloneExecutor | None = None  # the last call's
         self._init = init
@@ -132,6 +131,11 @@ class CompiledModel(nn.Module):
             self._accumulation.guard(optimizer)
         if example_args is not None or example_kwargs is not None:
             self._setup(tuple(example_args or ()), dict(example_kwargs or {}))
+
+    @property
+    def _executor(self) -> StageExecutor | AloneExecutor | None:
+        """The executor of the plan's batch size (a new one after a failed call)."""
+        return None if self._batches is None else self._batches.default
 
     # -- what runs where ----------------------------------------------------------------------
     @property
@@ -192,6 +196,7 @@ class CompiledModel(nn.Module):
             flat = cast_inputs(self._captured.flatten_inputs(args, kwargs),
                                self._planned_dtypes, self._casts)
             training = self.training and self._root.training
+            self._last = None  # a call after a failure drops the failed executors (batches.py)
             executor = self._last = self._batches.for_inputs(flat, training, sync=self._sync)
             assert self._modes is not None
             return self._modes.of(training).captured.unflatten_outputs(
@@ -280,13 +285,12 @@ class CompiledModel(nn.Module):
         self._captured, self.stage = ready.captured, ready.stage
         self.placement, self._names, self._batches = ready.placement, ready.names, ready.batches
         self._modes = ready.modes
-        self._executor = ready.batches.default
         self._casts = input_casts(ready.captured.gm)
         self._planned_dtypes = [s.dtype if s.kind == "tensor" else None
-                                for s in self._executor.plan.inputs]
+                                for s in ready.batches.default.plan.inputs]
         self.model = None  # drops the full model; `stage` holds the parameters that remain
         if self.config.trace_dir is not None:
-            self._trace = _recorder(self.config, self._executor, self._optimizer)
+            self._trace = _recorder(self.config, ready.batches.default, self._optimizer)
             if self._trace is not None:
                 ready.batches.set_trace(self._trace)
 

@@ -30,6 +30,7 @@ the same executor and a mismatch is refused on every rank at once;
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -158,8 +159,12 @@ class BatchSizes:
         Every rank raised in the call a failure ended (its own error, or ``PeerFailed``), so
         every rank comes here once, at its next call, and makes the groups again with the
         others (``new_group`` is collective); the old groups, which may hold that step's
-        messages, are aborted. The board's count is read between the new groups and a
-        barrier on them, so it covers every failure of the ended call and none of the next."""
+        messages, are aborted and let go of at once, which closes their connections: a peer's
+        wait the ended step left blocked on one of them (its abandoned receive from this rank)
+        ends with an error then, not at its group's timeout, so no thread of the failed step
+        is left waiting when the job exits. The board's count is read between the new groups
+        and a barrier on them, so it covers every failure of the ended call and none of the
+        next."""
         old = self.default
         groups = getattr(old, "groups", None)
         failed = self._broken or any(getattr(ex, "failed", False) for ex in self._by_key.values())
@@ -177,6 +182,8 @@ class BatchSizes:
             self.default.set_trace(self.trace)
         self._by_key = {self._planned_key: self.default}
         self._broken = False
+        del old, groups
+        gc.collect()  # the failed executors hold cycles: their groups must go now
 
     def _for_inputs(self, flat_inputs: Sequence[Any], training: bool, sync: bool) -> Executor:
         sizes, state = self._sizes(flat_inputs), self.state()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..plan import Plan
-from .failures import Board, PeerFailed, board
+from .failures import Board, PeerFailed, board, settle
 
 __all__ = [
     "BUCKET_BYTES",
@@ -83,7 +84,10 @@ def init_distributed(config: Config | None = None, *, device: torch.device | str
         )
 
 
+log = logging.getLogger("rannc_fx")
+
 _CLEAN_EXIT: list[bool] = []  # registered once per process
+EXIT_SETTLE_S = 30.0  # how long the exit waits for a failed step's blocked waits
 
 
 def _register_clean_exit() -> None:
@@ -98,8 +102,13 @@ def clean_exit() -> None:
     A gloo process that exits with its group alive can abort during interpreter shutdown
     ("terminate called without an active exception": gloo's threads still hold work while
     Python finalizes); here 4 of 15 two-rank runs without ``destroy_process_group()`` did.
-    After a script's own ``destroy_process_group()`` this does nothing.
+    After a script's own ``destroy_process_group()`` this does nothing. First it waits (up
+    to ``EXIT_SETTLE_S``) for the waits a failed step left blocked to end
+    (``failures.settle``).
     """
+    if not settle(EXIT_SETTLE_S):
+        log.warning("a wait of a failed step did not end within %g s of the exit; the "
+                    "process may abort as it ends", EXIT_SETTLE_S)
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CHECK_S", "Board", "PeerFailed", "board", "raised_everywhere"]
+__all__ = ["CHECK_S", "Board", "PeerFailed", "board", "raised_everywhere", "settle"]
 
 CHECK_S = 0.005  # how often a waiting rank reads the board (one store round trip, ~20 us)
 
@@ -107,10 +107,10 @@ class Board:
             try:
                 self.raise_news(what(job.current), finished=job.succeeded)
             except PeerFailed:
-                _abandon()
+                _abandon(job)
                 raise
             if time.monotonic() - start > timeout_s:
-                _abandon()
+                _abandon(job)
                 raise on_error(job.current, RuntimeError(
                     f"Timed out after {timeout_s:g} s (Config.timeout_s) with no failure "
                     "posted by another rank"))
@@ -200,9 +200,27 @@ def _waiter() -> _Waiter:
     return _WAITER[0]
 
 
-def _abandon() -> None:
-    """The current waiter is stuck on works that will not finish: start another."""
+_STUCK: list[_Job] = []  # waits abandoned for a failure, until their works end
+
+
+def _abandon(job: _Job) -> None:
+    """The current waiter is stuck on works that may never finish: start another."""
+    _STUCK.append(job)
     _WAITER.clear()
+
+
+def settle(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the waits abandoned for a failure to end, and say
+    whether they all did. Such a wait ends when its peer lets go of the group (at its next
+    call, ``BatchSizes._recover``, or when its process exits); a thread still blocked in
+    one when the interpreter finalizes aborts the process ("terminate called without an
+    active exception"), so the exit waits for them first (``comm.clean_exit``)."""
+    deadline = time.monotonic() + timeout_s
+    while _STUCK:
+        if not _STUCK[0].wait(max(0.0, deadline - time.monotonic())):
+            return False
+        _STUCK.pop(0)
+    return True
 
 
 _NOTED = "_rannc_fx_noted"  # on an exception the board has, or that every rank raised
