@@ -6,6 +6,7 @@ step is left blocked in a wait when the interpreter finalizes."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,20 @@ def test_a_job_with_a_failed_call_exits_zero(world, fail_rank, fail_step):
         # the failed call raised on every rank, once; every other call trained
         assert done.stdout.startswith("failed ['"), done.stdout + done.stderr
         assert done.stdout.count("'") == 2, done.stdout
+
+
+@pytest.mark.slow  # ~8 s a run
+@pytest.mark.parametrize("die", [0, 1])
+def test_every_survivor_names_the_rank_that_died(die):
+    """SIGKILL at the start of a step, 3 ranks: the survivors' calls fail at once, each
+    naming the dead rank (rank 0: the host of the job's store)."""
+    done = _run_pair(SCRIPTS / "die.py", 3, DIE_RANK=str(die))
+    assert done[die].returncode == -signal.SIGKILL
+    for rank, d in enumerate(done):
+        if rank == die:
+            continue
+        assert d.returncode == 0, d.stderr
+        assert d.stdout.startswith("CommError: "), d.stdout + d.stderr
+        said = ("which rank 0 hosts, stopped answering" if die == 0
+                else f"rank {die} did not answer the failure board's roll call")
+        assert said in d.stdout and "died" in d.stdout, d.stdout

@@ -30,9 +30,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CHECK_S", "Board", "PeerFailed", "board", "raised_everywhere", "settle"]
+__all__ = [
+    "CHECK_S", "Board", "PeerFailed", "StoreLost", "board", "raised_everywhere", "settle",
+    "store_host",
+]
 
-CHECK_S = 0.005  # how often a waiting rank reads the board (one store round trip, ~20 us)
+CHECK_S = 0.005  # how often a waiting rank reads the board (two store round trips, ~20 us each)
+ROLL_CALL_S = 1.0  # how long a roll call waits for every rank to answer
 
 
 class PeerFailed(RuntimeError):
@@ -43,15 +47,66 @@ class PeerFailed(RuntimeError):
         self.rank, self.failures = rank, failures
 
 
+class StoreLost(RuntimeError):
+    """The job's c10d store stopped answering: the process that hosts it died."""
+
+
+def store_host() -> str:
+    """Who hosts the job's c10d store: torchrun's agent on the first node, else rank 0."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return "torchrun's agent on the first node"
+    return "rank 0"
+
+
 class Board:
-    """The job's failures in the c10d store: ``count`` and one message per failure."""
+    """The job's failures in the c10d store: ``count`` and one message per failure.
+
+    It also takes the roll call that names the rank a failed wait lost: the rank whose wait
+    failed without a failure posted (a connection closed, a timeout) asks every rank to
+    answer, every rank waiting on the board answers within ``CHECK_S``, and the ranks that do
+    not answer within ``ROLL_CALL_S`` are named (a rank that died, or hangs outside the
+    runtime). When the store itself stops answering, its host is the rank lost."""
 
     def __init__(self, store: dist.Store):
         self.store = dist.PrefixStore("rannc_fx/failures/", store)
+        self.answered = 0  # the roll calls this rank has answered
         self.seen = self.count()  # the failures this rank has acted on
 
+    def _ask(self, what: str, op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except (RuntimeError, OSError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise StoreLost(
+                f"rank {_rank()}: the job's c10d store, which {store_host()} hosts, stopped "
+                f"answering {what} ({type(e).__name__}: {first}): {store_host()} died or "
+                "its host is unreachable; the job cannot go on"
+            ) from None
+
     def count(self) -> int:
-        return int(self.store.add("count", 0))
+        return int(self._ask("reading the failure board", lambda: self.store.add("count", 0)))
+
+    def answer(self) -> None:
+        """Answer every roll call taken since the last one this rank answered."""
+        n = int(self._ask("a roll call", lambda: self.store.add("rollcall", 0)))
+        while self.answered < n:
+            self.answered += 1
+            key = f"alive/{self.answered}/{_rank()}"
+            self._ask("a roll call", lambda key=key: self.store.set(key, "1"))  # type: ignore[misc]
+
+    def roll_call(self, world: int, timeout_s: float = 0.0) -> list[int]:
+        """The ranks that do not answer a roll call within ``timeout_s`` (``ROLL_CALL_S``)."""
+        timeout_s = timeout_s or ROLL_CALL_S
+        n = int(self._ask("a roll call", lambda: self.store.add("rollcall", 1)))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.answer()
+            keys = {r: f"alive/{n}/{r}" for r in range(world) if r != _rank()}
+            missing = [r for r, key in keys.items() if not self._ask(
+                "a roll call", lambda key=key: self.store.check([key]))]  # type: ignore[misc]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(CHECK_S)
 
     def post(self, rank: int, stage: int | tuple[int, ...], error: BaseException,
              during: str) -> None:
@@ -64,8 +119,13 @@ class Board:
         where = (f"stage {stages[0]}" if len(stages) == 1
                  else f"stages {', '.join(map(str, stages))}")
         text = f"rank {rank} ({where}) raised {type(error).__name__} {during}: {error}"
-        n = int(self.store.add("count", 1))
-        self.store.set(str(n), text)
+        try:
+            n = int(self._ask("posting a failure", lambda: self.store.add("count", 1)))
+            self._ask("posting a failure", lambda: self.store.set(str(n), text))
+        except StoreLost as lost:  # the error stands; the others cannot be told
+            error.add_note(f"rannc_fx: {lost}")
+            _mark(error)
+            return
         self.seen = n
         _mark(error)
         error.add_note(f"rannc_fx: rank {rank} told the other ranks, which stop this step too; "
@@ -77,9 +137,10 @@ class Board:
         left the same collective and failed in its next call: its news is for this rank's
         next wait, not this one)."""
         n = self.count()
+        self.answer()
         if n > self.seen and not (finished is not None and finished()):
             self.seen = n
-            text = self.store.get(str(n)).decode()
+            text = self._ask("reading the failure board", lambda: self.store.get(str(n))).decode()
             rank = int(text.split()[1])
             raise PeerFailed(
                 f"rank {_rank()} stopped {what}: {text}. Every rank raises in this call; the "
@@ -113,13 +174,27 @@ class Board:
                 _abandon(job)
                 raise on_error(job.current, RuntimeError(
                     f"Timed out after {timeout_s:g} s (Config.timeout_s) with no failure "
-                    "posted by another rank"))
+                    f"posted by another rank{self._lost()}"))
         error = job.error
         if isinstance(error, _WorkFailed):
             self.raise_news(what(error.index))  # a peer's failure explains a closed pair best
-            raise on_error(error.index, error.error) from error.error
+            lost = self._lost()
+            raise on_error(error.index, RuntimeError(f"{error.error}{lost}") if lost
+                           else error.error) from error.error
         if error is not None:
             raise error
+
+
+    def _lost(self) -> str:
+        """``; rank 1 did not answer ...`` naming the ranks a roll call finds gone, or ""."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        missing = self.roll_call(world)
+        if not missing:
+            return ""
+        who = ", ".join(map(str, missing))
+        return (f"; rank{'s' if len(missing) > 1 else ''} {who} did not answer the failure "
+                f"board's roll call within {ROLL_CALL_S:g} s: "
+                f"{'they' if len(missing) > 1 else 'it'} died (or hang outside rannc_fx)")
 
 
 class _WorkFailed(Exception):
