@@ -1,13 +1,14 @@
 # The two set-up commands of the README: `make train` (the main job) and `make test`.
-# Each installs what it needs first; torch is pinned before anything else so that pip takes
-# the CPU wheel instead of resolving the newest CUDA build.
+# Each installs what it needs first. Where no torch is installed, torch 2.13.0 comes first, so
+# that pip takes its CPU wheel instead of resolving the newest CUDA build; a torch already
+# there (any release from 2.13 on) is kept.
 PYTHON ?= python3
 STAMP := .setup-done
 
 .PHONY: setup train plan test lint bench
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
