@@ -5,7 +5,9 @@ batch size, autocast state, mode (``model.train()``/``model.eval()``), ``model.n
 state and dynamic sizes, and inputs of the plan's shapes: each message's size depends on
 them, and a rank that went on with other ones would leave the others waiting. One
 all-gather of a row of integers per rank carries all of it, and every rank reads every
-rank's row, so every rank refuses a mismatch at once, naming what each rank passed.
+rank's row, so every rank refuses a mismatch at once, naming what each rank passed. The row
+also carries what a caller adds (``extra``: which parameters train, ``trainable``), and
+hands every rank's back for the caller to judge.
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ class Agreement:
 
     def agree(self, local: int, state: str | None, sync: bool, training: bool,
               sizes: tuple[int, ...], plan: Plan, flat: Sequence[Any],
-              groups: Groups | None) -> None:
-        """One all-gather of (size, state, sync and mode, dynamic sizes, the odd input) per
-        rank; every rank then sees every rank's.
+              groups: Groups | None, extra: Sequence[int] = ()) -> list[tuple[int, ...]]:
+        """One all-gather of (size, state, sync and mode, dynamic sizes, the odd input,
+        ``extra``) per rank; every rank then sees every rank's, and gets back every rank's
+        ``extra`` (which may differ between ranks: the caller judges it).
 
         It is the cheapest collective that agrees (gloo, 2 ranks, 40-48 ms steps: +1.0 and
         +3.5 % against +2.8 and +5.0 % for an all-reduce of four integers, measured
@@ -88,6 +91,8 @@ class Agreement:
         k = len(sizes)
         flags = int(sync) | int(training) << 1
         row = [local, _state_code(state), flags, *sizes, *self._odd_input(plan, flat, local)]
+        fixed = len(row)
+        row += extra
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         everyone = torch.empty(len(row) * world, dtype=torch.int64, device=self.device)
 
@@ -110,11 +115,18 @@ class Agreement:
             raise
         except RuntimeError as e:
             raise failed(e) from e
-        rows = [tuple(r) for r in everyone.view(world, len(row)).tolist()]
-        if all(r == rows[0] for r in rows) and rows[0][3 + k] == -1 and (
-            not k or sizes == self._planned_sizes
-        ):
-            return
+        every = [tuple(r) for r in everyone.view(world, len(row)).tolist()]
+        rows = [r[:fixed] for r in every]
+        if not (all(r == rows[0] for r in rows) and rows[0][3 + k] == -1 and (
+                not k or sizes == self._planned_sizes)):
+            self._refuse(rows, k, local, state, plan)
+        return [r[fixed:] for r in every]
+
+    def _refuse(self, rows: list[tuple[int, ...]], k: int, local: int, state: str | None,
+                plan: Plan) -> None:
+        """Refuse what the rows disagree on, or dynamic sizes or inputs off the plan (``k``
+        dynamic sizes, this rank's autocast ``state``); returns where they only differ from
+        the plan's sizes within its range."""
         if any(r[0] != rows[0][0] for r in rows):
             shown = ", ".join(f"rank {i}: {r[0]}" for i, r in enumerate(rows))
             raise ValueError(

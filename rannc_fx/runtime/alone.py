@@ -30,6 +30,7 @@ from .comm import Groups
 from .executor import StageExecutor
 from .lane import LaneModules
 from .pieces import dtype_of, ints_value
+from .trainable import Trainable
 
 __all__ = ["AloneExecutor", "build_executor", "runs_alone"]
 
@@ -55,14 +56,15 @@ def build_executor(
     timeout_s: float | None = None,
     groups: Groups | None = None,
     accumulation: Accumulation | None = None,
+    trainable: Trainable | None = None,
 ) -> StageExecutor | AloneExecutor:
     """The executor for this rank: the fast path where ``runs_alone``, else the interpreter
-    (``accumulation``: the model's, shared by its executors)."""
+    (``accumulation`` and ``trainable``: the model's, shared by its executors)."""
     if runs_alone(plan):
         assert isinstance(module, fx.GraphModule)  # one rank runs one stage
         return AloneExecutor(plan, module, device=device)
     return StageExecutor(plan, module, device=device, timeout_s=timeout_s, groups=groups,
-                         accumulation=accumulation)
+                         accumulation=accumulation, trainable=trainable)
 
 
 class AloneExecutor:

@@ -23,7 +23,8 @@ on ``plan.at_sizes(...)``, every message sized for it, with its own executor (th
 recent ``KEPT`` kept).
 
 With more than one rank each call first agrees with the others on all of these, and on its
-mode and ``model.no_sync()`` state (``agreement.py``: one all-gather), so every rank picks
+mode, ``model.no_sync()`` state and the parameters that train (``agreement.py``: one
+all-gather; ``trainable.py``), so every rank picks
 the same executor and a mismatch is refused on every rank at once;
 ``Config(check_batches=False)`` skips it for a job whose ranks always pass equal batches.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -46,8 +48,9 @@ from .alone import AloneExecutor, build_executor
 from .comm import abort_groups, build_groups
 from .executor import StageExecutor
 from .failures import raised_everywhere
-from .lane import LaneModules
+from .lane import LaneModules, graph_modules
 from .trace import Recorder
+from .trainable import Trainable
 
 __all__ = ["KEPT", "BatchSizes", "rebatched"]
 
@@ -114,15 +117,22 @@ class BatchSizes:
         other: Callable[[bool], tuple[Plan, fx.GraphModule | LaneModules,
                                       Callable[[Plan, str | None], Plan]]] | None = None,
         accumulation: Accumulation | None = None,
+        trainable: Trainable | None = None,
     ) -> None:  # fmt: skip
         """``training``: the mode ``plan`` and ``module`` are for; ``other(mode)`` gives the
-        plan, module and retype of the other mode (made at its first call)."""
+        plan, module and retype of the other mode (made at its first call); ``trainable``:
+        which of this rank's parameters train, as the calls saw it (default: its own)."""
         self.module, self.device, self.timeout_s = module, device, timeout_s
         self.training, self.other = training, other
         # one for every executor: the calls of one accumulation may run on several
         self.accumulation = accumulation if accumulation is not None else Accumulation()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.trainable = trainable if trainable is not None else Trainable(
+            plan, dict(zip([st.index for st in plan.stages_of_rank(rank)],
+                           graph_modules(module), strict=True)), rank=rank)
         self.default: Executor = build_executor(plan, module, device=device, timeout_s=timeout_s,
-                                                accumulation=self.accumulation)
+                                                accumulation=self.accumulation,
+                                                trainable=self.trainable)
         self.plan, self.state, self.retype, self.check = plan, state, retype, check
         self._planned_sizes = tuple(d.size for d in plan.dynamic_dims)
         self._planned_key: Key = (plan.global_batch, planned, self._planned_sizes, training)
@@ -177,7 +187,7 @@ class BatchSizes:
         abort_groups(groups)
         self.default = build_executor(self.plan, self.module, device=self.device,
                                       timeout_s=self.timeout_s, groups=fresh,
-                                      accumulation=self.accumulation)
+                                      accumulation=self.accumulation, trainable=self.trainable)
         if isinstance(self.default, StageExecutor):
             self.default.set_trace(self.trace)
         self._by_key = {self._planned_key: self.default}
@@ -191,23 +201,24 @@ class BatchSizes:
         local = self._local_size(plan, flat_inputs)
         world = self.plan.world_size
         agreed = world > 1 and self.check
+        trainable, pending = self.trainable, self.accumulation.pending
         if agreed:
             groups = getattr(self.default, "groups", None)
             rec = self.trace
+            span = rec.span("agree", "collective", kind="agree", peers=rec.others,
+                            match="agree") if rec is not None and rec.on else nullcontext()
             try:
-                if rec is not None and rec.on:
-                    with rec.span("agree", "collective", kind="agree", peers=rec.others,
-                                  match="agree"):
-                        self.agreement.agree(local, state, sync, training, sizes, plan,
-                                             flat_inputs, groups)
-                else:
-                    self.agreement.agree(local, state, sync, training, sizes, plan, flat_inputs,
-                                         groups)
+                with span:
+                    rows = self.agreement.agree(local, state, sync, training, sizes, plan,
+                                                flat_inputs, groups, extra=trainable.row())
+                trainable.check(dict(enumerate(rows)), pending=pending)
             except ValueError as e:  # a refusal every rank makes from every rank's rows
                 raised_everywhere(e)
                 raise
         else:
             self.agreement.check_sizes([sizes])
+            trainable.check({trainable.rank: trainable.row()}, pending=pending)
+        trainable.commit()  # the executors follow at their next step
         key = (local * world, state, sizes, training)
         return _recent(self._by_key, key, self._planned_key,
                        lambda: self._build(key, plan, state, agreed))
@@ -233,7 +244,7 @@ class BatchSizes:
                 raise
         found = build_executor(
             plan, module, device=self.device, timeout_s=self.timeout_s, groups=groups,
-            accumulation=self.accumulation,
+            accumulation=self.accumulation, trainable=self.trainable,
         )
         if isinstance(found, StageExecutor):
             found.set_trace(self.trace)

@@ -54,6 +54,7 @@ from .schedule import Action, Kind
 from .simulate import plan_durations, simulate
 from .step import StepState
 from .trace import Recorder
+from .trainable import Trainable
 
 __all__ = ["Mode", "StageExecutor"]
 
@@ -76,7 +77,8 @@ class StageExecutor:
     holds the same plan, are collectives: every rank builds its executor at the same point.
     A one-rank plan needs no process group. ``accumulation``: whether ``.grad`` holds sums
     of calls under ``no_sync()`` not yet summed over ranks, shared by every executor of the
-    model (default: this executor's own).
+    model (default: this executor's own); ``trainable``: which of this rank's parameters
+    train, followed call by call (default: this executor's own).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class StageExecutor:
         device: torch.device | str | None = None,
         timeout_s: float | None = None,
         accumulation: Accumulation | None = None,
+        trainable: Trainable | None = None,
     ):
         self.plan = plan
         self.module = module
@@ -165,7 +168,13 @@ class StageExecutor:
         self.routes = self._routes[self.stage.index]
         self.outputs, self.buffers = self.runner.outputs, self.runner.buffers
         self.tail = self.lane.tails[self.stage.index]
-        self.grads = GradSync(plan, tuple(self.runners), module, self.groups)
+        # the model's (its calls commit a change of requires_grad), or this executor's own
+        self._commits = trainable is None
+        self.trainable = trainable if trainable is not None else Trainable(
+            plan, self.modules, rank=self.rank)
+        self._trained = self.trainable.version  # the trainable parameters self.grads sums
+        self.grads = GradSync(plan, tuple(self.runners), module, self.groups,
+                              self.trainable.owners)
         self.accumulation = accumulation if accumulation is not None else Accumulation()
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
@@ -250,6 +259,12 @@ class StageExecutor:
         self._step += 1
         self._saved = None  # a new step frees the last one's activations and held gradients
         self.grads.drop_held()
+        if self._commits:
+            self.trainable.commit()
+        if self._trained != self.trainable.version:
+            self._trained = self.trainable.version  # requires_grad changed: sum what trains now
+            self.grads = GradSync(self.plan, tuple(self.runners), self.module, self.groups,
+                                  self.trainable.owners)
         mode = self.mode()
         step = StepState(self._step, grad=mode is not Mode.EVAL, local=local,
                          held=mode is Mode.CALL, sync=sync)

@@ -31,7 +31,7 @@ from . import comm
 from .comm import Groups, all_reduce_flat, buckets
 from .grad_shards import GradShards
 from .lane import graph_modules
-from .zero import owned_by, sharded_params
+from .zero import Owners, sharded_params
 
 __all__ = ["GradSync"]
 
@@ -40,9 +40,12 @@ class GradSync:
     """Which local parameters go through which group, and the all-reduces themselves."""
 
     def __init__(self, plan: Plan, stage: int | tuple[int, ...], module: nn.Module,
-                 groups: Groups):
+                 groups: Groups, owners: Owners | None = None):
         """``stage``: this rank's stage, or its stages where it runs several; ``module`` holds
-        their parameters (a rank's stages share their ranks, hence one replica group)."""
+        their parameters (a rank's stages share their ranks, hence one replica group). The
+        parameters that require a gradient now are the ones summed: an executor makes its
+        ``GradSync`` again where that changed (``trainable``). ``owners``: ZeRO's owners,
+        the map the optimizer's share reads too (default: one of its own)."""
         stages = (stage,) if isinstance(stage, int) else stage
         self.plan, self.stage, self.groups = plan, stages[0], groups
         named = _named(module)
@@ -61,7 +64,7 @@ class GradSync:
             self.shared.append((j, [p for i, p in found.items() if i in unique and i not in taken]))
             taken.update(found)
         self.own = [p for i, p in unique.items() if i not in taken]
-        self.shards = _grad_shards(plan, stages, module, taken)
+        self.shards = _grad_shards(plan, stages, module, taken, owners)
         sharded = {id(p) for p in self.shards.params} if self.shards is not None else set()
         self.whole = [p for p in self.own if id(p) not in sharded]  # the replicas' all-reduce
         self._stash: dict[int, torch.Tensor] = {}
@@ -213,8 +216,8 @@ def _plus(p: nn.Parameter, a: torch.Tensor | None, b: torch.Tensor | None) -> to
     return a if b is None else a + b
 
 
-def _grad_shards(plan: Plan, stages: tuple[int, ...], module: nn.Module, shared: set[int]
-                 ) -> GradShards | None:
+def _grad_shards(plan: Plan, stages: tuple[int, ...], module: nn.Module, shared: set[int],
+                 owners: Owners | None) -> GradShards | None:
     """The reduce-scatter of this rank's ZeRO-2 stages' own gradients (a shared parameter's
     is all-reduced over its holders instead), owned as ``zero.OptimizerShard`` owns them."""
     st = plan.stages[stages[0]]
@@ -222,7 +225,7 @@ def _grad_shards(plan: Plan, stages: tuple[int, ...], module: nn.Module, shared:
         return None
     gms = dict(zip(sorted(stages), graph_modules(module), strict=True))
     every = sharded_params(plan, gms)
-    owner = owned_by(every, st.replicas)
+    owner = (owners if owners is not None else Owners(st.replicas)).assign(every)
     level2 = {id(p) for s in stages if plan.stages[s].zero >= 2 for p in gms[s].parameters()}
     mine = [p for p in every if id(p) in level2 and id(p) not in shared]
     return GradShards(mine, owner, st.ranks.index(dist.get_rank()), st.replicas, st.index)

@@ -99,7 +99,7 @@ class StageRunner:
         # storages the step writes in place while sends may still be in flight: a buffer the
         # forward updates (BufferSync restores it before the next micro-batch)
         self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
-        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self._params = list(module.parameters())
         # parameters in host memory: each use in the graph fetches its parameter
         self.host = HostParams(module, device, window=stage.window_bytes) \
             if stage.host_params else None
@@ -111,6 +111,11 @@ class StageRunner:
             placed={n for b in plan.iter_stage_blocks(stage.index) for n in b.nodes},
             name=f"stage {stage.index}",
         ) if stage.checkpoints else None
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The stage's parameters that require a gradient now (``trainable``)."""
+        return [p for p in self._params if p.requires_grad]
 
     # -- messages --------------------------------------------------------------------------------
     def _mine(self, which: str, i: int, peer: int | None = None) -> list[Transfer]:

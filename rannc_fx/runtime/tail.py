@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from ..plan import Plan, Stage
 from ..values import ValueSpec
@@ -49,15 +49,17 @@ class TailRunner:
         self.module = module.get_submodule("tail") if self.runs and module is not None else None
         self.replica = self.last.ranks.index(rank) if self.runs else -1
         self.pos = [stage.outputs.index(v.name) for v in self.tail.inputs] if self.runs else []
-        self.params = (
-            [p for p in self.module.parameters() if p.requires_grad]
-            if self.module is not None else []
-        )
+        self._params = list(self.module.parameters()) if self.module is not None else []
         self.local = routing.local_batch(plan)
         self.senders, self.receivers = tail_senders(plan, rank)
         # each replica of the last stage's samples of each micro-batch
         self.spans = [[routing.replica_span(plan, self.last.index, k, i)
                        for i in range(plan.micro_batches)] for k in range(len(self.last.ranks))]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The tail's parameters that require a gradient now (``trainable``)."""
+        return [p for p in self._params if p.requires_grad]
 
     # -- the last stage ---------------------------------------------------------------------------
     def keep(self, step: Any, i: int, outs: tuple[Any, ...]) -> None:

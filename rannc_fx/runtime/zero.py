@@ -3,7 +3,10 @@ parameters, steps only those, and the replicas all-gather what they stepped.
 
 The share is of whole tensors, largest first to the replica with the fewest bytes so far
 (ties to the lower replica; the stage's parameters in one order on every replica), so no
-tensor is split and a replica's share is at most total / r plus the largest tensor.
+tensor is split and a replica's share is at most total / r plus the largest tensor. A share
+is kept for good (``Owners``): a parameter that starts training after compile
+(``trainable``) goes to the replica with the fewest bytes then, and one that stops keeps its
+owner, so no optimizer state ever has to move between replicas.
 
 A step runs as without sharding up to ``optimizer.step()``: the gradients are all-reduced
 over the replicas, so ``clip_grad_norm_``, ``GradScaler``'s unscale and inf check and any
@@ -41,8 +44,8 @@ from .comm import Groups, collective
 from .grad_shards import Round, rounds
 from .offload import HostState
 
-__all__ = ["OptimizerShard", "owned_by", "owners", "paused", "shard_of", "shard_optimizer",
-           "sharded_params", "steps"]
+__all__ = ["OptimizerShard", "Owners", "offloaded_params", "owned_by", "owners", "paused",
+           "shard_of", "shard_optimizer", "sharded_params", "steps"]
 
 _SHARDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerShard] = (
     weakref.WeakKeyDictionary())
@@ -63,14 +66,46 @@ def sharded_params(plan: Plan, modules: Mapping[int, nn.Module]) -> list[nn.Para
                  and plan.stages[s].replicas > 1}.values())
 
 
+def offloaded_params(plan: Plan, modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """The trained parameters of the stages among ``modules`` whose plan offloads their
+    optimizer state, each once."""
+    return list({id(p): p for s in sorted(modules) for p in modules[s].parameters()
+                 if p.requires_grad and plan.stages[s].offload}.values())
+
+
 def owners(numels: Sequence[int], replicas: int) -> list[int]:
     """The replica that owns each tensor: largest first to the least loaded (stable)."""
-    load = [0] * replicas
+    return _least_loaded(numels, [0] * replicas)
+
+
+def _least_loaded(numels: Sequence[int], load: list[int]) -> list[int]:
+    """``owners`` from the replicas' ``load`` so far (updated in place)."""
     out = [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        r = min(range(replicas), key=lambda r: (load[r], r))
+        r = min(range(len(load)), key=lambda r: (load[r], r))
         out[i], load[r] = r, load[r] + numels[i]
     return out
+
+
+class Owners:
+    """The owner of every sharded parameter this rank's stages have trained, by ``id``.
+
+    The first ``assign`` is ``owned_by``; each later one gives the parameters not seen yet
+    to the least loaded replicas, largest first, and never moves one already owned: its
+    optimizer state lives on its owner. Every replica makes the same calls with the same
+    parameters in the same order (a change of ``requires_grad`` is agreed at a call), so
+    every replica holds the same map. ``of`` is the one dict that the optimizer's share and
+    the gradient shards both read."""
+
+    def __init__(self, replicas: int) -> None:
+        self.of: dict[int, int] = {}
+        self._load = [0] * replicas
+
+    def assign(self, params: Sequence[nn.Parameter]) -> dict[int, int]:
+        new = list({id(p): p for p in params if id(p) not in self.of}.values())
+        for p, o in zip(new, _least_loaded([p.numel() for p in new], self._load), strict=True):
+            self.of[id(p)] = o
+        return self.of
 
 
 class OptimizerShard:
@@ -79,32 +114,46 @@ class OptimizerShard:
 
     def __init__(self, optimizer: torch.optim.Optimizer, sharded: Sequence[nn.Parameter],
                  replica: int, replicas: int, stage: int, groups: Callable[[], Groups],
-                 offloaded: Sequence[nn.Parameter] = ()):
+                 offloaded: Sequence[nn.Parameter] = (), owners: Owners | None = None):
         """``sharded``: the parameters sharded over the replicas, in the same order on every
         replica; ``offloaded``: those whose state (this replica's share of it) lives in host
-        memory; ``groups``: the executor's current groups (made again after a failure)."""
+        memory; ``groups``: the executor's current groups (made again after a failure);
+        ``owners``: the map the gradient shards read too (default: one of its own)."""
         self.optimizer, self.replica, self.replicas, self.stage = optimizer, replica, replicas, stage
         self._groups = groups
-        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        # owners over every sharded tensor, the optimizer's or not: the gradient shards
-        # (``grad_shards``, built without the optimizer) own by the same map
-        self.owner = owned_by(sharded, replicas)
-        self.sharded = [p for p in sharded if id(p) in held]
-        self.params = list({id(p): p for p in (*self.sharded, *offloaded) if id(p) in held}
-                           .values())
-        self.others = [p for p in self.sharded if not self.steps(p)]
-        # the all-gather's rounds, once: per dtype, round b holds each replica's b-th bucket
-        self._rounds = rounds(self.sharded, self.owner, replicas, comm.BUCKET_BYTES)
-        mine = [p for p in offloaded if id(p) in held and self.steps(p)]
-        self.host = HostState(optimizer, mine) if mine else None
+        self.owners = owners if owners is not None else Owners(replicas)
+        self.host: HostState | None = None
+        self.follow(sharded, offloaded)
         self._aside: dict[int, torch.Tensor | None] = {}
         self._on = True
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
-        if self.host is not None:
-            host = self.host
-            optimizer.register_load_state_dict_post_hook(lambda _: host.settle())
+        optimizer.register_load_state_dict_post_hook(
+            lambda _: self.host.settle() if self.host is not None else None)
         _SHARDS[optimizer] = self
+
+    def follow(self, sharded: Sequence[nn.Parameter],
+               offloaded: Sequence[nn.Parameter] = ()) -> None:
+        """Shard the parameters that train now (``sharded``, ``offloaded`` as at
+        construction) among those the optimizer's groups hold now: at construction, and
+        again where ``requires_grad`` or the groups changed (``trainable``)."""
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        # owners over every sharded tensor, the optimizer's or not: the gradient shards
+        # (``grad_shards``, built without the optimizer) own by the same map
+        self.owner = self.owners.assign(sharded)
+        self.sharded = [p for p in sharded if id(p) in held]
+        self.params = list({id(p): p for p in (*self.sharded, *offloaded) if id(p) in held}
+                           .values())
+        self.others = [p for p in self.sharded if not self.steps(p)]
+        # the all-gather's rounds: per dtype, round b holds each replica's b-th bucket
+        self._rounds = rounds(self.sharded, self.owner, self.replicas, comm.BUCKET_BYTES)
+        mine = [p for p in offloaded if id(p) in held and self.steps(p)]
+        if not mine:
+            self.host = None  # the state of one that stopped training stays where it is
+        elif self.host is None:
+            self.host = HostState(self.optimizer, mine)
+        else:
+            self.host.params = mine
 
     def steps(self, p: torch.Tensor) -> bool:
         """Whether this replica steps ``p`` (and keeps its optimizer state)."""
@@ -177,21 +226,21 @@ class OptimizerShard:
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer | None, plan: Plan, rank: int,
-                    modules: dict[int, nn.Module], groups: Callable[[], Groups]
-                    ) -> OptimizerShard | None:
+                    modules: dict[int, nn.Module], groups: Callable[[], Groups],
+                    owners: Owners | None = None) -> OptimizerShard | None:
     """Shard ``optimizer`` over the replicas of this rank's stages whose plan says ``zero =
     1``, and offload the state of those that say ``offload`` (``modules``: this rank's stage
     modules by index); None where none does either. A lane's stages share their ranks, so
-    one share and one group serve all of them."""
+    one share and one group serve all of them (``owners``: the map the gradient shards
+    read)."""
     zero = [s for s in modules if plan.stages[s].zero >= 1 and plan.stages[s].replicas > 1]
     off = [s for s in modules if plan.stages[s].offload]
     if optimizer is None or not (zero or off):
         return None
-    offloaded = list({id(p): p for s in off for p in modules[s].parameters()
-                      if p.requires_grad}.values())
     st = plan.stages[(zero or off)[0]]
     return OptimizerShard(optimizer, sharded_params(plan, modules), st.ranks.index(rank),
-                          st.replicas, st.index, groups, offloaded=offloaded)
+                          st.replicas, st.index, groups,
+                          offloaded=offloaded_params(plan, modules), owners=owners)
 
 
 def shard_of(optimizer: torch.optim.Optimizer | None) -> OptimizerShard | None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..runtime.lane import LaneModules, graph_modules
 
@@ -69,6 +70,9 @@ class Placement:
     materialized_bytes: int = 0
     freed_bytes: int = 0
     pending: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> tensor
+    # the objects placement replaced, old -> new: an optimizer group added later may name a
+    # parameter by a reference taken before compile (``runtime/trainable.py``)
+    replaced: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
     def loaded(self, tensors: list[torch.Tensor]) -> None:
         """These tensors were filled from a checkpoint: no longer pending."""
@@ -119,6 +123,9 @@ def place_stage(
             elif t.device != where or (pin and not t.is_pinned()):
                 new[id(t)] = _copy(t, where, pin=pin)
                 placement.moved_bytes += t.nbytes
+            else:
+                continue
+            placement.replaced[t] = new[id(t)]
         _replace(new, (model, stage, *holders), optimizer)
         if materialized:
             _initialize(model, materialized, init, seed, device, placement)

@@ -39,6 +39,7 @@ from ..runtime import BatchSizes, StageExecutor
 from ..runtime.accumulation import Accumulation
 from ..runtime.comm import CommError, Groups, agree
 from ..runtime.lane import LaneModules, graph_modules
+from ..runtime.trainable import Trainable
 from ..runtime.zero import shard_optimizer
 from ..state.checkpoint import StateNames
 from .amp import AmpSpecs, amp_state, autocast_as
@@ -152,21 +153,23 @@ def set_up_rank(
         made = modes.of(training)
         return made.plan, made.module, made.retype
 
+    modules = dict(zip(sorted(mine), graph_modules(stage), strict=True))
+    trainable = Trainable(plan, modules, rank=rank, optimizer=optimizer,
+                          placed=placement.replaced)
     batches = BatchSizes(
         plan, stage, device=device, timeout_s=cfg.timeout_s, planned=planned_amp,
         state=lambda: amp_state(device_type), retype=planned_mode.retype,
         check=cfg.check_batches, training=modes.planned_mode, other=other,
-        accumulation=accumulation,
+        accumulation=accumulation, trainable=trainable,
     )  # fmt: skip
     if cfg.sync_module_states and isinstance(batches.default, StageExecutor):
         _sync(stages, plan, layout, batches.default.groups, device)  # rank 0 holds them all
     free_others(model, stage, placement)
-    if optimizer is not None:
-        _prune_optimizer(optimizer, stage)
+    trainable.own_groups()  # the optimizer keeps only the stage's parameters
     shard_optimizer(
-        optimizer, plan, rank,
-        {s: gm for s, gm in zip(sorted(mine), graph_modules(stage), strict=True)},
+        optimizer, plan, rank, dict(modules),
         lambda: batches.default.groups,  # type: ignore[union-attr]
+        owners=trainable.owners,
     )  # fmt: skip
     note("compiled %s for %d rank(s) in %.2f s total (plan, split, placement)",
          captured.model_name, world, time.perf_counter() - started)
@@ -273,14 +276,3 @@ def _sync(stages: list[fx.GraphModule], plan: Plan, layout: Layout, groups: Grou
         agree([str(e)], "cannot start from rank 0's model", error=RuntimeError)
         raise
     agree([], "cannot start from rank 0's model", error=RuntimeError)
-
-
-def _prune_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> None:
-    """Keep only the stage's parameters in the optimizer's groups (and state)."""
-    keep = {id(p) for p in stage.parameters()}
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in keep]
-    for p in list(optimizer.state):
-        if id(p) not in keep:
-            del optimizer.state[p]
-
