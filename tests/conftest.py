@@ -25,6 +25,14 @@ ZOO = {
 Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The fork server ``run_ranks`` forks its workers from, started before any test runs a
+    torch op (``dist_utils.run_ranks`` says why)."""
+    from .dist_utils import start_fork_server
+
+    start_fork_server()
+
+
 def zoo_example(name: str, **kw: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     module, factory = ZOO[name]
     return getattr(importlib.import_module(module), factory)(**kw)

@@ -50,24 +50,25 @@ def run_ranks(
     wall_s: float = 60.0,
     init: bool = True,
 ) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` forked processes; their results.
+    """``fn(rank, world_size, *args)`` on ``world_size`` worker processes; their results.
 
+    The workers are forked from a fork server started once, before this process ran any
+    torch op: a process forked from one where autograd's threads ran cannot use autograd
+    (torch 2.14 refuses it: "Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"), while a fork is ~0.1 s against 10-17 s for a spawned
+    worker that imports torch. ``fn`` and ``args`` must pickle (module-level functions).
     Each worker sets one thread first (forked workers hang in OpenMP otherwise) and joins a
     gloo group with ``timeout_s``, so a mismatched message becomes an error, not a hang.
     When one rank fails the others get a short grace period, then are killed, and
     ``RankFailed`` carries every traceback. With ``init=False`` the workers get torchrun's
     variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) instead of a group.
     """
-    import torch._dynamo  # noqa: F401  torch.optim imports it lazily: once here, not per fork
-    import torch.export._trace  # noqa: F401  torch.export.export too
-
-    if dist.is_initialized():  # a one-process compile() earlier in this process made a group
-        dist.destroy_process_group()  # of one; a forked worker must not inherit it
-    ctx = mp.get_context("fork")
+    ctx = _context()
     port = free_port()
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, init, results, args))
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, init, results, args,
+                                          dict(os.environ)))
         for r in range(world_size)
     ]
     for p in procs:
@@ -105,6 +106,31 @@ def run_ranks(
     return [got[r][1] for r in range(world_size)]
 
 
+# imported once by the fork server, so that each worker starts with them
+# (a missing one is skipped: transformers and peft are optional)
+_PRELOAD = ["torch", "torch._dynamo", "torch.export._trace", "torch.distributed", "rannc_fx",
+            "rannc_fx.compile", "tests.dist_utils", "transformers",
+            "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2",
+            "transformers.models.llama.modeling_llama", "transformers.models.t5.modeling_t5",
+            "transformers.models.resnet.modeling_resnet", "peft"]
+
+
+def _context() -> Any:
+    """The fork server's context (started at the first call, and by ``conftest.py`` before
+    any test runs a torch op)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server now (``conftest.py``: before any test's torch work)."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -114,7 +140,10 @@ def _worker(
     init: bool,
     results: mp.Queue[tuple[int, bool, Any]],
     args: tuple[Any, ...],
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the caller's, as a fork of it would have (the server's is older)
+    os.environ.update(env)
     torch.set_num_threads(1)
     try:
         if init:
