@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -49,6 +50,7 @@ def run_ranks(
     timeout_s: float = 10.0,
     wall_s: float = 60.0,
     init: bool = True,
+    patches: Sequence[tuple[str, str, Any]] = (),
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` worker processes; their results.
 
@@ -62,13 +64,15 @@ def run_ranks(
     When one rank fails the others get a short grace period, then are killed, and
     ``RankFailed`` carries every traceback. With ``init=False`` the workers get torchrun's
     variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) instead of a group.
+    ``patches`` (module, attribute, value) are set in each worker before ``fn`` runs: the
+    workers do not see what a test sets in this process (``monkeypatch``).
     """
     ctx = _context()
     port = free_port()
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, init, results, args,
-                                          dict(os.environ)))
+                                          dict(os.environ), tuple(patches)))
         for r in range(world_size)
     ]
     for p in procs:
@@ -109,7 +113,7 @@ def run_ranks(
 # imported once by the fork server, so that each worker starts with them
 # (a missing one is skipped: transformers and peft are optional)
 _PRELOAD = ["torch", "torch._dynamo", "torch.export._trace", "torch.distributed", "rannc_fx",
-            "rannc_fx.compile", "tests.dist_utils", "transformers",
+            "rannc_fx.compile", "tests.dist_utils", "tests.hf_models", "transformers",
             "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.llama.modeling_llama", "transformers.models.t5.modeling_t5",
             "transformers.models.resnet.modeling_resnet", "peft"]
@@ -141,9 +145,12 @@ def _worker(
     results: mp.Queue[tuple[int, bool, Any]],
     args: tuple[Any, ...],
     env: dict[str, str],
+    patches: tuple[tuple[str, str, Any], ...],
 ) -> None:
     os.environ.clear()  # the caller's, as a fork of it would have (the server's is older)
     os.environ.update(env)
+    for module, attribute, value in patches:
+        setattr(importlib.import_module(module), attribute, value)
     torch.set_num_threads(1)
     try:
         if init:

@@ -61,7 +61,24 @@ def _batch(model: str, samples: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(samples, 32, generator=g), torch.randint(0, 10, (samples,), generator=g)
 
 
+def _count_sums() -> None:
+    """Record in ``_SUMS`` each sum over ranks this rank's gradients go through."""
+    real_all_reduce, real_collective = grads.all_reduce_flat, grad_shards.collective
+
+    def all_reduce_flat(tensors: Any, group: Any, *, what: str, **kw: Any) -> Any:
+        _SUMS.append(what)
+        return real_all_reduce(tensors, group, what=what, **kw)
+
+    def collective(start: Any, what: str, **kw: Any) -> Any:
+        _SUMS.append(what)
+        return real_collective(start, what, **kw)
+
+    grads.all_reduce_flat = all_reduce_flat  # type: ignore[assignment]  # a worker of its own
+    grad_shards.collective = collective  # type: ignore[assignment]
+
+
 def _train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    _count_sums()
     torch.manual_seed(0)
     model: nn.Module = TiedLM() if case["model"] == "tied" else MLP(depth=3)
     ref = copy.deepcopy(model)
@@ -179,20 +196,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_accumulating_under_no_sync_trains_like_one_process(name, monkeypatch):
+def test_accumulating_under_no_sync_trains_like_one_process(name):
     case = CASES[name]
 
-    def all_reduce_flat(tensors: Any, group: Any, *, what: str, **kw: Any) -> Any:
-        _SUMS.append(what)
-        return real_all_reduce(tensors, group, what=what, **kw)
-
-    def collective(start: Any, what: str, **kw: Any) -> Any:
-        _SUMS.append(what)
-        return real_collective(start, what, **kw)
-
-    real_all_reduce, real_collective = grads.all_reduce_flat, grad_shards.collective
-    monkeypatch.setattr(grads, "all_reduce_flat", all_reduce_flat)  # the forked ranks' too
-    monkeypatch.setattr(grad_shards, "collective", collective)
     world = sum(case["replicas"])
     got = run_ranks(_train, world, case, timeout_s=30.0, wall_s=120.0)
     assert all(r["losses"] == got[0]["losses"] for r in got)

@@ -131,12 +131,12 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
          "zero2-zbv-the-tied-weight-s-ends-on-one-lane-clip"],
 )
 def test_sharded_training_is_the_one_process_training(replicas, schedule, recompute, clip,
-                                                     zero, monkeypatch):
-    if len(replicas) == 1:  # many all-gathers of a few tensors each (the workers fork after)
-        monkeypatch.setattr(comm, "BUCKET_BYTES", 4096)
+                                                     zero):
+    # one stage: many all-gathers of a few tensors each
+    patches = [(comm.__name__, "BUCKET_BYTES", 4096)] if len(replicas) == 1 else []
     world = sum(replicas)
     got = run_ranks(_train, world, replicas, schedule, recompute, clip, False, None, zero,
-                    timeout_s=30.0, wall_s=180.0)
+                    timeout_s=30.0, wall_s=180.0, patches=patches)
     by_stage: dict[int, list[dict[str, Any]]] = {}
     for _, info in got:
         by_stage.setdefault(info["stage"], []).append(info)
@@ -212,12 +212,16 @@ def test_a_sharded_stage_s_gradients_are_one_process_s_on_their_owners(replicas,
 
 
 @pytest.mark.slow
-def test_the_reduce_scatter_nccl_runs_gives_the_owners_one_process_s_gradients(monkeypatch):
+def _nccl(group: object) -> str:
+    return "nccl"
+
+
+def test_the_reduce_scatter_nccl_runs_gives_the_owners_one_process_s_gradients():
     """Over gloo the rounds are all-reduced (faster there); NCCL's path, a reduce-scatter of
     the same rounds, run here on gloo."""
-    monkeypatch.setattr(grad_shards, "backend_of", lambda group: "nccl")
-    monkeypatch.setattr(comm, "BUCKET_BYTES", 64 * 1024)  # several rounds
-    got = run_ranks(_gradients, 3, (2, 1), "1f1b", 2, timeout_s=30.0, wall_s=180.0)
+    got = run_ranks(_gradients, 3, (2, 1), "1f1b", 2, timeout_s=30.0, wall_s=180.0,
+                    patches=[(grad_shards.__name__, "backend_of", _nccl),
+                             (comm.__name__, "BUCKET_BYTES", 64 * 1024)])  # several rounds
     assert all(i["kept"] and i["dropped"] for i in got if i["stage"] == 0)
 
 
@@ -259,13 +263,12 @@ def test_grad_scaler_over_a_sharded_stage_steps_like_one_process(inf_on):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_sharded_offloaded_and_layered_stages_train_like_one_process(schedule, monkeypatch):
+def test_sharded_offloaded_and_layered_stages_train_like_one_process(schedule):
     """ZeRO-1, the state offloaded and recomputation layer by layer on every stage at once:
     the last stage's two replicas share its state and step it in buckets, each stage's R
     keeps only its layers' inputs."""
-    monkeypatch.setattr(comm, "BUCKET_BYTES", 64 * 1024)
     got = run_ranks(_train, 3, (1, 2), schedule, True, 0.5, True, True, timeout_s=30.0,
-                    wall_s=180.0)
+                    wall_s=180.0, patches=[(comm.__name__, "BUCKET_BYTES", 64 * 1024)])
     infos = [info for _, info in got]
     assert all(i["layers"] >= 1 and i["offload"] for i in infos)
     assert [i["zero"] for i in infos] == [int(i["replicas"] > 1) for i in infos]
@@ -278,13 +281,12 @@ def test_sharded_offloaded_and_layered_stages_train_like_one_process(schedule, m
                                                          ((1, 2), "gpipe", True)],
                          ids=["sharded-and-offloaded-1f1b", "offloaded-gpipe-recompute",
                               "last-stage-sharded-and-offloaded-gpipe-recompute"])
-def test_offloaded_state_steps_in_buckets_like_one_process(replicas, schedule, recompute,
-                                                           monkeypatch):
+def test_offloaded_state_steps_in_buckets_like_one_process(replicas, schedule, recompute):
     """Host and device are one memory here: the state's path (bucket by bucket, the user's
     optimizer stepping each bucket) and its numerics are what is tested."""
-    monkeypatch.setattr(comm, "BUCKET_BYTES", 64 * 1024)  # several buckets a stage
     got = run_ranks(_train, sum(replicas), replicas, schedule, recompute, 0.5, True,
-                    timeout_s=30.0, wall_s=180.0)
+                    timeout_s=30.0, wall_s=180.0,
+                    patches=[(comm.__name__, "BUCKET_BYTES", 64 * 1024)])  # several buckets a stage
     assert any(info["bucketed"] for _, info in got)  # a rank that stepped several buckets
     for _, info in got:
         assert info["offload"] and info["host_params"] > 0
