@@ -7,10 +7,13 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,9 +73,11 @@ def run_ranks(
     ctx = _context()
     port = free_port()
     results: mp.Queue[tuple[int, bool, Any]] = ctx.Queue()
+    logs = tempfile.TemporaryDirectory(prefix="rannc_fx-ranks-")
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, timeout_s, init, results, args,
-                                          dict(os.environ), tuple(patches)))
+                                          dict(os.environ), tuple(patches),
+                                          f"{logs.name}/rank{r}.log"))
         for r in range(world_size)
     ]
     for p in procs:
@@ -102,6 +107,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        _show_output(logs)
     missing = [r for r in range(world_size) if r not in got]
     errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
     errors += [f"--- rank {r} --- gave no result within {wall_s} s" for r in missing]
@@ -127,6 +133,15 @@ def _context() -> Any:
     return ctx
 
 
+def _show_output(logs: tempfile.TemporaryDirectory[str]) -> None:
+    """Each worker's output on this process's stderr, which pytest shows with a failure."""
+    for path in sorted(Path(logs.name).glob("rank*.log")):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            sys.stderr.write(f"--- {path.stem} output ---\n{text}")
+    logs.cleanup()
+
+
 def start_fork_server() -> None:
     """Start the fork server now (``conftest.py``: before any test's torch work)."""
     from multiprocessing import forkserver
@@ -146,7 +161,11 @@ def _worker(
     args: tuple[Any, ...],
     env: dict[str, str],
     patches: tuple[tuple[str, str, Any], ...],
+    log: str,
 ) -> None:
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)  # the worker's output, for the test's own (captured) output
+    os.dup2(out, 2)
     os.environ.clear()  # the caller's, as a fork of it would have (the server's is older)
     os.environ.update(env)
     for module, attribute, value in patches:
