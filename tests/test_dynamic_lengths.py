@@ -128,7 +128,8 @@ def _refused(rank: int, world: int, what: str) -> tuple[str, float]:
         ("longer", 2, r"input 0 \('input_ids'\) dimension 1 \(input_ids.1\) is 32 on every rank, outside the "
                       r"sizes 2..24 the plan covers .* plan with an example of the longest length"),
         ("batch only", 2, r"rank 0: as planned; rank 1: input 0 \('input_ids'\) has shape "
-                          r"\(4, 12\)\); .*expects 'input_ids' \(4, 24\).*only the batch dimension"),
+                          r"\(4, 12\) and dtype int64\); .*expects 'input_ids' \(4, 24\) int64"
+                          r".*only the batch dimension"),
     ],
 )
 def test_lengths_the_plan_cannot_take_fail_on_every_rank_at_once(what, world, expected):

@@ -249,31 +249,31 @@ def test_host_parameters_train_like_one_process(schedule, recompute, selective, 
     assert_like_one_process(got)
 
 
+def _fetches_and_eval(rank: int, world: int, plan: Plan) -> bool:
+    model, args, kwargs = gpt(0.0)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adam(model), adam(ref)
+    largs, lkw = local(rank, args, kwargs)
+    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0, batch_norm=plan.batch_norm),
+                          plan=plan, example_args=largs, example_kwargs=lkw)
+    step(ref, ref_opt, args, kwargs)
+    step(cm, opt, largs, lkw)
+    assert all(host_of(gm) is not None and hp.FETCH in gm.code for gm in cm.stages)
+    mine = {id(p) for gm in cm.stages for p in gm.parameters()}
+    stepped = {id(p) for p in opt.state}
+    with torch.no_grad():
+        got, want = cm(*largs, **lkw)["loss"], ref(*args, **kwargs)["loss"]
+    assert_close(got, want, rtol=TOL["rtol"], atol=TOL["atol"])
+    return stepped == mine
+
+
 def test_the_runtime_fetches_and_an_evaluation_call_is_one_process_s():
     """Under the forced plan every rank's stage runs through its fetches (the runtime
     installed them), the user's optimizer steps exactly the stage's parameters, and an
     evaluation call under ``torch.no_grad`` (fetches without autograd, nothing saved) after a
     step gives one process's loss."""
     plan = _gpt_plan("1f1b")
-
-    def worker(rank: int, world: int) -> bool:
-        model, args, kwargs = gpt(0.0)
-        ref = copy.deepcopy(model)
-        opt, ref_opt = adam(model), adam(ref)
-        largs, lkw = local(rank, args, kwargs)
-        cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan,
-                              example_args=largs, example_kwargs=lkw)
-        step(ref, ref_opt, args, kwargs)
-        step(cm, opt, largs, lkw)
-        assert all(host_of(gm) is not None and hp.FETCH in gm.code for gm in cm.stages)
-        mine = {id(p) for gm in cm.stages for p in gm.parameters()}
-        stepped = {id(p) for p in opt.state}
-        with torch.no_grad():
-            got, want = cm(*largs, **lkw)["loss"], ref(*args, **kwargs)["loss"]
-        assert_close(got, want, rtol=TOL["rtol"], atol=TOL["atol"])
-        return stepped == mine
-
-    assert all(run_ranks(worker, 2, timeout_s=30.0, wall_s=120.0))
+    assert all(run_ranks(_fetches_and_eval, 2, plan, timeout_s=30.0, wall_s=120.0))
 
 
 @pytest.mark.gpu

@@ -286,7 +286,7 @@ def _train_bn(rank: int, world: int, plan: Plan) -> tuple[list[float], bytes, in
     opt = adam(model)
     mine = slice(rank * 8, (rank + 1) * 8)
     x, y = _bn_data(0)
-    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan,
+    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0, batch_norm=plan.batch_norm), plan=plan,
                           example_args=(x[mine], y[mine]))
     losses = []
     for k in range(STEPS):

@@ -226,7 +226,8 @@ def _train_convnet(rank: int, world: int, plan: Plan) -> tuple[list[float], byte
     model, args = _convnet()
     opt = adam(model)
     largs, _ = local(rank, args, {})
-    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0), plan=plan, example_args=largs)
+    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0, batch_norm=plan.batch_norm), plan=plan,
+                          example_args=largs)
     losses = [step(cm, opt, largs, {}) for _ in range(STEPS)]
     state = {n: t.detach() for gm in cm.stages
              for n, t in [*gm.named_parameters(), *gm.named_buffers()]}
