@@ -35,7 +35,8 @@ ZOO = {
 
 
 def _warm(name: str) -> None:
-    """Import what the workers need once, in the parent: forked ranks inherit it."""
+    """Import the model's module here (the ranks' fork server preloads its own modules:
+    ``dist_utils._PRELOAD``; a rank imports what is missing there)."""
     importlib.import_module(ZOO[name][0])
     import torch.export  # noqa: F401
 

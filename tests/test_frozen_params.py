@@ -116,8 +116,7 @@ def _train_lora(rank: int, world: int, cfg: dict[str, Any], steps: int = 3) -> f
     dict(stages=2, replicas=(1, 1), micro_batches=2, schedule="interleaved"),  # 2 a rank
 ], ids=["pipeline", "replicas", "interleaved"])
 def test_lora_trains_like_one_process(cfg):
-    import peft  # noqa: F401  imported once here: forked ranks inherit it
-    import torch.export  # noqa: F401
+    pytest.importorskip("peft")
 
     losses = run_ranks(_train_lora, 2, cfg, timeout_s=60.0, wall_s=180.0)
     assert len(set(losses)) == 1

@@ -211,8 +211,6 @@ def _unroutable(rank: int, world: int, tracer: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("tracer", ["fx", "export"])
 def test_a_parameter_no_backward_reaches_is_refused_on_every_rank(tracer):
-    import torch.export  # noqa: F401  imported once here: forked ranks inherit it
-
     got = run_ranks(_unroutable, 2, tracer, timeout_s=30.0, wall_s=240.0)
     assert got == ["refused"] * 2
 
