@@ -16,7 +16,7 @@ from rannc_fx.config import Config
 from rannc_fx.passes.capture import capture_pass
 from rannc_fx.passes.input_casts import input_casts
 
-from .dist_utils import run_ranks
+from .dist_utils import run_ranks, step_each
 
 LOCAL = 4  # samples per rank
 
@@ -81,11 +81,7 @@ def _train(rank: int, world: int, tracer: str, replicas: tuple[int, ...]) -> lis
         # one process on the global batch, each rank's part cast as the model casts it
         want = ref(torch.cat([p[0].float() for p in parts]), torch.cat([p[1] for p in parts]),
                    torch.cat([p[2].long() for p in parts]))
-        got.backward()
-        want.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        step_each((got, opt), (want, ref_opt))
         out.append((float(got), float(want)))
     return out
 

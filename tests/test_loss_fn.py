@@ -18,7 +18,7 @@ import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.passes.capture import CaptureError, capture_pass
 
-from .dist_utils import run_ranks
+from .dist_utils import run_ranks, step_each
 
 LOCAL = 6  # samples per rank
 STEPS = 3
@@ -161,11 +161,7 @@ def _train(rank: int, world: int, name: str, way: str,
             want = loss(ref(x), *targets)
         else:
             got, want = cm(x[mine], *local), ref(x, *targets)
-        got.backward()
-        want.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        step_each((got, opt), (want, ref_opt))
         out.append((float(got), float(want)))
     assert cm.plan.tracer == tracer
     return out, {n for gm in cm.stages for n, _ in gm.named_modules()}
@@ -252,11 +248,7 @@ def _train_tagger(rank: int, world: int) -> tuple[list[tuple[float, float]], str
     for step in range(STEPS):
         ids, labels = _tagger_batch(4 * world, step)
         got, want = cm(ids[mine], labels[mine]), ref(ids, labels)
-        got.backward()
-        want.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        step_each((got, opt), (want, ref_opt))
         out.append((float(got), float(want)))
     cm.eval()
     ref.eval()

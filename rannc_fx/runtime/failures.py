@@ -35,8 +35,9 @@ __all__ = [
     "store_host",
 ]
 
-CHECK_S = 0.005  # how often a waiting rank reads the board (two store round trips, ~20 us each)
+CHECK_S = 0.005  # how often a waiting rank reads the board (one store round trip, ~20 us)
 ROLL_CALL_S = 1.0  # how long a roll call waits for every rank to answer
+ANSWER_AFTER_S = 0.05  # a wait answers roll calls once it has lasted this long
 
 
 class PeerFailed(RuntimeError):
@@ -63,8 +64,8 @@ class Board:
 
     It also takes the roll call that names the rank a failed wait lost: the rank whose wait
     failed without a failure posted (a connection closed, a timeout) asks every rank to
-    answer, every rank waiting on the board answers within ``CHECK_S``, and the ranks that do
-    not answer within ``ROLL_CALL_S`` are named (a rank that died, or hangs outside the
+    answer, every rank in a wait of over ``ANSWER_AFTER_S`` answers within ``CHECK_S``, and
+    the ranks that do not answer within ``ROLL_CALL_S`` are named (a rank that died, or hangs outside the
     runtime). When the store itself stops answering, its host is the rank lost."""
 
     def __init__(self, store: dist.Store):
@@ -131,13 +132,15 @@ class Board:
         error.add_note(f"rannc_fx: rank {rank} told the other ranks, which stop this step too; "
                        "the next call starts over on fresh communicators")
 
-    def raise_news(self, what: str, finished: Callable[[], bool] | None = None) -> None:
+    def raise_news(self, what: str, finished: Callable[[], bool] | None = None, *,
+                   answer: bool = True) -> None:
         """PeerFailed for the newest failure on the board, if this rank has not seen it,
         unless ``finished()`` says the wait it interrupts completed after all (a peer that
         left the same collective and failed in its next call: its news is for this rank's
-        next wait, not this one)."""
+        next wait, not this one). With ``answer``, it answers the open roll calls too."""
         n = self.count()
-        self.answer()
+        if answer:
+            self.answer()
         if n > self.seen and not (finished is not None and finished()):
             self.seen = n
             text = self._ask("reading the failure board", lambda: self.store.get(str(n))).decode()
@@ -166,7 +169,10 @@ class Board:
         start = time.monotonic()
         while not job.wait(CHECK_S):
             try:
-                self.raise_news(what(job.current), finished=job.succeeded)
+                # a wait of a step's usual length costs one store round trip a check; one
+                # that lasts (a peer lost, a roll call open) answers roll calls too
+                self.raise_news(what(job.current), finished=job.succeeded,
+                                answer=time.monotonic() - start > ANSWER_AFTER_S)
             except PeerFailed:
                 _abandon(job)
                 raise
