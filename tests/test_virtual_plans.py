@@ -100,16 +100,31 @@ def _tight(world: int) -> dict[str, Any]:
 
 
 def test_interleaving_is_tried_on_other_lanes_than_the_searched_ones(monkeypatch):
+    """The search pipelines the WIDE GPT on 8 lanes of one rank; the virtual schedules are
+    also cut on fewer, wider lanes, and the plan is never longer than the one kept from the
+    searched lanes alone. (Which one wins is a cost detail: on torch 2.13 interleaving on 4
+    lanes of 2 ranks, on 2.15, which counts attention's FLOPs, plain 1F1B.)"""
     import rannc_fx.planner.virtual as virtual
 
-    plan = _plan(**_tight(8))  # the search: 1F1B on 8 lanes of one rank each, m = 16
-    assert plan.schedule == "interleaved" and plan.virtual_stages == 2
-    assert len(plan.lanes) == 4 and {st.replicas for st in plan.stages} == {2}
+    tight = _tight(8)
+    tried: list[tuple[int, ...]] = []
+    variant = virtual._variant
+
+    def recording(a: Any, base: Any, schedule: str, v: int) -> Any:
+        tried.append(tuple(st.replicas for st in base.stages))
+        return variant(a, base, schedule, v)
+
+    monkeypatch.setattr(virtual, "_variant", recording)
+    plan = _plan(**tight)
+    assert tried[0] == (1,) * 8 and (2,) * 4 in tried  # the searched lanes, then others
     choices = virtual.lane_choices
     monkeypatch.setattr(virtual, "lane_choices", lambda a, r: choices(a, r)[:1])
-    searched = _plan(**_tight(8))
-    assert len(searched.lanes) == 8 and {st.replicas for st in searched.stages} == {1}
-    assert plan.simulated_step_ms < 0.95 * searched.simulated_step_ms
+    tried.clear()
+    searched = _plan(**tight)
+    assert set(tried) == {(1,) * 8}
+    assert plan.simulated_step_ms <= searched.simulated_step_ms
+    if plan.lanes != searched.lanes:  # another lane layout wins only with several stages a lane
+        assert plan.virtual_stages > 1 and len(plan.lanes) < 8
 
 
 def test_the_bounds_that_skip_lanes_hold_and_skip_no_better_plan():
@@ -146,8 +161,9 @@ def test_the_bounds_that_skip_lanes_hold_and_skip_no_better_plan():
             assert bound <= step and (not k or work_s(a, lanes) <= step), (lanes, schedule, v)
             steps.append(step)
     assert len(steps) > 20
-    kept = virtual_variants(a, result, build_plan(a, result), lambda r: build_plan(a, r))
-    assert kept.simulated_step_ms == pytest.approx(1e3 * min(steps))
+    plan = build_plan(a, result)
+    kept = virtual_variants(a, result, plan, lambda r: build_plan(a, r))
+    assert kept.simulated_step_ms == pytest.approx(min(plan.simulated_step_ms, 1e3 * min(steps)))
 
 
 def test_lane_choices_are_the_searched_then_every_equal_split_by_their_work():

@@ -98,7 +98,7 @@ class SymbolicValues:
         that depends on tensor values)."""
         expr = x.node.expr
         if not expr.free_symbols <= self._known:
-            expr = x.node.shape_env.replace(expr)
+            expr = simplified(x)
             extra = expr.free_symbols - self._known
             if extra:
                 raise NoFormulas(f"size {expr} depends on {sorted(map(str, extra))}, not on the "
@@ -293,10 +293,17 @@ def size_symbols(vals: list[Any], flat_inputs: list[Any],
         for d, size in enumerate(v.shape):
             if not isinstance(size, torch.SymInt):
                 continue
-            expr = size.node.shape_env.replace(size.node.expr)
+            expr = simplified(size)
             if isinstance(expr, sympy.Symbol) and expr not in batch and expr not in out:
                 out[expr] = (int(t.shape[d]), i, d)
     return out
+
+
+def simplified(x: torch.SymInt) -> sympy.Expr:
+    """``x``'s formula with what its shape environment learned substituted (``x = y`` from a
+    guard); as it is where ``x`` has no environment."""
+    env = x.node.shape_env
+    return x.node.expr if env is None else env.replace(x.node.expr)
 
 
 def batch_symbols(vals: list[Any], batch_dim: int, batched: list[bool]) -> frozenset[sympy.Symbol]:

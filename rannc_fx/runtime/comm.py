@@ -156,21 +156,29 @@ def build_groups(plan: Plan, *, timeout_s: float = 300.0) -> Groups:
             timeout_s=timeout_s,
         )
     rank = dist.get_rank()
-    world = dist.new_group(list(range(plan.world_size)), timeout=timeout)
+    world = _new_group(list(range(plan.world_size)), timeout)
+    assert world is not None
 
-    made: dict[tuple[int, ...], dist.ProcessGroup] = {}  # a lane's stages share one
+    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # a lane's stages share one
 
     def make(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         if len(ranks) < 2:
             return None
         if ranks not in made:
-            made[ranks] = dist.new_group(list(ranks), timeout=timeout)
+            made[ranks] = _new_group(list(ranks), timeout)
         return made[ranks] if rank in ranks else None
 
     stage = [make(r) for r in stage_ranks]
     shared = [make(r) for r in shared_ranks]
     return Groups(stage, shared, stage_ranks, shared_ranks, world, timeout_s, board(),
                   gloo=backend_of(world) == "gloo")
+
+
+def _new_group(ranks: list[int], timeout: timedelta) -> dist.ProcessGroup | None:
+    """``dist.new_group`` (collective over the world), None on a rank outside ``ranks`` (where
+    torch returns its non-member marker)."""
+    group = dist.new_group(ranks, timeout=timeout)
+    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 def abort_groups(groups: Groups) -> None:
