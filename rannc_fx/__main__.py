@@ -1,6 +1,7 @@
 """Command line: ``python -m rannc_fx plan MODULE:FACTORY --world-size N --device PRESET``
-(with a flag for every Config field: ``--max-micro-batches 64``) and
-``python -m rannc_fx trace summary FILE``."""
+(with a flag for every Config field: ``--max-micro-batches 64``),
+``python -m rannc_fx trace summary FILE`` and ``python -m rannc_fx options`` (the options
+page, docs/options.md)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     summary = what.add_parser("summary", help="busy, bubble and communication per stage, "
                               "measured and predicted")
     summary.add_argument("file", help="the trace.json a traced run wrote")
+    sub.add_parser("options", help="print the options page (every Config field) as Markdown: "
+                   "python -m rannc_fx options > docs/options.md")
     return p
 
 
@@ -110,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "trace":
         return _trace_summary(args.file)
+    if args.command == "options":
+        from .options_doc import options_markdown
+
+        sys.stdout.write(options_markdown())
+        return 0
     # rannc_fx's logger alone, so that -v does not turn on torch's own debug logging; the
     # level is put back so that main() called from Python leaves logging as it found it
     logging.basicConfig(format="%(message)s")  # a stderr handler, unless logging has one
