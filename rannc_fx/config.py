@@ -39,11 +39,14 @@ class Config(BaseModel):
     max_micro_batches: int = Field(default=32, ge=1, description="largest micro-batch count the search tries")
     schedule: Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"] | None = Field(
         default=None, description="pipeline schedule; None = searched (GPipe or 1F1B, then "
-        "ZB-H1, interleaved 1F1B and ZBV on the searched stages where they fit and simulate "
-        "shorter); 'zbh1' = zero bubble (split backward) on the searched stages; "
-        "'interleaved' = interleaved 1F1B with virtual_stages stages on each searched lane; "
-        "'zbv' = the V-shape zero bubble, two stages a lane (with these two, stages and "
-        "replicas count lanes)",
+        "ZB-H1, interleaved 1F1B with 2, 3 or 4 stages a lane and ZBV on the searched stages, "
+        "and the last two on every equal split of the ranks into lanes unless stages or "
+        "replicas is set, kept where they fit and simulate shorter); 'zbh1' = zero bubble "
+        "(split backward) on the searched stages; 'interleaved' = interleaved 1F1B with "
+        "virtual_stages stages on each searched lane; 'zbv' = the V-shape zero bubble, two "
+        "stages a lane (with these two, stages and replicas count lanes); a named schedule "
+        "gets the shortest plan of it that fits. All but 'gpipe' need the model's only "
+        "gradient-carrying output to be a scalar loss",
     )
     virtual_stages: int | None = Field(
         default=None, ge=2, description="stages a lane under schedule='interleaved'; None = 2",
@@ -60,22 +63,27 @@ class Config(BaseModel):
         "of its layers, the children of an nn.ModuleList or nn.Sequential of alike modules, and runs each "
         "layer's forward once more inside the backward) or its whole forward at once (False: "
         "it keeps all its activations from its recomputation to its backward); None = "
-        "searched per stage",
+        "searched per stage. True is refused with schedule 'zbh1', 'zbv' or 'interleaved' "
+        "(their stages recompute whole)",
     )
     recompute_selective: bool | None = Field(
         default=None,
         description="selective recomputation: a stage keeps the outputs of its matrix "
         "products, convolutions and fused attention for every micro-batch in flight and its "
         "backward reruns the rest of its forward (normalizations, activations, dropout, "
-        "unfused attention scores), instead of running the whole forward again; None = "
-        "searched per stage, True = the only recomputation, False = never",
+        "unfused attention scores; under autocast each micro-batch casts its weights itself, "
+        "autocast's cache being off inside, so that the recomputation replays the forward's "
+        "ops), instead of running the whole forward again; None = searched per stage, True = "
+        "the only recomputation (refused with schedule 'zbh1' or 'zbv', which split the "
+        "backward, and with recompute_layers=True), False = never",
     )
     offload: bool | None = Field(
         default=None,
         description="optimizer state in host memory, brought to the device a bucket at a "
         "time for the step: None = searched per stage (only where it does not fit otherwise, "
         "after sharding; only on a device whose DeviceSpec has host_bandwidth and "
-        "host_memory_bytes); True = every stage; False = none",
+        "host_memory_bytes); True = every stage (on the CPU, where host and device are one "
+        "memory, it runs the same path); False = none",
     )
     host_params: bool | None = Field(
         default=None,
@@ -84,7 +92,8 @@ class Config(BaseModel):
         "overlapped with the compute), its gradient goes back to the host, and the optimizer "
         "steps there (runtime/host_params.py): None = searched per stage (after every other "
         "way to fit; only on a device whose DeviceSpec has host_bandwidth and "
-        "host_memory_bytes); True = every stage; False = none",
+        "host_memory_bytes); True = every stage (refused with zero or offload set, or a "
+        "schedule other than 'gpipe' or '1f1b'); False = none",
     )
     zero: Literal[0, 1, 2] | None = Field(
         default=None,
@@ -206,8 +215,9 @@ class Config(BaseModel):
     )
     check_batches: bool = Field(
         default=True,
-        description="agree on the ranks' local batch sizes and autocast states at each call "
-        "(one all-gather of two integers a rank), so unequal ones fail on every rank at once; "
+        description="agree on the ranks' local batch sizes, autocast states, modes "
+        "(train()/eval()) and no_sync() at each call (one all-gather of a row of integers a "
+        "rank), so unequal ones fail on every rank at once; "
         "False skips it when every rank is known to pass equal batches (a rank that does not "
         "then leaves the others waiting until timeout_s)",
     )
