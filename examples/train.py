@@ -106,7 +106,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def config(args: argparse.Namespace) -> rannc_fx.Config:
-    """The options this script exposes; everything else keeps its default (README: Options)."""
+    """The options this script exposes; everything else keeps its default (docs/options.md)."""
     memory = args.device_memory_mib * 2**20 or None
     state = 2.0 if args.optimizer == "adam" else 0.0  # optimizer state bytes per parameter byte
     return rannc_fx.Config(stages=args.stages, micro_batches=args.micro_batches,

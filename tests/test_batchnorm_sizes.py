@@ -232,7 +232,7 @@ def test_batchnorm_models_plan_and_train_like_one_process(name, world, local, tr
     assert "never runs 1 sample(s)" in plan.summary()
     _check_plan_keeps_off(plan)
     for r in got:
-        # each replica normalizes its own samples (README, "What a step computes"): the
+        # each replica normalizes its own samples (docs/semantics.md, "BatchNorm"): the
         # training losses within 3 % of one process's when measured, the eval loss within
         # 1 % (export: eval mode is not the model's yet, the graph keeps training mode)
         *train, evaluated = r["ratios"]

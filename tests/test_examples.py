@@ -75,9 +75,9 @@ def _train_module():  # type: ignore[no-untyped-def]
 
 
 def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
-    """README: with its default 24 MiB per device the main job's model fits no single rank
-    with Adam even with one micro-batch in flight, nor two replicas with the Adam state
-    sharded between them, and on 2 ranks the search (nothing forced) picks two stages,
+    """README and docs/guide.md, "The main job": with its default 24 MiB per device the main
+    job's model fits no single rank with Adam even with one micro-batch in flight, nor two
+    replicas with the Adam state sharded between them, and on 2 ranks the search (nothing forced) picks two stages,
     16 micro-batches, the tied embedding on both, run as ZB-H1 (its simulated step shorter
     than the same stages' under 1F1B: the first stage's backward is not split). Planned here
     with the script's own options and model, costed analytically (the same on any machine;
