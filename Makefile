@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 plan: $(STAMP)
-	$(PYTHON) -m rannc_fx plan rannc_fx.models:gpt_example --world-size 2 --out plan.json
+	$(PYTHON) -m rannc_fx plan examples.models:gpt_example --world-size 2 --out plan.json
 
 # the main job: torchrun --nproc-per-node 2 examples/train.py, with this Makefile's Python
 train: $(STAMP)

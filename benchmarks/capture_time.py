@@ -3,7 +3,7 @@
 For each layer count the same model is captured twice in one process by
 ``trace_export(..., repeated=False)`` (plain non-strict torch.export) and
 ``trace_export(..., repeated=True)`` (each kind of repeated layer traced once, its nodes copied,
-``passes/capture_repeat.py``), in alternating order, and the two graphs are compared node by
+``capture/repeat.py``), in alternating order, and the two graphs are compared node by
 node (ops, arguments by position, get_attr targets, output shapes). A warm-up capture of a
 2-layer model runs first, so neither side pays torch's first-call imports.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from rannc_fx.passes.capture_graph import CapturedGraph
-from rannc_fx.passes.capture_trace import trace_export
+from rannc_fx.capture.graph import CapturedGraph
+from rannc_fx.capture.trace import trace_export
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_time import bert  # noqa: E402

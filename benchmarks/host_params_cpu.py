@@ -42,8 +42,8 @@ from runtime_common import (  # noqa: E402
 )
 
 from rannc_fx import Config  # noqa: E402
-from rannc_fx.passes.search.terms import fetches  # noqa: E402
 from rannc_fx.runtime.host_params import HostParams, host_of  # noqa: E402
+from rannc_fx.search.terms import fetches  # noqa: E402
 
 
 def tracked(host: HostParams) -> list[int]:

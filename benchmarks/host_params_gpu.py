@@ -30,7 +30,7 @@ from runtime_common import GPT, make_batch  # noqa: E402
 
 import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
-from rannc_fx.plan import Plan  # noqa: E402
+from rannc_fx.plan.plan import Plan  # noqa: E402
 
 MiB = 2**20
 

@@ -54,7 +54,7 @@ from runtime_common import GPT, add_model_args, environment, make_batch  # noqa:
 
 import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
-from rannc_fx.passes.search import NoFeasiblePlan, search_pass  # noqa: E402
+from rannc_fx.search import NoFeasiblePlan, search_pass  # noqa: E402
 
 MiB = 2**20
 

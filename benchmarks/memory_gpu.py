@@ -29,8 +29,8 @@ from torch import fx, nn
 
 import rannc_fx
 from rannc_fx import Config
-from rannc_fx.passes.profile import Profile
 from rannc_fx.planner.analyze import analyze
+from rannc_fx.profile.profile import Profile
 
 MiB = 2**20
 

@@ -35,14 +35,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: examples.models
 from runtime_common import environment  # noqa: E402
 
-from rannc_fx.models import TransformerLM  # noqa: E402
+from examples.models import TransformerLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
 MiB = 2**20
-# the cpu preset's link (rannc_fx/device.py): no probe, the same plan in both runs
+# the cpu preset's link (rannc_fx/plan/device.py): no probe, the same plan in both runs
 PLAN_ENV = {
     "RANNC_FX_COST_MODEL": "analytic",
     "RANNC_FX_LINK_BANDWIDTH": "1e9",

@@ -1,6 +1,6 @@
 """Predicted step time of rannc_fx's plan against the partitioners users have today.
 
-Every plan is scored by the same cost model (``rannc_fx.passes.search.evaluate``) on the same
+Every plan is scored by the same cost model (``rannc_fx.search.evaluate``) on the same
 cost table, built once per setting from a meta-device model with the analytic cost model, so
 the ratios isolate the partitioning decision. The peers:
 
@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from rannc_fx import Config, DeviceSpec
-from rannc_fx.passes.search import (
+from rannc_fx.planner.analyze import Analysis, analyze
+from rannc_fx.search import (
     Evaluation,
     NoFeasiblePlan,
     StageChoice,
@@ -50,7 +51,6 @@ from rannc_fx.passes.search import (
     samples_per_replica,
     search_pass,
 )
-from rannc_fx.planner.analyze import Analysis, analyze
 
 GiB = 1024**3
 

@@ -36,7 +36,7 @@ import torch
 
 import rannc_fx
 from rannc_fx import Config, DeviceSpec
-from rannc_fx.passes.search import NoFeasiblePlan
+from rannc_fx.search import NoFeasiblePlan
 
 GiB = 1024**3
 PHASES = ("capture", "shapes", "profile", "group", "costs", "search", "split")

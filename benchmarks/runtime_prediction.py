@@ -49,7 +49,7 @@ from runtime_common import (  # noqa: E402
 
 import rannc_fx  # noqa: E402
 from rannc_fx import Config  # noqa: E402
-from rannc_fx.runtime.schedule import Kind  # noqa: E402
+from rannc_fx.schedules.generators import Kind  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

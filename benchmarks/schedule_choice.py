@@ -6,7 +6,7 @@ Each workload of ``plan_time.WORKLOADS`` (a meta-device BertForPreTraining retur
 pre-training loss, so every schedule is eligible) is analyzed once; the search then runs with
 GPipe only, 1F1B only, and both (as ``Config(schedule=None)`` does), and the planner's
 interleaving and zero-bubble steps (``planner/virtual.py`` on the searched lanes and every
-equal split of the ranks into lanes, ``planner/lanes.py``; then ``planner/zero_bubble.py``)
+equal split of the ranks into lanes, ``planner/lanes.py``; then ``planner/zb_choice.py``)
 are applied to the last, as the planner does (``planner.driver.choose``). ``gpt-13b`` is a
 meta-device GPT-2 architecture at GPT-3 13B's shape
 (40 layers of 5120, 40 heads, sequence 2048, global batch 64) returning its LM loss
@@ -34,8 +34,8 @@ from rannc_fx.planner.analyze import analyze  # noqa: E402
 from rannc_fx.planner.build import build_plan  # noqa: E402
 from rannc_fx.planner.driver import choose, run_search  # noqa: E402
 from rannc_fx.planner.virtual import virtual_variants  # noqa: E402
-from rannc_fx.runtime.lowering import lower_plan  # noqa: E402
-from rannc_fx.runtime.simulate import plan_durations  # noqa: E402
+from rannc_fx.schedules.lowering import lower_plan  # noqa: E402
+from rannc_fx.schedules.simulate import plan_durations  # noqa: E402
 
 
 def bubble(plan: Plan) -> float:
@@ -90,8 +90,8 @@ def probe(name: str) -> str:
     """Whether other lanes or boundaries would open the schedules: interleaved 1F1B and ZBV on
     the best plan of every forced stage count, and ZB-H1's memory on plans searched at a
     fraction of the budget (room left for what ZB-H1 holds more than 1F1B)."""
-    from rannc_fx.passes.search import NoFeasiblePlan
-    from rannc_fx.planner.zero_bubble import zbh1_evaluation
+    from rannc_fx.planner.zb_choice import zbh1_evaluation
+    from rannc_fx.search import NoFeasiblePlan
 
     a = _analyzed(name)
     base = build_plan(a, run_search(a.table, a.space))
@@ -126,7 +126,7 @@ def named(name: str) -> str:
     """Each schedule named (``Config.schedule``) on the searched plan's stages or lanes, as
     the planner tries them: its simulated step against the searched plan's and its bubble,
     or why it is refused (it does not fit)."""
-    from rannc_fx.planner.zero_bubble import searched, zero_bubble
+    from rannc_fx.planner.zb_choice import searched, zero_bubble
 
     a = _analyzed(name)
     result = run_search(a.table, a.space)

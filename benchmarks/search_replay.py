@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rannc_fx.passes.search import (
+from rannc_fx.search import (
     CostTable,
     NoFeasiblePlan,
     SearchResult,

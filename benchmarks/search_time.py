@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rannc_fx.passes.search import (
+from rannc_fx.search import (
     CostTable,
     NoFeasiblePlan,
     SearchResult,
@@ -39,8 +39,8 @@ from rannc_fx.passes.search import (
     needed_sizes,
     search_pass,
 )
-from rannc_fx.passes.search.candidates import Candidates
-from rannc_fx.passes.search.kernel import build_states
+from rannc_fx.search.candidates import Candidates
+from rannc_fx.search.dp_chain import build_states
 
 TableFactory = Callable[[int, SearchSpace], CostTable]
 GiB = 1024**3

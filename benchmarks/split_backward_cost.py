@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_common import Block, environment  # noqa: E402
 
 import rannc_fx  # noqa: E402
-from rannc_fx.config import Config  # noqa: E402
+from rannc_fx.plan.config import Config  # noqa: E402
 from rannc_fx.runtime.backward_split import backward_inputs, backward_weights  # noqa: E402
-from rannc_fx.runtime.simulate import SPLIT_NODE_MS, SPLIT_OVERHEAD  # noqa: E402
+from rannc_fx.schedules.simulate import SPLIT_NODE_MS, SPLIT_OVERHEAD  # noqa: E402
 
 
 class Stack(nn.Module):

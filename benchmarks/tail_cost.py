@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rannc_fx
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 
 
 class BiEncoder(nn.Module):

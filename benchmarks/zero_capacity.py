@@ -28,8 +28,8 @@ from plan_time import bert, environment  # noqa: E402
 
 import rannc_fx  # noqa: E402
 from rannc_fx import Config, DeviceSpec  # noqa: E402
-from rannc_fx.passes.search import NoFeasiblePlan  # noqa: E402
-from rannc_fx.plan import Plan  # noqa: E402
+from rannc_fx.plan.plan import Plan  # noqa: E402
+from rannc_fx.search import NoFeasiblePlan  # noqa: E402
 
 GiB = 1024**3
 

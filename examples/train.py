@@ -37,6 +37,7 @@ import contextlib
 import logging
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable
 from itertools import islice
@@ -49,7 +50,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import rannc_fx
-from rannc_fx.models import TransformerLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the built-in models beside this script
+from models import TransformerLM  # noqa: E402
 
 
 def synthetic_lm_data(samples: int, seq: int, vocab: int, seed: int = 0) -> TensorDataset:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from .config_flags import add_config_flags, config_from_flags, explain, name_flags
-from .device import DeviceSpec
 from .partition import partition
+from .plan.config_flags import add_config_flags, config_from_flags, explain, name_flags
+from .plan.device import DeviceSpec
 
 __all__ = ["main"]
 
@@ -51,7 +51,7 @@ def _load_factory(spec: str) -> Any:
     mod_name, sep, attr = spec.partition(":")
     if not sep:
         raise SystemExit(
-            f"{spec!r}: name a factory as MODULE:FUNCTION, e.g. rannc_fx.models:gpt_example; "
+            f"{spec!r}: name a factory as MODULE:FUNCTION, e.g. examples.models:gpt_example; "
             "it returns (model, args) or (model, args, kwargs)"
         )
     try:
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "trace":
         return _trace_summary(args.file)
     if args.command == "options":
-        from .options_doc import options_markdown
+        from .plan.options_doc import options_markdown
 
         sys.stdout.write(options_markdown())
         return 0

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .config import Config
-from .passes.capture import CapturedGraph
-from .passes.capture_loss import with_loss
-from .passes.input_casts import cast_inputs, input_casts
-from .plan import Plan
+from .capture.capture import CapturedGraph
+from .capture.input_casts import cast_inputs, input_casts
+from .capture.loss import with_loss
+from .plan.config import Config
+from .plan.plan import Plan
 from .runtime import AloneExecutor, BatchSizes, StageExecutor, clip_grad_norm, plan_grid
 from .runtime.accumulation import Accumulation
 from .runtime.comm import agree, init_distributed
@@ -75,7 +75,7 @@ def compile(
     ``loss_fn(output, *targets)`` (torch.distributed.pipelining's convention): calls then pass
     the targets as ``target=`` (a tensor or a tuple), ``loss = model(x, target=y)``; the loss
     runs eagerly on the last stage, so it may hold code no tracer captures
-    (``passes/capture_loss.py``).
+    (``capture/loss.py``).
     """
     return CompiledModel(
         model, optimizer, config=config, plan=plan, example_args=example_args,
@@ -123,7 +123,7 @@ class CompiledModel(nn.Module):
         self._trace: Recorder | None = None  # Config.trace_dir: the traced steps' events
         self._modes: Modes | None = None  # the graph of each mode, from the first call
         self._sync = True  # False inside no_sync()
-        # inputs the model casts first (x.float()): converted on arrival (passes/input_casts.py)
+        # inputs the model casts first (x.float()): converted on arrival (capture/input_casts.py)
         self._casts: dict[int, torch.dtype] = {}
         self._planned_dtypes: list[str | None] = []
         self._accumulation = Accumulation()  # every executor's: calls left unsummed

@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .config import Config
-from .device import DeviceSpec
-from .passes.capture import CapturedGraph
-from .passes.split import run_stages
-from .plan import Plan
+from .capture.capture import CapturedGraph
+from .plan.config import Config
+from .plan.device import DeviceSpec
+from .plan.plan import Plan
 from .planner import plan_model, split_stages
 from .progress import note
+from .split.split import run_stages
 
 __all__ = ["Partitioned", "partition"]
 

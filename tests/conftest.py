@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from rannc_fx.passes.capture import CapturedGraph, capture_pass
+from rannc_fx.capture.capture import CapturedGraph, capture_pass
 
 # name -> (module, factory); the transformers ones skip when transformers is missing.
 ZOO = {
-    "mlp": ("rannc_fx.models", "mlp_example"),
-    "cnn": ("rannc_fx.models", "cnn_example"),
-    "gpt": ("rannc_fx.models", "gpt_example"),
+    "mlp": ("examples.models", "mlp_example"),
+    "cnn": ("examples.models", "cnn_example"),
+    "gpt": ("examples.models", "gpt_example"),
     "bert": ("tests.hf_models", "bert_example"),
     "gpt2": ("tests.hf_models", "gpt2_example"),
     "resnet": ("tests.hf_models", "resnet_example"),

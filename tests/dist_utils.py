@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rannc_fx.device import DeviceSpec
-from rannc_fx.plan import (
+from rannc_fx.plan.device import DeviceSpec
+from rannc_fx.plan.plan import (
     Block,
     CutValue,
     MemoryEstimate,
@@ -30,7 +30,7 @@ from rannc_fx.plan import (
     Stage,
     lane_layout,
 )
-from rannc_fx.values import ValueSpec
+from rannc_fx.plan.values import ValueSpec
 
 __all__ = ["RankFailed", "assert_like_reference", "assert_moved_alike", "assert_moved_alike_in_norm",
            "local_part", "make_plan", "run_ranks", "scalar", "snapshot", "step_each", "tensor"]

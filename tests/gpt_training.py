@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
-from rannc_fx.plan import Plan
+from examples.models import gpt_example
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import Plan
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 GLOBAL = 6  # samples a step, over 2 ranks

@@ -1,7 +1,7 @@
 """An independent statement of the search's cost model, and exact optima by enumeration.
 
 Plain Python: loops over blocks, no numpy, nothing from the search but its dataclasses.
-``stage_figures`` is the cost model of ``rannc_fx/passes/search/model.py``'s docstring written
+``stage_figures`` is the cost model of ``rannc_fx/search/cost_model.py``'s docstring written
 out again. A stage's recomputation and ZeRO-1 follow the stated policy (``variant``): the
 first of (plain, sharded, recomputing selectively, recomputing, then recomputing layer by
 layer, each plain, sharded, ...) that fits, an
@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from rannc_fx.passes.search import CostTable, SearchSpace, StageChoice
+from rannc_fx.search import CostTable, SearchSpace, StageChoice
 
 SLACK = 1e-9
 

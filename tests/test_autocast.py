@@ -11,8 +11,8 @@ import torch
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example, mlp_example
+from examples.models import gpt_example, mlp_example
+from rannc_fx.plan.config import Config
 
 from .dist_utils import assert_moved_alike_in_norm, run_ranks, snapshot
 

@@ -12,8 +12,8 @@ import torch
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example, mlp_example
+from examples.models import gpt_example, mlp_example
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime import rebatched
 
 from .dist_utils import make_plan, run_ranks, scalar, tensor

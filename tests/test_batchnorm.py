@@ -14,8 +14,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import ResCNN
+from examples.models import ResCNN
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime.batchnorm import DeferredBatchNorm
 
 from .dist_utils import run_ranks

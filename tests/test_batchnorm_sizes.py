@@ -16,14 +16,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import ResCNN
-from rannc_fx.passes.search import NoFeasiblePlan
-from rannc_fx.passes.search.model import sizes_run
-from rannc_fx.plan import ExcludedSize, Plan
+from examples.models import ResCNN
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import ExcludedSize, Plan
 from rannc_fx.planner.analyze import analyze
 from rannc_fx.planner.driver import choose, run_search
 from rannc_fx.runtime.batches import rebatched
+from rannc_fx.search import NoFeasiblePlan
+from rannc_fx.search.cost_model import sizes_run
 
 from .dist_utils import make_plan, run_ranks, scalar, tensor
 

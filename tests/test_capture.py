@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from rannc_fx.models import MLP, ResCNN, gpt_example, mlp_example
-from rannc_fx.passes.capture import (
+from examples.models import MLP, ResCNN, gpt_example, mlp_example
+from rannc_fx.capture.capture import (
     CapturedGraph,
     CaptureError,
     capture_pass,

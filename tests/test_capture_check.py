@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import rannc_fx
-from rannc_fx.passes.capture import CapturedGraph, CaptureError, capture_pass
-from rannc_fx.passes.shapes import infer_values_pass
+from rannc_fx.capture.capture import CapturedGraph, CaptureError, capture_pass
+from rannc_fx.shapes.infer import infer_values_pass
 
 from .test_capture import _MaskedEncoder, assert_same, run
 from .test_shapes import _WithBranchy

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from rannc_fx.passes.capture import CapturedGraph, capture_pass
-from rannc_fx.passes.capture_graph import CaptureError
+from rannc_fx.capture.capture import CapturedGraph, capture_pass
+from rannc_fx.capture.graph import CaptureError
 
 from .hf_models import llama_example, lora_llama_example
 

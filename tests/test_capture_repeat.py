@@ -15,8 +15,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from rannc_fx.passes.capture_graph import CapturedGraph
-from rannc_fx.passes.capture_trace import trace_export
+from rannc_fx.capture.graph import CapturedGraph
+from rannc_fx.capture.trace import trace_export
 
 from .hf_models import bert_example, gpt2_example, llama_example, t5_example
 

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import TransformerLM, gpt_example
+from examples.models import TransformerLM, gpt_example
+from rannc_fx.plan.config import Config
 
 from .dist_utils import run_ranks
 

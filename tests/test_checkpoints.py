@@ -1,5 +1,5 @@
 """Recomputation layer by layer in the planner: the segments the model's layers make
-(``passes/checkpoints.py``), what a stage holds with them (``search/segments.py``), and the
+(``group/layers.py``), what a stage holds with them (``search/segments.py``), and the
 search choosing them where recomputing a whole stage does not fit."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import rannc_fx
+from examples.models import gpt_example
 from rannc_fx import Config
-from rannc_fx.models import gpt_example
-from rannc_fx.passes.checkpoints import node_layers
-from rannc_fx.passes.group_boundary import recomputed_values
-from rannc_fx.passes.search import NoFeasiblePlan
-from rannc_fx.passes.search.segments import _range_max
+from rannc_fx.group.boundary import recomputed_values
+from rannc_fx.group.layers import node_layers
 from rannc_fx.planner.analyze import analyze
+from rannc_fx.search import NoFeasiblePlan
+from rannc_fx.search.segments import _range_max
 
 from . import hf_models
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from examples.models import gpt_example, mlp_example
 from rannc_fx.compile import compile as rannc_compile
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example, mlp_example
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime.clip import counted_by
 
 from .dist_utils import make_plan, run_ranks, scalar, tensor

@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from torch.utils import _pytree as pytree
 
 from rannc_fx.compile import compile as rannc_compile
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 
 from .dist_utils import local_part, run_ranks
 
@@ -22,9 +22,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 2  # samples per rank
 
 ZOO = {
-    "mlp": ("rannc_fx.models", "mlp_example"),
-    "cnn": ("rannc_fx.models", "cnn_example"),
-    "gpt": ("rannc_fx.models", "gpt_example"),
+    "mlp": ("examples.models", "mlp_example"),
+    "cnn": ("examples.models", "cnn_example"),
+    "gpt": ("examples.models", "gpt_example"),
     "gpt2": ("tests.hf_models", "gpt2_example"),
     "bert": ("tests.hf_models", "bert_example"),
     "resnet": ("tests.hf_models", "resnet_example"),
@@ -164,7 +164,7 @@ def _saved_plan(rank: int, world: int, path: str) -> None:
     again = rannc_compile(copy.deepcopy(model), None, plan=path)  # no profiling, no search
     assert_close(again(*local_args), loss, rtol=0, atol=0)
     assert again.plan == first.plan
-    from rannc_fx.models import MLP
+    from examples.models import MLP
 
     with pytest.raises(ValueError, match="made for another model"):
         rannc_compile(MLP(hidden=48), None, plan=path)(*local_args)

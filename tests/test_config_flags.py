@@ -11,9 +11,9 @@ import pytest
 from rannc_fx import Config, DeviceSpec, Plan
 from rannc_fx.__main__ import _parser
 from rannc_fx.__main__ import main as cli
-from rannc_fx.config_flags import config_from_flags, flag_of, name_flags
+from rannc_fx.plan.config_flags import config_from_flags, flag_of, name_flags
 
-FACTORY = "rannc_fx.models:mlp_example"
+FACTORY = "examples.models:mlp_example"
 
 
 def _plan_parser() -> argparse.ArgumentParser:

@@ -16,15 +16,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
-from rannc_fx.passes.capture import capture_pass
-from rannc_fx.passes.shapes import _fake_input, _FakeProp, shapes_pass
-from rannc_fx.passes.shapes_dynamic import dynamic_pass
-from rannc_fx.passes.split import run_stages
-from rannc_fx.plan import Plan
+from examples.models import gpt_example
+from rannc_fx.capture.capture import capture_pass
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import Plan
+from rannc_fx.plan.values import SAMPLES, ValueSpec, evaluate, formula_text
 from rannc_fx.progress import Progress
-from rannc_fx.values import SAMPLES, ValueSpec, evaluate, formula_text
+from rannc_fx.shapes.dynamic import dynamic_pass
+from rannc_fx.shapes.infer import _fake_input, _FakeProp, shapes_pass
+from rannc_fx.split.split import run_stages
 
 CFG = dict(profile_cache_dir=None, profile_repeats=1)
 

@@ -13,8 +13,8 @@ import torch
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
+from examples.models import gpt_example
+from rannc_fx.plan.config import Config
 
 from .dist_utils import assert_like_reference, run_ranks, step_each
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 
 from .dist_utils import run_ranks
 

@@ -85,7 +85,7 @@ def test_the_main_jobs_budget_forces_the_plan_the_readme_names(monkeypatch):
     import torch
 
     import rannc_fx
-    from rannc_fx.models import TransformerLM
+    from examples.models import TransformerLM
 
     train = _train_module()
     monkeypatch.setattr(sys, "argv", ["train.py"])

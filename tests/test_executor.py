@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.testing import assert_close
 
-from rannc_fx.config import Config
-from rannc_fx.plan import Plan
-from rannc_fx.runtime import CommError, StageExecutor, init_distributed, routing
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import Plan
+from rannc_fx.plan.values import ValueSpec
+from rannc_fx.runtime import CommError, StageExecutor, init_distributed
 from rannc_fx.runtime import outputs as outputs_module
 from rannc_fx.runtime.comm import all_reduce_flat
 from rannc_fx.runtime.outputs import unbatched_peers
-from rannc_fx.values import ValueSpec
+from rannc_fx.schedules import routing
 
 from .dist_utils import make_plan, run_ranks, scalar, tensor
 

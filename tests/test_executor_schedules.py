@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.testing import assert_close
 
-from rannc_fx.runtime import routing
 from rannc_fx.runtime.executor import Mode
-from rannc_fx.runtime.schedule import Kind
+from rannc_fx.schedules import routing
+from rannc_fx.schedules.generators import Kind
 
 from .dist_utils import run_ranks
 from .test_executor import (

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.testing import assert_close
 
-from rannc_fx.plan import Plan, lane_layout
-from rannc_fx.runtime import StageExecutor, routing
+from rannc_fx.plan.plan import Plan, lane_layout
+from rannc_fx.runtime import StageExecutor
 from rannc_fx.runtime.lane import LaneModules
+from rannc_fx.schedules import routing
 
 from .dist_utils import make_plan, run_ranks, scalar
 from .test_executor import (

@@ -14,8 +14,8 @@ import torch
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
+from examples.models import gpt_example
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime.failures import Board, PeerFailed, raised_everywhere
 
 from .dist_utils import run_ranks

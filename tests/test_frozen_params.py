@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.compile import compile as rannc_compile
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 
 from .dist_utils import local_part, run_ranks
 from .hf_models import lora_llama_example

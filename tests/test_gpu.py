@@ -15,8 +15,8 @@ import torch
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import mlp_example
+from examples.models import mlp_example
+from rannc_fx.plan.config import Config
 
 from .dist_utils import run_ranks
 

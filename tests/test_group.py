@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from rannc_fx.models import cnn_example, gpt_example, mlp_example
-from rannc_fx.passes.capture import CapturedGraph, capture_pass
-from rannc_fx.passes.costs import build_cost_table, interpolation_weights, range_sums
-from rannc_fx.passes.group import (
+from examples.models import cnn_example, gpt_example, mlp_example
+from rannc_fx.capture.capture import CapturedGraph, capture_pass
+from rannc_fx.group.group import (
     BlockGraph,
     atomic_groups,
     coarsen,
@@ -24,10 +23,11 @@ from rannc_fx.passes.group import (
     is_view,
     recomputed_values,
 )
-from rannc_fx.passes.optcost import SizeCurve
-from rannc_fx.passes.profile import NodeCost, Profile
-from rannc_fx.passes.shapes import infer_values_pass
-from rannc_fx.values import ValueSpec
+from rannc_fx.plan.values import ValueSpec
+from rannc_fx.profile.optimizer import SizeCurve
+from rannc_fx.profile.profile import NodeCost, Profile
+from rannc_fx.search.table import build_cost_table, interpolation_weights, range_sums
+from rannc_fx.shapes.infer import infer_values_pass
 
 # -- inputs: the real capture and shapes passes, a synthetic profile -------------------------
 
@@ -339,7 +339,7 @@ def test_export_graphs_group(hf=None):
 
 def test_large_graph_groups_fast():
 
-    from rannc_fx.models import MLP
+    from examples.models import MLP
 
     model = MLP(d_in=8, hidden=8, depth=400)
     cg, flat = capture(model, (torch.randn(2, 8), torch.randint(0, 10, (2,))))
@@ -430,8 +430,8 @@ def test_interpolation_weights_follow_the_profile():
 
 @pytest.mark.parametrize("example", [mlp_example, cnn_example])
 def test_real_analytic_profile_feeds_grouping_and_the_cost_table(example):
-    from rannc_fx.device import DeviceSpec
-    from rannc_fx.passes.profile import profile_pass
+    from rannc_fx.plan.device import DeviceSpec
+    from rannc_fx.profile.profile import profile_pass
 
     model, args, kwargs = example()
     cg, flat = capture(model, args, kwargs)

@@ -18,13 +18,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.device import DeviceSpec
-from rannc_fx.models import TransformerLM
-from rannc_fx.plan import Plan
+from examples.models import TransformerLM
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.device import DeviceSpec
+from rannc_fx.plan.plan import Plan
 from rannc_fx.runtime import host_params as hp
 from rannc_fx.runtime.host_params import HostParams, fetching, host_of, saving
-from rannc_fx.runtime.simulate import simulate_plan
+from rannc_fx.schedules.simulate import simulate_plan
 
 from .dist_utils import assert_like_reference, run_ranks
 from .gpt_training import (

@@ -83,8 +83,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert "rannc_fx.plan" in graph["rannc_fx.runtime.executor"]
-    assert "rannc_fx.passes.search" in graph["rannc_fx.planner.driver"]
+    assert "rannc_fx.plan.plan" in graph["rannc_fx.runtime.executor"]
+    assert "rannc_fx.search" in graph["rannc_fx.planner.driver"]
 
 
 def test_the_finder_sees_a_circle():
@@ -95,13 +95,49 @@ def test_no_module_imports_itself_back():
     assert circles(import_graph()) == []
 
 
-def test_the_runtime_imports_only_the_plan_the_config_the_device_and_itself():
-    # ``selective``: what a selectively recomputing stage keeps, a term of the plan that the
-    # profile counts and the runtime keeps by, one definition for both; ``split_cost``: what
-    # a split backward costs, which the simulator times and the search costs ZB-H1 by
-    allowed = {"rannc_fx.plan", "rannc_fx.values", "rannc_fx.config", "rannc_fx.device",
-               "rannc_fx.selective", "rannc_fx.split_cost"}
+def _external(name: str) -> set[str]:
+    """The modules outside rannc_fx that ``name`` imports, anywhere in its source."""
+    path, _ = _modules()[name]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module)
+    return {m for m in out if not m.startswith("rannc_fx")}
+
+
+FOLDERS = ["capture", "shapes", "profile", "group", "search", "planner", "plan", "split",
+           "startup", "schedules", "runtime", "state"]
+
+
+def test_the_runtime_imports_only_the_plan_the_schedules_and_itself():
     for name, deps in import_graph().items():
         if name.startswith("rannc_fx.runtime"):
-            outside = {d for d in deps if not d.startswith("rannc_fx.runtime")} - allowed
+            outside = {d for d in deps if not d.startswith(
+                ("rannc_fx.runtime", "rannc_fx.plan.", "rannc_fx.schedules."))}
             assert not outside, (name, outside)
+
+
+def test_the_schedules_are_data_below_the_runtime_and_the_planner():
+    """No module of ``schedules/`` imports torch, the runtime, the planner or the search: a
+    schedule and its lowering are data the planner and every rank read alike."""
+    for name, deps in import_graph().items():
+        if name.startswith("rannc_fx.schedules"):
+            outside = {d for d in deps if not d.startswith(("rannc_fx.schedules", "rannc_fx.plan."))}
+            assert not outside, (name, outside)
+            assert not {m for m in _external(name) if m.split(".")[0] == "torch"}, name
+
+
+def test_the_folders_tell_the_pipeline_in_order():
+    """``rannc_fx/__init__`` lists the folders in the order a model goes through them, and each
+    folder's docstring starts with its place in that order."""
+    doc = rannc_fx.__doc__ or ""
+    listed = [line.split()[0] for line in doc.splitlines()
+              if line.startswith("    ") and line.split()[0] in FOLDERS]
+    assert listed == FOLDERS
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(FOLDERS)
+    for k, folder in enumerate(FOLDERS, 1):
+        first = (ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text())) or "")
+        assert first.startswith(f"{k}. "), (folder, first[:40])

@@ -12,9 +12,9 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.passes.capture import capture_pass
-from rannc_fx.passes.input_casts import input_casts
+from rannc_fx.capture.capture import capture_pass
+from rannc_fx.capture.input_casts import input_casts
+from rannc_fx.plan.config import Config
 
 from .dist_utils import run_ranks, step_each
 

@@ -15,8 +15,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.passes.capture import CaptureError, capture_pass
+from rannc_fx.capture.capture import CaptureError, capture_pass
+from rannc_fx.plan.config import Config
 
 from .dist_utils import run_ranks, step_each
 

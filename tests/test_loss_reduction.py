@@ -16,7 +16,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 
 from .dist_utils import assert_like_reference, run_ranks, step_each
 

@@ -22,8 +22,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import MLP
+from examples.models import MLP
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime import grad_shards, grads
 
 from .dist_utils import assert_moved_alike, run_ranks, snapshot

@@ -8,7 +8,7 @@ import pytest
 
 from rannc_fx import Config
 from rannc_fx.__main__ import main as cli
-from rannc_fx.options_doc import REGENERATE, options_markdown
+from rannc_fx.plan.options_doc import REGENERATE, options_markdown
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 

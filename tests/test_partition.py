@@ -10,11 +10,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 import rannc_fx
-import rannc_fx.passes.capture
+import rannc_fx.capture.capture
+from examples.models import TransformerLM, cnn_example, gpt_example, mlp_example
 from rannc_fx import Config, DeviceSpec, Plan
 from rannc_fx.__main__ import main as cli
-from rannc_fx.models import TransformerLM, cnn_example, gpt_example, mlp_example
-from rannc_fx.plan import FORMAT_VERSION
+from rannc_fx.plan.plan import FORMAT_VERSION
 
 from . import hf_models
 
@@ -146,7 +146,7 @@ def test_forced_replicas_must_match_the_world_size():
 def test_cli_prints_the_summary_and_writes_the_plan(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANNC_FX_PROFILE_CACHE_DIR", "null")
     out = tmp_path / "plan.json"
-    rc = cli(["plan", "rannc_fx.models:gpt_example", "--arg", "layers=4", "--meta",
+    rc = cli(["plan", "examples.models:gpt_example", "--arg", "layers=4", "--meta",
               "--device", "v100-32gb", "--world-size", "4", "--global-batch", "64",
               "--out", str(out)])
     assert rc == 0
@@ -172,12 +172,12 @@ def test_debug_logs_the_graph_the_blocks_and_every_stage(caplog):
 
 def test_a_model_returning_a_cache_is_told_to_turn_it_off():
     model, args, kwargs = hf_models.llama_example(use_cache=True)
-    with pytest.raises(rannc_fx.passes.capture.CaptureError, match="use_cache=False"):
+    with pytest.raises(rannc_fx.capture.capture.CaptureError, match="use_cache=False"):
         rannc_fx.partition(model, args, kwargs, world_size=2, config=CFG)
 
 
 def test_plan_records_schedule_recomputation_and_the_simulated_step():
-    from rannc_fx.runtime.simulate import simulate_plan
+    from rannc_fx.schedules.simulate import simulate_plan
 
     model, args, kwargs = gpt_example(layers=4)
     cfg = CFG.model_copy(update={"replicas": (1, 1), "micro_batches": 4, "schedule": "1f1b",

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import TransformerLM, gpt_example
+from examples.models import TransformerLM, gpt_example
+from rannc_fx.plan.config import Config
 from rannc_fx.startup.placement import rank_device
 
 from .dist_utils import run_ranks

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rannc_fx import Config, DeviceSpec, Plan
-from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Stage
-from rannc_fx.values import ValueSpec
+from rannc_fx.plan.plan import Block, CutValue, MemoryEstimate, OutputRef, Stage
+from rannc_fx.plan.values import ValueSpec
 
 MEM = MemoryEstimate(params=100, grads=100, optimizer_state=200, activations=50,
                      comm_buffers=10, workspace=5)

@@ -9,8 +9,8 @@ import json
 import torch
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
+from examples.models import gpt_example
+from rannc_fx.plan.config import Config
 
 from .dist_utils import local_part, run_ranks
 

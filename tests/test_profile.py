@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rannc_fx.device import DeviceSpec
-from rannc_fx.models import MLP, TransformerLM, cnn_example, gpt_example
-from rannc_fx.passes.capture import CapturedGraph, capture_pass
-from rannc_fx.passes.noderun import home_device
-from rannc_fx.passes.opcache import arg_sig, qualname
-from rannc_fx.passes.profile import NodeCost, Profile, profile_pass
-from rannc_fx.passes.shapes import infer_values_pass
+from examples.models import MLP, TransformerLM, cnn_example, gpt_example
+from rannc_fx.capture.capture import CapturedGraph, capture_pass
+from rannc_fx.plan.device import DeviceSpec
+from rannc_fx.profile.cache import arg_sig, qualname
+from rannc_fx.profile.noderun import home_device
+from rannc_fx.profile.profile import NodeCost, Profile, profile_pass
+from rannc_fx.shapes.infer import infer_values_pass
 
 CPU = DeviceSpec.preset("cpu")
 A100 = DeviceSpec.preset("a100-80gb")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
+from examples.models import gpt_example
+from rannc_fx.plan.config import Config
 
 
 def _activations(cache: Path | None, autocast: bool = False) -> int:

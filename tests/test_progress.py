@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 import rannc_fx
+from examples.models import mlp_example
 from rannc_fx import Config, progress
 from rannc_fx.__main__ import main as cli
-from rannc_fx.models import mlp_example
 from rannc_fx.progress import Progress
 
 CFG = Config(profile_cache_dir=None, profile_repeats=1)
@@ -176,7 +176,7 @@ def test_cli_logs_each_pass_unless_quiet(flags: tuple[str, ...], level: int, tmp
     monkeypatch.setenv("RANNC_FX_PROFILE_CACHE_DIR", "null")
     log = logging.getLogger("rannc_fx")
     before = log.level
-    rc = cli(["plan", "rannc_fx.models:mlp_example", "--world-size", "2", "--device",
+    rc = cli(["plan", "examples.models:mlp_example", "--world-size", "2", "--device",
               "v100-32gb", "--out", str(tmp_path / "plan.json"), *flags])
     assert rc == 0 and "rannc_fx plan:" in capsys.readouterr().out
     assert log.level == before  # main() leaves the logger as it found it

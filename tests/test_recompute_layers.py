@@ -16,10 +16,10 @@ from torch import fx, nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
+from examples.models import gpt_example
 from rannc_fx.partition import Partitioned
-from rannc_fx.plan import Plan
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import Plan
 from rannc_fx.runtime import recompute
 from rannc_fx.runtime.recompute import build_segmented, check_reruns_unsplit, segment_of
 

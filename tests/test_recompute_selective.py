@@ -1,4 +1,4 @@
-"""Selective recomputation (``rannc_fx.selective``): the profile counts what it keeps and reruns,
+"""Selective recomputation (``rannc_fx.plan.selective``): the profile counts what it keeps and reruns,
 the planner chooses it per stage, and a stage that recomputes selectively trains as one
 process does (dropout masks and BatchNorm statistics included), keeps what the plan says, and
 is refused where the schedule splits the backward."""
@@ -16,10 +16,10 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
 import rannc_fx
-from rannc_fx import selective
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
-from rannc_fx.plan import Plan
+from examples.models import gpt_example
+from rannc_fx.plan import selective
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import Plan
 from rannc_fx.planner.analyze import analyze
 from rannc_fx.runtime.recompute import check_reruns_unsplit
 
@@ -134,7 +134,7 @@ def test_a_selective_plan_has_no_recompute_action_and_costs_its_rerun():
     for st in plan.stages:  # the backward reruns part of the forward, less than all of it
         assert 0 < st.again_ms < st.fwd_ms, (st.again_ms, st.fwd_ms)
     assert "selective" in plan.summary()
-    from rannc_fx.runtime.lowering import lower_plan
+    from rannc_fx.schedules.lowering import lower_plan
     assert not any(a.kind.name == "R" for lane in lower_plan(plan)[1] for a in lane)
 
 
@@ -310,8 +310,8 @@ def test_measured_costs_time_the_rerun_and_the_policy():
     """Measured, an op's ``again`` is what its forward under the policy and its rerun take
     beyond the plain forward (the policy's dispatch mode costs every op, which no count
     shows); counted, a product without bias reruns nothing and a GELU all of itself."""
-    from rannc_fx.device import DeviceSpec
-    from rannc_fx.passes.opcost import OpCall, count_op, measure_op
+    from rannc_fx.plan.device import DeviceSpec
+    from rannc_fx.profile.opcost import OpCall, count_op, measure_op
 
     block = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     x = torch.randn(4, 16, 64, requires_grad=True)

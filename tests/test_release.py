@@ -1,4 +1,4 @@
-"""Sends waited mid-step (``runtime/release.py``): only once the receiver has surely posted."""
+"""Sends waited mid-step (``schedules/release.py``): only once the receiver has surely posted."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from rannc_fx.plan import lane_layout
-from rannc_fx.runtime.actions import Kind
-from rannc_fx.runtime.lowering import Topology, lower, messages_received
-from rannc_fx.runtime.release import release_points
-from rannc_fx.runtime.routing import Transfer
-from rannc_fx.runtime.schedule import make_schedule
-from rannc_fx.runtime.simulate import simulate
+from rannc_fx.plan.plan import lane_layout
+from rannc_fx.schedules.actions import Kind
+from rannc_fx.schedules.generators import make_schedule
+from rannc_fx.schedules.lowering import Topology, lower, messages_received
+from rannc_fx.schedules.release import release_points
+from rannc_fx.schedules.routing import Transfer
+from rannc_fx.schedules.simulate import simulate
 
 
 def _t(kind: str, i: int, src: int, dst: int, stage: int) -> Transfer:

@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from rannc_fx.plan import Plan
-from rannc_fx.runtime import routing
+from rannc_fx.plan.plan import Plan
+from rannc_fx.plan.values import ValueSpec
 from rannc_fx.runtime.executor import check_outputs_routable
-from rannc_fx.runtime.routing import Transfer
-from rannc_fx.values import ValueSpec
+from rannc_fx.schedules import routing
+from rannc_fx.schedules.routing import Transfer
 
 from .dist_utils import make_plan, scalar, tensor
 

@@ -7,10 +7,9 @@ import re
 
 import pytest
 
-import rannc_fx.runtime.lowering as lowering_mod
-import rannc_fx.runtime.schedule as schedule_mod
-from rannc_fx.runtime.lowering import Topology, format_lowered, lower, split_at_gather
-from rannc_fx.runtime.schedule import (
+import rannc_fx.schedules.generators as schedule_mod
+import rannc_fx.schedules.lowering as lowering_mod
+from rannc_fx.schedules.generators import (
     Action,
     Kind,
     clock_ticks,
@@ -20,7 +19,8 @@ from rannc_fx.runtime.schedule import (
     make_schedule,
     one_f_one_b_schedule,
 )
-from rannc_fx.runtime.simulate import (
+from rannc_fx.schedules.lowering import Topology, format_lowered, lower, split_at_gather
+from rannc_fx.schedules.simulate import (
     SPLIT_NODE_MS,
     SPLIT_OVERHEAD,
     ScheduleError,
@@ -295,7 +295,7 @@ def test_plan_durations_price_every_action_from_the_plan():
     plan = plan.model_copy(update={"stages": tuple(
         st.model_copy(update={"comm_ms": 2.0, "accumulate_ms": 0.5, "allreduce_ms": 3.0,
                               "optimizer_ms": 1.0}) for st in plan.stages)})
-    from rannc_fx.runtime.lowering import topology_of
+    from rannc_fx.schedules.lowering import topology_of
 
     topo = topology_of(plan)
     low = lower(make_schedule(plan.schedule, 2, 4), topo)
@@ -350,7 +350,7 @@ def test_plan_grid_has_a_row_per_rank():
 def test_a_schedule_round_trips_through_torch_s_csv_format(name, stages, mbs):
     from torch.distributed.pipelining.schedules import _Action
 
-    from rannc_fx.runtime.schedule_csv import schedule_csv, schedule_from_csv
+    from rannc_fx.schedules.csv_format import schedule_csv, schedule_from_csv
 
     sched = make_schedule(name, stages, mbs)
     text = schedule_csv(sched)
@@ -372,7 +372,7 @@ def test_a_schedule_round_trips_through_torch_s_csv_format(name, stages, mbs):
 
 
 def test_a_torch_csv_with_a_lost_weight_backward_or_another_stage_is_refused():
-    from rannc_fx.runtime.schedule_csv import schedule_from_csv
+    from rannc_fx.schedules.csv_format import schedule_from_csv
 
     with pytest.raises(ValueError, match=r"row 0, \(stage, micro-batch\) \[\(0, 1\)\]: .* "
                                          r"needs its W"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rannc_fx.plan import lane_layout
-from rannc_fx.runtime.lowering import Topology, lower, messages_received, messages_sent
-from rannc_fx.runtime.schedule import (
+from rannc_fx.plan.plan import lane_layout
+from rannc_fx.schedules.csv_format import schedule_csv, schedule_from_csv
+from rannc_fx.schedules.generators import (
     Action,
     Kind,
     clock_ticks,
@@ -14,8 +14,8 @@ from rannc_fx.runtime.schedule import (
     make_schedule,
     virtual_of,
 )
-from rannc_fx.runtime.schedule_csv import schedule_csv, schedule_from_csv
-from rannc_fx.runtime.simulate import simulate
+from rannc_fx.schedules.lowering import Topology, lower, messages_received, messages_sent
+from rannc_fx.schedules.simulate import simulate
 
 
 def _torch_order(cls_name: str, lanes: int, virtual: int, mbs: int) -> list[list[tuple]]:

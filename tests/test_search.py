@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from rannc_fx.passes.search import (
+from rannc_fx.search import (
     CostTable,
     NoFeasiblePlan,
     SearchResult,
@@ -858,11 +858,11 @@ def test_zbh1_closed_form_is_the_simulators_step_on_equal_stages(S: int, m: int,
     """``StageTerms.zbh1_times`` against the simulator running ZB-H1's lists with the same
     F, B and W on every stage (B and W the search's shares of the backward; every parameter
     trained, W longer than F, or half of them, W shorter)."""
-    from rannc_fx.runtime.actions import Kind
-    from rannc_fx.runtime.lowering import Topology, lower
-    from rannc_fx.runtime.schedule import make_schedule
-    from rannc_fx.runtime.simulate import simulate
-    from rannc_fx.split_cost import SPLIT_OVERHEAD
+    from rannc_fx.schedules.actions import Kind
+    from rannc_fx.schedules.bw_split import SPLIT_OVERHEAD
+    from rannc_fx.schedules.generators import make_schedule
+    from rannc_fx.schedules.lowering import Topology, lower
+    from rannc_fx.schedules.simulate import simulate
 
     F, Bw = 1.0, 2.1
     table = CostTable(sizes=np.array([1]), fwd=np.full((1, S), F), bwd=np.full((1, S), Bw),

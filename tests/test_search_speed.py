@@ -12,22 +12,22 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rannc_fx.passes.search import (
+from rannc_fx.search import (
     SearchSpace,
     candidates,
-    kernel,
-    layers,
     needed_sizes,
     positions,
-    run,
     samples_per_replica,
     scan,
     search_pass,
     windows,
 )
-from rannc_fx.passes.search.kernel import Edges
-from rannc_fx.passes.search.layers import Entries
-from rannc_fx.passes.search.windows import RangeMin, find_runs
+from rannc_fx.search import context as run
+from rannc_fx.search import dp_chain as kernel
+from rannc_fx.search import dp_positioned as layers
+from rannc_fx.search.dp_chain import Edges
+from rannc_fx.search.dp_positioned import Entries
+from rannc_fx.search.windows import RangeMin, find_runs
 
 from .test_search import outcome, random_case, random_table
 

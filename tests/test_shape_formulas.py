@@ -16,14 +16,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from rannc_fx.device import DeviceSpec
-from rannc_fx.passes import profile as profile_module
-from rannc_fx.passes.capture import capture_pass
-from rannc_fx.passes.capture_graph import batch_size_of, inputs_for_samples
-from rannc_fx.passes.profile import profile_pass
-from rannc_fx.passes.shapes import _fake_input, _FakeProp, _propagated, shapes_pass
-from rannc_fx.passes.shapes_symbolic import Leaf
+from rannc_fx.capture.capture import capture_pass
+from rannc_fx.capture.graph import batch_size_of, inputs_for_samples
+from rannc_fx.plan.device import DeviceSpec
+from rannc_fx.profile import profile as profile_module
+from rannc_fx.profile.profile import profile_pass
 from rannc_fx.progress import Progress
+from rannc_fx.shapes.infer import _fake_input, _FakeProp, _propagated, shapes_pass
+from rannc_fx.shapes.symbolic import Leaf
 
 from .conftest import zoo_example
 from .test_shapes import _WithBranchy

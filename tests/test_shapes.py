@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from rannc_fx.passes.capture import capture_pass
-from rannc_fx.passes.shapes import infer_dtypes_pass, infer_values_pass
+from rannc_fx.capture.capture import capture_pass
+from rannc_fx.plan.values import ValueSpec
 from rannc_fx.runtime.pieces import interleave, sample_major
-from rannc_fx.values import ValueSpec
+from rannc_fx.shapes.infer import infer_dtypes_pass, infer_values_pass
 
 from .conftest import zoo_example
 

@@ -19,13 +19,13 @@ from torch import fx, nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
+from rannc_fx.capture.capture import CapturedGraph, capture_pass
+from rannc_fx.group.group import CALL_OPS, BlockGraph, recomputed_values, written_state
 from rannc_fx.partition import partition
-from rannc_fx.passes.capture import CapturedGraph, capture_pass
-from rannc_fx.passes.group import CALL_OPS, BlockGraph, recomputed_values, written_state
-from rannc_fx.passes.split import split_pass
-from rannc_fx.plan import Plan
-from rannc_fx.values import ValueSpec
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import Plan
+from rannc_fx.plan.values import ValueSpec
+from rannc_fx.split.split import split_pass
 
 from .dist_utils import run_ranks
 from .test_group import value_specs

@@ -10,13 +10,13 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from rannc_fx.device import DeviceSpec
-from rannc_fx.models import cnn_example, gpt_example, mlp_example
-from rannc_fx.passes.capture import CapturedGraph, capture_pass
-from rannc_fx.passes.group import BlockGraph, group_pass, recomputed_values
-from rannc_fx.passes.split import run_stages, split_pass, stage_interfaces
-from rannc_fx.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, Stage
-from rannc_fx.values import ValueSpec
+from examples.models import cnn_example, gpt_example, mlp_example
+from rannc_fx.capture.capture import CapturedGraph, capture_pass
+from rannc_fx.group.group import BlockGraph, group_pass, recomputed_values
+from rannc_fx.plan.device import DeviceSpec
+from rannc_fx.plan.plan import Block, CutValue, MemoryEstimate, OutputRef, Plan, Stage
+from rannc_fx.plan.values import ValueSpec
+from rannc_fx.split.split import run_stages, split_pass, stage_interfaces
 
 from .test_group import capture, prepared, synthetic_profile, value_specs
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 from rannc_fx.startup import sync
 
 from .dist_utils import run_ranks, snapshot, step_each

@@ -14,10 +14,10 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.passes.capture_graph import CaptureError
-from rannc_fx.passes.search import NoFeasiblePlan
+from rannc_fx.capture.graph import CaptureError
+from rannc_fx.plan.config import Config
 from rannc_fx.planner.analyze import analyze
+from rannc_fx.search import NoFeasiblePlan
 
 from .dist_utils import assert_like_reference, local_part, run_ranks
 
@@ -108,7 +108,7 @@ def test_the_tail_costs_nothing_per_micro_batch_and_its_batch_is_held_at_the_las
     for k, q in enumerate(a.table.sizes):
         want = sum(a.profile.at(n, "fwd_s", int(q)) for n in body)
         assert a.table.fwd[k, -1] == pytest.approx(want, rel=1e-6, abs=1e-12)
-    from rannc_fx.passes.tail import tail_cost
+    from rannc_fx.shapes.tail import tail_cost
 
     cost = tail_cost(a.captured, a.profile, a.values, 8)
     assert cost is not None and cost.input_bytes == 2 * 2 * 8 * 16 * 4  # two (8, 16) and grads

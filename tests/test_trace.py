@@ -13,12 +13,12 @@ import torch
 from torch.testing import assert_close
 
 import rannc_fx
+from examples.models import gpt_example
 from rannc_fx.__main__ import main as cli
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
-from rannc_fx.plan import Plan
-from rannc_fx.runtime.lowering import lower_plan
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.plan import Plan
 from rannc_fx.runtime.tracefile import matching_start, summarize
+from rannc_fx.schedules.lowering import lower_plan
 
 from .dist_utils import run_ranks
 
@@ -169,7 +169,7 @@ def test_the_prediction_and_the_summary_sit_beside_the_measurement(traced, capsy
 def _alone(rank: int, world: int, out: str) -> tuple[list[str], bool]:
     import logging
 
-    from rannc_fx.models import mlp_example
+    from examples.models import mlp_example
 
     said: list[str] = []
     handler = logging.Handler()
@@ -200,7 +200,7 @@ def _clock_ahead(rank: int, world: int, out: str) -> dict[str, Any] | None:
     import types
 
     import rannc_fx.runtime.trace as trace_module
-    from rannc_fx.models import mlp_example
+    from examples.models import mlp_example
 
     if rank == 1:  # every time the recorder takes, on this rank only (a forked process)
         real = time.perf_counter_ns

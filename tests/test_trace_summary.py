@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from rannc_fx.__main__ import main as cli
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime.tracefile import build_trace, format_summary, summarize
 
 MS = 1_000_000  # ns

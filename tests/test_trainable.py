@@ -18,8 +18,8 @@ from torch import fx, nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import MLP
+from examples.models import MLP
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime.trainable import feeders
 from rannc_fx.runtime.zero import Owners, owners, shard_of
 

@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
+from rannc_fx.plan.config import Config
 
 from .dist_utils import assert_moved_alike, assert_moved_alike_in_norm, run_ranks, snapshot
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
-from rannc_fx.passes.search.model import CostTable, SearchSpace, StageChoice
-from rannc_fx.passes.search.terms import stage_terms
+from examples.models import gpt_example
+from rannc_fx.plan.config import Config
 from rannc_fx.planner.virtual import balanced_stages
+from rannc_fx.search.cost_model import CostTable, SearchSpace, StageChoice
+from rannc_fx.search.terms import stage_terms
 
 WIDE = dict(d_model=512, layers=8, seq=512)  # analytic V100 costs: the same plan every run
 
@@ -131,7 +131,7 @@ def test_the_bounds_that_skip_lanes_hold_and_skip_no_better_plan():
     """Every variant's simulated step is at least its bounds (``lanes.work_s`` before it is
     cut, ``lanes.step_bound`` after), so the plan ``virtual_variants`` keeps is the
     shortest of them all, built one by one."""
-    from rannc_fx.plan import lane_layout
+    from rannc_fx.plan.plan import lane_layout
     from rannc_fx.planner.analyze import analyze
     from rannc_fx.planner.build import build_plan
     from rannc_fx.planner.driver import run_search
@@ -232,7 +232,7 @@ def test_balanced_boundaries_are_the_min_max_optimum_by_brute_force(seed):
 
 def test_held_units_follow_the_lane_s_list_point_by_point():
     from rannc_fx.planner.virtual import held_units
-    from rannc_fx.runtime.schedule import make_schedule
+    from rannc_fx.schedules.generators import make_schedule
 
     # interleaved, 2 lanes of 2, 2 micro-batches: lane 0 runs 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
     units = held_units(make_schedule("interleaved", 4, 2, 2)[0], (0, 2))
@@ -254,8 +254,8 @@ def test_held_units_follow_the_lane_s_list_point_by_point():
 
 
 def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
-    from rannc_fx.passes.search.evaluate import lane_memory
-    from rannc_fx.passes.search.model import StageCost
+    from rannc_fx.search.cost_model import StageCost
+    from rannc_fx.search.evaluate import lane_memory
 
     def cost(recompute: bool, ws: int) -> StageCost:
         return StageCost(samples=1, fwd_s=0, bwd_s=0, comm_s=0, allreduce_s=0, optimizer_s=0,
@@ -294,9 +294,9 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
 def test_a_tensor_two_stages_of_a_lane_use_is_reduced_and_stepped_once():
     """ZBV's first lane holds the tied embedding's stage and the LM head's: the head's stage
     holds, reduces and steps nothing of it (what it has besides, it still does)."""
-    from rannc_fx.passes.search.evaluate import held_once
-    from rannc_fx.passes.search.model import StageChoice, StageCost
-    from rannc_fx.passes.search.variants import allreduce_s
+    from rannc_fx.search.cost_model import StageChoice, StageCost
+    from rannc_fx.search.evaluate import held_once
+    from rannc_fx.search.variants import allreduce_s
 
     space = SearchSpace(world_size=4, global_batch=8, memory_budget=1e9, link_bandwidth=1e3,
                         link_latency=1e-3)
@@ -327,7 +327,7 @@ def test_the_command_line_plans_a_named_virtual_schedule(tmp_path, capsys):
     from rannc_fx.__main__ import main as cli
 
     out = tmp_path / "plan.json"
-    rc = cli(["plan", "rannc_fx.models:gpt_example", "--arg", "layers=4", "--meta", "--device",
+    rc = cli(["plan", "examples.models:gpt_example", "--arg", "layers=4", "--meta", "--device",
               "v100-32gb", "--world-size", "4", "--global-batch", "64", "--stages", "2",
               "--micro-batches", "8", "--schedule", "interleaved", "--virtual-stages", "3",
               "--out", str(out)])

@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.models import mlp_example
+from examples.models import mlp_example
+from rannc_fx.plan.config import Config
 from rannc_fx.runtime import comm, grad_shards
 from rannc_fx.runtime.comm import buckets
 from rannc_fx.runtime.zero import owners, shard_of

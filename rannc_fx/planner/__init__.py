@@ -1,4 +1,5 @@
-"""Planning, one front door: a model and its example batch in, a plan and its stages out.
+"""6. Planner: the passes run in order (a model and its example batch in, a plan and its
+stages out), and the choice among plans the search does not make (several stages a lane, ZB-H1).
 
     analyze   capture_model (capture and shapes: every rank of compile() calls it), then
               profile -> group -> costs: the search's inputs, for the Target that
@@ -7,7 +8,11 @@
     driver    plan_model (analyze, search, build) and split_stages: what partition() and
               compile() call
 
-The passes themselves live in ``rannc_fx.passes``; this package runs them in order.
+    lanes, virtual  several stages a lane (interleaved 1F1B, ZBV) on the searched lanes and others
+    zb_choice  whether ZB-H1 pays on the searched stages
+
+The passes themselves live in their folders (capture, shapes, profile, group, search); this
+package runs them in order.
 """
 
 from .analyze import Analysis, Captured, Target, analyze, capture_model, pick_target

@@ -33,21 +33,21 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..config import Config
-from ..device import DeviceSpec, device_of
-from ..passes.capture import CapturedGraph, capture_pass
-from ..passes.costs import build_cost_table
-from ..passes.group import BlockGraph, group_pass
-from ..passes.optcost import ParameterCosts, parameter_costs
-from ..passes.profile import Profile, profile_pass
-from ..passes.search import CostTable, SearchSpace, needed_sizes, run_sizes
-from ..passes.shapes import shapes_pass
-from ..passes.shapes_symbolic import SymbolicValues
-from ..passes.tail import TailCost, find_tail, insert_tail_inputs, tail_cost
-from ..plan import loss_output
+from ..capture.capture import CapturedGraph, capture_pass
+from ..group.group import BlockGraph, group_pass
+from ..plan.config import Config
+from ..plan.device import DeviceSpec, device_of
+from ..plan.plan import loss_output
+from ..plan.values import ValueSpec, dtype_itemsize
+from ..profile.optimizer import ParameterCosts, parameter_costs
+from ..profile.profile import Profile, profile_pass
 from ..progress import note
 from ..runtime.comm import BUCKET_BYTES
-from ..values import ValueSpec, dtype_itemsize
+from ..search import CostTable, SearchSpace, needed_sizes, run_sizes
+from ..search.table import build_cost_table
+from ..shapes.infer import shapes_pass
+from ..shapes.symbolic import SymbolicValues
+from ..shapes.tail import TailCost, find_tail, insert_tail_inputs, tail_cost
 
 __all__ = ["Analysis", "Captured", "Target", "analyze", "capture_model", "pick_target"]
 
@@ -320,7 +320,7 @@ def _search_space(
             "searched)"
         )
     # ZB-H1, interleaved 1F1B and ZBV are not searched: the searched plan is tried with them
-    # (planner/zero_bubble.py, planner/virtual.py), the last two on 1F1B's lanes
+    # (planner/zb_choice.py, planner/virtual.py), the last two on 1F1B's lanes
     schedules = (cfg.schedule,) if cfg.schedule in ("gpipe", "1f1b") else ("1f1b",) if (
         cfg.schedule in ("interleaved", "zbv")) else (
         ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))

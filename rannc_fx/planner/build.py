@@ -6,12 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from ..passes.capture import CapturedGraph
-from ..passes.search import SearchResult, StageChoice
-from ..passes.shapes_dynamic import Dynamic, dynamic_pass
-from ..passes.split import stage_interfaces
-from ..passes.split_interface import StageInterface, dimension_source
-from ..plan import (
+from ..capture.capture import CapturedGraph
+from ..plan.plan import (
     Block,
     CutValue,
     ExcludedSize,
@@ -23,9 +19,13 @@ from ..plan import (
     Tail,
     lane_layout,
 )
+from ..plan.values import SAMPLES, ValueSpec
 from ..progress import note
-from ..runtime.simulate import simulate_plan
-from ..values import SAMPLES, ValueSpec
+from ..schedules.simulate import simulate_plan
+from ..search import SearchResult, StageChoice
+from ..shapes.dynamic import Dynamic, dynamic_pass
+from ..split.interface import StageInterface, dimension_source
+from ..split.split import stage_interfaces
 from .analyze import Analysis
 
 log = logging.getLogger("rannc_fx")

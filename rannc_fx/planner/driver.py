@@ -14,25 +14,25 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..config import Config
-from ..device import DeviceSpec
-from ..passes.capture import CapturedGraph
-from ..passes.optcost import ParameterCosts
-from ..passes.search import (
+from ..capture.capture import CapturedGraph
+from ..plan.config import Config
+from ..plan.device import DeviceSpec
+from ..plan.plan import Plan
+from ..plan.values import ValueSpec
+from ..profile.optimizer import ParameterCosts
+from ..progress import Progress
+from ..search import (
     CostTable,
     NoFeasiblePlan,
     SearchResult,
     SearchSpace,
     search_pass,
 )
-from ..passes.split import split_pass
-from ..plan import Plan
-from ..progress import Progress
-from ..values import ValueSpec
+from ..split.split import split_pass
 from .analyze import Analysis, Target, analyze
 from .build import build_plan
 from .virtual import virtual_variants
-from .zero_bubble import zero_bubble
+from .zb_choice import zero_bubble
 
 __all__ = ["Planned", "choose", "plan_model", "run_search", "split_stages"]
 

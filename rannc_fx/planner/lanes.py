@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..passes.search import SearchResult
-from ..passes.search.model import Evaluation, samples_per_replica, size_index
+from ..search import SearchResult
+from ..search.cost_model import Evaluation, samples_per_replica, size_index
 from .analyze import Analysis
 
 __all__ = ["Lanes", "lane_choices", "step_bound", "work_s"]

@@ -2,7 +2,7 @@
 equal split of the ranks into lanes, simulated.
 
 The search picks ``P`` stages, their replica counts and the micro-batch count for GPipe or
-1F1B. Interleaved 1F1B with ``v`` stages a lane (``runtime/schedule_virtual.py``) or ZBV
+1F1B. Interleaved 1F1B with ``v`` stages a lane (``schedules/virtual.py``) or ZBV
 (``v = 2``, a V over the lanes, backwards split) take ``P`` lanes, their replica counts and
 ``m`` (the searched plan's, or another split of the ranks, ``lanes.lane_choices``), and cut
 the blocks into ``v P`` stages, stage ``s`` on the lane the schedule puts it
@@ -46,9 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from ..passes.search import SearchResult
-from ..passes.search.evaluate import evaluate
-from ..passes.search.model import (
+from ..plan.plan import Plan, lane_layout
+from ..progress import note
+from ..schedules.actions import Action, Kind, in_flight
+from ..schedules.generators import make_schedule
+from ..schedules.simulate import ScheduleError
+from ..search import SearchResult
+from ..search.cost_model import (
     Evaluation,
     StageChoice,
     blocked,
@@ -56,12 +60,8 @@ from ..passes.search.model import (
     samples_per_replica,
     size_index,
 )
-from ..passes.search.terms import SELECTIVE, stage_terms
-from ..plan import Plan, lane_layout
-from ..progress import note
-from ..runtime.actions import Action, Kind, in_flight
-from ..runtime.schedule import make_schedule
-from ..runtime.simulate import ScheduleError
+from ..search.evaluate import evaluate
+from ..search.terms import SELECTIVE, stage_terms
 from .analyze import Analysis
 from .lanes import Lanes, lane_choices, step_bound, work_s
 

@@ -1,8 +1,5 @@
-"""The runtime: what executes a plan on every rank.
+"""11. Runtime: what executes a plan on every rank.
 
-schedule  which micro-batch each stage runs, forward or backward (data, no processes)
-lowering  a schedule plus recomputation, messages and once-a-step actions, per stage
-simulate  a lowered schedule checked for hangs and mismatched messages, and timed
 routing   which samples each rank holds and every piece that moves (pure arithmetic)
 comm      process groups, batched p2p, flat all-reduces, errors that name the peer
 pieces    cutting tensors into sample pieces and reassembling them
@@ -12,22 +9,16 @@ grads     gradient all-reduce; gradients held for loss.backward()
 accumulation  model.no_sync(): calls that leave their gradients unsummed over ranks
 outputs   model outputs home, the loss to every rank
 stage     StageRunner: the operations the actions name, on this rank's stage
-bridge    the loss's autograd function: loss.backward() reaches the executor
-executor  StageExecutor: interprets the lowered schedule
-alone     the one-rank, one-micro-batch fast path (same interface)
+autograd_link  the loss's autograd function: loss.backward() reaches the executor
+executor  StageExecutor: interprets the lowered schedule (``schedules.lowering``)
+single_rank  the one-rank, one-micro-batch fast path (same interface)
 clip      the whole model's gradient norm and clipping, each parameter counted once
 
-It imports only the plan, the config, the device and itself; ``rannc_fx.compile`` builds it.
+It imports only the plan's types, the schedules and itself; ``rannc_fx.compile`` builds it.
+The schedules' names are re-exported here for the runtime's users.
 """
 
-from .alone import AloneExecutor, build_executor
-from .batches import BatchSizes, rebatched
-from .clip import clip_grad_norm
-from .comm import CommError, Groups, build_groups, init_distributed
-from .executor import StageExecutor
-from .failures import PeerFailed
-from .lowering import Topology, format_lowered, lower, plan_grid, topology_of
-from .schedule import (
+from ..schedules.generators import (
     Action,
     Kind,
     format_schedule,
@@ -35,7 +26,14 @@ from .schedule import (
     make_schedule,
     one_f_one_b_schedule,
 )
-from .simulate import ScheduleError, Simulation, plan_durations, simulate
+from ..schedules.lowering import Topology, format_lowered, lower, plan_grid, topology_of
+from ..schedules.simulate import ScheduleError, Simulation, plan_durations, simulate
+from .batches import BatchSizes, rebatched
+from .clip import clip_grad_norm
+from .comm import CommError, Groups, build_groups, init_distributed
+from .executor import StageExecutor
+from .failures import PeerFailed
+from .single_rank import AloneExecutor, build_executor
 
 __all__ = [
     "BatchSizes",

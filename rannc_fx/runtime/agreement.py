@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..plan import Plan
+from ..plan.plan import Plan
 from .comm import CommError, Groups
 from .failures import PeerFailed
 

@@ -40,15 +40,15 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..plan import ExcludedSize, Plan
-from . import routing
+from ..plan.plan import ExcludedSize, Plan
+from ..schedules import routing
 from .accumulation import Accumulation
 from .agreement import Agreement
-from .alone import AloneExecutor, build_executor
 from .comm import abort_groups, build_groups
 from .executor import StageExecutor
 from .failures import raised_everywhere
 from .lane import LaneModules, graph_modules
+from .single_rank import AloneExecutor, build_executor
 from .trace import Recorder
 from .trainable import Trainable
 

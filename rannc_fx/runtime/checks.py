@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..plan import CutValue, Plan, Stage
-from ..values import ValueSpec
-from . import routing
+from ..plan.plan import CutValue, Plan, Stage
+from ..plan.values import ValueSpec
+from ..schedules import routing
 from .pieces import dtype_of
 
 __all__ = [

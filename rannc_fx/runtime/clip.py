@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import Plan
-from .alone import AloneExecutor
+from ..plan.plan import Plan
 from .comm import all_reduce_flat
 from .executor import StageExecutor
+from .single_rank import AloneExecutor
 
 __all__ = ["Counted", "clip_grad_norm", "counted_by"]
 

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..config import Config
-from ..plan import Plan
+from ..plan.config import Config
+from ..plan.plan import Plan
 from .failures import Board, PeerFailed, board, settle
 
 __all__ = [

@@ -31,12 +31,16 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..config import Config
-from ..device import device_of
-from ..plan import Plan
-from . import routing
+from ..plan.config import Config
+from ..plan.device import device_of
+from ..plan.plan import Plan
+from ..schedules import routing
+from ..schedules.generators import Action, Kind
+from ..schedules.lowering import lower_plan, split_at_gather
+from ..schedules.release import rank_release
+from ..schedules.simulate import plan_durations, simulate
 from .accumulation import Accumulation
-from .bridge import Bridge
+from .autograd_link import Bridge
 from .checks import (
     check_inputs,
     check_outputs_routable,
@@ -47,11 +51,7 @@ from .comm import Groups, build_groups, check_same_plan
 from .grads import GradSync
 from .lane import LaneModules, graph_modules
 from .lane_runners import LaneRunners, action_peers
-from .lowering import lower_plan, split_at_gather
 from .recompute import check_reruns_unsplit
-from .release import rank_release
-from .schedule import Action, Kind
-from .simulate import plan_durations, simulate
 from .step import StepState
 from .trace import Recorder
 from .trainable import Trainable
@@ -203,7 +203,7 @@ class StageExecutor:
             }
             for s, r in self.runners.items()
         }
-        # the sends this rank may wait for mid-step, by index of its list (runtime/release.py)
+        # the sends this rank may wait for mid-step, by index of its list (schedules/release.py)
         self._release = rank_release(lowered, topology, lane, self.runners,
                                      plan.micro_batches, [cv.producer for cv in plan.cut_values])
         self._step = 0

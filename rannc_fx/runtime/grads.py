@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import Plan
+from ..plan.plan import Plan
 from . import comm
 from .comm import Groups, all_reduce_flat, buckets
 from .grad_shards import GradShards

@@ -16,16 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..plan import Plan, Stage
-from ..values import ValueSpec
-from . import routing
+from ..plan.plan import Plan, Stage
+from ..plan.values import ValueSpec
+from ..schedules import routing
+from ..schedules.generators import Kind
+from ..schedules.lowering import topology_of
 from .batchnorm import DeferredBatchNorm
 from .buffers import BufferSync
 from .comm import Groups
-from .lowering import topology_of
 from .outputs import Outputs
 from .pieces import dtype_of
-from .schedule import Kind
 from .stage import StageRunner
 from .tail import TailRunner
 

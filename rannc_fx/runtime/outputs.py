@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from ..plan import OutputRef, Plan, Stage
+from ..plan.plan import OutputRef, Plan, Stage
+from ..schedules.routing import RankRoutes, Transfer, spec_of
 from .comm import Groups, Message, Pending, all_reduce_flat, post
 from .pieces import assemble, dtype_of, interleave, ints_value, piece_shape, sample_major, take
-from .routing import RankRoutes, Transfer, spec_of
 
 __all__ = ["Outputs", "unbatched_peers"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..values import ValueSpec
-from .routing import Transfer
+from ..plan.values import ValueSpec
+from ..schedules.routing import Transfer
 
 __all__ = [
     "assemble",

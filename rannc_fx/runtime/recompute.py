@@ -50,15 +50,15 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-from ..plan import Plan
-from .actions import Action, Kind
-from .lowering import lower_plan
+from ..plan.plan import Plan
+from ..schedules.actions import Action, Kind
+from ..schedules.lowering import lower_plan
 
 __all__ = ["Segment", "build_segmented", "check_reruns_unsplit", "keeping_nothing",
            "rng_restored", "rng_state", "segment_of"]
 
 _CALLS = ("call_function", "call_method", "call_module")
-# node.meta key of a stage node: the captured node it copies (``passes/split.py``'s
+# node.meta key of a stage node: the captured node it copies (``split/split.py``'s
 # ``_VALUE``); it survives the runtime's rewrites that rename a node (``DeferredBatchNorm``)
 _CAPTURED = "rannc_value"
 

@@ -22,7 +22,7 @@ they are made, as ``torch.utils.checkpoint`` does): a micro-batch in flight hold
 stage's inputs (and its model outputs), and R rebuilds its activations right before B with
 the same kernels, random state and buffers, so it recomputes the very values F made.
 
-A stage that recomputes selectively (``Stage.selective``, ``rannc_fx.selective``) has no R:
+A stage that recomputes selectively (``Stage.selective``, ``rannc_fx.plan.selective``) has no R:
 its F runs under non-reentrant ``torch.utils.checkpoint`` with the selective policy, keeping
 the outputs of its matrix products, convolutions and fused attention, and B reruns the rest
 of the forward from those, on F's random state and inside the stage's buffer scope.
@@ -36,10 +36,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from .. import selective
-from ..plan import Plan, Stage
-from ..values import ValueSpec
-from . import routing
+from ..plan import selective
+from ..plan.plan import Plan, Stage
+from ..plan.values import ValueSpec
+from ..schedules import routing
+from ..schedules.routing import RankRoutes, Transfer
 from .backward_split import SavedBoxes, backward_inputs, backward_weights, keeping_for_split
 from .buffers import BufferSync
 from .checks import check_stage_outputs
@@ -48,7 +49,6 @@ from .host_params import HostParams, fetching, saving
 from .outputs import Outputs
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .recompute import build_segmented, keeping_nothing, rng_restored, rng_state
-from .routing import RankRoutes, Transfer
 from .step import StepState
 from .tail import TailRunner
 from .trace import Recorder

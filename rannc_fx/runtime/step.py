@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from ..schedules.routing import Transfer
 from .backward_split import SavedBoxes, WeightWork
 from .comm import Pending
-from .routing import Transfer
 
 __all__ = ["StepState"]
 
@@ -44,7 +44,7 @@ class StepState:
     rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     sends: list[Pending] = field(default_factory=list)
     # each send by ("F" or "B", micro-batch), so the executor can wait for it mid-step
-    # (``runtime/release.py``); the rest are waited at the step's end
+    # (``schedules/release.py``); the rest are waited at the step's end
     sent: dict[tuple[str, int], Pending] = field(default_factory=dict)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)  # share-weighted losses
     results: dict[int, Any] = field(default_factory=dict)  # model outputs, after GATHER

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..plan import Plan, Stage
-from ..values import ValueSpec
-from . import routing
+from ..plan.plan import Plan, Stage
+from ..plan.values import ValueSpec
+from ..schedules import routing
 from .comm import Groups, Message, post
 from .pieces import dtype_of
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..plan import Plan
+from ..plan.plan import Plan
 
 __all__ = ["PINGS", "Recorder", "align_clocks"]
 

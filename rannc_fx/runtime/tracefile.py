@@ -33,10 +33,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..plan import Plan
-from .lowering import lower_plan
-from .schedule import Kind
-from .simulate import plan_durations, simulate
+from ..plan.plan import Plan
+from ..schedules.generators import Kind
+from ..schedules.lowering import lower_plan
+from ..schedules.simulate import plan_durations, simulate
 
 __all__ = ["StageShare", "TraceSummary", "build_trace", "format_summary", "summarize"]
 

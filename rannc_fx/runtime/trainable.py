@@ -42,8 +42,8 @@ import torch
 from torch import fx, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..plan import Plan
-from ..values import ValueSpec
+from ..plan.plan import Plan
+from ..plan.values import ValueSpec
 from .zero import Owners, offloaded_params, shard_of, sharded_params
 
 __all__ = ["Trainable", "feeders", "gradless_outputs"]

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan import Plan
+from ..plan.plan import Plan
 from . import comm
 from .comm import Groups, collective
 from .grad_shards import Round, rounds

@@ -1,4 +1,5 @@
-"""What one rank does at its first call: plan or receive the plan, split, place its stage.
+"""9. Startup: what one rank does at its first call: plan or receive the plan, split, place its
+stage.
 
     rank       set_up_rank: the first call's steps in order, and what it leaves (Ready)
     probe      the link between ranks, measured before planning

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from ..passes.capture import CapturedGraph
-from ..passes.shapes import infer_dtypes_pass
-from ..plan import Plan
+from ..capture.capture import CapturedGraph
+from ..plan.plan import Plan
+from ..shapes.infer import infer_dtypes_pass
 
 __all__ = ["AmpSpecs", "GradScaler", "amp_state", "autocast_as"]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from torch import fx
 
-from ..config import Config
-from ..passes.capture import CapturedGraph
-from ..plan import Plan
+from ..capture.capture import CapturedGraph
+from ..plan.config import Config
+from ..plan.plan import Plan
 from ..planner.build import shared_params
 
 __all__ = ["check_given", "load_given"]

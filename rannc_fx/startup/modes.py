@@ -7,7 +7,7 @@ model keeps one graph per mode. The planned one is the model as it was at the fi
 modules in the modes the user had set); the other mode's is captured the first time a call
 runs in it, from a copy of the model whose tensors are all on the meta device (taken at the
 first call, before the model's other stages were freed: it holds no data), with every module
-in that mode. ``planner/restage.py`` puts it on the plan's stages; its parameters and buffers
+in that mode. ``split/restage.py`` puts it on the plan's stages; its parameters and buffers
 are then this rank's own (the running statistics eval reads are the ones training updates),
 its constants the copy's. ``CompiledModel.train(mode)`` only picks the graph: it does not
 touch the modes the graphs were captured in.
@@ -29,13 +29,13 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..config import Config
-from ..passes.capture import CapturedGraph, retarget_device_pass
-from ..plan import Plan
+from ..capture.capture import CapturedGraph, retarget_device_pass
+from ..plan.config import Config
+from ..plan.plan import Plan
 from ..planner import capture_model, split_stages
-from ..planner.restage import restage
 from ..progress import note
 from ..runtime.lane import LaneModules, graph_modules
+from ..split.restage import restage
 from .amp import AmpSpecs, autocast_as
 
 __all__ = ["ModeGraph", "Modes"]

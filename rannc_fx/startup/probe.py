@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..device import DeviceSpec
-from ..passes.timing import median_seconds
+from ..plan.device import DeviceSpec
+from ..profile.timing import median_seconds
 from ..runtime.comm import CommError, all_reduce_flat
 
 __all__ = ["Link", "measure_link"]

@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from ..config import Config
-from ..device import DeviceSpec, device_of
-from ..passes.capture import CapturedGraph, batch_size_of, retarget_device_pass
-from ..passes.capture_graph import untouched
-from ..passes.optcost import ParameterCosts, parameter_costs
-from ..plan import Plan
+from ..capture.capture import CapturedGraph, batch_size_of, retarget_device_pass
+from ..capture.graph import untouched
+from ..plan.config import Config
+from ..plan.device import DeviceSpec, device_of
+from ..plan.plan import Plan
 from ..planner import Planned, Target, capture_model, pick_target, plan_model, split_stages
+from ..profile.optimizer import ParameterCosts, parameter_costs
 from ..progress import note
 from ..runtime import BatchSizes, StageExecutor
 from ..runtime.accumulation import Accumulation
@@ -234,7 +234,7 @@ def _same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
     """Rank 0's example batch on every rank, each tensor on the device this rank's was on.
 
     Capture runs the model on its example where it must (a loss kept whole is recorded and
-    probed on it, ``passes/capture_opaque.py``), so ranks with their own data could capture
+    probed on it, ``capture/opaque.py``), so ranks with their own data could capture
     different graphs; with rank 0's every rank captures the graph rank 0 plans."""
     mine, spec = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
     payload: list[Any] = [[x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type

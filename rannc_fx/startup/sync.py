@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..plan import Plan
+from ..plan.plan import Plan
 from ..progress import note
 from ..runtime.comm import BUCKET_BYTES, Groups, Message, backend_of, buckets, collective, post
 from .placement import stage_tensors

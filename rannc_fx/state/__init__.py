@@ -1,4 +1,5 @@
-"""State dicts under the original model's names, on any plan and world size.
+"""12. State: state dicts and checkpoints under the original model's names, on any plan and
+world size.
 
     checkpoint  get_state_dict / set_state_dict: this rank's part, checked before loading
     gather      full=True: every rank's part on rank 0's CPU, one copy of each tensor

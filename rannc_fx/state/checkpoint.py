@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ..device import device_of
+from ..plan.device import device_of
 from ..runtime.comm import agree
 from ..runtime.zero import paused, steps
 from .gather import gather_full

@@ -7,12 +7,16 @@ DIE_RANK: the rank that dies. Rank 0 hosts the job's c10d store here (no torchru
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import rannc_fx
-from rannc_fx.models import gpt_example
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: examples
+from examples.models import gpt_example  # noqa: E402
 
 torch.set_num_threads(1)
 rank, die = int(os.environ["RANK"]), int(os.environ["DIE_RANK"])

@@ -3,10 +3,15 @@
 Run as one of WORLD_SIZE processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set).
 """
 
+import sys
+from pathlib import Path
+
 import torch
 
 import rannc_fx
-from rannc_fx.models import mlp_example
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: examples
+from examples.models import mlp_example  # noqa: E402
 
 torch.set_num_threads(1)
 model, (x, y), _ = mlp_example(batch=8)

@@ -6,11 +6,15 @@ FAIL_RANK and FAIL_STEP: the rank whose batch holds a token id past the embeddin
 """
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 import rannc_fx
-from rannc_fx.models import gpt_example
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: examples
+from examples.models import gpt_example  # noqa: E402
 
 torch.set_num_threads(1)
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

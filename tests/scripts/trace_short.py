@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
 import rannc_fx
-from rannc_fx.models import mlp_example
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: examples
+from examples.models import mlp_example  # noqa: E402
 
 torch.set_num_threads(1)
 logging.basicConfig()

@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 import rannc_fx
-from rannc_fx.models import MLP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: examples
+from examples.models import MLP  # noqa: E402
 
 D_IN, CLASSES = 16, 5
 

@@ -1,0 +1,449 @@
+"""The partition plan: the one serializable object between the compiler and the runtime.
+
+Glossary (these words mean only this, everywhere in rannc_fx):
+
+node
+    One ``torch.fx`` node of the captured graph, named by ``node.name``.
+block
+    A run of nodes that is never cut apart (a matmul with its weight transpose, a view with
+    its producer, a layer the grouping pass coarsened). Blocks form a chain in topological
+    order; the search only cuts between consecutive blocks.
+stage
+    A contiguous range of blocks. It becomes one ``fx.GraphModule`` (``stage_0``, ...).
+replica
+    One rank running a stage. A stage with ``r`` replicas splits every micro-batch ``r``
+    ways by sample (data parallelism inside the stage) and all-reduces its gradients among
+    those ``r`` ranks.
+micro-batch
+    One of the ``micro_batches`` equal slices of the global batch that flow through the
+    pipeline one after another.
+schedule
+    The order in which each stage runs its micro-batches' forwards and backwards: ``gpipe``
+    (every forward, then every backward: a stage holds all m micro-batches' activations) or
+    ``1f1b`` (one forward, one backward: stage s holds at most min(m, S - s)).
+recompute
+    A stage that recomputes keeps only its inputs for a micro-batch in flight and runs its
+    forward again right before that micro-batch's backward.
+sample
+    One row of the batch dimension of the model's inputs. Shapes in a plan are given per
+    sample, so a rank can work out any tensor's shape for the samples it holds.
+rank
+    One process. Stage ``s`` runs on ranks ``stages[s].ranks``; ranks are handed out to the
+    lanes in order.
+lane
+    The ranks that run one list of the schedule: one stage's replicas, or under interleaved
+    1F1B and ZBV the replicas of ``virtual_stages`` stages at once (``Plan.lanes``: lane
+    ``p`` of ``P`` holds stages ``p, p + P, ...``, or ZBV's ``p`` and ``2P - 1 - p``), all
+    with the same replica count.
+tail
+    The nodes from where the model first mixes its samples (a contrastive loss's
+    ``(batch, batch)`` logits) to the outputs they feed. The last stage's ranks run it once a
+    step on the whole batch, between the last forward and the first backward (``Plan.tail``).
+value
+    What one node produces. A *cut value* is produced in one stage and consumed in a later
+    one; it is sent straight from its producer to every consumer stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .device import DeviceSpec
+from .parts import (
+    Block,
+    CutValue,
+    ExcludedSize,
+    MemoryEstimate,
+    OutputRef,
+    SharedParam,
+    Stage,
+    Tail,
+)
+from .values import DynamicDim, ValueSpec
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Block",
+    "CutValue",
+    "ExcludedSize",
+    "MemoryEstimate",
+    "OutputRef",
+    "Plan",
+    "SharedParam",
+    "Stage",
+    "Tail",
+    "loss_output",
+]
+
+FORMAT_VERSION = 3  # 2: schedule and per-stage recompute; 3: dynamic dimensions
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class Plan(BaseModel):
+    """Where every node runs, on how many ranks, and what crosses between stages."""
+
+    model_config = _FROZEN
+
+    format_version: int = FORMAT_VERSION
+    model_fingerprint: str
+    tracer: Literal["fx", "export"]
+    world_size: int = Field(ge=1)
+    global_batch: int = Field(ge=1, description="samples per step over all ranks")
+    micro_batches: int = Field(ge=1)
+    schedule: Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"] = "gpipe"
+    virtual_stages: int = Field(default=1, ge=1, description="stages a lane (interleaved, zbv)")
+    # how the slices' floating outputs without a batch dimension (the loss) combine:
+    # "mean" weights each by its share of the global batch, "sum" adds them (Config)
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    # BatchNorm running statistics: one update a step from the whole mini-batch ("step"), or
+    # the share-weighted mean of each micro-batch's update ("micro-batch"; Config)
+    batch_norm: Literal["step", "micro-batch"] = "step"
+    device: DeviceSpec
+    cost_model: Literal["measured", "analytic"]
+    memory_budget: int
+    optimizer_state_factor: float
+    blocks: tuple[Block, ...]
+    stages: tuple[Stage, ...]
+    inputs: tuple[ValueSpec, ...]
+    # input dimensions a call may pass at another size, up to the plan's (plan/values.py)
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+    outputs: tuple[OutputRef, ...]
+    cut_values: tuple[CutValue, ...]
+    # integers a stage rebuilds from its inputs' sizes (it reads them from another stage)
+    # that depend on a dynamic dimension: their formulas (split reads them; others need none)
+    sizes: tuple[ValueSpec, ...] = ()
+    shared_params: tuple[SharedParam, ...] = ()
+    tail: Tail | None = None  # run once a step on the whole batch, by the last stage's ranks
+    predicted_step_ms: float
+    # the executor's lowered schedule run on the plan's per-stage costs (runtime.simulate);
+    # the search minimizes predicted_step_ms, the cost model's closed form
+    simulated_step_ms: float | None = None
+    search_seconds: float = 0.0
+    # sizes a stage never runs (a node raised there when profiled), and what planning says
+    # beside the table, for people (``summary``)
+    excluded_sizes: tuple[ExcludedSize, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    # -- invariants ------------------------------------------------------------------------
+    @model_validator(mode="before")
+    @classmethod
+    def _check_version(cls, data: object) -> object:
+        # before the fields: an older plan would otherwise be misread with today's defaults
+        version = data.get("format_version", FORMAT_VERSION) if isinstance(data, dict) else None
+        if version is not None and version != FORMAT_VERSION:
+            raise ValueError(
+                f"plan format version {version} is not {FORMAT_VERSION} (version 2 added the "
+                "schedule and per-stage recomputation, 3 dynamic dimensions); make the plan again with this version "
+                "of rannc_fx"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        if [b.index for b in self.blocks] != list(range(len(self.blocks))):
+            raise ValueError("blocks must be numbered 0, 1, ... in order")
+        if not self.stages:
+            raise ValueError("a plan needs at least one stage")
+        expect_block = 0
+        for i, st in enumerate(self.stages):
+            if st.index != i:
+                raise ValueError(f"stage {st.index} is listed at position {i}")
+            if st.first_block != expect_block or st.end_block <= st.first_block:
+                raise ValueError(
+                    f"stage {i} covers blocks [{st.first_block}, {st.end_block}) but must start "
+                    f"at block {expect_block} and be non-empty: stages cover all blocks in order"
+                )
+            expect_block = st.end_block
+        lanes = lane_layout(self.schedule, len(self.stages), self.virtual_stages)
+        next_rank = 0
+        for lane in lanes:
+            first = self.stages[lane[0]]
+            for i in lane:
+                st = self.stages[i]
+                if st.replicas != first.replicas:
+                    raise ValueError(
+                        f"stages {list(lane)} share their ranks under schedule "
+                        f"{self.schedule!r}, so they need one replica count, not "
+                        f"{[self.stages[j].replicas for j in lane]}"
+                    )
+                if st.ranks != tuple(range(next_rank, next_rank + st.replicas)):
+                    raise ValueError(
+                        f"stage {i} has ranks {list(st.ranks)}; with {st.replicas} replicas it "
+                        f"must have ranks {list(range(next_rank, next_rank + st.replicas))}"
+                    )
+            next_rank += first.replicas
+        if expect_block != len(self.blocks):
+            raise ValueError(
+                f"stages end at block {expect_block} but the plan has {len(self.blocks)} blocks"
+            )
+        if next_rank != self.world_size:
+            raise ValueError(
+                f"replica counts {[s.replicas for s in self.stages]} (a lane's counted once) "
+                f"sum to {next_rank}, not the world size {self.world_size}"
+            )
+        for st in self.stages:
+            if st.checkpoints and not st.recompute:
+                raise ValueError(f"stage {st.index} has checkpoints {list(st.checkpoints)[:3]} "
+                                 "but does not recompute: checkpoints are where a recomputing "
+                                 "stage's R keeps values")
+            if st.selective and st.recompute:
+                raise ValueError(f"stage {st.index} recomputes both selectively and whole: "
+                                 "selective recomputation has no R; make the plan again")
+            if st.host_params and (st.zero or st.offload or self.schedule not in (
+                    "gpipe", "1f1b")):
+                raise ValueError(
+                    f"stage {st.index} keeps its parameters in host memory with zero="
+                    f"{st.zero}, offload={st.offload} under schedule {self.schedule!r}: such a "
+                    "stage keeps its whole optimizer state on the host and runs under GPipe "
+                    "or 1F1B only; make the plan again")
+        for d in self.dynamic_dims:
+            spec = self.inputs[d.input] if d.input < len(self.inputs) else None
+            if spec is None or spec.kind != "tensor" or d.dim >= len(spec.shape) or spec.shape[
+                d.dim
+            ] != d.size:
+                raise ValueError(
+                    f"dynamic dimension {d.name!r} is dimension {d.dim} of input {d.input} of "
+                    f"size {d.size}, which the plan's inputs do not have"
+                )
+        n = len(self.stages)
+        if any(x.stage >= n for x in self.excluded_sizes):
+            raise ValueError(f"excluded sizes name stages {[x.stage for x in self.excluded_sizes]}"
+                             f" of {n}")
+        if self.tail is not None:
+            last = self.stages[-1]
+            if self.schedule != "gpipe":
+                raise ValueError("a plan with a tail runs GPipe: the tail runs between every "
+                                 "forward and every backward")
+            missing = [v.name for v in self.tail.inputs if v.name not in last.outputs]
+            if missing:
+                raise ValueError(f"the tail reads {missing}, which the last stage does not return")
+            if any(not 0 <= j < len(self.outputs) for j in self.tail.outputs):
+                raise ValueError(f"the tail makes outputs {list(self.tail.outputs)}, which the "
+                                 f"model's {len(self.outputs)} outputs do not all include")
+        for cv in self.cut_values:
+            if not cv.consumers:
+                raise ValueError(f"cut value {cv.name!r} has no consumer stage")
+            if not 0 <= cv.producer < n or any(
+                not cv.producer < c < n for c in cv.consumers
+            ):
+                raise ValueError(
+                    f"cut value {cv.name!r}: producer stage {cv.producer} must come before "
+                    f"its consumers {list(cv.consumers)} within {n} stages"
+                )
+            if cv.name not in self.stages[cv.producer].outputs:
+                raise ValueError(f"cut value {cv.name!r} is not an output of stage {cv.producer}")
+            for c in cv.consumers:
+                if cv.name not in self.stages[c].inputs:
+                    raise ValueError(f"cut value {cv.name!r} is not an input of stage {c}")
+        return self
+
+    # -- lookups ---------------------------------------------------------------------------
+    @property
+    def lanes(self) -> tuple[tuple[int, ...], ...]:
+        """The stages each lane holds, lane by lane (one stage a lane but for interleaved
+        1F1B and ZBV)."""
+        return lane_layout(self.schedule, len(self.stages), self.virtual_stages)
+
+    def stages_of_rank(self, rank: int) -> tuple[Stage, ...]:
+        """The stages rank ``rank`` runs, in stage order."""
+        out = tuple(st for st in self.stages if rank in st.ranks)
+        if not out:
+            raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
+        return out
+
+    def stage_of_rank(self, rank: int) -> Stage:
+        """The stage rank ``rank`` runs, where it runs one (see ``stages_of_rank``)."""
+        held = self.stages_of_rank(rank)
+        if len(held) > 1:
+            raise ValueError(f"rank {rank} runs stages {[st.index for st in held]} under "
+                             f"schedule {self.schedule!r}; ask for stages_of_rank")
+        return held[0]
+
+    @property
+    def loss_output(self) -> int | None:
+        """The index of the model's only output without a batch dimension that carries a
+        gradient, when it is a scalar (a schedule may then run the whole step in the call)."""
+        return loss_output([r.spec for r in self.outputs])
+
+    def tail_output(self, index: int) -> bool:
+        """Model output ``index`` is made by the tail (on the whole batch)."""
+        return self.tail is not None and index in self.tail.outputs
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations (or, recomputing, inputs) stage ``stage`` holds at
+        once under the plan's schedule."""
+        m = self.micro_batches
+        if self.schedule == "zbh1" or self.virtual_stages > 1:  # counted off its own lists
+            from ..schedules.actions import in_flight
+            from ..schedules.generators import make_schedule
+
+            sched = make_schedule(self.schedule, len(self.stages), m, self.virtual_stages)
+            lane = next(k for k, held in enumerate(self.lanes) if stage in held)
+            return in_flight(sched[lane], stage)
+        return m if self.schedule == "gpipe" else min(m, len(self.stages) - stage)
+
+    def at_sizes(self, sizes: Mapping[str, int]) -> Plan:
+        """The plan for a call whose dynamic dimensions have ``sizes`` (name -> size): every
+        value the runtime sizes (inputs, cut values, outputs) evaluated there. The stages,
+        their costs and the schedule stay the plan's."""
+        if all(sizes[d.name] == d.size for d in self.dynamic_dims):
+            return self
+        tail = self.tail
+        if tail is not None:
+            tail = tail.model_copy(update={"inputs": tuple(s.at_sizes(sizes) for s in tail.inputs)})
+        return self.model_copy(update={
+            "tail": tail,
+            "inputs": tuple(s.at_sizes(sizes) for s in self.inputs),
+            "cut_values": tuple(cv.model_copy(update={"spec": cv.spec.at_sizes(sizes)})
+                                for cv in self.cut_values),
+            "outputs": tuple(r.model_copy(update={"spec": r.spec.at_sizes(sizes)})
+                             for r in self.outputs),
+        })
+
+    def node_stage(self) -> dict[str, int]:
+        """Node name -> stage index, for every node the blocks hold."""
+        out: dict[str, int] = {}
+        for st in self.stages:
+            for b in self.blocks[st.first_block : st.end_block]:
+                for name in b.nodes:
+                    out[name] = st.index
+        return out
+
+    def cut(self, name: str) -> CutValue:
+        for cv in self.cut_values:
+            if cv.name == name:
+                return cv
+        raise KeyError(f"no cut value named {name!r}")
+
+    def iter_stage_blocks(self, stage: int) -> Iterator[Block]:
+        st = self.stages[stage]
+        return iter(self.blocks[st.first_block : st.end_block])
+
+    # -- serialization ---------------------------------------------------------------------
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.model_validate_json(text)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
+
+    # -- for people ------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A table: one row per stage, with predicted time and memory against the budget."""
+        head = (
+            f"rannc_fx plan: {len(self.stages)} stage(s) on {self.world_size} rank(s), "
+            f"{self.micro_batches} micro-batch(es) of {self.global_batch // self.micro_batches}"
+            f"{'+' if self.global_batch % self.micro_batches else ''} samples, "
+            f"schedule {self.schedule}"
+            + (f" ({self.virtual_stages} stages a lane: {[list(x) for x in self.lanes]})"
+               if self.virtual_stages > 1 else "")
+            + f", device {self.device.name} ({self.cost_model} costs)"
+        )
+        cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
+                "recompute", "zero", "offload", "in flight", "comm ms", "accum ms",
+                "allred ms", "optim ms", "memory", "of budget")
+        rows = []
+        for st in self.stages:
+            nparam = st.memory.params
+            rows.append((
+                str(st.index),
+                f"{st.first_block}-{st.end_block - 1}",
+                str(st.num_nodes),
+                # parameters on the host: what of them the device holds (two windows)
+                _human_bytes(nparam) + (" fetched" if st.host_params else ""),
+                str(st.replicas),
+                str(st.samples),
+                f"{st.fwd_ms:.2f}",
+                f"{st.bwd_ms:.2f}",
+                ("layers" if st.checkpoints else "yes") if st.recompute
+                else "selective" if st.selective else "no",
+                str(st.zero),
+                f"params {_human_bytes(st.host_bytes)}" if st.host_params else
+                f"{_human_bytes(st.host_bytes)}" if st.offload else "no",
+                str(self.in_flight(st.index)),
+                f"{st.comm_ms:.2f}",
+                f"{st.accumulate_ms:.2f}",
+                f"{st.allreduce_ms:.2f}" + (f"+{st.gather_ms:.2f}" if st.zero else ""),
+                f"{st.optimizer_ms:.2f}" + (f"+{st.host_ms:.2f}" if st.offload or (
+                    st.host_params and st.host_ms) else ""),
+                _human_bytes(st.memory.total),
+                f"{100 * st.memory.total / self.memory_budget:.0f}%",
+            ))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
+        body = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+        tail = [
+            f"predicted step time {self.predicted_step_ms:.2f} ms"
+            + (f" (schedule simulated: {self.simulated_step_ms:.2f} ms)"
+               if self.simulated_step_ms is not None else "")
+            + "; memory budget "
+            f"{_human_bytes(self.memory_budget)} per device; {len(self.cut_values)} cut value(s)",
+        ]
+        if self.virtual_stages > 1:  # a stage's memory is its share at its lane's peak
+            tail.append("memory per lane (its stages at their common peak): " + ", ".join(
+                f"{'+'.join(map(str, lane))} {_human_bytes(m)} "
+                f"({100 * m / self.memory_budget:.0f}%)"
+                for lane in self.lanes
+                for m in [sum(self.stages[s].memory.total for s in lane)]))
+        if self.dynamic_dims:
+            tail.append("dynamic dimension(s), up to the planned size: " + ", ".join(
+                f"{d.name} <= {d.size}" for d in self.dynamic_dims))
+        if self.tail is not None:
+            tail.append(
+                f"tail: {len(self.tail.nodes)} node(s) from {', '.join(self.tail.mixing)} (samples "
+                f"mix there) run once a step on the whole batch on stage {len(self.stages) - 1}'s "
+                f"ranks, {self.tail.fwd_ms:.2f} + {self.tail.bwd_ms:.2f} ms"
+            )
+        for sp in self.shared_params:
+            tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
+        tail += [f"note: {n}" for n in self.notes]
+        return "\n".join([head, line, "-" * len(line), *body, *tail])
+
+
+def lane_layout(schedule: str, num_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
+    """The stages each lane holds: one a lane; interleaved 1F1B's lane ``p`` of ``P`` holds
+    ``p, p + P, ...``; ZBV's holds ``p`` and ``2P - 1 - p`` (the first and the last stage on
+    the first lane)."""
+    n, v = num_stages, virtual
+    if v == 1 and schedule not in ("interleaved", "zbv"):
+        return tuple((s,) for s in range(n))
+    if schedule == "zbv" and v == 2 and n % 2 == 0 and n >= 4:
+        return tuple((p, n - 1 - p) for p in range(n // 2))
+    if schedule == "interleaved" and v >= 2 and n % v == 0 and n >= 2 * v:
+        lanes = n // v
+        return tuple(tuple(c * lanes + p for c in range(v)) for p in range(lanes))
+    raise ValueError(
+        f"schedule {schedule!r} with {n} stages and virtual_stages={v}: interleaved needs "
+        "virtual_stages >= 2 and at least 2 lanes of that many stages, zbv virtual_stages=2 "
+        "and an even stage count of at least 4, the others virtual_stages=1"
+    )
+
+
+def loss_output(outputs: list[ValueSpec]) -> int | None:
+    """See ``Plan.loss_output``; ``outputs`` are the model's flat outputs in order. Outputs
+    with a batch dimension come back detached (per rank), so only the others can be losses."""
+    carry = [
+        j for j, spec in enumerate(outputs) if spec.carries_gradient and spec.batch_dim is None
+    ]
+    if len(carry) != 1:
+        return None
+    return carry[0] if all(d == 1 for d in outputs[carry[0]].shape) else None
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

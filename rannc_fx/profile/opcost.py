@@ -1,0 +1,401 @@
+"""Measure (real tensors) or count (fake tensors) one op's time, FLOPs, bytes, saved and transient memory.
+
+An :class:`OpCall` is one node's work with its inputs bound. :func:`measure_op` times it on the
+device it lives on; :func:`count_op` runs it under ``FakeTensorMode`` and counts FLOPs and
+bytes moved instead. Both report what autograd saves for backward, split so that the profile
+pass can charge every saved storage to the node that made it exactly once::
+
+    saved_internal   bytes of saved storages the op made and did not return
+    saved_inputs     positions of input tensors whose storage autograd saved
+    saved_outputs    positions of output tensors whose storage autograd saved
+    kept_bytes       bytes of the outputs selective recomputation keeps (``selective.kept``
+                     ops' outputs), and ``kept_flops`` / ``kept_moved`` what those ops cost:
+                     the rest of the forward is what it runs again (``OpCost.again``);
+                     measured, ``policy_s``: what the forward under the policy and its
+                     rerun take beyond the plain forward
+    kept_outputs     positions of output tensors whose storage a kept op made
+    kept_saved       bytes of storages made and saved inside the op that a kept op made
+                     (with ``kept_outputs``, what of the saved bytes selective recomputation
+                     keeps rather than rebuilds)
+    views            per output tensor, the position of the input whose storage it shares
+                     (a view, or the input an in-place op returns), else None
+
+Storages of parameters and buffers (``OpCall.excluded``) are never counted as saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Container
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from ..plan import selective
+from ..plan.device import DeviceSpec
+from .timing import time_call
+
+__all__ = ["OpCall", "OpCost", "count_op", "differentiable", "first_positions", "measure_op",
+           "run_op", "storage_id", "tensors"]
+
+log = logging.getLogger("rannc_fx")
+
+
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensor leaves of a pytree, in order."""
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An id shared by all views of one storage (the StorageImpl address)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    """Whether autograd can track ``t`` (floating point or complex)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+@dataclass
+class OpCall:
+    """One node's work: ``fn(*args, **kwargs)`` with real or fake inputs bound.
+
+    ``params`` are tensors the op differentiates besides its inputs (a module's parameters);
+    ``mutates`` says the op writes to an input, so every run gets clones of the inputs.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    params: tuple[torch.Tensor, ...] = ()
+    mutates: bool = False
+    excluded: frozenset[int] = field(default_factory=frozenset)
+    name: str = ""  # for messages: the node and its op
+
+    def inputs(self) -> list[torch.Tensor]:
+        return tensors((self.args, self.kwargs))
+
+    def bind(self) -> tuple[Callable[[], Any], list[torch.Tensor]]:
+        """A no-argument call and the inputs it uses: fresh clones when the op ``mutates``."""
+        args, kwargs = self.args, self.kwargs
+        if self.mutates:
+            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+        fn = self.fn
+        return (lambda: fn(*args, **kwargs)), tensors((args, kwargs))
+
+    def grad_inputs(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for t in [*self.inputs(), *self.params]:
+            if t.requires_grad and differentiable(t):
+                seen.setdefault(id(t), t)
+        return list(seen.values())
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """What one op costs: seconds (measured) or FLOPs and bytes (analytic), and memory."""
+
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_bytes: float = 0.0
+    bwd_bytes: float = 0.0
+    dtype: str = "float32"
+    workspace: int = 0
+    saved_internal: int = 0
+    saved_inputs: tuple[int, ...] = ()
+    saved_outputs: tuple[int, ...] = ()
+    views: tuple[int | None, ...] = ()
+    kept_bytes: int = 0
+    kept_flops: float = 0.0
+    kept_moved: float = 0.0
+    policy_s: float = 0.0
+    kept_outputs: tuple[int, ...] = ()
+    kept_saved: int = 0
+    # held between a split backward's B and W (``opcost_split.WeightHeld``)
+    w_inputs: tuple[int, ...] = ()
+    w_outputs: tuple[int, ...] = ()
+    w_internal: int = 0
+    w_grads: int = 0
+
+    def times(self, spec: DeviceSpec | None) -> tuple[float, float]:
+        """(forward, backward) seconds; with ``spec``, from the roofline of FLOPs and bytes."""
+        if spec is None:
+            return self.fwd_s, self.bwd_s
+        rate = spec.flops_for(self.dtype) * spec.efficiency
+
+        def roof(flops: float, nbytes: float) -> float:
+            return max(flops / rate, nbytes / spec.memory_bandwidth)
+
+        return roof(self.fwd_flops, self.fwd_bytes), roof(self.bwd_flops, self.bwd_bytes)
+
+    def again(self, spec: DeviceSpec | None) -> float:
+        """The seconds selective recomputation adds to a micro-batch: with ``spec``, the
+        forward less its kept ops (``selective.kept``) priced on their roofline; measured,
+        ``policy_s`` (the policy's dispatch mode in Python costs the forward and the rerun a
+        few microseconds an op, which only a measurement sees)."""
+        if spec is None:
+            return self.policy_s
+        fwd = self.times(spec)[0]
+        if not self.kept_moved:
+            return fwd
+        rate = spec.flops_for(self.dtype) * spec.efficiency
+        return max(0.0, fwd - max(self.kept_flops / rate, self.kept_moved / spec.memory_bandwidth))
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v != getattr(_ZERO, k)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> OpCost:
+        d = dict(d)
+        for k in ({"saved_inputs", "saved_outputs", "views", "kept_outputs", "w_inputs",
+                   "w_outputs"} & d.keys()):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+
+_ZERO = OpCost()
+
+
+# -- instruments -----------------------------------------------------------------------------
+
+
+class _SavedLog:
+    """saved_tensors_hooks that note each saved storage (and keep the tensor as it is)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            st = t.untyped_storage()
+            self.storages[int(st._cdata)] = st.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): by size
+            self.storages[id(t)] = t.numel() * t.element_size()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def classify(
+        self, ins: list[torch.Tensor], outs: list[torch.Tensor], excluded: frozenset[int]
+    ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        in_ids, out_ids = [storage_id(t) for t in ins], [storage_id(t) for t in outs]
+        saved = {s: n for s, n in self.storages.items() if s not in excluded}
+        in_pos = first_positions(in_ids, saved)
+        out_pos = first_positions(out_ids, {s: n for s, n in saved.items() if s not in in_ids})
+        internal = sum(n for s, n in saved.items() if s not in in_ids and s not in out_ids)
+        return internal, in_pos, out_pos
+
+
+def first_positions(ids: list[int], wanted: Container[int]) -> tuple[int, ...]:
+    """The first position in ``ids`` of each storage id in ``wanted``, in order."""
+    first: dict[int, int] = {}
+    for i, s in enumerate(ids):
+        if s in wanted:
+            first.setdefault(s, i)
+    return tuple(sorted(first.values()))
+
+
+# Ops that move no data (metadata, aliasing) and allocate nothing worth counting.
+_NO_DATA = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default",
+            "aten._assert_tensor_metadata.default", "prim.device.default"}
+
+
+class _OpTracker(TorchDispatchMode):
+    """Sums the bytes every aten op reads and writes, and the peak of storages allocated;
+    and, of the ops selective recomputation keeps (``selective.kept``), their outputs'
+    bytes, FLOPs and bytes moved."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known = known
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = 0
+        self.moved = 0
+        self.kept: dict[int, int] = {}  # storage -> bytes
+        self.kept_flops = self.kept_moved = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False) or str(func) in _NO_DATA:
+            return out
+        self._sweep()
+        outs = tensors(out)
+        moved = sum(t.numel() * t.element_size() for t in [*tensors((args, kwargs)), *outs])
+        self.moved += moved
+        if selective.kept(func):
+            self.kept_moved += moved
+            count = flop_registry.get(func.overloadpacket)
+            self.kept_flops += count(*args, **(kwargs or {}), out_val=out) if count else 0
+            for t in outs:
+                sid = storage_id(t)
+                if sid not in self.known:
+                    self.kept[sid] = t.untyped_storage().nbytes()
+        for t in outs:
+            sid = storage_id(t)
+            if sid not in self.known and sid not in self.live:
+                st = t.untyped_storage()
+                self.live[sid] = (StorageWeakRef(st), st.nbytes())
+                self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def _sweep(self) -> None:
+        for sid in [s for s, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(sid)[1]
+
+
+class _CudaPeak:
+    """Peak bytes the CUDA caching allocator hands out over a region, above its start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak, self.base = device, 0, 0
+
+    def __enter__(self) -> _CudaPeak:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    out: Any
+    workspace: int
+    moved: int
+    saved: tuple[int, tuple[int, ...], tuple[int, ...]]
+    views: tuple[int | None, ...]
+    kept: tuple[int, float, float]  # selective.kept ops: output bytes, FLOPs, bytes moved
+    kept_outputs: tuple[int, ...]  # outputs a kept op made
+    kept_saved: int  # internal saved storages a kept op made
+
+
+def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
+    """One forward run that logs saved tensors, allocations and bytes moved."""
+    run, bound = call.bind()
+    log = _SavedLog()
+    known = set(call.excluded) | {storage_id(t) for t in bound}
+    tracker = _OpTracker(known)
+    cuda = _CudaPeak(device) if device is not None and device.type == "cuda" else None
+    hooks = torch.autograd.graph.saved_tensors_hooks(log.pack, log.unpack)
+    with torch.enable_grad(), hooks, cuda or contextlib.nullcontext(), tracker:
+        out = run()
+    outs = tensors(out)
+    out_bytes = sum(t.numel() * t.element_size() for t in outs)
+    workspace = max(tracker.peak, cuda.peak if cuda else 0, out_bytes)
+    first: dict[int, int] = {}
+    for i, t in enumerate(bound):
+        first.setdefault(storage_id(t), i)
+    views = tuple(first.get(storage_id(t)) for t in outs)
+    kept = (sum(tracker.kept.values()), float(tracker.kept_flops), float(tracker.kept_moved))
+    mine = {storage_id(t) for t in bound} | {storage_id(t) for t in outs}
+    kept_saved = sum(n for sid, n in log.storages.items()
+                     if sid in tracker.kept and sid not in mine and sid not in call.excluded)
+    kept_outputs = first_positions([storage_id(t) for t in outs], tracker.kept)
+    return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views,
+                kept, kept_outputs, kept_saved)
+
+
+def run_op(call: OpCall, *, grad: bool = True) -> Any:
+    """Run the op once for its outputs alone, as training would (grad mode decides kernels),
+    or with ``grad=False`` as a ``no_grad`` region of the graph does."""
+    with torch.set_grad_enabled(grad):
+        return call.bind()[0]()
+
+
+def _backward(call: OpCall, out: Any) -> Callable[[], Any] | None:
+    """A call computing the op's input and parameter gradients, or None without a grad path."""
+    outs = [t for t in tensors(out) if t.requires_grad and t.grad_fn is not None]
+    gin = call.grad_inputs()
+    if not outs or not gin:
+        return None
+    gouts = [torch.ones_like(t) for t in outs]
+    return lambda: torch.autograd.grad(outs, gin, gouts, retain_graph=True, allow_unused=True)
+
+
+def _dtype(call: OpCall, out: Any) -> str:
+    for t in [*call.inputs(), *tensors(out)]:
+        if differentiable(t):
+            return str(t.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple[Any, OpCost]:
+    """Time the op's forward and backward on ``device``; return its outputs and costs."""
+    first = _instrumented(call, device)
+    with torch.enable_grad():
+        fwd_s = time_call(call.bind()[0], device, repeats)
+        out = call.bind()[0]()
+        policy_s = max(0.0, time_call(_rerun(call.bind()[0]), device, repeats) - fwd_s)
+    bwd = _backward(call, out)
+    bwd_s = 0.0
+    if bwd is not None:
+        try:
+            bwd_s = time_call(bwd, device, repeats)
+        except RuntimeError as e:  # no derivative for this op: nothing runs backward
+            log.debug("%s has no backward (%s); costing it 0", call.name, e)
+    internal, ins, outs = first.saved
+    kept, kept_flops, kept_moved = first.kept
+    return out, OpCost(
+        fwd_s=fwd_s, bwd_s=bwd_s, fwd_bytes=first.moved, workspace=first.workspace,
+        saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
+        kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
+        kept_outputs=first.kept_outputs, kept_saved=first.kept_saved, policy_s=policy_s,
+    )
+
+
+def _rerun(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` under selective recomputation's forward mode, then again as its backward
+    reruns it (the kept ops' outputs taken from what the first run stored)."""
+    def run() -> Any:
+        fwd, again = selective.contexts()
+        with fwd:
+            fn()
+        with again:
+            return fn()
+    return run
+
+
+def count_op(call: OpCall) -> tuple[Any, OpCost]:
+    """Count the op's forward and backward FLOPs and bytes on fake tensors."""
+    with FlopCounterMode(display=False) as fwd_fc:
+        first = _instrumented(call, None)
+    bwd = _backward(call, first.out)
+    bwd_flops, bwd_bytes = 0, 0
+    if bwd is not None:
+        tracker = _OpTracker(set())
+        try:
+            with FlopCounterMode(display=False) as bwd_fc, tracker:
+                bwd()
+            bwd_flops, bwd_bytes = bwd_fc.get_total_flops(), tracker.moved
+        except RuntimeError as e:
+            log.debug("%s has no backward (%s); costing it 0", call.name, e)
+    internal, ins, outs = first.saved
+    kept, kept_flops, kept_moved = first.kept
+    return first.out, OpCost(
+        fwd_flops=fwd_fc.get_total_flops(), bwd_flops=bwd_flops,
+        fwd_bytes=first.moved, bwd_bytes=bwd_bytes, dtype=_dtype(call, first.out),
+        workspace=first.workspace,
+        saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
+        kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
+        kept_outputs=first.kept_outputs, kept_saved=first.kept_saved,
+    )
+

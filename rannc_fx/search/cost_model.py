@@ -1,0 +1,464 @@
+"""The cost model: what one stage of a plan costs in time and memory, and the step time.
+
+This module imports numpy only (no torch). All times are in seconds, sizes in bytes.
+
+A stage covers blocks [i, j) with r replicas; with m micro-batches each replica handles
+q = ceil(global_batch / (m * r)) samples per micro-batch, and ``k`` is the index of q in
+``table.sizes``. The schedule sigma ("gpipe", "1f1b", or "zbh1" below) is chosen for the whole plan, the
+activation recomputation rho (0 none, 1 the stage's forward, 2 layer by layer, 3 selective)
+per stage;
+d is the stage's position from the end (the last stage has d = 1). n is how many
+micro-batches' activations the stage holds at once:
+
+    n        = m                 (gpipe: every forward before any backward)
+             = min(m, d)         (1f1b: a stage d from the end runs at most d forwards ahead)
+    F, Bw, A = sum(fwd[k, i:j]), sum(bwd[k, i:j]), sum(act[k, i:j])
+    cin,cout = cut[k, i], cut[k, j]
+    t_s      = F + Bw + [rho in (1, 2)] F + [rho = 2] F' + [rho = 3] D
+               + 2 (cin + cout) / link_bw + 2 link_lat ([i > 0] + [j < B])
+                         (recomputation runs the stage's forward again before each backward;
+                          layer by layer, the backward runs each layer's forward once more
+                          but the last's: F' = ``segments.again``; selectively, the backward
+                          reruns what the forward did not keep: D = sum(redo[k, i:j]))
+    ar_s     = 2 * (r - 1) / r * grad_bytes[i, j] / ar_bw + 2 * (r - 1) * link_lat
+                         (ring all-reduce; ar_bw = allreduce_bandwidth, else link_bw)
+    acc_s    = accumulate_s[i, j]             (micro-batch 2.. adds its gradients into .grad)
+    opt_s    = optimizer_s[i, j]              (the optimizer step of the range's parameters)
+    up_s     = ar_s + opt_s                                   (zeta = 0)
+             = ar_s + (ag_s + opt_s / r)                      (zeta = 1, r > 1)
+             = ag_s + (ag_s + opt_s / r)                      (zeta = 1, r > 1, grad_shards)
+    ag_s     = (r - 1) / r * grad_bytes[i, j] / ar_bw + (r - 1) * link_lat
+                         (ring all-gather of the stepped parameters: half an all-reduce;
+                          ZeRO-2's reduce-scatter of the gradients to their owners, the
+                          other half, costs the same, ``runtime/grad_shards.py``)
+    u_s      = (m - 1) * (t_s + acc_s) + up_s
+    step     = sum_s t_s  +  max_s u_s
+    memory_s = param_bytes[i, j] + grad_bytes[i, j] * optimizer_state_factor
+               - zeta * grad_bytes[i, j] * optimizer_state_factor * (r - 1) / r
+                         (ZeRO-1, zeta = 1: each replica keeps the optimizer state of 1 / r
+                          of the stage's parameters, ``runtime/zero.py``)
+               + G + n * (A + cin + cout)      (rho = 0)
+               + G + n * cin + cout + A        (rho = 1: a micro-batch in flight keeps only
+                                                the stage's inputs; one micro-batch's
+                                                activations and outputs exist during its
+                                                backward; rho = 2: as rho = 1 with A
+                                                replaced by K + a_max, the inputs of the
+                                                stage's layers and one layer's activations,
+                                                ``segments``)
+               + G + n * (cin + cout + P) + R    (rho = 3: every micro-batch in flight keeps
+                                                its kept ops' outputs P = sum(kept[k, i:j]);
+                                                the one in its backward rebuilds
+                                                R = sum(rebuilt[k, i:j]), the saved tensors
+                                                no kept op made)
+               - overlap
+               + max(workspace[k, i:j])
+               + m * sum(out[k, i:j]) + output_bytes
+             (the last three terms but ``fixed``'s are the backward's peak; the larger of it
+              and G + tr is taken, tr = [r > 1] min(G, reduce_bucket): after the backwards
+              the gradient all-reduce copies a bucket of them at a time)
+                         (batched model outputs such as logits: the stage keeps every
+                          micro-batch's until they go home at the end of the forwards, and
+                          every rank assembles its local batch's, output_bytes)
+
+G = grad_bytes[i, j] are the stage's gradients. They are made by the backwards, so (with
+``.grad`` None when the step starts, torch's default ``zero_grad``) they coexist with every
+in-flight micro-batch only when a forward runs after the stage's first backward, i.e. when
+n < m (1F1B). With n = m (GPipe, or a 1F1B stage whose forwards all come first) they appear
+while the backwards free activations, and ``overlap`` is what never coexists:
+
+    overlap  = 0                                                      (n < m)
+             = G + m (A + c) - m c - max(m A, (m - 1) A + G)           (rho = 0, n = m)
+             = G + A + h - max(h + max(A, G), h - cin + A + G)         (rho = 1, 2, n = m > 1)
+             = G + A + h - h - max(A, G)                               (rho = 1, 2, m = 1)
+             = G + R + m g - max(m g + max(R, G), (m - 1) g + R + G)   (rho = 3, n = m > 1)
+             = G + R + g - g - max(R, G)                               (rho = 3, m = 1)
+    (c = cin + cout, h = m cin + cout, g = c + P)
+
+so the peak is m c + max(m A, (m - 1) A + G) without recomputation (all activations, or all
+but one micro-batch's and the gradients) and the larger of the first backward (every
+micro-batch's inputs, then one micro-batch's activations or the gradients) and the second
+(one micro-batch fewer inputs, one micro-batch's activations and the gradients) with it.
+Gradients kept from earlier calls (accumulation without ``zero_grad``) coexist with all of it.
+
+The sharding zeta (0 or 1) and the offloading of the optimizer state are chosen per stage,
+like rho: they change only the stage's fixed memory, its once-a-step u and what exists after
+the backwards, so with a fixed n a stage's variants form a chain from fastest to smallest
+(``variants.VARIANTS``: for rho = 0, 3, 1, 2 in turn, plain, sharded, sharded and offloaded,
+offloaded) and a stage takes the first that fits. Sharding and offloading come before
+recomputation: they cost an all-gather and the state's round trip a step where recomputation
+costs a forward per micro-batch; which of those is faster is a choice of policy, and the
+sharded twin replaces the unsharded variant where its u is smaller.
+
+A stage may also keep its parameters, gradients and optimizer state in host memory (eta = 1,
+never with zeta or the offloaded state; ``runtime/host_params.py``), at any rho, after every
+other variant of the chain: each use fetches its parameter, so
+
+    t_s      = max(F + Bw + ..., (f_rho P + G) / host_bw) + ...   (f_rho = 2, 3 with R or a
+                         selective rerun, 4 layer by layer; the transfers overlap the compute,
+                         or add to it where the device is its own host, ``host_overlap``)
+    up_s     = ar_s + [r > 1] 2 G / host_bw + G (3 + 2 osf) / host_step_bw
+                         (the all-reduce's buckets through the device; the step on the host)
+    memory_s = the formula above with params + G osf replaced by 2 W and G by W
+                         (W = the stage's largest block's parameter bytes: the copies fetched
+                          ahead and in use, the gradients on their way home)
+    host_s   = P + G (1 + osf) <= host budget
+
+``sum_s t_s`` is the pipeline's fill and drain; the max term is the steady state of the
+bottleneck stage (with its gradient accumulation) plus its gradient all-reduce and its optimizer
+step (every replica steps the stage's parameters; stages step in parallel). A plan is feasible
+when every stage's memory is within ``memory_budget``, replica counts sum to ``world_size``,
+m * r <= global_batch, and no stage holds a block that cannot run a size its replicas'
+micro-batches hold (``CostTable.excluded``, ``blocked``: the floor or the ceiling of q).
+
+Without recomputation a stage is never slower (same or lower t, hence u) and with it never
+needs more memory, so the search gives each stage recomputation only when it does not fit
+without (unless ``SearchSpace.recompute`` forces it on or off). 1F1B never holds more in
+flight than GPipe; with m = 1 the two are the same plan and the search reports "gpipe"
+unless only "1f1b" was allowed.
+
+ZB-H1 ("zbh1", searched only where ``schedules`` names it: the planner asks for it apart,
+``planner/zb_choice.py``) runs 1F1B's order with each backward split into B (input
+gradients) and W (weight gradients), W held back into the bubble. Its stages do not
+recompute and keep their parameters on the device (the variants above with rho = 0, not
+eta). A stage holds held = min(m, S) micro-batches from F to W, x = min(held, d) of them at
+most whole, the rest between B and W, each holding w = ``wheld`` (what W reads and the
+gradients kept for it), so with G + held w + x (A + c - w) at one corner of its list, or
+(x - 1) at the other where w > A + c (``StageTerms.memory_zbh1``); t and u are
+``StageTerms.zbh1_times`` (the simulator's step on equal stages). Since held depends on S
+where S < m, the search runs ZB-H1's layered DP with held = m (exact for S >= m, S >= 3) and
+again with each S < m (and S = 1, 2) forced.
+
+``StageTerms`` (module ``terms``) holds the formulas; ``evaluate`` (module ``evaluate``) and the
+search kernel both read them, so a plan the search returns has the step and the memory
+``evaluate`` gives it, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .segments import Segments
+
+__all__ = [
+    "SCHEDULES",
+    "SEARCHED",
+    "CostTable",
+    "Evaluation",
+    "SearchResult",
+    "SearchSpace",
+    "StageChoice",
+    "StageCost",
+    "blocked",
+    "bottleneck_s",
+    "in_flight",
+    "needed_sizes",
+    "range_max",
+    "range_sum",
+    "run_sizes",
+    "samples_per_replica",
+    "size_index",
+    "sizes_run",
+]
+
+SCHEDULES = ("gpipe", "1f1b")  # searched unless the space names others
+SEARCHED = (*SCHEDULES, "zbh1")  # what the search can cost (ties go to the earlier)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-block costs at each per-replica micro-batch size in ``sizes``.
+
+    Shapes: sizes (Q,); fwd, bwd, act, workspace (Q, B); cut (Q, B + 1) with cut[:, 0] and
+    cut[:, B] zero; param_bytes and grad_bytes (B, B + 1), entry [i, j] for the block range
+    [i, j) with shared parameters counted once (only i < j is read); optimizer_s and
+    accumulate_s (B, B + 1) likewise give the seconds of the range's optimizer step and of
+    adding one micro-batch's gradients into ``.grad`` (None: free); out (Q, B) the bytes of
+    the batched model outputs (logits) each block makes for one micro-batch (None: none);
+    kept, redo and rebuilt (Q, B) what selective recomputation (``rannc_fx.plan.selective``) keeps
+    of a block's activations, the seconds it adds (rerunning the forward less what it kept),
+    and what of ``act`` its backward rebuilds (None: it keeps all, ``act``, runs all again,
+    ``fwd``, and rebuilds all, ``act``); wheld (Q, B) what a micro-batch holds between a split
+    backward's ``B`` and its ``W`` (``profile/opcost_bw.py``; None: its activations and cut
+    values, and ``terms.HELD`` of them more for the gradients ``W`` reads). ``excluded``
+    maps a per-replica sample count to the blocks that cannot run it (a node of theirs
+    raised there when profiled): a stage holding one never runs a micro-batch of that size
+    on any replica (``blocked``).
+    """
+
+    sizes: np.ndarray
+    fwd: np.ndarray
+    bwd: np.ndarray
+    act: np.ndarray
+    workspace: np.ndarray
+    cut: np.ndarray
+    param_bytes: np.ndarray
+    grad_bytes: np.ndarray
+    optimizer_s: np.ndarray | None = None
+    accumulate_s: np.ndarray | None = None
+    out: np.ndarray | None = None  # (Q, B): bytes of batched model outputs each block makes
+    segments: Segments | None = None  # the layers, for recomputation layer by layer
+    kept: np.ndarray | None = None  # (Q, B): bytes selective recomputation keeps
+    redo: np.ndarray | None = None  # (Q, B): forward seconds it runs again
+    rebuilt: np.ndarray | None = None  # (Q, B): of act, what its backward rebuilds
+    wheld: np.ndarray | None = None  # (Q, B): held between a split backward's B and W
+    # the tensors several blocks use (a tied embedding and LM head): (the blocks, parameter
+    # bytes, gradient bytes, optimizer step seconds) each; a lane holding two stages that
+    # both use one holds it, reduces its gradient and steps it once
+    shared: tuple[tuple[tuple[int, ...], float, float, float], ...] = ()
+    excluded: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.fwd.shape[1])
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    world_size: int
+    global_batch: int
+    memory_budget: float
+    link_bandwidth: float
+    optimizer_state_factor: float = 2.0
+    link_latency: float = 0.0  # seconds per message
+    allreduce_bandwidth: float | None = None  # None: link_bandwidth
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)  # candidates; forced = one candidate
+    stages: int | None = None  # forced stage count
+    replicas: tuple[int, ...] | None = None  # forced replica counts (implies stages)
+    schedules: tuple[str, ...] = SCHEDULES  # candidates; forced = one candidate
+    recompute: bool | None = None  # None: per stage, only where needed; True / False: all / none
+    # recomputing layer by layer (``segments``) or the whole stage: None searched per stage
+    layers: bool | None = None
+    # recomputing selectively (``CostTable.kept``): None searched per stage, True: only so
+    selective: bool | None = None
+    zero: bool | None = None  # ZeRO over a stage's replicas: as ``recompute`` (r = 1: never)
+    # a sharded stage's gradients reduce-scattered to their owners (ZeRO-2) rather than
+    # all-reduced (ZeRO-1, every gradient kept on every replica)
+    grad_shards: bool = False
+    offload: bool | None = None  # optimizer state in host memory: as ``recompute``
+    # parameters, gradients and optimizer state in host memory, fetched at each use (the
+    # optimizer steps on the host): as ``recompute``
+    host_params: bool | None = None
+    host_bandwidth: float | None = None  # bytes/s device <-> host; None: nothing to offload to
+    # whether the device copies from its host beside its compute (a GPU's copy engine), so
+    # host_params' transfers overlap it; False: they add to it (the CPU, its own host)
+    host_overlap: bool = True
+    # bytes/s of host memory an optimizer step on the host has for one device; None:
+    # host_bandwidth
+    host_step_bandwidth: float | None = None
+    host_budget: float = 0.0  # host bytes a device may fill with offloaded state
+    output_bytes: float = 0.0  # batched model outputs of one rank's local batch (every rank)
+    reduce_bucket: float = 64 * 2**20  # bytes the gradient all-reduce copies at a time
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    start: int
+    end: int  # exclusive
+    replicas: int
+    recompute: bool = False  # run the forward again before each backward; keep only cut values
+    zero: bool = False  # ZeRO-1: the optimizer state sharded over the replicas (r > 1)
+    offload: bool = False  # the (share of the) optimizer state kept in host memory
+    layers: bool = False  # recompute layer by layer (``segments``; with recompute only)
+    # recompute selectively (``rannc_fx.plan.selective``): no R, the backward reruns what the
+    # forward did not keep (never with ``recompute``)
+    selective: bool = False
+    # parameters, gradients and optimizer state in host memory (never with zero or offload)
+    host: bool = False
+
+    @property
+    def level(self) -> int:
+        """rho: 0 no recomputation, 1 the stage's forward again, 2 layer by layer, 3
+        selectively."""
+        return 3 if self.selective else 2 if self.layers else int(self.recompute)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One replica of one stage: samples per micro-batch, times (s) and memory parts (bytes).
+
+    ``recompute_s`` is the forward that recomputation runs again (``fwd_s`` or 0);
+    ``in_flight`` is n, the micro-batches whose activations the stage holds at once;
+    ``activations`` is n * A without recomputation and A with it, ``comm_buffers``
+    n * (cin + cout) without and n * cin + cout with it.
+    """
+
+    samples: int
+    fwd_s: float
+    bwd_s: float
+    comm_s: float
+    allreduce_s: float
+    optimizer_s: float
+    accumulate_s: float  # per micro-batch after the first
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    comm_buffers: int
+    workspace: int
+    recompute: bool = False  # R: the forward again before each backward
+    in_flight: int = 1
+    recompute_s: float = 0.0
+    selective: bool = False  # the backward reruns what the forward did not keep
+    outputs: int = 0  # batched model outputs held: m micro-batches' and the local batch's
+    overlap: int = 0  # of the parts above, the bytes that never coexist (see the docstring)
+    gather_s: float = 0.0  # ag_s: ZeRO-1's all-gather of the stepped parameters
+    zero: bool = False
+    offload: bool = False
+    host_s: float = 0.0  # the offloaded state to the device and back, each step
+    host_state: int = 0  # bytes of optimizer state in host memory (host: and parameters, grads)
+    host: bool = False  # parameters in host memory (``params``: the fetched windows)
+    fetch_s: float = 0.0  # host: one micro-batch's transfers
+    fetch_overlap: bool = True  # host: the transfers overlap the compute (else they add)
+    window: int = 0  # host: the parameter bytes fetched ahead
+
+    @property
+    def time_s(self) -> float:
+        """t: the stage's seconds per micro-batch, forward, backward and messages (with its
+        parameters in host memory, the compute or the transfers, the longer)."""
+        compute = self.fwd_s + self.bwd_s + self.recompute_s
+        if self.host:
+            compute = max(compute, self.fetch_s) if self.fetch_overlap else (
+                compute + self.fetch_s)
+        return compute + self.comm_s
+
+    @property
+    def memory(self) -> int:
+        return (self.params + self.grads + self.optimizer_state + self.activations
+                + self.comm_buffers + self.workspace + self.outputs - self.overlap)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step_s: float
+    stages: tuple[StageCost, ...]
+    fits: bool
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    micro_batches: int
+    stages: tuple[StageChoice, ...]
+    evaluation: Evaluation
+    seconds: float = 0.0  # wall time of the search
+    schedule: str = "gpipe"
+    dps: int = 0  # dynamic programs it ran (how hard the search worked)
+    virtual_stages: int = 1  # stages a lane (interleaved, zbv: planner/virtual.py)
+
+
+def samples_per_replica(global_batch: int, micro_batches: int, replicas: int) -> int:
+    return -(-global_batch // (micro_batches * replicas))
+
+
+def sizes_run(global_batch: int, micro_batches: int, replicas: int) -> tuple[int, ...]:
+    """The samples a replica's micro-batch holds: the runtime splits the batch evenly into
+    micro-batches and each among the replicas (``routing.even_split``), so each holds the
+    floor or the ceiling of ``global_batch / (micro_batches * replicas)``."""
+    lo = global_batch // (micro_batches * replicas)
+    hi = samples_per_replica(global_batch, micro_batches, replicas)
+    return tuple(q for q in dict.fromkeys((lo, hi)) if q >= 1)
+
+
+def run_sizes(space: SearchSpace) -> tuple[int, ...]:
+    """Every per-replica micro-batch size a plan of the space may run (``needed_sizes`` and
+    the smaller of uneven splits), ascending."""
+    reps = sorted(set(space.replicas)) if space.replicas else range(1, space.world_size + 1)
+    return tuple(sorted({
+        q for m in set(space.micro_batches) for r in reps if m * r <= space.global_batch
+        for q in sizes_run(space.global_batch, m, r)
+    }))
+
+
+def blocked(table: CostTable, global_batch: int, micro_batches: int, replicas: int,
+            i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Whether each stage [i, j) holds a block that cannot run a size its replicas' micro-
+    batches hold (``CostTable.excluded``) with that many micro-batches and replicas."""
+    bad = np.zeros(table.num_blocks, bool)
+    for q in sizes_run(global_batch, micro_batches, replicas):
+        bad[list(table.excluded.get(q, ()))] = True
+    if not bad.any():
+        return np.zeros(np.shape(i), bool)
+    c = np.concatenate(([0], np.cumsum(bad)))
+    return (c[j] - c[i]) > 0
+
+
+def needed_sizes(space: SearchSpace) -> tuple[int, ...]:
+    """Every per-replica micro-batch size the search may look up, ascending."""
+    reps = sorted(set(space.replicas)) if space.replicas else range(1, space.world_size + 1)
+    return tuple(sorted({
+        samples_per_replica(space.global_batch, m, r)
+        for m in set(space.micro_batches) for r in reps if m * r <= space.global_batch
+    }))
+
+
+def size_index(table: CostTable) -> dict[int, int]:
+    return {int(q): k for k, q in enumerate(np.asarray(table.sizes).tolist())}
+
+
+def in_flight(schedule: str, m: int, d: int) -> int:
+    """n: micro-batches whose activations a stage d stages from the end holds at once."""
+    return m if schedule == "gpipe" else min(m, d)
+
+
+def bottleneck_s(m: int, t: np.ndarray, acc: np.ndarray, fixed_s: np.ndarray) -> np.ndarray:
+    """u_s = (m - 1) (t_s + acc_s) + (ar_s + opt_s); ``fixed_s`` is ar_s + opt_s."""
+    return (m - 1) * (t + acc) + fixed_s
+
+
+def range_sum(arr: np.ndarray | None, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """``arr[i, j]`` for an optional per-range array (None: zeros)."""
+    return np.zeros(np.shape(i)) if arr is None else np.asarray(arr, float)[i, j]
+
+
+def range_max(x: np.ndarray) -> np.ndarray:
+    """(B + 1, B + 1) array whose [i, j] is max(x[i:j]) for i < j."""
+    B = len(x)
+    rows = np.where(np.arange(B)[None, :] >= np.arange(B)[:, None], x[None, :], -np.inf)
+    out = np.full((B + 1, B + 1), -np.inf)
+    out[:B, 1:] = np.maximum.accumulate(rows, axis=1)
+    return out
+
+
+def _check(table: CostTable, space: SearchSpace) -> None:
+    """ValueError when the table's shapes or the space's values are unusable."""
+    B, Q = table.num_blocks, len(table.sizes)
+    shapes = {"fwd": (Q, B), "bwd": (Q, B), "act": (Q, B), "workspace": (Q, B),
+              "cut": (Q, B + 1), "param_bytes": (B, B + 1), "grad_bytes": (B, B + 1)}
+    for name, shape in shapes.items():
+        if np.shape(getattr(table, name)) != shape:
+            raise ValueError(f"CostTable.{name} has shape {np.shape(getattr(table, name))}, "
+                             f"expected {shape} for {Q} sizes and {B} blocks")
+    if B < 1 or space.world_size < 1 or space.global_batch < 1 or space.link_bandwidth <= 0:
+        raise ValueError(f"need blocks, world size, global batch and link bandwidth > 0: {space}")
+    if not space.micro_batches or min(space.micro_batches) < 1:
+        raise ValueError(f"micro_batches={space.micro_batches}: need counts >= 1")
+    if not space.schedules or not set(space.schedules) <= set(SEARCHED):
+        raise ValueError(f"schedules={space.schedules}: need one or more of {SEARCHED}")
+    if space.replicas is not None:
+        if min(space.replicas, default=0) < 1 or sum(space.replicas) != space.world_size:
+            raise ValueError(f"replicas={list(space.replicas)} must be >= 1 and sum to the "
+                             f"world size {space.world_size}")
+        if space.stages is not None and space.stages != len(space.replicas):
+            raise ValueError(f"stages={space.stages} but replicas={list(space.replicas)}")
+    if space.layers and space.selective:
+        raise ValueError("layers=True and selective=True: a stage recomputes either layer by "
+                         "layer or selectively; force at most one of them")
+    if space.stages is not None and space.stages < 1:
+        raise ValueError(f"stages={space.stages}: need at least one stage")
+    if space.host_params and (space.zero or space.offload):
+        raise ValueError("host_params=True with zero or offload forced: a stage whose "
+                         "parameters are in host memory keeps its optimizer state there and "
+                         "steps it there, whole; force at most one of them")
+    for name in ("host_params", "offload"):
+        if getattr(space, name) and (space.host_bandwidth is None or space.host_budget <= 0):
+            raise ValueError(f"{name}=True but the device has no host memory to use "
+                             f"(host_bandwidth={space.host_bandwidth}, host budget "
+                             f"{space.host_budget:g} bytes): describe it in the DeviceSpec "
+                             f"(host_bandwidth, host_memory_bytes), or leave {name} to the "
+                             "search")
+    missing = sorted(set(needed_sizes(space)) - set(size_index(table)))
+    if missing:
+        raise ValueError(f"the cost table has no costs for {missing} samples per replica; "
+                         "build it for needed_sizes(space)")
+
