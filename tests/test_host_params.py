@@ -24,7 +24,7 @@ from rannc_fx.plan.device import DeviceSpec
 from rannc_fx.plan.plan import Plan
 from rannc_fx.runtime import host_params as hp
 from rannc_fx.runtime.host_params import HostParams, fetching, host_of, saving
-from rannc_fx.schedules.simulate import simulate_plan
+from rannc_fx.schedules.program import simulate_plan
 
 from .dist_utils import assert_like_reference, run_ranks
 from .gpt_training import (

@@ -129,6 +129,14 @@ def test_the_schedules_are_data_below_the_runtime_and_the_planner():
             assert not {m for m in _external(name) if m.split(".")[0] == "torch"}, name
 
 
+def test_the_plan_imports_no_pass_no_runtime_and_no_schedule_lowering():
+    for name, deps in import_graph().items():
+        if name.startswith("rannc_fx.plan."):
+            outside = {d for d in deps if not d.startswith("rannc_fx.plan.")
+                       and d != "rannc_fx.schedules.kinds"}
+            assert not outside, (name, outside)
+
+
 def test_the_folders_tell_the_pipeline_in_order():
     """``rannc_fx/__init__`` lists the folders in the order a model goes through them, and each
     folder's docstring starts with its place in that order."""

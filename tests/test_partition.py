@@ -177,7 +177,7 @@ def test_a_model_returning_a_cache_is_told_to_turn_it_off():
 
 
 def test_plan_records_schedule_recomputation_and_the_simulated_step():
-    from rannc_fx.schedules.simulate import simulate_plan
+    from rannc_fx.schedules.program import simulate_plan
 
     model, args, kwargs = gpt_example(layers=4)
     cfg = CFG.model_copy(update={"replicas": (1, 1), "micro_batches": 4, "schedule": "1f1b",

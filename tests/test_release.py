@@ -8,7 +8,7 @@ import pytest
 
 from rannc_fx.plan.plan import lane_layout
 from rannc_fx.schedules.actions import Kind
-from rannc_fx.schedules.generators import make_schedule
+from rannc_fx.schedules.kinds import make_schedule
 from rannc_fx.schedules.lowering import Topology, lower, messages_received
 from rannc_fx.schedules.release import release_points
 from rannc_fx.schedules.routing import Transfer

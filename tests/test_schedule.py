@@ -16,9 +16,9 @@ from rannc_fx.schedules.generators import (
     format_schedule,
     gpipe_schedule,
     in_flight,
-    make_schedule,
     one_f_one_b_schedule,
 )
+from rannc_fx.schedules.kinds import make_schedule
 from rannc_fx.schedules.lowering import Topology, format_lowered, lower, split_at_gather
 from rannc_fx.schedules.simulate import (
     SPLIT_NODE_MS,

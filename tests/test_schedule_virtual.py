@@ -11,9 +11,8 @@ from rannc_fx.schedules.generators import (
     Kind,
     clock_ticks,
     in_flight,
-    make_schedule,
-    virtual_of,
 )
+from rannc_fx.schedules.kinds import make_schedule, virtual_of
 from rannc_fx.schedules.lowering import Topology, lower, messages_received, messages_sent
 from rannc_fx.schedules.simulate import simulate
 

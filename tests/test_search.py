@@ -860,7 +860,7 @@ def test_zbh1_closed_form_is_the_simulators_step_on_equal_stages(S: int, m: int,
     trained, W longer than F, or half of them, W shorter)."""
     from rannc_fx.schedules.actions import Kind
     from rannc_fx.schedules.bw_split import SPLIT_OVERHEAD
-    from rannc_fx.schedules.generators import make_schedule
+    from rannc_fx.schedules.kinds import make_schedule
     from rannc_fx.schedules.lowering import Topology, lower
     from rannc_fx.schedules.simulate import simulate
 

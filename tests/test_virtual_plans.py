@@ -232,7 +232,7 @@ def test_balanced_boundaries_are_the_min_max_optimum_by_brute_force(seed):
 
 def test_held_units_follow_the_lane_s_list_point_by_point():
     from rannc_fx.planner.virtual import held_units
-    from rannc_fx.schedules.generators import make_schedule
+    from rannc_fx.schedules.kinds import make_schedule
 
     # interleaved, 2 lanes of 2, 2 micro-batches: lane 0 runs 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
     units = held_units(make_schedule("interleaved", 4, 2, 2)[0], (0, 2))

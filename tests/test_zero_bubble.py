@@ -161,7 +161,7 @@ def test_zbh1_runs_on_recomputing_stages_with_their_memory_counted():
 @pytest.mark.parametrize("S", range(1, 9))
 def test_zbh1_memory_counted_off_its_lists_matches_the_oracle(S):
     from rannc_fx.planner.virtual import held_units
-    from rannc_fx.schedules.generators import make_schedule
+    from rannc_fx.schedules.kinds import make_schedule
 
     from .search_oracle import zbh1_held
 

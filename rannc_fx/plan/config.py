@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..schedules.kinds import ScheduleName, kind_of
+
 __all__ = ["Config", "ENV_PREFIX"]
 
 ENV_PREFIX = "RANNC_FX_"
@@ -37,7 +39,7 @@ class Config(BaseModel):
     )
     micro_batches: int | None = Field(default=None, ge=1, description="micro-batches per step; None = searched")
     max_micro_batches: int = Field(default=32, ge=1, description="largest micro-batch count the search tries")
-    schedule: Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"] | None = Field(
+    schedule: ScheduleName | None = Field(
         default=None, description="pipeline schedule; None = searched (GPipe or 1F1B, then "
         "ZB-H1, interleaved 1F1B with 2, 3 or 4 stages a lane and ZBV on the searched stages, "
         "and the last two on every equal split of the ranks into lanes unless stages or "
@@ -264,19 +266,20 @@ class Config(BaseModel):
                     f"stages={self.stages} but replicas={list(self.replicas)} names "
                     f"{len(self.replicas)} stages; give one replica count per stage"
                 )
-        if self.virtual_stages is not None and self.schedule != "interleaved":
+        kind = None if self.schedule is None else kind_of(self.schedule)
+        if self.virtual_stages is not None and (kind is None or kind.lane_stages is not None):
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} applies to schedule='interleaved' (zbv "
                 f"runs 2 a lane), not schedule={self.schedule!r}"
             )
-        if self.recompute_layers and self.schedule in ("zbh1", "zbv", "interleaved"):
+        if self.recompute_layers and kind is not None and not kind.plain:
             raise ValueError(
                 f"recompute_layers=True with schedule={self.schedule!r}: its stages recompute "
                 "whole (ZB-H1 and ZBV split each backward in two, and recomputing layer by "
                 "layer runs inside one backward; interleaved lanes are costed so); use "
                 "recompute_layers=None, or schedule '1f1b', 'gpipe' or None"
             )
-        if self.recompute_selective and self.schedule in ("zbh1", "zbv"):
+        if self.recompute_selective and kind is not None and kind.splits_backward:
             raise ValueError(
                 f"recompute_selective=True with schedule={self.schedule!r}: ZB-H1 and ZBV "
                 "split each backward in two and selective recomputation reruns inside one "
@@ -289,7 +292,7 @@ class Config(BaseModel):
                 "whose parameters are in host memory keeps its whole optimizer state there and "
                 "steps it there; leave zero and offload to the search (None) or set them off"
             )
-        if self.host_params and self.schedule in ("zbh1", "zbv", "interleaved"):
+        if self.host_params and kind is not None and not kind.plain:
             raise ValueError(
                 f"host_params=True with schedule={self.schedule!r}: parameters in host memory "
                 "run under the searched schedules only ('gpipe', '1f1b'); use host_params=None "

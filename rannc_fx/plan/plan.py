@@ -52,6 +52,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..schedules.kinds import GPIPE, ScheduleKind, ScheduleName, kind_of
 from .device import DeviceSpec
 from .parts import (
     Block,
@@ -95,7 +96,7 @@ class Plan(BaseModel):
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1, description="samples per step over all ranks")
     micro_batches: int = Field(ge=1)
-    schedule: Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"] = "gpipe"
+    schedule: ScheduleName = GPIPE.name
     virtual_stages: int = Field(default=1, ge=1, description="stages a lane (interleaved, zbv)")
     # how the slices' floating outputs without a batch dimension (the loss) combine:
     # "mean" weights each by its share of the global batch, "sum" adds them (Config)
@@ -194,8 +195,7 @@ class Plan(BaseModel):
             if st.selective and st.recompute:
                 raise ValueError(f"stage {st.index} recomputes both selectively and whole: "
                                  "selective recomputation has no R; make the plan again")
-            if st.host_params and (st.zero or st.offload or self.schedule not in (
-                    "gpipe", "1f1b")):
+            if st.host_params and (st.zero or st.offload or not self.kind.plain):
                 raise ValueError(
                     f"stage {st.index} keeps its parameters in host memory with zero="
                     f"{st.zero}, offload={st.offload} under schedule {self.schedule!r}: such a "
@@ -216,7 +216,7 @@ class Plan(BaseModel):
                              f" of {n}")
         if self.tail is not None:
             last = self.stages[-1]
-            if self.schedule != "gpipe":
+            if not self.kind.forwards_first:
                 raise ValueError("a plan with a tail runs GPipe: the tail runs between every "
                                  "forward and every backward")
             missing = [v.name for v in self.tail.inputs if v.name not in last.outputs]
@@ -274,18 +274,16 @@ class Plan(BaseModel):
         """Model output ``index`` is made by the tail (on the whole batch)."""
         return self.tail is not None and index in self.tail.outputs
 
+    @property
+    def kind(self) -> ScheduleKind:
+        """What the plan's schedule does (``schedules.kinds``)."""
+        return kind_of(self.schedule)
+
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations (or, recomputing, inputs) stage ``stage`` holds at
         once under the plan's schedule."""
-        m = self.micro_batches
-        if self.schedule == "zbh1" or self.virtual_stages > 1:  # counted off its own lists
-            from ..schedules.actions import in_flight
-            from ..schedules.generators import make_schedule
-
-            sched = make_schedule(self.schedule, len(self.stages), m, self.virtual_stages)
-            lane = next(k for k, held in enumerate(self.lanes) if stage in held)
-            return in_flight(sched[lane], stage)
-        return m if self.schedule == "gpipe" else min(m, len(self.stages) - stage)
+        return self.kind.in_flight(len(self.stages), self.micro_batches, self.virtual_stages,
+                                   stage)
 
     def at_sizes(self, sizes: Mapping[str, int]) -> Plan:
         """The plan for a call whose dynamic dimensions have ``sizes`` (name -> size): every
@@ -413,22 +411,8 @@ class Plan(BaseModel):
 
 
 def lane_layout(schedule: str, num_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
-    """The stages each lane holds: one a lane; interleaved 1F1B's lane ``p`` of ``P`` holds
-    ``p, p + P, ...``; ZBV's holds ``p`` and ``2P - 1 - p`` (the first and the last stage on
-    the first lane)."""
-    n, v = num_stages, virtual
-    if v == 1 and schedule not in ("interleaved", "zbv"):
-        return tuple((s,) for s in range(n))
-    if schedule == "zbv" and v == 2 and n % 2 == 0 and n >= 4:
-        return tuple((p, n - 1 - p) for p in range(n // 2))
-    if schedule == "interleaved" and v >= 2 and n % v == 0 and n >= 2 * v:
-        lanes = n // v
-        return tuple(tuple(c * lanes + p for c in range(v)) for p in range(lanes))
-    raise ValueError(
-        f"schedule {schedule!r} with {n} stages and virtual_stages={v}: interleaved needs "
-        "virtual_stages >= 2 and at least 2 lanes of that many stages, zbv virtual_stages=2 "
-        "and an even stage count of at least 4, the others virtual_stages=1"
-    )
+    """The stages each lane holds under ``schedule`` (``ScheduleKind.lanes``)."""
+    return kind_of(schedule).lanes(num_stages, virtual)
 
 
 def loss_output(outputs: list[ValueSpec]) -> int | None:

@@ -43,7 +43,8 @@ from ..profile.optimizer import ParameterCosts, parameter_costs
 from ..profile.profile import Profile, profile_pass
 from ..progress import note
 from ..runtime.comm import BUCKET_BYTES
-from ..search import CostTable, SearchSpace, needed_sizes, run_sizes
+from ..schedules.kinds import GPIPE, kind_of
+from ..search import SCHEDULES, CostTable, SearchSpace, needed_sizes, run_sizes
 from ..search.table import build_cost_table
 from ..shapes.infer import shapes_pass
 from ..shapes.symbolic import SymbolicValues
@@ -304,15 +305,16 @@ def _search_space(
         pow2 = {1 << i for i in range(limit.bit_length()) if (1 << i) <= limit}
         divisors = {d for d in range(1, limit + 1) if global_batch % d == 0}
         candidates = tuple(sorted(pow2 | divisors))
-    in_call = ("1f1b", "zbh1", "interleaved", "zbv")
-    if cfg.schedule in in_call and not one_loss:
+    named = None if cfg.schedule is None else kind_of(cfg.schedule)
+    in_call = named is not None and named.backward_in_call
+    if in_call and not one_loss:
         raise ValueError(
             f"schedule={cfg.schedule!r} runs each micro-batch's backward inside the call, which "
             "needs the model's only output that carries a gradient to be a scalar loss; this "
             "model returns none or several (an auxiliary loss?): return their sum as the loss, "
             "or use schedule='gpipe' (or None, searched)"
         )
-    if cfg.schedule in in_call and tail:
+    if in_call and tail:
         raise ValueError(
             f"schedule={cfg.schedule!r} runs backwards before the last forward, but this model "
             "mixes its samples (a contrastive loss), and that part runs once on the whole "
@@ -321,15 +323,15 @@ def _search_space(
         )
     # ZB-H1, interleaved 1F1B and ZBV are not searched: the searched plan is tried with them
     # (planner/zb_choice.py, planner/virtual.py), the last two on 1F1B's lanes
-    schedules = (cfg.schedule,) if cfg.schedule in ("gpipe", "1f1b") else ("1f1b",) if (
-        cfg.schedule in ("interleaved", "zbv")) else (
-        ("gpipe", "1f1b") if one_loss and not tail else ("gpipe",))
+    schedules: tuple[str, ...] = (
+        named.search_as if named is not None and named.search_as is not None
+        else SCHEDULES if one_loss and not tail else (GPIPE.name,))
     host_bw, host_budget = _host(spec, cfg)
     # recomputing layer by layer or selectively reruns forwards inside one backward: not
     # under a schedule named that splits it (ZB-H1, ZBV), nor layer by layer where the lanes
     # are costed without it (interleaved)
-    inside = cfg.schedule not in ("zbh1", "zbv", "interleaved")
-    unsplit = cfg.schedule not in ("zbh1", "zbv")
+    inside = named is None or named.plain
+    unsplit = named is None or not named.splits_backward
     return SearchSpace(
         world_size=world_size,
         global_batch=global_batch,
@@ -352,7 +354,7 @@ def _search_space(
         offload=cfg.offload,
         # parameters in host memory run under GPipe and 1F1B (not a lane's several stages,
         # nor a split backward)
-        host_params=cfg.host_params if cfg.schedule in (None, "gpipe", "1f1b") else False,
+        host_params=cfg.host_params if inside else False,
         host_bandwidth=host_bw,
         host_overlap=spec.copies_beside_compute,
         host_step_bandwidth=spec.host_step_bandwidth,

@@ -4,7 +4,6 @@ values, outputs, shared parameters, and the simulated step of the schedule the r
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 from ..capture.capture import CapturedGraph
 from ..plan.plan import (
@@ -21,7 +20,8 @@ from ..plan.plan import (
 )
 from ..plan.values import SAMPLES, ValueSpec
 from ..progress import note
-from ..schedules.simulate import simulate_plan
+from ..schedules.kinds import name_of
+from ..schedules.program import keep, program_of
 from ..search import SearchResult, StageChoice
 from ..shapes.dynamic import Dynamic, dynamic_pass
 from ..split.interface import StageInterface, dimension_source
@@ -148,7 +148,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         world_size=space.world_size,
         global_batch=space.global_batch,
         micro_batches=result.micro_batches,
-        schedule=_SCHEDULE[result.schedule],
+        schedule=name_of(result.schedule),
         virtual_stages=result.virtual_stages,
         loss_reduction=a.config.loss_reduction,
         batch_norm=a.config.batch_norm,
@@ -170,15 +170,12 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         excluded_sizes=excluded,
         notes=tuple(x.note() for x in excluded),
     )
-    simulated = ms * simulate_plan(plan).makespan + tail_ms
+    program = program_of(plan)
+    simulated = ms * program.simulation.makespan + tail_ms
     update = {"simulated_step_ms": simulated}
     if result.virtual_stages > 1:  # no closed form: the formula would miss the interleaving
         update["predicted_step_ms"] = simulated
-    return plan.model_copy(update=update)
-
-
-_SCHEDULE: dict[str, Literal["gpipe", "1f1b", "zbh1", "interleaved", "zbv"]] = {
-    "gpipe": "gpipe", "1f1b": "1f1b", "zbh1": "zbh1", "interleaved": "interleaved", "zbv": "zbv"}
+    return keep(plan.model_copy(update=update), program)  # the same schedule: lowered once
 
 
 def _tail(a: Analysis, values: dict[str, ValueSpec], iface: StageInterface,

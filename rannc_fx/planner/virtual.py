@@ -49,7 +49,7 @@ import numpy as np
 from ..plan.plan import Plan, lane_layout
 from ..progress import note
 from ..schedules.actions import Action, Kind, in_flight
-from ..schedules.generators import make_schedule
+from ..schedules.kinds import KINDS, ONE_F_ONE_B, kind_of, make_schedule
 from ..schedules.simulate import ScheduleError
 from ..search import SearchResult
 from ..search.cost_model import (
@@ -78,18 +78,19 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
     simulated step where that is shorter (or the shortest of the one ``Config.schedule``
     names, where one fits), on the searched plan's lanes and the others of
     ``lanes.lane_choices``, bounded (``lanes.work_s``, ``lanes.step_bound``)."""
-    named = a.config.schedule
-    forced = named in ("interleaved", "zbv")
+    named = None if a.config.schedule is None else kind_of(a.config.schedule)
+    forced = named is not None and named.several_a_lane
     if named is not None and not forced:
         return plan
-    if "1f1b" not in a.space.schedules and not forced:
+    if ONE_F_ONE_B.name not in a.space.schedules and not forced:
         return plan  # the step cannot run in the call (several losses, a tail)
     searched = len(result.stages)
-    candidates: list[tuple[str, int]] = [("interleaved", v) for v in VIRTUAL] + [("zbv", 2)]
-    if named == "interleaved":
-        candidates = [("interleaved", a.config.virtual_stages or 2)]
-    elif named == "zbv":
-        candidates = [("zbv", 2)]
+    # every schedule with several stages a lane, at each count it may hold
+    candidates: list[tuple[str, int]] = [
+        (k.name, v) for k in KINDS.values() if k.several_a_lane
+        for v in (VIRTUAL if k.lane_stages is None else (k.lane_stages,))]
+    if named is not None and forced:
+        candidates = [(named.name, named.lane_stages or a.config.virtual_stages or 2)]
     choices = lane_choices(a, result)
     # named: the shortest plan of that schedule, however long; else shorter than ``plan``
     best: Plan | None = None if forced else plan
@@ -114,7 +115,8 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
             got = _variant(a, base, schedule, v)
             if got is not None:
                 cut.append((step_bound(got.evaluation, lane_layout(schedule, len(got.stages), v),
-                                       lanes.m, schedule == "zbv"), k, schedule, v, lanes, got))
+                                       lanes.m, kind_of(schedule).splits_backward),
+                            k, schedule, v, lanes, got))
     for bound, k, schedule, v, lanes, got in sorted(cut, key=lambda x: x[:4]):
         if bound >= best_s:
             break
@@ -181,7 +183,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
         return out
 
     # levels: 0 none, SELECTIVE, 1 whole (layer by layer is not costed on lanes: whole)
-    selective = (schedule != "zbv" and a.table.kept is not None
+    selective = (not kind_of(schedule).splits_backward and a.table.kept is not None
                  and a.space.selective is not False)
     whole = a.space.selective is not True
     if not whole and not selective and any(st.level for st in result.stages):

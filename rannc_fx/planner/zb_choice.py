@@ -33,7 +33,7 @@ from collections.abc import Callable
 from ..plan.plan import Plan
 from ..progress import note
 from ..schedules.actions import in_flight
-from ..schedules.generators import make_schedule
+from ..schedules.kinds import ONE_F_ONE_B, ZBH1, kind_of
 from ..search import NoFeasiblePlan, SearchResult, search_pass
 from ..search.cost_model import Evaluation, StageChoice
 from ..search.evaluate import evaluate
@@ -52,8 +52,9 @@ def zero_bubble(a: Analysis, result: SearchResult, plan: Plan,
     asks for it and one fits): the search's own ZB-H1 optimum (``searched``, predicted
     shorter than both ``result`` and ``plan``), or ``result``'s stages run as ZB-H1
     (``_on_stages``), whichever the simulator finds shorter."""
-    forced = a.config.schedule == "zbh1"
-    if not forced and (a.config.schedule is not None or "1f1b" not in a.space.schedules):
+    forced = a.config.schedule is not None and kind_of(a.config.schedule) is ZBH1
+    if not forced and (a.config.schedule is not None
+                       or ONE_F_ONE_B.name not in a.space.schedules):
         return plan  # a schedule named, or a model that cannot run the step in the call
     if len(result.stages) < 2 and not forced:
         return plan
@@ -96,7 +97,7 @@ def searched(a: Analysis, build: Callable[[SearchResult], Plan],
     below = min(result.evaluation.step_s if result is not None else math.inf,
                 best_s if best_s is not None else math.inf)
     try:
-        zb = search_pass(a.table, dataclasses.replace(a.space, schedules=("zbh1",)),
+        zb = search_pass(a.table, dataclasses.replace(a.space, schedules=(ZBH1.name,)),
                          below=below)
     except NoFeasiblePlan:
         return None
@@ -129,7 +130,7 @@ def _on_stages(a: Analysis, result: SearchResult, build: Callable[[SearchResult]
             "the memory budget; use schedule='1f1b' or None (searched), or give the devices "
             "more memory")
         return None
-    return build(dataclasses.replace(result, stages=stages, schedule="zbh1", evaluation=ev))
+    return build(dataclasses.replace(result, stages=stages, schedule=ZBH1.name, evaluation=ev))
 
 
 def zbh1_evaluation(a: Analysis, stages: tuple[StageChoice, ...], m: int) -> Evaluation:
@@ -137,8 +138,8 @@ def zbh1_evaluation(a: Analysis, stages: tuple[StageChoice, ...], m: int) -> Eva
     what its list holds (``held_units``), the step by ZB-H1's closed form
     (``StageTerms.zbh1_times``; the simulator's is the plan's)."""
     S = len(stages)
-    sched = make_schedule("zbh1", S, m)
-    return evaluate(a.table, a.space, stages, m, "zbh1", lanes=[[s] for s in range(S)],
+    sched = ZBH1.make(S, m)
+    return evaluate(a.table, a.space, stages, m, ZBH1.name, lanes=[[s] for s in range(S)],
                     in_flight_counts=[in_flight(sched[s], s) for s in range(S)],
                     lane_units=[held_units(sched[s], [s], [st.recompute])
                                 for s, st in enumerate(stages)])

@@ -23,9 +23,9 @@ from ..schedules.generators import (
     Kind,
     format_schedule,
     gpipe_schedule,
-    make_schedule,
     one_f_one_b_schedule,
 )
+from ..schedules.kinds import make_schedule
 from ..schedules.lowering import Topology, format_lowered, lower, plan_grid, topology_of
 from ..schedules.simulate import ScheduleError, Simulation, plan_durations, simulate
 from .batches import BatchSizes, rebatched

@@ -10,14 +10,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 
 from ..plan.plan import CutValue, Plan, Stage
 from ..plan.values import ValueSpec
 from ..schedules import routing
+from .lane import LaneModules, graph_modules
 from .pieces import dtype_of
 
 __all__ = [
+    "check_world",
+    "rank_stages",
+    "stage_modules",
     "check_inputs",
     "check_outputs_routable",
     "check_stage_interface",
@@ -25,6 +30,46 @@ __all__ = [
     "graph_of",
     "input_shapes",
 ]
+
+
+def check_world(plan: Plan) -> None:
+    """The process group runs (where the plan has several ranks) and has the plan's size."""
+    if plan.world_size > 1 and not dist.is_initialized():
+        raise RuntimeError(
+            f"the plan is for {plan.world_size} ranks but no process group is running; "
+            "launch with torchrun and call rannc_fx.runtime.init_distributed() first"
+        )
+    if dist.is_initialized() and dist.get_world_size() != plan.world_size:
+        raise ValueError(
+            f"the plan is for {plan.world_size} ranks but the process group has "
+            f"{dist.get_world_size()}; launch with --nproc-per-node {plan.world_size} or "
+            "make a plan for this world size"
+        )
+
+
+def rank_stages(plan: Plan, rank: int) -> tuple[tuple[Stage, ...], Stage]:
+    """The stages ``rank`` runs (one, or a lane's several) and the main one: the one holding
+    model outputs, else the first."""
+    stages = plan.stages_of_rank(rank)
+    owners = {r.stage for r in plan.outputs}
+    held = [st for st in stages if st.index in owners]
+    return stages, held[0] if held else stages[0]
+
+
+def stage_modules(plan: Plan, rank: int, stages: Sequence[Stage],
+                  module: fx.GraphModule | LaneModules) -> dict[int, fx.GraphModule]:
+    """Each of ``stages``' GraphModule in ``module`` (one, or ``LaneModules`` of a lane's
+    stages), checked to be the stages this rank runs."""
+    mods = graph_modules(module)
+    held_ix = list(module.indices) if isinstance(module, LaneModules) else None
+    if len(mods) != len(stages) or held_ix not in (None, [st.index for st in stages]):
+        raise ValueError(
+            f"rank {rank} runs stage(s) {[st.index for st in stages]} under "
+            f"schedule {plan.schedule!r} but its module holds "
+            f"{held_ix if held_ix is not None else 'one'}: give it that stage's GraphModule, "
+            "or LaneModules of its stages"
+        )
+    return {st.index: m for st, m in zip(stages, mods, strict=True)}
 
 
 def graph_of(module: nn.Module) -> fx.Graph:

@@ -36,20 +36,24 @@ from ..plan.device import device_of
 from ..plan.plan import Plan
 from ..schedules import routing
 from ..schedules.generators import Action, Kind
-from ..schedules.lowering import lower_plan, split_at_gather
+from ..schedules.kinds import GPIPE
+from ..schedules.lowering import split_at_gather
+from ..schedules.program import Program, program_of
 from ..schedules.release import rank_release
-from ..schedules.simulate import plan_durations, simulate
 from .accumulation import Accumulation
 from .autograd_link import Bridge
 from .checks import (
     check_inputs,
     check_outputs_routable,
     check_stage_interface,
+    check_world,
     input_shapes,
+    rank_stages,
+    stage_modules,
 )
 from .comm import Groups, build_groups, check_same_plan
 from .grads import GradSync
-from .lane import LaneModules, graph_modules
+from .lane import LaneModules
 from .lane_runners import LaneRunners, action_peers
 from .recompute import check_reruns_unsplit
 from .step import StepState
@@ -78,7 +82,8 @@ class StageExecutor:
     A one-rank plan needs no process group. ``accumulation``: whether ``.grad`` holds sums
     of calls under ``no_sync()`` not yet summed over ranks, shared by every executor of the
     model (default: this executor's own); ``trainable``: which of this rank's parameters
-    train, followed call by call (default: this executor's own).
+    train, followed call by call (default: this executor's own); ``program``: the plan's
+    lowered schedule (default: ``program_of(plan)``, built once for a plan).
     """
 
     def __init__(
@@ -92,73 +97,70 @@ class StageExecutor:
         timeout_s: float | None = None,
         accumulation: Accumulation | None = None,
         trainable: Trainable | None = None,
+        program: Program | None = None,
     ):
-        self.plan = plan
-        self.module = module
-        if plan.world_size > 1 and not dist.is_initialized():
-            raise RuntimeError(
-                f"the plan is for {plan.world_size} ranks but no process group is running; "
-                "launch with torchrun and call rannc_fx.runtime.init_distributed() first"
-            )
-        if dist.is_initialized() and dist.get_world_size() != plan.world_size:
-            raise ValueError(
-                f"the plan is for {plan.world_size} ranks but the process group has "
-                f"{dist.get_world_size()}; launch with --nproc-per-node {plan.world_size} or "
-                "make a plan for this world size"
-            )
+        self.plan, self.module = plan, module
+        check_world(plan)
         check_outputs_routable(plan)  # before any collective: every rank refuses alike
         self.rank = rank if rank is not None else dist.get_rank() if dist.is_initialized() else 0
-        # the stages this rank runs: one, or a lane's several (``module`` holds them as
-        # ``stage_<s>``); the one holding model outputs (else the first) is the main one
-        self.stages = plan.stages_of_rank(self.rank)
-        owners = {r.stage for r in plan.outputs}
-        held = [st for st in self.stages if st.index in owners]
-        self.stage = held[0] if held else self.stages[0]
+        # the stages this rank runs (a lane's several, or one) and the main one
+        self.stages, self.stage = rank_stages(plan, self.rank)
         self.replica = self.stage.ranks.index(self.rank)
         self.device = torch.device(device) if device is not None else device_of(module)
-        mods = graph_modules(module)
-        held_ix = list(module.indices) if isinstance(module, LaneModules) else None
-        if len(mods) != len(self.stages) or held_ix not in (None, [st.index for st in self.stages]):
-            raise ValueError(
-                f"rank {self.rank} runs stage(s) {[st.index for st in self.stages]} under "
-                f"schedule {plan.schedule!r} but its module holds "
-                f"{held_ix if held_ix is not None else 'one'}: give it that stage's GraphModule, "
-                "or LaneModules of its stages"
-            )
-        self.modules = {st.index: m for st, m in zip(self.stages, mods, strict=True)}
+        self.modules = stage_modules(plan, self.rank, self.stages, module)
         in_specs = {st.index: check_stage_interface(plan, st, self.modules[st.index])
                     for st in self.stages}
-        # the schedule, lowered and simulated: a schedule that could hang never starts
-        topology, lowered = lower_plan(plan)
-        simulate(lowered, topology, plan_durations(plan, lowered))
-        # every rank checks every stage: one that went on would wait for the refusing one
-        check_reruns_unsplit(plan, lowered)
-        lane = topology.lane_of[self.stage.index]
-        self.actions: list[Action] = lowered[lane]
-        # a fill-drain list (GPipe; ZB-H1 or 1F1B with one micro-batch) defers its own
-        # backwards; any other defers GPipe's (breadth first over a lane's stages)
-        own = split_at_gather(self.actions)
-        self._deferred = own if not any(a.kind is Kind.B for a in own[0]) else split_at_gather(
-            lower_plan(plan, "gpipe")[1][lane])
-        self._lists = {
-            Mode.EVAL: [a for a in self.actions if a.kind in _FORWARD_KINDS],
-            Mode.CALL: self.actions,
-            Mode.DEFERRED: self._deferred[0],
-        }
-        # per list _run is given (this executor's own, by identity) and stage: the
-        # micro-batches whose backward it splits into B and W (it has their W)
-        self._split: dict[int, dict[int, frozenset[int]]] = {
-            id(acts): {st.index: frozenset(a.microbatch for a in acts if a.kind is Kind.W
-                                           and a.stage == st.index and a.microbatch is not None)
-                       for st in self.stages}
-            for acts in (*self._lists.values(), self._deferred[1])
-        }
+        # lowered and simulated once (a schedule that could hang never starts); every rank
+        # checks every stage: one that went on would wait for the refusing one
+        self.program = program if program is not None else program_of(plan)
+        check_reruns_unsplit(plan, self.program.lowered)
+        self._lists, self._deferred, self._split = self._action_lists()
         if plan.world_size > 1:
             check_same_plan(plan, self.device)
         timeout = timeout_s if timeout_s is not None else Config().timeout_s
         self.groups = groups if groups is not None else build_groups(plan, timeout_s=timeout)
         self._local = routing.local_batch(plan)
         self._in_shapes = input_shapes(plan, self._local)
+        self._build_runners(in_specs)
+        self._build_gradients(trainable, accumulation)
+        self._dispatch = self._dispatch_table()
+        self._step = 0
+        self.trace: Recorder | None = None
+        self._peers: dict[tuple[int, Kind, int | None], list[int]] = {}
+        self._saved: StepState | None = None  # the step a loss.backward() may still reach
+        self.failed = False  # a call or backward raised: the groups may hold stale messages
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    @property
+    def actions(self) -> list[Action]:
+        """This rank's lowered list (its lane's)."""
+        return self._lists[Mode.CALL]
+
+    def _action_lists(self) -> tuple[dict[Mode, list[Action]], tuple[list[Action], list[Action]],
+                                     dict[int, dict[int, frozenset[int]]]]:
+        """The list each mode runs, the deferred list cut at ``GATHER`` (the call's part, the
+        backward's), and per list (by identity) and stage the micro-batches whose backward it
+        splits into B and W (it has their W)."""
+        lane = self.program.lane_of(self.stage.index)
+        actions = self.program.lowered[lane]
+        deferred = split_at_gather(self.program.deferred[lane])
+        lists = {
+            Mode.EVAL: [a for a in actions if a.kind in _FORWARD_KINDS],
+            Mode.CALL: actions,
+            Mode.DEFERRED: deferred[0],
+        }
+        split = {
+            id(acts): {st.index: frozenset(a.microbatch for a in acts if a.kind is Kind.W
+                                           and a.stage == st.index and a.microbatch is not None)
+                       for st in self.stages}
+            for acts in (*lists.values(), deferred[1])
+        }
+        return lists, deferred, split
+
+    def _build_runners(self, in_specs: dict[int, Any]) -> None:
+        """The lane's runners (one a stage), their routes and buffers, the outputs and the
+        sends this rank may wait for mid-step (``schedules/release.py``)."""
+        plan = self.plan
         self.lane = LaneRunners.build(plan, self.stages, self.modules, in_specs,
                                       rank=self.rank, replica=self.replica,
                                       groups=self.groups, device=self.device)
@@ -168,30 +170,39 @@ class StageExecutor:
         self.routes = self._routes[self.stage.index]
         self.outputs, self.buffers = self.runner.outputs, self.runner.buffers
         self.tail = self.lane.tails[self.stage.index]
-        # the model's (its calls commit a change of requires_grad), or this executor's own
-        self._commits = trainable is None
-        self.trainable = trainable if trainable is not None else Trainable(
-            plan, self.modules, rank=self.rank)
-        self._trained = self.trainable.version  # the trainable parameters self.grads sums
-        self.grads = GradSync(plan, tuple(self.runners), module, self.groups,
-                              self.trainable.owners)
-        self.accumulation = accumulation if accumulation is not None else Accumulation()
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
         self._loss = plan.loss_output
-        self._in_call = (
-            any(a.kind is Kind.B for a in split_at_gather(self.actions)[0])
-            and self._loss is not None
-        )
-        # by stage and kind; the once-a-step kinds are the rank's, for all its stages
-        self._once: dict[Kind, Callable[[StepState, Any], None]] = {
+        self._in_call = (any(a.kind is Kind.B for a in split_at_gather(self.actions)[0])
+                         and self._loss is not None)
+        self._release = rank_release(self.program.lowered, self.program.topology,
+                                     self.program.lane_of(self.stage.index), self.runners,
+                                     plan.micro_batches, [cv.producer for cv in plan.cut_values])
+
+    def _build_gradients(self, trainable: Trainable | None,
+                         accumulation: Accumulation | None) -> None:
+        """Which parameters train (the model's ``trainable``, whose calls commit a change of
+        ``requires_grad``, or this executor's own), their all-reduce, and the accumulation
+        under ``no_sync()`` (the model's, or this executor's own)."""
+        self._commits = trainable is None
+        self.trainable = trainable if trainable is not None else Trainable(
+            self.plan, self.modules, rank=self.rank)
+        self._trained = self.trainable.version  # the trainable parameters self.grads sums
+        self.grads = GradSync(self.plan, tuple(self.runners), self.module, self.groups,
+                              self.trainable.owners)
+        self.accumulation = accumulation if accumulation is not None else Accumulation()
+
+    def _dispatch_table(self) -> dict[int, dict[Kind, Callable[..., None]]]:
+        """By stage and kind, what runs an action; the once-a-step kinds are the rank's, for
+        all its stages."""
+        once: dict[Kind, Callable[..., None]] = {
             Kind.SCATTER: self._scatter,
             Kind.GATHER: self._gather,
             Kind.REDUCE: self._reduce,
         }
-        self._dispatch: dict[int, dict[Kind, Callable[..., None]]] = {
+        return {
             s: {
-                **self._once,
+                **once,
                 Kind.RECV_F: r.recv_f,
                 Kind.F: r.forward,
                 Kind.SEND_F: r.send_f,
@@ -203,15 +214,6 @@ class StageExecutor:
             }
             for s, r in self.runners.items()
         }
-        # the sends this rank may wait for mid-step, by index of its list (schedules/release.py)
-        self._release = rank_release(lowered, topology, lane, self.runners,
-                                     plan.micro_batches, [cv.producer for cv in plan.cut_values])
-        self._step = 0
-        self.trace: Recorder | None = None
-        self._peers: dict[tuple[int, Kind, int | None], list[int]] = {}
-        self._saved: StepState | None = None  # the step a loss.backward() may still reach
-        self.failed = False  # a call or backward raised: the groups may hold stale messages
-        self._anchor = torch.zeros((), requires_grad=True)
 
     # -- a step ------------------------------------------------------------------------------------
     def mode(self) -> Mode:
@@ -280,7 +282,7 @@ class StageExecutor:
         for b in self._buffers:
             b.begin()
         if self.trace is not None:
-            self.trace.ran(self.plan, self.plan.schedule if mode is Mode.CALL else "gpipe")
+            self.trace.ran(self.plan, self.plan.schedule if mode is Mode.CALL else GPIPE.name)
         self._run(step, self._lists[mode])
         flat = [step.results[r.index] for r in self.plan.outputs]
         step.results, step.reduced = {}, {}  # the caller holds them now, as long as it wants

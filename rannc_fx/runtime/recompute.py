@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..plan.plan import Plan
 from ..schedules.actions import Action, Kind
-from ..schedules.lowering import lower_plan
+from ..schedules.program import program_of
 
 __all__ = ["Segment", "build_segmented", "check_reruns_unsplit", "keeping_nothing",
            "rng_restored", "rng_state", "segment_of"]
@@ -92,7 +92,7 @@ def check_reruns_unsplit(plan: Plan, lowered: Sequence[Sequence[Action]] | None 
     inside = {st.index: st for st in plan.stages if st.checkpoints or st.selective}
     if not inside:
         return
-    lanes = lowered if lowered is not None else lower_plan(plan)[1]
+    lanes = lowered if lowered is not None else program_of(plan).lowered
     split = sorted({a.stage for lane in lanes for a in lane
                     if a.kind is Kind.W and a.stage in inside})
     if split and inside[split[0]].selective:

@@ -38,30 +38,28 @@ is one list per lane, and nothing downstream is written per schedule.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .actions import Action, Kind, Schedule, in_flight
 from .virtual import interleaved_1f1b_schedule, zbv_schedule
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "Kind",
     "Schedule",
+    "check_sizes",
     "clock_ticks",
     "format_schedule",
     "gpipe_schedule",
     "in_flight",
     "interleaved_1f1b_schedule",
-    "make_schedule",
     "one_f_one_b_schedule",
-    "virtual_of",
     "zbv_schedule",
     "zero_bubble_h1_schedule",
 ]
 
 
-def _check_sizes(num_stages: int, micro_batches: int) -> None:
+def check_sizes(num_stages: int, micro_batches: int) -> None:
     if num_stages < 1 or micro_batches < 1:
         raise ValueError(
             f"a schedule needs at least one stage and one micro-batch, got "
@@ -75,7 +73,7 @@ def gpipe_schedule(num_stages: int, micro_batches: int,
     (the last stage turns around on the micro-batch it finished last). Where a lane holds
     several stages (``lanes``), it runs its stages' forwards in stage order and their
     backwards in reverse, breadth first (torch's LoopedBFS)."""
-    _check_sizes(num_stages, micro_batches)
+    check_sizes(num_stages, micro_batches)
     lanes = lanes if lanes is not None else [[s] for s in range(num_stages)]
     return [
         [Action(s, Kind.F, i) for s in lane for i in range(micro_batches)]
@@ -87,7 +85,7 @@ def gpipe_schedule(num_stages: int, micro_batches: int,
 def one_f_one_b_schedule(num_stages: int, micro_batches: int) -> Schedule:
     """1F1B: ``min(m, S - s - 1)`` warm-up forwards, then one forward and one backward in
     turn, then the remaining backwards; backwards in micro-batch order."""
-    _check_sizes(num_stages, micro_batches)
+    check_sizes(num_stages, micro_batches)
     out: Schedule = []
     for s in range(num_stages):
         warm = min(micro_batches, num_stages - s - 1)
@@ -106,7 +104,7 @@ def zero_bubble_h1_schedule(num_stages: int, micro_batches: int) -> Schedule:
     ``B`` of the drain, where it would wait for the next stage, and the rest at the end.
     A stage then holds at most ``min(m, S)`` micro-batches' activations, 1F1B's first
     stage's, if only partly: what its held ``W``s read."""
-    _check_sizes(num_stages, micro_batches)
+    check_sizes(num_stages, micro_batches)
     out: Schedule = []
     for s in range(num_stages):
         warm = min(micro_batches, num_stages - s - 1)
@@ -126,43 +124,6 @@ def zero_bubble_h1_schedule(num_stages: int, micro_batches: int) -> Schedule:
         acts += [Action(s, Kind.W, k) for k in held]
         out.append(acts)
     return out
-
-
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": lambda n, m, v: gpipe_schedule(n, m),  # one stage a lane: v is 1
-    "1f1b": lambda n, m, v: one_f_one_b_schedule(n, m),
-    "zbh1": lambda n, m, v: zero_bubble_h1_schedule(n, m),
-    "interleaved": interleaved_1f1b_schedule,
-    "zbv": zbv_schedule,
-}
-
-
-def virtual_of(name: str, virtual: int | None = None) -> int:
-    """Stages a lane under schedule ``name``: 1, ZBV's 2, or interleaved 1F1B's ``virtual``."""
-    fixed = {"gpipe": 1, "1f1b": 1, "zbh1": 1, "zbv": 2}
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    if name in fixed:
-        if virtual not in (None, fixed[name]):
-            raise ValueError(f"schedule {name!r} runs {fixed[name]} stage(s) a lane, not "
-                             f"virtual_stages={virtual}")
-        return fixed[name]
-    if virtual is None or virtual < 2:
-        raise ValueError(f"schedule {name!r} needs virtual_stages >= 2 (stages a lane), got "
-                         f"{virtual}")
-    return virtual
-
-
-def make_schedule(name: str, num_stages: int, micro_batches: int,
-                  virtual: int | None = None,
-                  lanes: Sequence[Sequence[int]] | None = None) -> Schedule:
-    """The named schedule's compute actions, one list per lane (``Plan.schedule`` names one).
-    ``lanes``: GPipe over another schedule's lanes (a plan's deferred backward)."""
-    if lanes is not None and name == "gpipe":
-        return gpipe_schedule(num_stages, micro_batches, lanes)
-    v = virtual_of(name, virtual)
-    _check_sizes(num_stages, micro_batches)
-    return SCHEDULES[name](num_stages, micro_batches, v)
 
 
 def clock_ticks(schedule: Schedule) -> dict[Action, int]:

@@ -39,7 +39,8 @@ from functools import cached_property
 
 from ..plan.plan import Plan
 from ..plan.values import needs_grad
-from .generators import Action, Kind, Schedule, format_schedule, make_schedule
+from .generators import Action, Kind, Schedule, format_schedule
+from .kinds import make_schedule
 
 __all__ = ["Topology", "format_lowered", "lower", "lower_plan", "plan_grid", "split_at_gather",
            "topology_of"]

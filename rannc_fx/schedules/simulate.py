@@ -30,12 +30,12 @@ from .bw_split import SPLIT_NODE_MS, SPLIT_OVERHEAD
 from .bw_split import weight_share as split_share
 from .generators import Action, Kind, Schedule
 from .lowering import Msg as _Msg
-from .lowering import Topology, lower_plan
+from .lowering import Topology
 from .lowering import messages_received as _receives
 from .lowering import messages_sent as _sends
 
 __all__ = ["SPLIT_NODE_MS", "SPLIT_OVERHEAD", "ScheduleError", "Simulation", "plan_durations", "simulate",
-           "simulate_plan", "weight_share"]
+           "weight_share"]
 
 Durations = Callable[[Action], float]
 
@@ -226,9 +226,3 @@ def stretch(st: Stage, overlap: bool = True) -> float:
     if not st.host_params or compute <= 0:
         return 1.0
     return max(1.0, st.fetch_ms / compute) if overlap else 1.0 + st.fetch_ms / compute
-
-
-def simulate_plan(plan: Plan) -> Simulation:
-    """The plan's lowered schedule, checked and timed from its own per-stage costs."""
-    topology, lowered = lower_plan(plan)
-    return simulate(lowered, topology, plan_durations(plan, lowered))

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..schedules.kinds import GPIPE, ONE_F_ONE_B, ZBH1
 from . import dp_chain, dp_positioned
 from .candidates import Candidates
 from .cost_model import SEARCHED, CostTable, SearchSpace, StageChoice
@@ -41,7 +42,7 @@ class Best:
 
     step: float = math.inf
     m: int = 0
-    schedule: str = "gpipe"
+    schedule: str = GPIPE.name
     stages: tuple[StageChoice, ...] = ()
     dps: int = 0
 
@@ -65,7 +66,7 @@ class Run:
         self.best = Best()
         self.most_stages = dp_positioned.max_depth(space, self.B)
         self.progress = progress
-        schedules = ("1f1b" in space.schedules) + ("zbh1" in space.schedules) + 1
+        schedules = (ONE_F_ONE_B.name in space.schedules) + (ZBH1.name in space.schedules) + 1
         self.steps, self.total = 0, 2 * schedules * len(set(space.micro_batches))
 
 
@@ -79,12 +80,12 @@ class Run:
         if self.progress is not None:
             self.progress(self.steps, self.total, self.best.dps, self.best.step)
 
-    def label(self, m: int, alike: bool, schedule: str = "1f1b") -> str:
+    def label(self, m: int, alike: bool, schedule: str = ONE_F_ONE_B.name) -> str:
         """The schedule to report for a 1F1B plan (``alike``: GPipe runs it the same); a
         forced 1F1B stays 1F1B, as the user asked; ZB-H1 is ZB-H1."""
-        if schedule != "1f1b":
+        if schedule != ONE_F_ONE_B.name:
             return schedule
-        return "gpipe" if alike and "gpipe" in self.space.schedules else "1f1b"
+        return GPIPE.name if alike and GPIPE.name in self.space.schedules else ONE_F_ONE_B.name
 
     def offer_1f1b(self, stages: tuple[StageChoice, ...], m: int) -> None:
         """Offer a GPipe plan at its 1F1B cost (only 1F1B searched): each stage at its

@@ -139,6 +139,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..schedules.kinds import GPIPE, ONE_F_ONE_B, ZBH1, kind_of
 from .segments import Segments
 
 __all__ = [
@@ -162,8 +163,8 @@ __all__ = [
     "sizes_run",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")  # searched unless the space names others
-SEARCHED = (*SCHEDULES, "zbh1")  # what the search can cost (ties go to the earlier)
+SCHEDULES = (GPIPE.name, ONE_F_ONE_B.name)  # searched unless the space names others
+SEARCHED = (*SCHEDULES, ZBH1.name)  # what the search can cost (ties go to the earlier)
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ class SearchResult:
     stages: tuple[StageChoice, ...]
     evaluation: Evaluation
     seconds: float = 0.0  # wall time of the search
-    schedule: str = "gpipe"
+    schedule: str = GPIPE.name
     dps: int = 0  # dynamic programs it ran (how hard the search worked)
     virtual_stages: int = 1  # stages a lane (interleaved, zbv: planner/virtual.py)
 
@@ -398,7 +399,7 @@ def size_index(table: CostTable) -> dict[int, int]:
 
 def in_flight(schedule: str, m: int, d: int) -> int:
     """n: micro-batches whose activations a stage d stages from the end holds at once."""
-    return m if schedule == "gpipe" else min(m, d)
+    return m if kind_of(schedule).forwards_first else min(m, d)
 
 
 def bottleneck_s(m: int, t: np.ndarray, acc: np.ndarray, fixed_s: np.ndarray) -> np.ndarray:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..schedules.kinds import GPIPE, ZBH1, kind_of
 from .cost_model import (
-    SCHEDULES,
     CostTable,
     Evaluation,
     SearchSpace,
@@ -135,7 +135,7 @@ def plan_step(ts: Sequence[float], us: Sequence[float]) -> float:
 
 
 def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ...],
-             micro_batches: int, schedule: str = "gpipe", *,
+             micro_batches: int, schedule: str = GPIPE.name, *,
              lanes: Sequence[Sequence[int]] | None = None,
              in_flight_counts: Sequence[int] | None = None,
              lane_units: Sequence[Sequence[Sequence[tuple[float, float, float]]] | np.ndarray]
@@ -164,11 +164,9 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     """
     m, end = micro_batches, 0
     # ZB-H1 without lanes: the search's own, its closed form (stages that do not recompute)
-    closed = schedule == "zbh1" and lanes is None and lane_units is None
-    listed = schedule in ("interleaved", "zbv") or (schedule == "zbh1" and not closed)
-    if schedule not in SCHEDULES and not listed and not closed:
-        raise ValueError(f"schedule={schedule!r}: expected one of "
-                         f"{(*SCHEDULES, 'zbh1', 'interleaved', 'zbv')}")
+    kind = kind_of(schedule)
+    closed = kind is ZBH1 and lanes is None and lane_units is None
+    listed = not kind.plain and not closed  # counted off the schedule's own lists
     if listed and (lanes is None or in_flight_counts is None or lane_units is None):
         raise ValueError(f"schedule={schedule!r} needs the lanes, each stage's in-flight count "
                          "and what each lane holds along its list (lane_units)")
@@ -193,7 +191,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
               else [min(zb, S - s) if zb else in_flight(schedule, m, S - s)
                     for s in range(S)])
     def cost(st: StageChoice, n: int) -> Any:
-        args = (st, m, n, zb, schedule == "zbh1", S > 2)
+        args = (st, m, n, zb, kind is ZBH1, S > 2)
         if memo is None:
             return _stage(table, space, kidx, *args)
         if args not in memo:

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from ..schedules.kinds import ONE_F_ONE_B
 from . import dp_chain, dp_positioned
 from .candidates import Candidates
 from .cost_model import (
@@ -68,7 +69,7 @@ def _least_largest(cands: Candidates, ms: list[int]) -> float:
     """
     gpipe = [_bottleneck(cands, e) for m in ms if (e := cands.least_memory(m, m)) is not None]
     need = min(gpipe, default=math.inf)
-    if "1f1b" not in cands.space.schedules:
+    if ONE_F_ONE_B.name not in cands.space.schedules:
         return need
     low = [(_bottleneck(cands, e), m, e) for m in ms if (e := cands.least_memory(m, 1))
            is not None]
@@ -187,7 +188,7 @@ def _smallest_world(table: CostTable, space: SearchSpace, m: int, lo: int, hi: i
         return None
     s_max = space.stages or min(B, hi)
     # a stage d stages from the end holds min(m, d) micro-batches under 1F1B, m under GPipe
-    one_f = "1f1b" in space.schedules
+    one_f = ONE_F_ONE_B.name in space.schedules
     ns = range(1, min(m, s_max) + 1) if one_f else [m]
     iu, ju = np.triu_indices(B + 1, 1)
     kinds = variants(space, table.segments is not None, table.kept is not None)

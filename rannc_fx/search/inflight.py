@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..schedules.kinds import ONE_F_ONE_B
 from .dp_chain import Edges
 from .dp_positioned import Entries
 from .terms import SELECTIVE, StageTerms, reruns
@@ -78,7 +79,7 @@ class Positioned:
     u: np.ndarray
     fit: np.ndarray
     held: int = 0  # 0: m
-    schedule: str = "1f1b"
+    schedule: str = ONE_F_ONE_B.name
     first: np.ndarray | None = None  # lo where given
     stages: int = 0  # the view's plans have this many stages (0: any; ZB-H1's, held = S)
     kinds: tuple[int, ...] = ()  # the variants (``VARIANTS`` indices) of t's columns; (): all
@@ -130,8 +131,8 @@ class Positioned:
         """t, u and variant of the stages of ``path`` at their true positions, and whether
         every one fits at n = m (so GPipe runs them alike: 1F1B only); None if one does not
         fit."""
-        ts, us, kinds, alike = [], [], [], self.schedule == "1f1b"
-        if self.schedule != "1f1b" and min(self.m, len(path)) > self.limit:
+        ts, us, kinds, alike = [], [], [], self.schedule == ONE_F_ONE_B.name
+        if self.schedule != ONE_F_ONE_B.name and min(self.m, len(path)) > self.limit:
             return None  # holds more than the view counts
         lo = self.lo
         for s, x in enumerate(path):

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ..schedules.kinds import ONE_F_ONE_B
 from . import dp_chain, dp_positioned
 from .context import Run, bisect, least_bottleneck, u_candidates
 from .inflight import Positioned, depth_limit
@@ -80,7 +81,7 @@ class Layered:
 def scan_layered(p: Layered, pre: np.ndarray, u_min: float) -> None:
     run, best = p.run, p.run.best
     p.bound(pre, u_min)  # from the relaxed edges: as cheap as GPipe's bounds
-    if not len(p.lb) or (p.depth() == 1 and p.ff.schedule == "1f1b"):
+    if not len(p.lb) or (p.depth() == 1 and p.ff.schedule == ONE_F_ONE_B.name):
         return  # what is left runs alike under GPipe, whose DP was searched already
     s_top, u_top = p.dp(best.step - float(pre[run.B, run.states.final]), strict=True)
     if s_top + u_min >= best.step:

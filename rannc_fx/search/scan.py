@@ -54,9 +54,10 @@ import time
 
 import numpy as np
 
+from ..schedules.kinds import GPIPE, ONE_F_ONE_B, ZBH1
 from . import dp_chain as kernel
 from .context import Run, SearchProgress, bisect, least_bottleneck, u_candidates
-from .cost_model import CostTable, SearchResult, SearchSpace, _check
+from .cost_model import SCHEDULES, CostTable, SearchResult, SearchSpace, _check
 from .evaluate import evaluate
 from .explain import NoFeasiblePlan, no_plan
 from .positions import Layered, first_positioned, scan_layered, search_zbh1
@@ -83,8 +84,8 @@ class Flat:
         stages = tuple(choice(int(e.start[k]), int(e.end[k]), int(e.reps[k]), int(e.kind[k]))
                        for k in path)
         ts, us = [float(x) for x in e.t[path]], [float(x) for x in e.u[path]]
-        if "gpipe" in run.space.schedules:
-            run.best.offer(ts, us, stages, self.m, "gpipe")
+        if GPIPE.name in run.space.schedules:
+            run.best.offer(ts, us, stages, self.m, GPIPE.name)
         else:
             run.offer_1f1b(stages, self.m)
         return sum(ts), max(us)
@@ -141,7 +142,7 @@ def _first_flat(run: Run, m: int) -> tuple[float, np.ndarray, float] | None:
     p.offer(kernel.backtrack(e, e.t, shifted, st, B))
     s_inf = float(pre[B, st.final])
     # only 1F1B searched: a plan is offered at its 1F1B cost, which may be below its edges'
-    u_min, path = least_bottleneck(run, e, s_inf, prune="gpipe" in run.space.schedules)
+    u_min, path = least_bottleneck(run, e, s_inf, prune=GPIPE.name in run.space.schedules)
     if path:
         p.offer(path)
     return s_inf + u_min, pre, u_min
@@ -165,13 +166,13 @@ def search_pass(
     flat: list[tuple[float, int, np.ndarray, float]] = []
     # per m: the least sum, the least bottleneck, and their plans; the most micro-batches
     # first, whose plans are often best at scale and prune the others' bottleneck DPs
-    for m in ms[::-1] if {"gpipe", "1f1b"} & set(space.schedules) else []:
+    for m in ms[::-1] if set(SCHEDULES) & set(space.schedules) else []:
         if (got := _first_flat(run, m)) is not None:
             flat.append((got[0], m, got[1], got[2]))
         run.step(1 if got is not None else 2)  # no plan at this m: nothing to scan either
     # 1F1B where a stage's position matters: its relaxed plans are incumbents for the scans
     layered: list[tuple[float, int, np.ndarray, float]] = []
-    for m in ms if "1f1b" in space.schedules else []:
+    for m in ms if ONE_F_ONE_B.name in space.schedules else []:
         # only where a stage that can still win does not fit at n = m as it is; never at
         # m = 1, where n = min(1, d) = m at every position
         ff = run.cands.one_f_one_b(m, run.best.step, gains_only=True) if m > 1 else None
@@ -188,13 +189,13 @@ def search_pass(
         if lower < run.best.step and (ff := run.cands.one_f_one_b(m, run.best.step)) is not None:
             scan_layered(Layered(run, ff), pre, u_min)
         run.step()
-    if "zbh1" in space.schedules:
+    if ZBH1.name in space.schedules:
         search_zbh1(run, ms)
     best = run.best
     if not best.stages and math.isfinite(below):
         raise NoFeasiblePlan(f"no plan under {'/'.join(space.schedules)} fits with a "
                              f"predicted step shorter than {1e3 * below:.2f} ms")
-    if not best.stages and not {"gpipe", "1f1b"} & set(space.schedules):
+    if not best.stages and not set(SCHEDULES) & set(space.schedules):
         raise NoFeasiblePlan(
             f"no ZB-H1 plan fits {space.world_size} devices of "
             f"{space.memory_budget / 2**20:.1f} MiB: its stages do not recompute and keep "

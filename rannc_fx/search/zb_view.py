@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..schedules.kinds import ZBH1
 from .candidates import TWIN, Candidates
 from .inflight import Positioned
 from .terms import StageTerms
@@ -79,7 +80,7 @@ class ZeroBubble:
         kind = np.asarray(kinds)[first]
         edges = self.cands.edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
         t_, u_, hi_, lo_ = (x.reshape(-1, K)[keep] for x in (T, U, HI, LO))
-        return Positioned(m, edges, t_, u_, hi_, held=held, schedule="zbh1", first=lo_,
+        return Positioned(m, edges, t_, u_, hi_, held=held, schedule=ZBH1.name, first=lo_,
                           stages=stages, kinds=tuple(kinds))
 
     def _costs(self, m: int, reps: np.ndarray, ks: list[int], kinds: list[int],
