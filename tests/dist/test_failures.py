@@ -1,0 +1,251 @@
+"""A rank that raises inside a call or ``loss.backward()`` ends the step on every rank at once
+(``runtime/failures.py``), and the next call trains as if the failed one never ran."""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.models import gpt_example
+from rannc_fx.runtime.failures import Board, PeerFailed, raised_everywhere
+
+from tests.dist_utils import run_ranks
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+LOCAL = 4  # samples per rank
+VOCAB = 256
+
+
+def _batch(world: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (LOCAL * world, 16), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _spoil(what: str, ids: torch.Tensor, labels: torch.Tensor) -> tuple[Any, ...]:
+    """A batch that fails where ``what`` says: token ids past the embedding (stage 0), or
+    labels past the classes (the loss, in the last stage)."""
+    if what == "ids":
+        return ids + VOCAB, labels
+    return ids, labels + VOCAB
+
+
+def _run(rank: int, world: int, case: str, cfg: dict[str, Any]) -> list[str]:
+    torch.manual_seed(0)
+    model = gpt_example(batch=2, seq=16)[0]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    ids, labels = _batch(world, seed=0)
+    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, **cfg)
+    cm = rannc_fx.compile(model, opt, config, example_args=(ids[mine],),
+                          example_kwargs={"labels": labels[mine]})
+    raised: list[str] = []
+    hook = None
+    for step in range(4):
+        ids, labels = _batch(world, seed=step + 1)
+        bad = step == 1
+        x, y = ids[mine], labels[mine]
+        if bad and case.startswith("bad "):
+            who = case.split()[2]  # "every", or the one rank that passes the bad batch
+            if who == "every" or int(who) == rank:
+                x, y = _spoil(case.split()[1], x, y)
+        if bad and case == "backward" and rank == world - 1:
+            p = next(iter(cm.stages[0].parameters()))
+            hook = p.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+        try:
+            if bad and case == "structure 1" and rank == 1:
+                out = cm(x, y)  # labels by position: not the structure the model was planned for
+            else:
+                out = cm(x, labels=y)
+            out["loss"].backward()
+            opt.step()
+        except Exception as e:
+            assert bad, f"step {step} raised: {e}"
+            raised.append(f"{type(e).__name__}: {e}")
+            # nothing of the failed step reached .grad (every step starts with none)
+            held = [n for st in cm.stages for n, p in st.named_parameters() if p.grad is not None]
+            assert not held, held
+            if hook is not None:
+                hook.remove()
+            continue
+        finally:
+            opt.zero_grad()
+        assert not bad, "the bad step ran"
+        want = ref(ids, labels=labels)  # the reference skips the bad batch
+        want["loss"].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_close(out["loss"], want["loss"], **TOL)
+    for stage in cm.stages:
+        for name, p in stage.named_parameters():
+            assert_close(p, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return raised
+
+
+CASES = [
+    # (case, world, config, what the rank that fails raises, what the others raise)
+    ("bad ids every", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe"),
+     r"IndexError: index out of range",
+     r"PeerFailed: rank 1 stopped .*rank 0 \(stage 0\) raised IndexError in its forward"),
+    ("bad ids 1", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"),
+     r"IndexError: index out of range", r"rank 0 \(stage 0\) raised IndexError in its forward"),
+    ("bad labels 0", 3, dict(replicas=(2, 1), micro_batches=2, schedule="1f1b"),
+     r"IndexError: Target \d+ is out of bounds",
+     r"rank 2 \(stage 1\) raised IndexError in its forward"),
+    ("bad labels 1 interleaved", 2, dict(replicas=(1, 1), micro_batches=2,
+                                       schedule="interleaved"),
+     r"IndexError: Target \d+ is out of bounds",
+     r"rank 1 \(stages 1, 3\) raised IndexError in its forward"),
+    ("structure 1", 2, dict(replicas=(1, 1), micro_batches=2, schedule="1f1b"),
+     r"ValueError: .*", r"rank 1 \(stage 1\) raised ValueError in its call"),
+    ("backward", 2, dict(replicas=(1, 1), micro_batches=2, schedule="gpipe"),
+     r"RuntimeError: hook failed", r"rank 1 \(stage 1\) raised RuntimeError in its backward"),
+]
+
+
+@pytest.mark.parametrize("case,world,cfg,own,peer", CASES, ids=[c[0] for c in CASES])
+def test_a_failure_in_a_step_ends_it_on_every_rank_and_the_next_call_trains(
+    case, world, cfg, own, peer
+):
+    # wall_s far below the 60 s timeout: no rank waits for the one that failed
+    results = run_ranks(_run, world, case, cfg, timeout_s=60.0, wall_s=40.0)
+    failing = [r for r, msgs in enumerate(results) if any(re.search(own, m) for m in msgs)]
+    assert failing, results
+    for rank, msgs in enumerate(results):
+        assert len(msgs) == 1, (rank, msgs)  # the bad step, once; every later one trains
+        if rank not in failing:
+            assert msgs[0].startswith("PeerFailed") and re.search(peer, msgs[0]), msgs[0]
+            assert "next call starts over" in msgs[0]
+
+
+def test_peer_failed_is_public_and_a_runtime_error():
+    assert rannc_fx.PeerFailed is PeerFailed and issubclass(PeerFailed, RuntimeError)
+
+
+class _Work:
+    """A work whose ``wait()`` blocks until ``done`` is set (or raises ``error``)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.done, self.error = threading.Event(), error
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def _board() -> Board:
+    import torch.distributed as dist
+
+    return Board(dist.HashStore())
+
+
+def test_a_wait_ends_with_the_failure_another_rank_posts():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    board, other = Board(store), Board(store)  # two ranks' views of the job's store
+    work = _Work()
+    threading.Timer(0.05, lambda: other.post(3, 1, IndexError("index out of range"),
+                                             "in its forward")).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailed, match=r"rank 0 stopped waiting for h: rank 3 \(stage 1\) "
+                                         r"raised IndexError in its forward: index out of range"):
+        board.wait([work], lambda i: "waiting for h", timeout_s=30,
+                   on_error=lambda i, e: RuntimeError(e))
+    assert time.monotonic() - t0 < 1.0
+    work.done.set()  # the abandoned wait's thread ends when the work does
+    assert board.seen == other.seen == board.count() == 1  # both have acted on it
+
+
+def test_news_from_a_peer_s_next_call_does_not_fail_a_wait_that_finished():
+    """A peer leaves the collective this rank waits on, fails in its next call and posts it;
+    this rank reads the board after its works finished: the wait returns, and the news is
+    raised at the next one (the peer's next call's)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    board, other = Board(store), Board(store)
+    work = _Work()
+    read = board.count
+
+    def late_read() -> int:  # the works finish, and the peer posts, while this rank reads
+        if not work.done.is_set():
+            work.done.set()
+            other.post(1, (1, 3), IndexError("bad labels"), "in its forward")
+            time.sleep(0.05)
+        return read()
+
+    board.count = late_read  # type: ignore[method-assign]
+    board.wait([work], lambda i: "waiting for h", timeout_s=30,
+               on_error=lambda i, e: RuntimeError(e))
+    assert board.seen == 0 and read() == 1  # not acted on yet
+    with pytest.raises(PeerFailed, match=r"rank 1 \(stages 1, 3\) raised IndexError"):
+        board.wait([_Work()], lambda i: "waiting for the next call", timeout_s=30,
+                   on_error=lambda i, e: RuntimeError(e))
+
+
+def test_a_wait_returns_when_its_works_finish_and_times_out_when_nothing_does():
+    board = _board()
+    works = [_Work(), _Work()]
+    threading.Timer(0.02, works[0].done.set).start()
+    threading.Timer(0.04, works[1].done.set).start()
+    board.wait(works, lambda i: "w", timeout_s=30, on_error=lambda i, e: RuntimeError(e))
+    with pytest.raises(KeyError, match="work 1: Timed out after 0.05 s"):
+        board.wait([works[0], _Work()], lambda i: "w", timeout_s=0.05,
+                   on_error=lambda i, e: KeyError(f"work {i}: {e}"))
+    failing = _Work(RuntimeError("Connection closed by peer"))
+    failing.done.set()
+    with pytest.raises(KeyError, match="work 2: Connection closed by peer"):
+        board.wait([works[0], works[1], failing], lambda i: "w", timeout_s=30,
+                   on_error=lambda i, e: KeyError(f"work {i}: {e}"))
+
+
+def test_a_released_send_is_waited_in_place_and_its_error_read_against_the_board():
+    """A send waited at its release point blocks this thread itself (its receiver has posted
+    the receive); a closed pair is ``PeerFailed`` where a peer posted its failure, else a
+    ``CommError`` naming the peer."""
+    import torch.distributed as dist
+
+    from rannc_fx.runtime.comm import CommError, Groups, Message, Pending
+
+    store = dist.HashStore()
+    board, other = Board(store), Board(store)
+    groups = Groups([], [], [], [], board=board)
+    done = _Work()
+    done.done.set()
+    waited_by = []
+    done_wait = done.wait
+    done.wait = lambda: waited_by.append(threading.current_thread()) or done_wait()
+    msg = Message("send", torch.zeros(2), 1, "cut value 'h' of micro-batch 0")
+    Pending([msg], [done], groups).wait_posted()
+    assert waited_by == [threading.current_thread()]  # no hand-over to the waiter
+    closed = _Work(RuntimeError("Connection closed by peer"))
+    closed.done.set()
+    with pytest.raises(CommError, match=r"send of cut value 'h' of micro-batch 0 to rank 1"):
+        Pending([msg], [closed], groups).wait_posted()
+    other.post(1, 1, IndexError("bad labels"), "in its forward")
+    with pytest.raises(PeerFailed, match=r"rank 1 \(stage 1\) raised IndexError"):
+        Pending([msg], [closed], groups).wait_posted()
+
+
+def test_an_error_is_posted_once_and_refusals_every_rank_made_not_at_all():
+    board = _board()
+    e = ValueError("bad")
+    board.post(0, 0, e, "in its call")
+    board.post(0, 0, e, "in its call")  # the executor posted it; the call's wrapper again
+    board.post(0, 0, raised_everywhere(ValueError("refused")), "in its call")
+    board.post(0, 0, PeerFailed("x", 1, 1), "in its call")
+    assert board.count() == 1 and "told the other ranks" in e.__notes__[0]

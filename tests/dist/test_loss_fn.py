@@ -1,0 +1,267 @@
+"""Losses no tracer captures (a range check on the labels, ``masked_select``, ``F.ctc_loss``,
+``.tolist()``) train like one process: passed as ``compile(..., loss_fn=...)``, or left in the
+model as a criterion module that capture keeps whole and runs eagerly, or written in the
+model's own forward, whose statements from the failing one on run eagerly after the body."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.passes.capture import CaptureError, capture_pass
+
+from tests.dist_utils import run_ranks, step_each
+
+LOCAL = 6  # samples per rank
+STEPS = 3
+
+
+def masked_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean over the labels that are not 0: a mean over kept tokens, not samples."""
+    if labels.max() >= logits.shape[-1]:
+        raise ValueError(f"label {int(labels.max())} out of range")
+    picked = logits.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    return -torch.masked_select(picked, labels > 0).mean()
+
+
+def ctc(logits: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """CTC over the whole time axis; a mean over samples (each divided by its length)."""
+    if targets.max() >= logits.shape[-1]:
+        raise ValueError("a target is not a class of the logits")
+    log_probs = logits.log_softmax(-1).transpose(0, 1)  # (time, batch, classes)
+    frames = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.long)
+    return F.ctc_loss(log_probs, targets, frames, lengths, zero_infinity=True)
+
+
+def dice_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus a Dice loss over the batch's pixels of each class present in it."""
+    probs = logits.softmax(1)
+    dice = []
+    for c in torch.unique(target).tolist():
+        p, t = probs[:, c], (target == c).to(probs.dtype)
+        dice.append(1 - 2 * (p * t).sum() / (p.sum() + t.sum()))
+    return F.cross_entropy(logits, target) + torch.stack(dice).mean()
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                 nn.Linear(16, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Speech(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 16, 3, padding=1)
+        self.rnn_free = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU())
+        self.head = nn.Linear(16, 6)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:  # (batch, time, 4)
+        h = self.conv(feats.transpose(1, 2)).transpose(1, 2)
+        return self.head(self.rnn_free(h))
+
+
+class Seg(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1, stride=2), nn.ReLU())
+        self.up = nn.Sequential(nn.ConvTranspose2d(8, 8, 2, stride=2), nn.ReLU(),
+                                nn.Conv2d(8, 4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
+
+
+class WithCriterion(nn.Module):
+    """The model with its loss as a submodule called in its forward (unmodified style)."""
+
+    def __init__(self, body: nn.Module, loss: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.body = body
+        self.criterion = _Criterion(loss)
+
+    def forward(self, x: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
+        return self.criterion(self.body(x), *targets)
+
+
+class Inline(nn.Module):
+    """The loss computed in the model's own forward, and a check of the inputs before the body:
+    capture runs both eagerly around the traced body (``capture_pieces``)."""
+
+    def __init__(self, body: nn.Module, loss: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.body = body
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(x).all():
+            raise ValueError("the inputs hold a NaN or an infinity")
+        out = self.body(x)
+        return self.loss(out, *targets)
+
+
+class _Criterion(nn.Module):
+    def __init__(self, loss: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, out: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(out, *targets)
+
+
+def _data(name: str, n: int, seed: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    if name == "masked":
+        return torch.randn(n, 6, generator=g), (torch.randint(0, 5, (n,), generator=g),)
+    if name == "ctc":
+        lengths = torch.randint(1, 4, (n,), generator=g)
+        return torch.randn(n, 10, 4, generator=g), (
+            torch.randint(1, 6, (n, 3), generator=g), lengths)
+    return torch.randn(n, 3, 8, 8, generator=g), (torch.randint(0, 4, (n, 8, 8), generator=g),)
+
+
+BODIES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
+    "masked": (Mlp, masked_nll), "ctc": (Speech, ctc), "dice": (Seg, dice_ce),
+}
+
+
+def _train(rank: int, world: int, name: str, way: str,
+           tracer: str) -> tuple[list[tuple[float, float]], set[str]]:
+    body_cls, loss = BODIES[name]
+    torch.manual_seed(0)
+    body = body_cls()
+    model: nn.Module = {"loss_fn": body, "criterion": WithCriterion(body, loss),
+                        "inline": Inline(body, loss)}[way]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, tracer=tracer,
+                    replicas=(1, 2), micro_batches=2)
+    cm = rannc_fx.compile(model, opt, config, loss_fn=loss if way == "loss_fn" else None)
+    out = []
+    for step in range(STEPS):
+        x, targets = _data(name, LOCAL * world, step)
+        local = tuple(t[mine] for t in targets)
+        if way == "loss_fn":
+            got = cm(x[mine], target=local if len(local) > 1 else local[0])
+            want = loss(ref(x), *targets)
+        else:
+            got, want = cm(x[mine], *local), ref(x, *targets)
+        step_each((got, opt), (want, ref_opt))
+        out.append((float(got), float(want)))
+    assert cm.plan.tracer == tracer
+    return out, {n for gm in cm.stages for n, _ in gm.named_modules()}
+
+
+@pytest.mark.parametrize("name,way,tracer", [
+    ("masked", "loss_fn", "fx"), ("masked", "criterion", "export"),
+    ("ctc", "loss_fn", "export"), ("ctc", "criterion", "fx"),
+    ("dice", "loss_fn", "fx"), ("dice", "criterion", "export"),
+    ("masked", "inline", "fx"), ("ctc", "inline", "export"),
+])
+def test_a_loss_capture_cannot_trace_trains_like_one_process(name, way, tracer):
+    held: set[str] = set()
+    for losses, modules in run_ranks(_train, 3, name, way, tracer, timeout_s=60.0, wall_s=240.0):
+        held |= modules
+        for got, want in losses:
+            assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the data-dependent code runs eagerly as one node: the criterion, or the forward's pieces
+    eager = {"loss_fn": {"loss_fn"}, "criterion": {"criterion"},
+             "inline": {"forward_pre", "forward_post"}}[way]
+    assert eager <= {name.rpartition(".")[2] for name in held}, held  # a stage's or the tail's
+
+
+def test_a_criterion_is_kept_whole_and_a_loss_in_the_forward_itself_is_named():
+    body, loss = Mlp(), masked_nll
+    x, y = torch.randn(6, 6), torch.tensor([0, 1, 2, 3, 0, 4])  # two labels the mask drops
+    cg = capture_pass(WithCriterion(body, loss), (x, y), tracer="export")
+    assert set(cg.opaque) == {"criterion"}
+    assert cg.opaque["criterion"][0].reduces == "coupled"  # a mean over the kept labels
+
+    class Inline(nn.Module):  # the data-dependent code in the model's own forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = Mlp()
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return masked_nll(self.body(x), y)
+
+    with pytest.raises(CaptureError) as e:
+        capture_pass(Inline(), (x, y), tracer="export")
+    assert "loss_fn" in str(e.value) and "test_loss_fn.py" in str(e.value)
+
+
+class Tagger(nn.Module):
+    """A token tagger on a transformers encoder, its loss written in its own forward: a mean
+    over the tokens whose label is not -100, after a range check of the labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.encoder = transformers.BertModel(config, add_pooling_layer=False)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(input_ids).last_hidden_state
+        logits = self.head(h)
+        keep = labels != -100
+        if labels[keep].max() >= logits.shape[-1]:
+            raise ValueError("a label is not a class of the head")
+        return F.cross_entropy(logits[keep], labels[keep])
+
+
+def _tagger_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids, labels = torch.randint(0, 100, (n, 8), generator=g), torch.randint(0, 5, (n, 8), generator=g)
+    labels[torch.rand(n, 8, generator=g) < 0.3] = -100
+    return ids, labels
+
+
+def _train_tagger(rank: int, world: int) -> tuple[list[tuple[float, float]], str]:
+    torch.manual_seed(0)
+    model = Tagger()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0,
+                    replicas=(1, 2), micro_batches=2)
+    cm = rannc_fx.compile(model, opt, config)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    out = []
+    for step in range(STEPS):
+        ids, labels = _tagger_batch(4 * world, step)
+        got, want = cm(ids[mine], labels[mine]), ref(ids, labels)
+        step_each((got, opt), (want, ref_opt))
+        out.append((float(got), float(want)))
+    cm.eval()
+    ref.eval()
+    ids, labels = _tagger_batch(4 * world, 99)
+    with torch.no_grad():
+        out.append((float(cm(ids[mine], labels[mine])), float(ref(ids, labels))))
+    return out, cm.plan.tracer
+
+
+def test_a_loss_in_the_forward_itself_runs_eagerly_after_the_pipelined_body():
+    """An unmodified model: capture fails at the labels' range check in its forward, and the
+    forward's statements from there on run eagerly, once a step, after the traced encoder."""
+    for losses, tracer in run_ranks(_train_tagger, 3, timeout_s=60.0, wall_s=240.0):
+        assert tracer == "export"  # transformers' encoder: the one a new user gets ("auto")
+        for got, want in losses:
+            assert_close(got, want, rtol=1e-5, atol=1e-6)

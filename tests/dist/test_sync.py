@@ -1,0 +1,226 @@
+"""Training starts from rank 0's model: ranks that seed differently before building the model
+train exactly like one process started from rank 0's initial weights (its buffers, frozen,
+tied and host-memory parameters too) under 1 stage x 2, 2 x 1, 2 x 2, a lane of two stages
+and a plan from a file, and a meta-built model's ``init=`` draws the same values on every
+rank; with ``sync_module_states=False`` each rank keeps its own, so the replicas differ."""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import rannc_fx
+from rannc_fx.config import Config
+from rannc_fx.startup import sync
+
+from tests.dist_utils import run_ranks, snapshot, step_each
+
+# forced plans without the link probe or per-op profiling (they cost seconds a case)
+CFG = dict(profile_cache_dir=None, timeout_s=30.0, cost_model="analytic", link_bandwidth=1e9,
+           link_latency=1e-5, allreduce_bandwidth=1e9)
+TOL = dict(rtol=1e-5, atol=1e-6)
+LOCAL = 2  # samples per rank
+STEPS = 3
+
+
+class Net(nn.Module):
+    """Every kind of tensor a stage holds: Linear layers, an input layer tied to the head, a
+    frozen layer, a BatchNorm in eval mode (its running statistics shape the forward), a
+    persistent and a non-persistent buffer; all random, so differently seeded ranks differ."""
+
+    def __init__(self, d: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.norm = nn.BatchNorm1d(d).eval()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.frozen = nn.Linear(d, d).requires_grad_(False)
+        self.head = nn.Linear(d, d)
+        self.head.weight = self.embed.weight  # tied: read by the first and the last stage
+        self.shift: torch.Tensor
+        self.scale: torch.Tensor
+        self.register_buffer("shift", torch.empty(d))
+        self.register_buffer("scale", torch.empty(d), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.shift.is_meta:
+            return  # materialized by compile(init=...) instead
+        with torch.no_grad():
+            self.shift.uniform_(-0.5, 0.5)
+            self.scale.uniform_(0.5, 1.5)
+            self.norm.running_mean.normal_()
+            self.norm.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(x) + self.shift) * self.scale
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return F.mse_loss(self.head(self.frozen(h)), y)
+
+
+def _init(module: nn.Module) -> None:
+    """A meta-built Net's init: random draws for every tensor a module owns."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.3)
+        nn.init.uniform_(module.bias, -0.1, 0.1)
+    elif isinstance(module, nn.BatchNorm1d):
+        nn.init.uniform_(module.weight, 0.5, 1.5)
+        nn.init.zeros_(module.bias)
+        with torch.no_grad():
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+            module.num_batches_tracked.zero_()
+    elif isinstance(module, Net):
+        with torch.no_grad():
+            module.shift.uniform_(-0.5, 0.5)
+            module.scale.uniform_(0.5, 1.5)
+
+
+def _materialized(seed: int) -> Net:
+    """A meta-built Net as compile(init=_init) materializes it, whole, by the documented rule:
+    in model order, each module owning tensors inits them from torch's generator seeded with
+    (rank 0's seed + crc32 of the module's name) mod 2**63."""
+    with torch.device("meta"):
+        model = Net()
+    model.to_empty(device="cpu")
+    model.head.weight = model.embed.weight  # to_empty made one tensor of each name
+    done: set[int] = set()
+    with torch.random.fork_rng():
+        for name, mod in model.named_modules(remove_duplicate=False):
+            if id(mod) in done or not (mod._parameters or mod._buffers):
+                continue
+            done.add(id(mod))
+            torch.manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
+            _init(mod)
+    return model
+
+
+def _batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)  # the same global batch on every rank
+    return torch.randn(LOCAL * world, 16, generator=g), torch.randn(LOCAL * world, 16, generator=g)
+
+
+def _train(rank: int, world: int, cfg: dict[str, Any], how: str, tmp: str = "",
+           bucket: int | None = None) -> Any:
+    """Seed by rank, build, compile, check the start and 3 Adam steps against one process
+    started from rank 0's model. ``how``: "cpu", "meta" (init=), "file" (a saved plan),
+    "off" (sync_module_states=False: returns whether this rank started from rank 0's).
+    ``bucket``: the transfer's bucket bytes (a 16 x 16 weight is 1 KiB)."""
+    if bucket is not None:
+        sync.BUCKET_BYTES = bucket  # this forked rank's only
+    torch.manual_seed(rank)  # each rank draws its own model
+    if how == "meta":
+        with torch.device("meta"):
+            model = Net()
+        ref = _materialized(seed=0)  # rank 0's seed
+    else:
+        model = Net()
+        torch.manual_seed(0)
+        ref = Net()  # what rank 0 built
+    x, y = _batch(world)
+    lx, ly = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    config = Config(**CFG, **cfg, sync_module_states=how != "off")
+    plan = None
+    if how == "file":  # a plan made by an earlier compile, saved, loaded on every rank
+        first = rannc_fx.compile(copy.deepcopy(model), None, Config(**CFG, **cfg),
+                                 example_args=(lx, ly))
+        if rank == 0:
+            first.plan.save(tmp)
+        dist.barrier()
+        plan = tmp
+    cm = rannc_fx.compile(model, opt, config, plan, example_args=(lx, ly),
+                          init=_init if how == "meta" else None)
+    start = {k: v.clone() for k, v in cm.state_dict().items()}
+    assert start, "this rank holds no tensors"
+    differ = [k for k, v in start.items() if not torch.equal(v, ref.state_dict()[k])]
+    assert how == "off" or not differ, differ
+    before = snapshot(ref)
+    for _ in range(STEPS):
+        loss, want = cm(lx, ly), ref(x, y)
+        if how != "off":
+            assert_close(loss, want, **TOL)
+        step_each((loss, opt), (want, ref_opt))
+    if how == "off":
+        return not differ, {k: v.tolist() for k, v in cm.state_dict().items()}
+    moved = 0.0
+    for stage in cm.stages:
+        for name, p in stage.named_parameters():
+            want_p = ref.get_parameter(name).detach()
+            assert_close(p, want_p, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            moved = max(moved, float((want_p - before[name]).abs().max()))
+    assert moved > 1e-3  # the parameters trained, so equal ones mean equal training
+    return sorted(start)
+
+
+@pytest.mark.parametrize("world,cfg,how,bucket", [
+    (2, dict(replicas=(2,), micro_batches=2, tracer="fx"), "cpu", None),  # 1 stage x 2
+    (2, dict(replicas=(1, 1), micro_batches=2, tracer="export", host_params=True), "cpu", None),
+    # 2 x 2: lane 1 gets its tensors through its first rank; buckets of one weight, or of
+    # several smaller tensors
+    (4, dict(replicas=(2, 2), micro_batches=2, tracer="fx", zero=1), "cpu", 1024),
+    (2, dict(replicas=(1, 1), micro_batches=4, tracer="fx", schedule="interleaved"), "file", 1500),
+    (4, dict(replicas=(2, 2), micro_batches=2, tracer="export"), "meta", None),
+])
+def test_ranks_seeded_differently_train_like_one_process_from_rank_0s_model(
+    world, cfg, how, bucket, tmp_path
+):
+    held = run_ranks(_train, world, cfg, how, str(tmp_path / "plan.json"), bucket,
+                     timeout_s=30.0, wall_s=120.0)
+    # every tensor of the model was checked on some rank (export keeps no counter of a
+    # BatchNorm in eval mode: nothing reads it)
+    assert set().union(*held) >= set(Net().state_dict()) - {"norm.num_batches_tracked"}
+
+
+def test_without_the_transfer_each_rank_keeps_its_own_model():
+    cfg = dict(replicas=(2,), micro_batches=2, tracer="fx")
+    (first, a), (second, b) = run_ranks(_train, 2, cfg, "off", timeout_s=30.0, wall_s=120.0)
+    assert first and not second  # rank 1 started from its own draws, not rank 0's
+    assert any(a[k] != b[k] for k in a)  # and the replicas stay apart after the steps
+
+
+def _unlike(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Net()
+    if rank == 1:  # a buffer of another shape (it still broadcasts in the forward)
+        model.shift = torch.zeros(1)
+    x, y = _batch(world)
+    cfg = Config(**CFG, replicas=(2,), micro_batches=2, tracer="fx")
+    with pytest.raises(ValueError, match="the ranks built different models") as e:
+        rannc_fx.compile(model, None, cfg, example_args=(x[:LOCAL], y[:LOCAL]))
+    return str(e.value)
+
+
+def test_ranks_that_built_different_models_are_refused_on_every_rank():
+    messages = run_ranks(_unlike, 2, timeout_s=30.0, wall_s=120.0)
+    assert messages[0] == messages[1] and "rank 1's stage(s) [0]" in messages[0]
+
+
+
+def test_a_bucket_holds_mixed_dtypes_at_aligned_offsets_and_a_lone_tensor_travels_in_place():
+    tensors = [torch.tensor([True, False, True]), torch.randn(3, dtype=torch.float64),
+               torch.arange(5), torch.randn(4, 6).t(), torch.randn(3).to(torch.bfloat16),
+               torch.randn(())]  # fmt: skip
+    buf, offsets = sync._wire(tensors, torch.device("cpu"))
+    assert offsets is not None and buf.dtype == torch.uint8
+    for t, o in zip(tensors, offsets, strict=True):
+        assert o % t.element_size() == 0
+        sync._slot(buf, o, t).copy_(t)  # the sender packs
+    for t, o in zip(tensors, offsets, strict=True):
+        got = torch.zeros_like(t)
+        got.copy_(sync._slot(buf, o, t))  # a receiver unpacks
+        assert torch.equal(got, t)
+    lone = torch.randn(4, 4)
+    buf, offsets = sync._wire([lone], torch.device("cpu"))
+    assert offsets is None and buf.data_ptr() == lone.data_ptr() and buf.numel() == 64
+    buf, offsets = sync._wire([lone.t()], torch.device("cpu"))  # not contiguous: packed
+    assert offsets == [0] and buf.data_ptr() != lone.data_ptr()
