@@ -1,5 +1,6 @@
 """Batches of another size than the plan's (the last smaller batch of an epoch, or a larger
-one) train like one process on the global batch; unequal local batches fail on every rank."""
+one) train like one process on the global batch; unequal local batches fail on every rank.
+In one process: ``unit/test_batch_sizes.py``."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ from torch.testing import assert_close
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example, mlp_example
-from rannc_fx.runtime import rebatched
-
-from tests.dist_utils import make_plan, run_ranks, scalar, tensor
+from tests.dist_utils import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 PLANNED = 4  # samples per rank in the example batch the plan is made for
@@ -103,17 +102,3 @@ def test_ranks_that_disagree_fail_on_every_rank_at_once(what, expected):
     # wall_s below the 30 s timeout: no rank may wait for the one that failed
     for message in run_ranks(_disagreeing, 2, what, timeout_s=30.0, wall_s=20.0):
         assert re.search(expected, message), message
-
-
-def test_a_batch_too_small_for_the_replicas_is_refused_with_the_way_out():
-    values = {"x": tensor("x", (1, 4)), "h": tensor("h", (1, 4), requires_grad=True),
-              "y": tensor("y", (1,)), "loss": scalar("loss")}
-    plan = make_plan(global_batch=8, micro_batches=4, replicas=(3, 1), values=values,
-                     inputs=["x", "y"], stage_io=[(["x"], ["h"]), (["h", "y"], ["loss"])],
-                     outputs=["loss"])
-    assert rebatched(plan, 5).micro_batches == 1  # each micro-batch needs 3 samples
-    assert rebatched(plan, 6).micro_batches == 2
-    assert rebatched(plan, 6).stages == plan.stages
-    assert rebatched(plan, 16).micro_batches == 4  # larger: the plan's count
-    with pytest.raises(ValueError, match=r"2 sample\(s\) cannot feed stage 0's 3 replicas"):
-        rebatched(plan, 2)

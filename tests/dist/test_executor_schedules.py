@@ -17,20 +17,8 @@ from rannc_fx.runtime.executor import Mode
 from rannc_fx.runtime.schedule import Kind
 
 from tests.dist_utils import run_ranks
-from tests.dist.test_executor import (
-    CASES,
-    H8,
-    LOCAL,
-    TOL,
-    XY,
-    Case,
-    _bn_buffers,
-    _local,
-    _same_everywhere,
-    _setup,
-    _train,
-    _xy,
-)
+from tests.dist.test_executor import _bn_buffers, _local, _same_everywhere, _setup, _train
+from tests.executor_cases import CASES, H8, LOCAL, TOL, XY, Case, _xy
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])

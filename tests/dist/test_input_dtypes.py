@@ -1,5 +1,6 @@
 """Inputs of another dtype than the plan's: converted where the model casts them first, else
-refused on every rank; never read as the planned dtype's bytes."""
+refused on every rank; never read as the planned dtype's bytes. The casts capture trusts:
+``unit/test_input_dtypes.py``."""
 
 from __future__ import annotations
 
@@ -17,32 +18,10 @@ from rannc_fx.passes.capture import capture_pass
 from rannc_fx.passes.input_casts import input_casts
 
 from tests.dist_utils import run_ranks, step_each
+from tests.unit.test_input_dtypes import Casts, _batch
+
 
 LOCAL = 4  # samples per rank
-
-
-class Casts(nn.Module):
-    """Casts its features and labels itself (no-ops on the planned dtypes); reads its token
-    ids as they are."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.a = nn.Linear(10, 16)
-        self.b = nn.Linear(16, 16)
-        self.c = nn.Linear(16, 5)
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        h = torch.cat([x, self.emb(ids).mean(1)], -1)
-        h = self.b(self.a(h).tanh()).tanh()
-        return F.cross_entropy(self.c(h), y.long())
-
-
-def _batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, 6, generator=g), torch.randint(0, 10, (n, 3), generator=g),
-            torch.randint(0, 5, (n,), generator=g))
 
 
 # (what each call changes: input -> (dtype, the ranks that pass it)), whether a cast is seen
@@ -111,17 +90,3 @@ def test_inputs_of_another_dtype_are_converted_as_the_model_does_or_refused(trac
         planned = ["float32", "int64", "int64"][j]
         assert f"({name!r})" in seen[0] and planned in seen[0], seen[0]
         assert str(dtype).removeprefix("torch.") in seen[0], seen[0]
-
-
-def test_only_a_cast_that_is_the_inputs_one_use_converts():
-    x, ids, y = _batch(4, 0)
-    fx_graph = capture_pass(Casts(), (x, ids, y), tracer="fx")
-    assert input_casts(fx_graph.gm) == {0: torch.float32, 2: torch.int64}
-
-    class Twice(nn.Module):  # reads x itself too: converting it would change that read
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x.float() + x
-
-    assert input_casts(capture_pass(Twice(), (x,), tracer="fx").gm) == {}
-    # torch.export reads `x.float()`'s result for `x` too: none of its casts is trusted
-    assert input_casts(capture_pass(Casts(), (x, ids, y), tracer="export").gm) == {}

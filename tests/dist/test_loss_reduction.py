@@ -19,20 +19,11 @@ import rannc_fx
 from rannc_fx.config import Config
 
 from tests.dist_utils import assert_like_reference, run_ranks, step_each
+from tests.unit.test_loss_reduction import SEQ, SummedMLP, VOCAB, _batch
+
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
-VOCAB, SEQ = 50, 10
-
-
-class SummedMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(self.layers(x)), y, reduction="sum")
 
 
 class TokenLM(nn.Module):
@@ -51,18 +42,6 @@ class TokenLM(nn.Module):
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                                 reduction="sum")
         return total / n_tokens
-
-
-def _batch(name: str, samples: int, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    if name == "sum":
-        return torch.randn(samples, 8, generator=g), torch.randint(0, 5, (samples,), generator=g)
-    ids = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
-    labels = torch.roll(ids, -1, dims=1)
-    # every sample its own padding: the slices' counts differ, so share weights would be wrong
-    pad = torch.randint(0, SEQ - 1, (samples,), generator=g)
-    labels[torch.arange(SEQ)[None, :] >= (SEQ - pad)[:, None]] = -100
-    return ids, labels
 
 
 def _train(rank: int, world: int, name: str, cfg: dict[str, Any], accumulate: int) -> list[float]:
@@ -125,18 +104,6 @@ def test_summed_and_globally_counted_losses_train_like_one_process(name, world, 
                                                                    accumulate):
     losses = run_ranks(_train, world, name, cfg, accumulate, timeout_s=60.0, wall_s=180.0)
     assert all(run == losses[0] for run in losses)
-
-
-def test_the_option_reaches_the_plan_and_reads_from_the_environment():
-    assert Config().loss_reduction == "mean"
-    cfg = Config.from_env(environ={"RANNC_FX_LOSS_REDUCTION": "sum"})
-    assert cfg.loss_reduction == "sum"
-    x, y = _batch("sum", 8, 0)
-    part = rannc_fx.partition(SummedMLP(), (x, y), world_size=2,
-                              config=Config(profile_cache_dir=None, stages=2,
-                                            loss_reduction="sum"))
-    assert part.plan.loss_reduction == "sum"
-    assert rannc_fx.Plan.from_json(part.plan.to_json()).loss_reduction == "sum"
 
 
 def _llama_batch(samples: int, seed: int) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from rannc_fx.startup.placement import rank_device
 
 from tests.dist_utils import run_ranks
 
+
 CFG = dict(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0)
 
 
@@ -240,15 +241,6 @@ def test_measuring_a_meta_model_is_refused_with_the_way_out():
     (message,) = run_ranks(_measured_on_meta, 1, timeout_s=30.0, wall_s=60.0)
     assert "cost_model='measured'" in message and "on the meta device" in message
     assert "cost_model='auto'" in message
-
-
-def test_the_rank_device_follows_local_rank(monkeypatch):
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    assert rank_device("cuda") == torch.device("cuda", 3)
-    assert rank_device("cuda:1") == torch.device("cuda", 1)
-    assert rank_device("cpu") == torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert rank_device(None) == torch.device("cpu")
 
 
 def _hf_from_meta(rank: int, world: int, name: str) -> list[float]:

@@ -16,8 +16,8 @@ from torch import fx, nn
 from torch.testing import assert_close
 
 from rannc_fx.runtime import AloneExecutor, StageExecutor, build_executor
-from tests.dist.test_executor import CASES, LM_VALUES, TOL, XY, Aux, BNNet, Case, TiedLM, _ids, _xy
 from tests.dist_utils import tensor
+from tests.executor_cases import CASES, LM_VALUES, TOL, XY, Aux, BNNet, Case, TiedLM, _ids, _xy
 
 EXACT = dict(rtol=0.0, atol=0.0)
 
