@@ -5,7 +5,6 @@ a non-finite norm raises on every rank; a call before ``loss.backward()`` is ref
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from typing import Any
@@ -15,13 +14,9 @@ import torch
 from torch.testing import assert_close
 
 from rannc_fx.compile import compile as rannc_compile
-from rannc_fx.config import Config
 from rannc_fx.models import gpt_example, mlp_example
-from rannc_fx.runtime.clip import counted_by
-
-from tests.dist_utils import make_plan, run_ranks, scalar, tensor
-from tests.dist.test_compile import LOCAL, TOL, _example, _local, _loss, _warm
-
+from tests.dist_utils import local_part, run_ranks
+from tests.harness import Run, example, optimizer, test_config, train_against_reference
 
 INF = math.inf
 
@@ -52,52 +47,37 @@ FACTORY = {"mlp": mlp_example, "gpt": functools.partial(gpt_example, layers=1),
 MAX_NORM = {"mlp": 0.1, "gpt": 0.5, "tanh": 0.1}
 
 
-def _config(**cfg: Any) -> Config:
-    """Forced plans without the link probe or per-op profiling (they cost seconds a case)."""
-    return Config(
-        profile_cache_dir=None, timeout_s=60.0, cost_model="analytic", link_bandwidth=1e9,
-        link_latency=1e-5, allreduce_bandwidth=1e9, **cfg,
-    )  # fmt: skip
+LOCAL = 2  # samples per rank
+# forced plans without the link probe or per-op profiling (they cost seconds a case)
+ANALYTIC = dict(cost_model="analytic", link_bandwidth=1e9, link_latency=1e-5,
+                allreduce_bandwidth=1e9)
+# eps well above a clipped gradient's entries: Adam then sees the clipping factor
+# (with a tiny eps its step is nearly invariant to the gradient's scale)
+ADAM = optimizer(torch.optim.Adam, lr=0.01, eps=1e-3)
 
 
-def _train_clipped(
-    rank: int, world: int, name: str, cfg: dict[str, Any], norm_type: float, steps: int = 3,
-    foreach: bool | None = None,
-) -> list[float]:
-    g = LOCAL * world
-    seen = _record_foreach() if foreach is not None else []
-    torch.manual_seed(0)
-    model, args, kwargs = FACTORY[name](batch=g)
-    ref = copy.deepcopy(model)
-    # eps well above a clipped gradient's entries: Adam then sees the clipping factor
-    # (with a tiny eps its step is nearly invariant to the gradient's scale)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-3)
-    cm = rannc_compile(model, opt, _config(**cfg))
-    largs, lkwargs = _local((args, kwargs), rank, g)
-    max_norm, norms = MAX_NORM[name], []
-    for _ in range(steps):
-        out, want = cm(*largs, **lkwargs), ref(*args, **kwargs)
-        _loss(out).backward()
-        _loss(want).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
-        if norm_type != -INF:  # the smallest entry is below any max_norm: no clipping
-            assert max_norm / (ref_norm.item() + 1e-6) < 1  # the reference did clip
-        norm = cm.clip_grad_norm_(max_norm, norm_type, foreach=foreach)
+def _foreach_reached_torch(run: Run) -> None:
+    """The option reached torch's norm (where the rank counts any gradient) and scaling on
+    this rank."""
+    seen = run.installed
+    assert "clip_grads_with_norm_" in {f for f, _ in seen}
+    assert all(v is run.spec.clip_kw["foreach"] for _, v in seen), seen
+
+
+def _train_clipped(name: str, world: int, cfg: dict[str, Any], norm_type: float,
+                   foreach: bool | None = None) -> list[list[float]]:
+    """3 clipped Adam steps against one process clipped by torch's own function: the norms
+    (each rank's), the losses and every parameter."""
+    got = train_against_reference(
+        functools.partial(FACTORY[name], batch=LOCAL * world), {**ANALYTIC, **cfg}, world,
+        optimizer=ADAM, example=False, clip=(MAX_NORM[name], norm_type),
+        clip_kw=dict(foreach=foreach),
         # -inf's smallest entry is a near-cancelling sum: micro-batches round it by ~1e-4
-        assert_close(norm, ref_norm, rtol=1e-3 if norm_type == -INF else 1e-5, atol=0)
-        norms.append(norm.item())
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    for stage in cm.stages:  # one, or a lane's several
-        for pname, p in stage.named_parameters():
-            assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
-    if foreach is not None:  # the option reached torch's norm (where the rank counts any
-        # gradient) and scaling on this rank
-        assert "clip_grads_with_norm_" in {f for f, _ in seen}
-        assert all(v is foreach for _, v in seen), seen
-    return norms
+        clip_tol=dict(rtol=1e-3 if norm_type == -INF else 1e-5, atol=0),
+        clipped=norm_type != -INF,  # the smallest entry is below any max_norm: no clipping
+        setup=_record_foreach if foreach is not None else None,
+        check=_foreach_reached_torch if foreach is not None else None)
+    return [t.norms for t in got]
 
 
 def _record_foreach() -> list[tuple[str, Any]]:
@@ -130,8 +110,7 @@ def _record_foreach() -> list[tuple[str, Any]]:
     ],
 )
 def test_clips_like_one_process(name, world, cfg, norm_type):
-    _warm(name)
-    norms = run_ranks(_train_clipped, world, name, cfg, norm_type, timeout_s=60.0, wall_s=120.0)
+    norms = _train_clipped(name, world, cfg, norm_type)
     assert all(n == norms[0] for n in norms)  # bit for bit the same norm on every rank
 
 
@@ -147,20 +126,19 @@ def test_clips_like_one_process(name, world, cfg, norm_type):
     ],
 )
 def test_other_norm_types_and_foreach_clip_like_one_process(name, world, cfg, norm_type, foreach):
-    _warm("mlp" if name == "tanh" else name)
-    norms = run_ranks(_train_clipped, world, name, cfg, norm_type, 3, foreach, timeout_s=60.0,
-                      wall_s=120.0)
+    norms = _train_clipped(name, world, cfg, norm_type, foreach)
     assert all(n == norms[0] for n in norms)
     assert min(norms[0]) > 0  # (a norm of 0 would hide the sign of -inf's reduction)
 
 
 def _refusals(rank: int, world: int, schedule: str) -> None:
-    model, args, _ = _example("mlp", LOCAL * world)
+    model, args, _ = example("mlp", LOCAL * world)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cm = rannc_compile(model, opt, _config(replicas=(1, 1), micro_batches=2, schedule=schedule))
+    cm = rannc_compile(model, opt, test_config(**ANALYTIC, replicas=(1, 1), micro_batches=2,
+                                               schedule=schedule))
     with pytest.raises(RuntimeError, match="before the first call"):
         cm.clip_grad_norm_(1.0)
-    loss = cm(*_local(args, rank, LOCAL * world))
+    loss = cm(*local_part(args, rank, LOCAL * world, LOCAL))
     with pytest.raises(RuntimeError, match=r"before loss\.backward\(\) of step 1"):
         cm.clip_grad_norm_(1.0)
     loss.backward()
@@ -178,5 +156,4 @@ def _refusals(rank: int, world: int, schedule: str) -> None:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_refuses_before_backward_and_raises_on_every_rank_when_nonfinite(schedule):
-    _warm("mlp")
     run_ranks(_refusals, 2, schedule, timeout_s=60.0)

@@ -5,88 +5,31 @@ against a deep-copied single-process reference trained on the global batch."""
 from __future__ import annotations
 
 import copy
-import importlib
+import functools
 from typing import Any
 
 import pytest
 import torch
 from torch.testing import assert_close
-from torch.utils import _pytree as pytree
 
 from rannc_fx.compile import compile as rannc_compile
-from rannc_fx.config import Config
-
 from tests.dist_utils import local_part, run_ranks
+from tests.harness import TOL, Run, example, optimizer, test_config, train_against_reference
 
-TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 2  # samples per rank
-
-ZOO = {
-    "mlp": ("rannc_fx.models", "mlp_example"),
-    "cnn": ("rannc_fx.models", "cnn_example"),
-    "gpt": ("rannc_fx.models", "gpt_example"),
-    "gpt2": ("tests.hf_models", "gpt2_example"),
-    "bert": ("tests.hf_models", "bert_example"),
-    "resnet": ("tests.hf_models", "resnet_example"),
-    "llama": ("tests.hf_models", "llama_example"),
-    "tied-llama": ("tests.hf_models", "tied_llama_example"),
-    "t5": ("tests.hf_models", "t5_example"),
-}
-
-
-def _warm(name: str) -> None:
-    """Import the model's module here (the ranks' fork server preloads its own modules:
-    ``dist_utils._PRELOAD``; a rank imports what is missing there)."""
-    importlib.import_module(ZOO[name][0])
-    import torch.export  # noqa: F401
-
-
-def _example(name: str, batch: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
-    module, factory = ZOO[name]
-    torch.manual_seed(0)
-    return getattr(importlib.import_module(module), factory)(batch=batch)
 
 
 def _local(tree: Any, rank: int, global_batch: int) -> Any:
     return local_part(tree, rank, global_batch, LOCAL)
 
 
-def _loss(out: Any) -> torch.Tensor:
-    return out["loss"] if isinstance(out, dict) else out
-
-
-def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5) -> float:
-    g = LOCAL * world
-    model, args, kwargs = _example(name, g)
-    ref = copy.deepcopy(model)
-    # eps=1e-4: attention key biases have exactly zero gradient in exact arithmetic (softmax
-    # ignores a constant per query), so their float gradients are summation-order noise
-    # (~1e-9) that Adam's default eps=1e-8 would blow up into steps of +-lr.
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, **cfg)
-    cm = rannc_compile(model, opt, config)
-    largs, lkwargs = _local((args, kwargs), rank, g)
-    for _ in range(steps):
-        out = cm(*largs, **lkwargs)
-        want = ref(*args, **kwargs)
-        assert_close(_loss(out), _loss(want), **TOL)
-        got, exp = pytree.tree_leaves(out), pytree.tree_leaves(_local(want, rank, g))
-        assert len(got) == len(exp)
-        for a, b in zip(got, exp, strict=True):  # logits etc.: this rank's samples
-            assert_close(a, b.detach(), **TOL)
-        _loss(out).backward()
-        _loss(want).backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+def _checks(run: Run) -> None:
+    """What the compiled model holds and shows, and the plan made for the case's config."""
+    cm, cfg, rank, world = run.cm, run.spec.config, run.rank, run.world
     # this rank's stages (one, or a lane's several) hold every parameter the model still has
     named = {n: p for stage in cm.stages for n, p in stage.named_parameters()}
     held = {id(p): p for p in named.values()}.values()
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in held)
-    for pname, p in named.items():
-        assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    assert sum(p.numel() for p in run.model.parameters()) == sum(p.numel() for p in held)
     assert cm.plan.world_size == world and f"rank {rank} runs stage" in repr(cm)
     assert f"rank {world - 1} " in repr(cm).split("one step:")[1]  # a grid row per rank
     if "schedule" in cfg:
@@ -100,7 +43,14 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     # the user's Adam was timed for the plan: every stage with parameters has a step cost
     assert all((st.optimizer_ms > 0) == (st.memory.grads > 0) for st in cm.plan.stages), [
         (st.index, st.optimizer_ms, st.memory.grads, st.param_names) for st in cm.plan.stages]
-    return _loss(out).item()
+
+
+def train_zoo_model(name: str, world: int, cfg: dict[str, Any]) -> None:
+    """5 Adam steps of the zoo's ``name`` on ``world`` ranks (``LOCAL`` samples each, the first
+    call plans) against one process: losses, every output (this rank's samples) and every
+    parameter, then ``_checks``; ``test_compile_hf`` runs the transformers models so."""
+    train_against_reference(functools.partial(example, name, LOCAL * world), cfg, world,
+                            steps=5, example=False, outputs=True, check=_checks)
 
 
 @pytest.mark.parametrize(
@@ -120,9 +70,7 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], steps: int = 5
     ],
 )
 def test_trains_like_one_process(name, world, cfg):
-    _warm(name)
-    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
-    assert len(set(losses)) == 1
+    train_zoo_model(name, world, cfg)
 
 
 @pytest.mark.parametrize(
@@ -147,15 +95,13 @@ def test_trains_like_one_process(name, world, cfg):
     ],
 )
 def test_schedules_and_recomputation_train_like_one_process(name, world, cfg):
-    _warm(name)
-    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
-    assert len(set(losses)) == 1
+    train_zoo_model(name, world, cfg)
 
 
 def _saved_plan(rank: int, world: int, path: str) -> None:
-    model, args, kwargs = _example("mlp", LOCAL * world)
+    model, args, kwargs = example("mlp", LOCAL * world)
     local_args = _local(args, rank, LOCAL * world)
-    cfg = Config(replicas=(1,) * world, micro_batches=2, profile_cache_dir=None)
+    cfg = test_config(replicas=(1,) * world, micro_batches=2)
     first = rannc_compile(copy.deepcopy(model), None, cfg)
     loss = first(*local_args)
     if rank == 0:
@@ -171,7 +117,7 @@ def _saved_plan(rank: int, world: int, path: str) -> None:
 
 
 def _wrong_world(rank: int, world: int, path: str) -> None:
-    model, args, _ = _example("mlp", LOCAL)
+    model, args, _ = example("mlp", LOCAL)
     with pytest.raises(ValueError, match="the plan is for 2 ranks but 1 are running"):
         rannc_compile(model, None, plan=path)(*args)
 
@@ -198,7 +144,7 @@ def _dropout(rank: int, world: int) -> list[float]:
     model = DropoutMLP()
     x, y = torch.randn(LOCAL * world, 16), torch.randint(0, 4, (LOCAL * world,))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    cfg = Config(replicas=(1, 1), micro_batches=2, profile_cache_dir=None)
+    cfg = test_config(replicas=(1, 1), micro_batches=2)
     cm = rannc_compile(model, opt, cfg)
     losses = []
     for _ in range(30):
@@ -232,36 +178,31 @@ class SeqFirst(torch.nn.Module):
         return loss, logits
 
 
-def _interleaved_output(rank: int, world: int, cfg: dict[str, Any]) -> None:
-    torch.manual_seed(0)
-    model, g = SeqFirst(), LOCAL * world
-    x, y = torch.randn(g, 3, 6), torch.randint(0, 5, (g, 3))
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    cm = rannc_compile(model, opt, Config(profile_cache_dir=None, profile_repeats=1, **cfg))
-    lx, ly = _local((x, y), rank, g)
-    for _ in range(3):
-        loss, logits = cm(lx, ly)
-        assert cm.plan.outputs[1].spec.interleave == 3
+def _seq_first(samples: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], dict]:
+    return SeqFirst(), (torch.randn(samples, 3, 6), torch.randint(0, 5, (samples, 3))), {}
+
+
+def _interleaved_steps(run: Run) -> None:
+    """The logits against the reference's on this rank's samples (the layout of a local
+    batch), the loss against the global batch's."""
+    for step in range(1, 4):
+        batch = run.batch(step)
+        (args, _), _ = run.split(batch)
+        out, want = run.call(batch)
+        assert run.cm.plan.outputs[1].spec.interleave == 3
         with torch.no_grad():
-            assert_close(logits, ref(lx, ly)[1], **TOL)  # laid out as for the local batch
-        want = ref(x, y)[0]
-        assert_close(loss, want, **TOL)
-        loss.backward()
-        want.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    for pname, p in cm.stages[0].named_parameters():
-        assert_close(p, ref.get_parameter(pname), **TOL)
+            assert_close(out[1], run.ref(*args)[1], **TOL)  # laid out as for the local batch
+        run.backward(out, want)
+        run.step()
 
 
 @pytest.mark.parametrize(
     "world,cfg", [(2, dict(replicas=(1, 1), micro_batches=1)), (3, dict(replicas=(2, 1)))]
 )
 def test_an_interleaved_output_comes_back_in_the_local_layout(world, cfg):
-    run_ranks(_interleaved_output, world, cfg, timeout_s=60.0)
+    train_against_reference(functools.partial(_seq_first, LOCAL * world), cfg, world,
+                            optimizer=optimizer(torch.optim.Adam, lr=0.01), example=False,
+                            loop=_interleaved_steps)
 
 
 class HalfRows(torch.nn.Module):
@@ -278,7 +219,7 @@ class HalfRows(torch.nn.Module):
 
 def _unroutable(rank: int, world: int) -> None:
     torch.manual_seed(0)
-    cm = rannc_compile(HalfRows(), None, Config(profile_cache_dir=None, micro_batches=1))
+    cm = rannc_compile(HalfRows(), None, test_config(micro_batches=1))
     with pytest.raises(ValueError, match=r"model output 1 \('reshape'.*interleaved.*"
                        r"view\(seq, batch, -1\)"):
         cm(torch.randn(LOCAL, 4))

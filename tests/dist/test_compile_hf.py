@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_ranks
-from tests.dist.test_compile import _train, _warm
+from tests.dist.test_compile import train_zoo_model
 
 pytest.importorskip("transformers")
 
@@ -21,9 +20,7 @@ pytest.importorskip("transformers")
     ],
 )
 def test_hf_trains_like_one_process(name, world, cfg):
-    _warm(name)
-    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
-    assert len(set(losses)) == 1
+    train_zoo_model(name, world, cfg)
 
 
 @pytest.mark.slow
@@ -62,6 +59,4 @@ def test_hf_trains_like_one_process(name, world, cfg):
     ],
 )
 def test_hf_schedules_and_recomputation(name, world, cfg):
-    _warm(name)
-    losses = run_ranks(_train, world, name, cfg, timeout_s=60.0, wall_s=120.0)
-    assert len(set(losses)) == 1
+    train_zoo_model(name, world, cfg)

@@ -4,21 +4,17 @@ differ between the ranks in one call, fail on every rank at once with the way ou
 
 from __future__ import annotations
 
-import copy
+import functools
 import re
-from typing import Any
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
+from tests.dist_utils import run_ranks
+from tests.harness import Run, test_config, train_against_reference
 
-from tests.dist_utils import assert_like_reference, run_ranks, step_each
-
-TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
 LONGEST = 24  # the example's length: the plan's largest
 
@@ -60,28 +56,21 @@ def _batch(name: str, samples: int, length: int, seed: int) -> dict[str, torch.T
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _train(rank: int, world: int, name: str, cfg: dict[str, Any], lengths: list[int]) -> list[float]:
-    model = _model(name)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
-    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    example = {k: v[mine] for k, v in _batch(name, LOCAL * world, LONGEST, seed=0).items()}
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, **cfg)
-    cm = rannc_fx.compile(model, opt, config, example_kwargs=example)
-    assert [d.size for d in cm.plan.dynamic_dims] and all(
-        d.size == LONGEST for d in cm.plan.dynamic_dims)
-    losses = []
-    for step, length in enumerate(lengths):
-        batch = _batch(name, LOCAL * world, length, seed=step + 1)
-        out = cm(**{k: v[mine] for k, v in batch.items()})
-        want = ref(**batch)
-        assert_close(out["loss"], want["loss"], **TOL)
+def _step_batch(name: str, world: int, lengths: tuple[int, ...], step: int
+                ) -> dict[str, torch.Tensor]:
+    """Step ``step``'s batch: ``lengths[step - 1]`` tokens (step 0, the example: the longest)."""
+    length = LONGEST if step == 0 else lengths[step - 1]
+    return _batch(name, LOCAL * world, length, seed=step)
+
+
+def _every_length(name: str, lengths: tuple[int, ...], run: Run) -> None:
+    assert [d.size for d in run.cm.plan.dynamic_dims] and all(
+        d.size == LONGEST for d in run.cm.plan.dynamic_dims)
+    for step, length in enumerate(lengths, 1):
+        out, want = run.call(run.batch(step))
         assert out["logits"].shape[:2] == (LOCAL, length) or name == "bert-cls"
-        step_each((out["loss"], opt), (want["loss"], ref_opt))
-        losses.append(out["loss"].item())
-    assert_like_reference(cm.stages, ref, **TOL)
-    return losses
+        run.backward(out, want)
+        run.step()
 
 
 @pytest.mark.parametrize(
@@ -93,18 +82,19 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], lengths: list[
     ],
 )
 def test_every_length_up_to_the_plan_s_trains_like_one_process(name, world, cfg):
-    lengths = [LONGEST, 13, 2, 19, LONGEST, 13]  # 13 twice: its executor is kept
-    losses = run_ranks(_train, world, name, cfg, lengths, timeout_s=30.0, wall_s=240.0)
-    assert all(run == losses[0] for run in losses)
+    lengths = (LONGEST, 13, 2, 19, LONGEST, 13)  # 13 twice: its executor is kept
+    train_against_reference(functools.partial(_model, name), cfg, world,
+                            data=functools.partial(_step_batch, name, world, lengths),
+                            loop=functools.partial(_every_length, name, lengths),
+                            timeout_s=30.0, wall_s=240.0)
 
 
 def _refused(rank: int, world: int, what: str) -> tuple[str, float]:
     model = _model("gpt")
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     batch = {k: v[mine] for k, v in _batch("gpt", LOCAL * world, LONGEST, seed=0).items()}
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=90.0, micro_batches=2,
-                 replicas=(2, 1) if world == 3 else (1, 1),
-                 dynamic_dims="batch" if what == "batch only" else "auto")
+    cfg = test_config(timeout_s=90.0, micro_batches=2, replicas=(2, 1) if world == 3 else (1, 1),
+                      dynamic_dims="batch" if what == "batch only" else "auto")
     cm = rannc_fx.compile(model, None, cfg, example_kwargs=batch)
     if what == "longer":
         bad = {k: torch.cat([v, v[:, :8]], dim=1) for k, v in batch.items()}

@@ -5,25 +5,19 @@ share of samples, exact for a mean over samples)."""
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.testing import assert_close
 
-import rannc_fx
-from rannc_fx.config import Config
+from tests.harness import Batch, Run, as_batch, optimizer, train_against_reference
+from tests.unit.test_loss_reduction import SEQ, VOCAB, SummedMLP, _batch
 
-from tests.dist_utils import assert_like_reference, run_ranks, step_each
-from tests.unit.test_loss_reduction import SEQ, SummedMLP, VOCAB, _batch
-
-
-TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
+ADAM = optimizer(torch.optim.Adam, lr=0.01)
 
 
 class TokenLM(nn.Module):
@@ -44,50 +38,30 @@ class TokenLM(nn.Module):
         return total / n_tokens
 
 
-def _train(rank: int, world: int, name: str, cfg: dict[str, Any], accumulate: int) -> list[float]:
-    torch.manual_seed(0)
-    model = SummedMLP() if name == "sum" else TokenLM()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+def _inputs(name: str, batch: Batch, rank: int, world: int) -> tuple[Batch, Batch]:
+    """This rank's part and the whole batch; the token LM's also get the global batch's count
+    of counted tokens, which each rank adds up from every rank's own count."""
+    whole = batch[0]
+    mine = tuple(t[rank * LOCAL:(rank + 1) * LOCAL] for t in whole)
+    if name == "sum":
+        return (mine, {}), (whole, {})
+    counted = (mine[1] != -100).sum().float()
+    dist.all_reduce(counted)  # the recipe: the global count from every rank's own, in one line
+    return ((*mine, counted), {}), ((*whole, (whole[1] != -100).sum().float()), {})
 
-    def inputs(batch: tuple[torch.Tensor, ...], local: bool) -> tuple[torch.Tensor, ...]:
-        cut = tuple(t[mine] for t in batch) if local else batch
-        if name == "sum":
-            return cut
-        counted = (cut[1] != -100).sum().float()
-        if local:  # the recipe: the global count from every rank's own count, in one line
-            dist.all_reduce(counted)
-        return (*cut, counted)
 
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0,
-                    loss_reduction="sum", **cfg)
-    cm = rannc_fx.compile(model, opt, config,
-                          example_args=inputs(_batch(name, LOCAL * world, 0), local=True))
-    assert cm.plan.loss_reduction == "sum"
-    losses = []
+def _accumulating(name: str, accumulate: int, run: Run) -> None:
+    """3 steps of ``accumulate`` calls each (gradient accumulation), scaled by GradScaler,
+    clipped, the norms compared."""
     for step in range(3):
-        for k in range(accumulate):  # gradient accumulation: several calls, one step
-            batch = _batch(name, LOCAL * world, 10 * step + k + 1)
-            out, want = cm(*inputs(batch, local=True)), ref(*inputs(batch, local=False))
-            assert_close(out, want, **TOL)
-            scaler.scale(out).backward()
-            ref_scaler.scale(want).backward()
-            losses.append(out.item())
-        for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
-            s.unscale_(o)
-        norm = cm.clip_grad_norm_(1.0)
-        ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        assert_close(norm, ref_norm, **TOL)
-        for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
-            s.step(o)
-            s.update()
-            o.zero_grad()
-    assert_like_reference(cm.stages, ref, **TOL)
-    return losses
+        for k in range(accumulate):
+            out, want = run.call(as_batch(_batch(name, LOCAL * run.world, 10 * step + k + 1)))
+            run.backward(out, want)
+        run.step()
+
+
+def _summed_plan(run: Run) -> None:
+    assert run.cm.plan.loss_reduction == "sum"
 
 
 @pytest.mark.parametrize(
@@ -102,8 +76,13 @@ def _train(rank: int, world: int, name: str, cfg: dict[str, Any], accumulate: in
 )
 def test_summed_and_globally_counted_losses_train_like_one_process(name, world, cfg,
                                                                    accumulate):
-    losses = run_ranks(_train, world, name, cfg, accumulate, timeout_s=60.0, wall_s=180.0)
-    assert all(run == losses[0] for run in losses)
+    model = SummedMLP if name == "sum" else TokenLM
+    train_against_reference(
+        model, dict(loss_reduction="sum", **cfg), world, optimizer=ADAM,
+        data=functools.partial(_batch, name, LOCAL * world),
+        split=functools.partial(_inputs, name), scaler=2.0**10, clip=1.0,
+        loop=functools.partial(_accumulating, name, accumulate), check=_summed_plan,
+        wall_s=180.0)
 
 
 def _llama_batch(samples: int, seed: int) -> dict[str, torch.Tensor]:
@@ -116,39 +95,24 @@ def _llama_batch(samples: int, seed: int) -> dict[str, torch.Tensor]:
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _llama(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
+def _llama() -> torch.nn.Module:
     import transformers
 
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         use_cache=False))
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
 
-    def local(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {k: v[mine] for k, v in batch.items()}
-        # the causal LM counts the labels after the shift; the global count, from each rank's
-        n = (out["labels"][:, 1:] != -100).sum()
-        dist.all_reduce(n)
-        return {**out, "num_items_in_batch": n}
 
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0,
-                    loss_reduction="sum", **cfg)
-    cm = rannc_fx.compile(model, opt, config, example_kwargs=local(_llama_batch(LOCAL * world, 0)))
-    losses = []
-    for step in range(3):
-        batch = _llama_batch(LOCAL * world, step + 1)
-        n = (batch["labels"][:, 1:] != -100).sum()
-        out, want = cm(**local(batch)), ref(**batch, num_items_in_batch=n)
-        assert_close(out["loss"], want["loss"], **TOL)
-        step_each((out["loss"], opt), (want["loss"], ref_opt))
-        losses.append(out["loss"].item())
-    assert_like_reference(cm.stages, ref, **TOL)
-    return losses
+def _llama_split(batch: Batch, rank: int, world: int) -> tuple[Batch, Batch]:
+    """This rank's samples and the whole batch, each with the global count of the labels the
+    causal LM counts (after the shift): from each rank's own, and from the whole batch."""
+    whole = batch[1]
+    mine = {k: v[rank * LOCAL:(rank + 1) * LOCAL] for k, v in whole.items()}
+    n = (mine["labels"][:, 1:] != -100).sum()
+    dist.all_reduce(n)
+    counted = (whole["labels"][:, 1:] != -100).sum()
+    return ((), {**mine, "num_items_in_batch": n}), ((), {**whole, "num_items_in_batch": counted})
 
 
 @pytest.mark.parametrize("world,cfg", [
@@ -157,5 +121,6 @@ def _llama(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
 ])
 def test_a_causal_lm_over_counted_tokens_trains_like_one_process(world, cfg):
     pytest.importorskip("transformers")
-    losses = run_ranks(_llama, world, cfg, timeout_s=60.0, wall_s=240.0)
-    assert all(run == losses[0] for run in losses)
+    train_against_reference(_llama, dict(loss_reduction="sum", **cfg), world, optimizer=ADAM,
+                            data=functools.partial(_llama_batch, LOCAL * world),
+                            split=_llama_split, wall_s=240.0)
