@@ -26,7 +26,9 @@ ZOO = {
 Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
 
 
-UNIT, DIST = Path(__file__).parent / "unit", Path(__file__).parent / "dist"
+# tests/unit: one process, no ranks; tests/distributed: gloo ranks, torchrun agents, scripts
+# (not "dist": pytest and ruff skip folders of that name unless told otherwise)
+UNIT, DIST = Path(__file__).parent / "unit", Path(__file__).parent / "distributed"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

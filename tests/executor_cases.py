@@ -1,7 +1,7 @@
 """The executor tests' models, their stages made by hand and their plans (``Case``): the
 model's own submodules in small wrappers under the model's attribute names, traced with
 ``symbolic_trace``, so that the runtime is tested apart from the compiler
-(``unit/test_executor.py``, ``unit/test_executor_alone.py``, ``dist/test_executor*.py``)."""
+(``unit/test_executor.py``, ``unit/test_executor_alone.py``, ``distributed/test_executor*.py``)."""
 
 from __future__ import annotations
 

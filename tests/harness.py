@@ -14,7 +14,8 @@ losses. It returns each rank's ``Trained`` (losses, clipped norms, GradScaler sc
 The options select further comparisons (``outputs``, ``grads``, ``clip``, ``scaler``,
 ``buffers``, ``moved``). A test that drives the steps itself (autocast, ``no_sync()``, a
 failing call, another way to call the model) passes ``loop``, a function of the rank's
-``Run``, and uses its parts (``batch``, ``call``, ``compare``, ``backward``, ``step``).
+``Run``, and uses its parts (``batch``, ``forward``, ``call``, ``compare``, ``backward``,
+``step``).
 Functions given to the harness run in the ranks, so they must be module-level (picklable):
 ``functools.partial`` of one is fine, a lambda is not.
 """
@@ -217,11 +218,14 @@ class Run:
             return self.spec.split(batch, self.rank, self.world)
         return rank_slice(batch, self.rank, self.world), batch
 
+    def forward(self, batch: Batch) -> tuple[Any, Any]:
+        """Both models on ``batch`` (the compiled one on this rank's part), not compared."""
+        (args, kwargs), (rargs, rkwargs) = self.split(batch)
+        return self.cm(*args, **kwargs), self.ref(*rargs, **rkwargs)
+
     def call(self, batch: Batch, **tol: float) -> tuple[Any, Any]:
         """Both models on ``batch`` (the compiled one on this rank's part), compared."""
-        (args, kwargs), (rargs, rkwargs) = self.split(batch)
-        out = self.cm(*args, **kwargs)
-        want = self.ref(*rargs, **rkwargs)
+        out, want = self.forward(batch)
         self.compare(out, want, whole=batch, **tol)
         return out, want
 

@@ -1,6 +1,6 @@
 """Batches of another size than the plan's, in one process: how many micro-batches a smaller
 batch runs (``runtime/batches.rebatched``), and a batch too small for the replicas refused.
-On ranks: ``dist/test_batch_sizes.py``."""
+On ranks: ``distributed/test_batch_sizes.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """BatchNorm's running statistics, the arithmetic (``runtime/batchnorm.py``): one update a
 step from the whole mini-batch, whatever the slices and replicas, as torch makes it. On
-ranks: ``dist/test_batchnorm.py``."""
+ranks: ``distributed/test_batchnorm.py``."""
 
 from __future__ import annotations
 

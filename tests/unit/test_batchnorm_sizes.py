@@ -2,7 +2,7 @@
 BatchNorm that sees one value per channel at one sample rules that size out for its stage
 (``Profile.failures``, ``CostTable.excluded``, ``Plan.excluded_sizes`` and its notes), in the
 search and at run time (``runtime/batches.rebatched``). Training such models on ranks:
-``dist/test_batchnorm_sizes.py``."""
+``distributed/test_batchnorm_sizes.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checkpoints in one process: a state saved before the first step resumes like a fresh
 optimizer, parameter groups come back with their saved settings, and groups saved with other
-settings are named. The tied-embedding LM and its Adam, shared with ``dist/test_checkpoint.py``
-and ``dist/test_zero.py``."""
+settings are named. The tied-embedding LM and its Adam, shared with ``distributed/test_checkpoint.py``
+and ``distributed/test_zero.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which rank counts each parameter in ``CompiledModel.clip_grad_norm_``'s norm
 (``runtime/clip.counted_by``): replicas and tied parameters once. On ranks:
-``dist/test_clip.py``."""
+``distributed/test_clip.py``."""
 
 from __future__ import annotations
 

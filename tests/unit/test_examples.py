@@ -1,5 +1,5 @@
 """The main job's plan (``examples/train.py``'s options and model, planned in this process):
-what the README says its budget forces. Running the examples: ``dist/test_examples.py``."""
+what the README says its budget forces. Running the examples: ``distributed/test_examples.py``."""
 
 from __future__ import annotations
 

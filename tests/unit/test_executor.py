@@ -1,6 +1,6 @@
 """StageExecutor in one process: where unbatched outputs go (``unbatched_peers``), a stage
 module that disagrees with its plan, and a one-stage plan without a process group. The
-hand-made stages and plans: ``tests/executor_cases.py``; on ranks: ``dist/test_executor.py``."""
+hand-made stages and plans: ``tests/executor_cases.py``; on ranks: ``distributed/test_executor.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The failure board (``runtime/failures.py``) in one process: a wait ends with the failure
 another rank posts, news of a later call does not fail a wait that finished, errors are posted
-once. On ranks: ``dist/test_failures.py``."""
+once. On ranks: ``distributed/test_failures.py``."""
 
 from __future__ import annotations
 

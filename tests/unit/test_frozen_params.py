@@ -1,7 +1,7 @@
 """Frozen parameters (``requires_grad=False``, a LoRA model's base) in the plan: held by their
 stage, but none of them in its gradient or optimizer memory; the plan's memory against the
 stage modules' bytes and the bytes their forwards save for backward. Training:
-``dist/test_frozen_params.py``."""
+``distributed/test_frozen_params.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Parameters in host memory (``runtime/host_params.py``) in one process: each use fetches
 its parameter, the forward keeps no copy of one, the device holds the windows the plan
 counts, and the planner and the simulator cost it per stage. Training on ranks:
-``dist/test_host_params.py``."""
+``distributed/test_host_params.py``."""
 
 from __future__ import annotations
 

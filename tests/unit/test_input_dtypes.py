@@ -1,5 +1,5 @@
 """Which input casts capture trusts (``passes/input_casts.py``): a cast that is the input's one
-use. Calls with other dtypes on ranks: ``dist/test_input_dtypes.py``."""
+use. Calls with other dtypes on ranks: ``distributed/test_input_dtypes.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The costs outside the model's graph, in one process: the optimizer step (timed with the
 user's own optimizer, or estimated) and the link the plan is given. Measured between ranks:
-``dist/test_links_and_optimizer.py``."""
+``distributed/test_links_and_optimizer.py``."""
 
 from __future__ import annotations
 

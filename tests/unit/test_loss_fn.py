@@ -1,6 +1,6 @@
 """Losses no tracer captures, at capture: a criterion module kept whole and run eagerly, and a
 loss in the forward itself named in the error with the way out. The models and losses are
-shared with ``dist/test_loss_fn.py``, where they train."""
+shared with ``distributed/test_loss_fn.py``, where they train."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``Config(loss_reduction="sum")`` reaches the plan and reads from the environment. Training
-with it on ranks: ``dist/test_loss_reduction.py``."""
+with it on ranks: ``distributed/test_loss_reduction.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The device a rank places its stage on follows ``LOCAL_RANK``. Placement on ranks:
-``dist/test_placement.py``."""
+``distributed/test_placement.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Recomputation layer by layer (``runtime/recompute.py``) in one process: the segments
 compute the stage and hold less while its backward runs, checkpoints that are not the stage's
 nodes are refused, and so is a schedule that splits the backward. Training on ranks:
-``dist/test_recompute_layers.py``."""
+``distributed/test_recompute_layers.py``."""
 
 from __future__ import annotations
 

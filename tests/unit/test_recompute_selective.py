@@ -1,7 +1,7 @@
 """Selective recomputation (``rannc_fx.selective``) in one process: the profile counts what it
 keeps and reruns, the planner chooses it per stage, a selective stage keeps what the plan
 says, and forcing it where it cannot run is refused. Training on ranks:
-``dist/test_recompute_selective.py``."""
+``distributed/test_recompute_selective.py``."""
 
 from __future__ import annotations
 

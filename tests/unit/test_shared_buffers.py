@@ -1,7 +1,7 @@
 """Buffers and constants that several stages read, in one process: what capture finds the
 forward writes, a value computed from a written buffer is not recomputed elsewhere, the search
 keeps a shared BatchNorm in one stage, and a plan that splits a written buffer's readers is
-refused. The models, shared with ``dist/test_shared_buffers.py``."""
+refused. The models, shared with ``distributed/test_shared_buffers.py``."""
 
 from __future__ import annotations
 

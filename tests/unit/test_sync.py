@@ -1,5 +1,5 @@
 """The start-up transfer's buckets (``startup/sync.py``): mixed dtypes at aligned offsets, a lone
-tensor in place. The transfer on ranks: ``dist/test_sync.py``."""
+tensor in place. The transfer on ranks: ``distributed/test_sync.py``."""
 
 from __future__ import annotations
 

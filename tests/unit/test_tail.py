@@ -1,6 +1,6 @@
 """Models that mix a batch's samples (a contrastive loss with in-batch negatives), planned:
 the part after the samples mix runs once a step on the whole batch (``Plan.tail``), costed
-so, and refused where it cannot run. Training on ranks: ``dist/test_tail.py``."""
+so, and refused where it cannot run. Training on ranks: ``distributed/test_tail.py``."""
 
 from __future__ import annotations
 

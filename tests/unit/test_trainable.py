@@ -1,6 +1,6 @@
 """ZeRO owners that stay put when parameters start or stop training, and the parameters that
 feed a stage's output (``runtime/trainable.py``). Trainability on ranks:
-``dist/test_trainable.py``."""
+``distributed/test_trainable.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """ZeRO in one process: how owners share the tensors and buckets cut them, and an offloaded
 optimizer state (the alone path offloads too) stepping like one process, fused Adam and
 GradScaler included, and keeping the gradients when its step fails. On ranks:
-``dist/test_zero.py``."""
+``distributed/test_zero.py``."""
 
 from __future__ import annotations
 

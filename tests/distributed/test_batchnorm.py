@@ -4,7 +4,7 @@ micro-batches. The arithmetic alone: ``unit/test_batchnorm.py``."""
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any
 
 import pytest
@@ -14,17 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import ResCNN
-from rannc_fx.runtime.batchnorm import DeferredBatchNorm
-
-from tests.dist_utils import run_ranks
-
+from tests.harness import Run, optimizer, train_against_reference
 
 TOL = dict(rtol=1e-6, atol=1e-7)  # the statistics: within 1e-6 of one process's
 LOCAL = 16  # samples per rank
 STEPS = 3
+ADAM = optimizer(torch.optim.Adam, lr=0.01)
 
 
 class BatchNormFirst(nn.Module):
@@ -54,33 +50,28 @@ def _buffers(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for m in modules for n, b in m.named_buffers()}
 
 
-def _train(rank: int, world: int, name: str, tracer: str, cfg: dict[str, Any]) -> float:
-    torch.manual_seed(0)
+def _model(name: str) -> nn.Module:
     # "average": momentum=None, the cumulative average over the steps so far
-    model = (BatchNormFirst(None if name == "average" else 0.3) if name in ("first", "average")
-             else ResCNN())
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    return (BatchNormFirst(None if name == "average" else 0.3) if name in ("first", "average")
+            else ResCNN())
+
+
+def _statistics(name: str, run: Run) -> float:
+    """``STEPS`` Adam steps; after each, this rank's buffers: the step count, the first
+    BatchNorm's statistics one process's, every replica's the same. The eval loss's ratio to
+    one process's."""
+    rank, world, cm, ref = run.rank, run.world, run.cm, run.ref
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    x, y = _data(name, LOCAL * world, 0)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, tracer=tracer,
-                    **cfg)
-    cm = rannc_fx.compile(model, opt, config, example_args=(x[mine], y[mine]))
     stage = cm.plan.stage_of_rank(rank)
     group = dist.new_group(list(stage.ranks)) if stage.replicas > 1 else None
-    for step in range(STEPS):
-        x, y = _data(name, LOCAL * world, step + 1)
-        cm(x[mine], y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    for step in range(1, STEPS + 1):
+        out, want = run.forward(run.batch(step))
+        run.backward(out, want)
+        run.step()
         mine_now = _buffers(cm.stages)
         for n, b in mine_now.items():
             if n.endswith("num_batches_tracked"):
-                assert int(b) == step + 1, (n, int(b))
+                assert int(b) == step, (n, int(b))
             if name in ("first", "average") and n.startswith("bn."):  # the data's statistics, exactly
                 assert_close(b, ref.get_buffer(n), **TOL, msg=lambda m, n=n: f"{n}: {m}")
         if group is not None:  # every replica of the stage holds the same buffers
@@ -88,7 +79,7 @@ def _train(rank: int, world: int, name: str, tracer: str, cfg: dict[str, Any]) -
                 got = [torch.empty_like(b) for _ in stage.ranks]
                 dist.all_gather(got, b, group=group)
                 assert all(torch.equal(g, got[0]) for g in got), n
-    model.eval()
+    run.model.eval()
     ref.eval()
     x, y = _data(name, LOCAL * world, 99)
     with torch.no_grad():
@@ -96,11 +87,21 @@ def _train(rank: int, world: int, name: str, tracer: str, cfg: dict[str, Any]) -
     return float(got / want)
 
 
+def _train(name: str, tracer: str, cfg: dict[str, Any], wall_s: float) -> list[float]:
+    """``_statistics`` on 3 ranks (the weights are not one process's: each micro-batch slice
+    normalizes with its own statistics); each rank's eval-loss ratio."""
+    world = 3
+    got = train_against_reference(
+        functools.partial(_model, name), dict(tracer=tracer, **cfg), world,
+        data=functools.partial(_data, name, LOCAL * world), optimizer=ADAM, params=False,
+        loop=functools.partial(_statistics, name), wall_s=wall_s)
+    return [t.extra for t in got]
+
+
 @pytest.mark.parametrize("tracer", ["fx", "export"])
 def test_statistics_of_a_first_batchnorm_equal_one_process_after_every_step(tracer):
-    ratios = run_ranks(_train, 3, "first", tracer,
-                       dict(replicas=(2, 1), micro_batches=4, schedule="gpipe"),
-                       timeout_s=60.0, wall_s=120.0)
+    ratios = _train("first", tracer, dict(replicas=(2, 1), micro_batches=4, schedule="gpipe"),
+                    wall_s=120.0)
     # the statistics are one process's; the weights are not quite (each micro-batch slice of 4
     # samples normalizes with its own statistics, as in GPipe): eval loss 0.990 (m = 2) and
     # 0.985 (m = 4) of one process's when measured
@@ -109,16 +110,14 @@ def test_statistics_of_a_first_batchnorm_equal_one_process_after_every_step(trac
 
 def test_a_cumulative_average_batchnorm_equals_one_process_after_every_step():
     """momentum=None: each step's statistics weigh 1 / num_batches_tracked."""
-    ratios = run_ranks(_train, 3, "average", "fx",
-                       dict(replicas=(2, 1), micro_batches=2, schedule="gpipe"),
-                       timeout_s=60.0, wall_s=120.0)
+    ratios = _train("average", "fx", dict(replicas=(2, 1), micro_batches=2, schedule="gpipe"),
+                    wall_s=120.0)
     assert all(abs(r - 1) < 0.03 for r in ratios), ratios
 
 
 def test_a_deeper_batchnorm_model_keeps_its_replicas_equal_and_evaluates_like_one_process():
-    ratios = run_ranks(_train, 3, "cnn", "fx",
-                       dict(replicas=(2, 1), micro_batches=4, schedule="1f1b"),
-                       timeout_s=60.0, wall_s=180.0)
+    ratios = _train("cnn", "fx", dict(replicas=(2, 1), micro_batches=4, schedule="1f1b"),
+                    wall_s=180.0)
     # micro-batch statistics in the forward (as GPipe) move the trained weights a little:
     # eval loss 1.0002 of one process's when measured (GPipe, m = 2 and 4; 1F1B, m = 4)
     assert all(abs(r - 1) < 0.01 for r in ratios), ratios
@@ -156,28 +155,18 @@ def _volumes(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 3, (samples, 8, 8, 8), generator=g))
 
 
-def _train_unet(rank: int, world: int, tracer: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model, local = UNet3d(), 2
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    mine = slice(rank * local, (rank + 1) * local)
-    x, y = _volumes(local * world, 0)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, tracer=tracer,
-                    replicas=(1, 1, 1), micro_batches=1, dynamic_dims="batch", **cfg)
-    cm = rannc_fx.compile(model, opt, config, example_args=(x[mine], y[mine]))
-    for step in range(STEPS):
-        x, y = _volumes(local * world, step + 1)
-        cm(x[mine], y[mine]).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+def _unet(run: Run) -> dict[str, Any]:
+    """``STEPS`` Adam steps; then which of this rank's buffers differ from one process's (bit
+    for bit), and the eval losses."""
+    for step in range(1, STEPS + 1):
+        out, want = run.forward(run.batch(step))
+        run.backward(out, want)
+        run.step()
+    cm, ref, local, world = run.cm, run.ref, 2, run.world
+    mine = slice(run.rank * local, (run.rank + 1) * local)
     unequal = [n for m in cm.stages for n, b in m.named_buffers()
                if not torch.equal(b, ref.get_buffer(n))]
-    model.eval()
+    run.model.eval()
     ref.eval()
     x, y = _volumes(local * world, 99)
     with torch.no_grad():
@@ -192,7 +181,10 @@ def _train_unet(rank: int, world: int, tracer: str, cfg: dict[str, Any]) -> dict
 ])
 def test_a_unet_on_stages_of_one_replica_and_one_micro_batch_has_one_process_statistics(
         tracer, cfg):
-    got = run_ranks(_train_unet, 3, tracer, cfg, timeout_s=60.0, wall_s=180.0)
+    got = [t.extra for t in train_against_reference(
+        UNet3d, dict(tracer=tracer, replicas=(1, 1, 1), micro_batches=1, dynamic_dims="batch",
+                     **cfg), 3, data=functools.partial(_volumes, 2 * 3), optimizer=ADAM,
+        params=False, loop=_unet, wall_s=180.0)]
     # three lanes of one replica (three stages, or six under an interleaved schedule), m = 1
     assert all(r["lanes"] == 3 and r["m"] == 1 and all(r["recompute"]) == bool(cfg)
                for r in got), got

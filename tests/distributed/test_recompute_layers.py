@@ -4,30 +4,22 @@ refuses a split backward on every rank. In one process: ``unit/test_recompute_la
 
 from __future__ import annotations
 
-import functools
-import re
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
-from rannc_fx.partition import Partitioned
 from rannc_fx.plan import Plan
 from rannc_fx.runtime import recompute
-from rannc_fx.runtime.recompute import build_segmented, check_reruns_unsplit, segment_of
-
 from tests.dist_utils import run_ranks
 from tests.gpt_training import (
-    GLOBAL,
     STEPS,
     TOL,
-    LiveBytes,
     adam,
     assert_bitwise_alike,
     assert_like_one_process,
@@ -38,7 +30,12 @@ from tests.gpt_training import (
     to_bytes,
     train_gpt,
 )
-from tests.unit.test_recompute_layers import _gpt_plan, _layer, _layer_starts, _with_checkpoints, _without_recompute, _zbh1
+from tests.unit.test_recompute_layers import (
+    _gpt_plan,
+    _with_checkpoints,
+    _without_recompute,
+    _zbh1,
+)
 
 
 def _counting_checkpoints() -> list[int]:

@@ -6,31 +6,22 @@ GradScaler, checkpoints to and from device parameters). In one process:
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch import fx, nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.device import DeviceSpec
-from rannc_fx.models import TransformerLM
 from rannc_fx.plan import Plan
 from rannc_fx.runtime import host_params as hp
-from rannc_fx.runtime.host_params import HostParams, fetching, host_of, saving
-from rannc_fx.runtime.simulate import simulate_plan
-
+from rannc_fx.runtime.host_params import HostParams, host_of
 from tests.dist_utils import assert_like_reference, run_ranks
 from tests.gpt_training import (
     STEPS,
     TOL,
-    LiveBytes,
     adam,
     assert_like_one_process,
     gpt,

@@ -11,23 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import ResCNN
-from rannc_fx.passes.search import NoFeasiblePlan
-from rannc_fx.passes.search.model import sizes_run
-from rannc_fx.plan import ExcludedSize, Plan
-from rannc_fx.planner.analyze import analyze
-from rannc_fx.planner.driver import choose, run_search
-from rannc_fx.runtime.batches import rebatched
-
-from tests.dist_utils import make_plan, run_ranks, scalar, tensor
+from rannc_fx.plan import Plan
+from tests.dist_utils import run_ranks
 from tests.unit.test_batchnorm_sizes import BatchNormMLP, _check_plan_keeps_off, _config, _data
-
 
 STEPS = 2
 

@@ -15,9 +15,8 @@ from torch.testing import assert_close
 from rannc_fx.plan import Plan, lane_layout
 from rannc_fx.runtime import StageExecutor, routing
 from rannc_fx.runtime.lane import LaneModules
-
 from tests.dist_utils import make_plan, run_ranks, scalar
-from tests.dist.test_executor import _same_everywhere
+from tests.distributed.test_executor import _same_everywhere
 from tests.executor_cases import H8, LOCAL, TOL, XY, TiedLM, _ids, _Lm0, _LmHead, _xy
 from tests.executor_cases import LM_VALUES as LM
 

@@ -11,14 +11,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import rannc_fx
 from rannc_fx.compile import compile as rannc_compile
 from rannc_fx.config import Config
-
 from tests.dist_utils import local_part, run_ranks
 from tests.hf_models import lora_llama_example
 from tests.unit.test_frozen_params import _nbytes
-
 
 pytest.importorskip("peft")
 

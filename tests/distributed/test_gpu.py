@@ -17,7 +17,6 @@ from torch.testing import assert_close
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import mlp_example
-
 from tests.dist_utils import run_ranks
 
 pytestmark = [

@@ -16,7 +16,6 @@ from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-
 from tests.dist_utils import run_ranks
 
 LOCAL = 8  # samples per rank

@@ -26,10 +26,6 @@ from rannc_fx.runtime.outputs import unbatched_peers
 from tests.dist_utils import run_ranks
 from tests.executor_cases import CASES, LOCAL, TOL, Case
 
-
-
-
-
 # -- the worker -----------------------------------------------------------------------------------
 
 

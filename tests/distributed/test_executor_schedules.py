@@ -15,9 +15,8 @@ from torch.testing import assert_close
 from rannc_fx.runtime import routing
 from rannc_fx.runtime.executor import Mode
 from rannc_fx.runtime.schedule import Kind
-
 from tests.dist_utils import run_ranks
-from tests.dist.test_executor import _bn_buffers, _local, _same_everywhere, _setup, _train
+from tests.distributed.test_executor import _bn_buffers, _local, _same_everywhere, _setup, _train
 from tests.executor_cases import CASES, H8, LOCAL, TOL, XY, Case, _xy
 
 

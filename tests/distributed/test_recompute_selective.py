@@ -4,7 +4,6 @@ In one process: ``unit/test_recompute_selective.py``."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -12,27 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
-from torch.utils.checkpoint import checkpoint
 
 import rannc_fx
 from rannc_fx import selective
 from rannc_fx.config import Config
-from rannc_fx.models import gpt_example
 from rannc_fx.plan import Plan
-from rannc_fx.planner.analyze import analyze
-from rannc_fx.runtime.recompute import check_reruns_unsplit
-
 from tests.dist_utils import run_ranks
 from tests.gpt_training import (
     GLOBAL,
     STEPS,
     TOL,
-    LiveBytes,
     adam,
     assert_bitwise_alike,
     assert_like_one_process,
     from_bytes,
-    gpt,
     local,
     step,
     to_bytes,

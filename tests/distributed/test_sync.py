@@ -20,9 +20,7 @@ from torch.testing import assert_close
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.startup import sync
-
 from tests.dist_utils import run_ranks, snapshot, step_each
-
 
 # forced plans without the link probe or per-op profiling (they cost seconds a case)
 CFG = dict(profile_cache_dir=None, timeout_s=30.0, cost_model="analytic", link_bandwidth=1e9,

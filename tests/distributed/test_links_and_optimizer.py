@@ -3,23 +3,12 @@ costs outside the model's graph: ``unit/test_links_and_optimizer.py``."""
 
 from __future__ import annotations
 
-import copy
 import math
-
-import numpy as np
-import pytest
-import torch
 
 from rannc_fx import Config, DeviceSpec
 from rannc_fx.compile import compile as rannc_compile
 from rannc_fx.models import mlp_example
-from rannc_fx.passes.optcost import SizeCurve, accumulate_curve, measure, optimizer_curve
-from rannc_fx.passes.search import search_pass
-from rannc_fx.passes.split import split_pass
-from rannc_fx.planner.analyze import analyze
-from rannc_fx.planner.build import build_plan
 from rannc_fx.startup.probe import measure_link
-
 from tests.dist_utils import run_ranks
 from tests.unit.test_links_and_optimizer import CPU
 

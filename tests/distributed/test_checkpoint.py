@@ -17,11 +17,9 @@ from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.models import TransformerLM, gpt_example
-
+from rannc_fx.models import TransformerLM
 from tests.dist_utils import run_ranks
-from tests.unit.test_checkpoint import GLOBAL, TOL, _adam, _data, _reference, _step, _groups
-
+from tests.unit.test_checkpoint import GLOBAL, TOL, _adam, _data, _groups, _reference, _step
 
 STEPS = 3  # before and after the checkpoint
 

@@ -8,18 +8,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.passes.capture import capture_pass
-from rannc_fx.passes.input_casts import input_casts
-
 from tests.dist_utils import run_ranks, step_each
 from tests.unit.test_input_dtypes import Casts, _batch
-
 
 LOCAL = 4  # samples per rank
 

@@ -12,7 +12,6 @@ from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-
 from tests.dist_utils import assert_moved_alike, assert_moved_alike_in_norm, run_ranks, snapshot
 
 EXACT = dict(rtol=1e-5, atol=1e-5)

@@ -14,17 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import MLP
-from rannc_fx.runtime.trainable import feeders
-from rannc_fx.runtime.zero import Owners, owners, shard_of
-
+from rannc_fx.runtime.zero import shard_of
 from tests.dist_utils import assert_moved_alike, run_ranks, snapshot
-
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank

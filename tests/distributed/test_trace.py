@@ -19,7 +19,6 @@ from rannc_fx.models import gpt_example
 from rannc_fx.plan import Plan
 from rannc_fx.runtime.lowering import lower_plan
 from rannc_fx.runtime.tracefile import matching_start, summarize
-
 from tests.dist_utils import run_ranks
 
 LOCAL = 4  # samples per rank

@@ -10,19 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.passes.capture_graph import CaptureError
-from rannc_fx.passes.search import NoFeasiblePlan
-from rannc_fx.planner.analyze import analyze
-
 from tests.dist_utils import assert_like_reference, local_part, run_ranks
-from tests.unit.test_tail import BiEncoder, TOL, _bi_batch
-
+from tests.unit.test_tail import TOL, BiEncoder, _bi_batch
 
 LOCAL = 4  # samples per rank
 

@@ -11,7 +11,6 @@ import torch
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
-
 from tests.dist_utils import local_part, run_ranks
 
 LOCAL = 4

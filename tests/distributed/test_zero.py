@@ -20,14 +20,11 @@ import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import mlp_example
 from rannc_fx.runtime import comm, grad_shards
-from rannc_fx.runtime.comm import buckets
-from rannc_fx.runtime.zero import owners, shard_of
-
+from rannc_fx.runtime.zero import shard_of
 from tests.dist_utils import assert_like_reference, run_ranks
-from tests.dist.test_checkpoint import _local
+from tests.distributed.test_checkpoint import _local
 from tests.unit.test_checkpoint import _adam, _data  # the tied-embedding LM and its Adam
 from tests.unit.test_zero import TOL
-
 
 STEPS = 3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.test_compile import train_zoo_model
+from tests.distributed.test_compile import train_zoo_model
 
 pytest.importorskip("transformers")
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import re
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -17,10 +15,7 @@ from torch.testing import assert_close
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
-from rannc_fx.runtime.failures import Board, PeerFailed, raised_everywhere
-
 from tests.dist_utils import run_ranks
-
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank

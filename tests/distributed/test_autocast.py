@@ -3,18 +3,16 @@ the dtypes they have in that call, and the losses follow one process under the s
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import gpt_example, mlp_example
-
-from tests.dist_utils import assert_moved_alike_in_norm, run_ranks, snapshot
+from tests.dist_utils import assert_moved_alike_in_norm, snapshot
+from tests.harness import Run, optimizer, train_against_reference
 
 EXACT = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)  # micro-batches round bf16 matmuls over other sums
@@ -35,33 +33,24 @@ _RECOMPUTE = {None: {}, "whole": dict(recompute=True, recompute_selective=False)
                                       schedule="gpipe")}
 
 
-def _switching(rank: int, world: int, name: str, planned: str | None,
-               recompute: str | None = None) -> list[str]:
-    torch.manual_seed(0)
-    model, args, kwargs = EXAMPLES[name](batch=LOCAL * world)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    cut = lambda t: t[rank * LOCAL : (rank + 1) * LOCAL]  # noqa: E731
-    largs, lkwargs = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1,) * world,
-                 micro_batches=2, autocast_dtype=planned, **_RECOMPUTE[recompute])
-    cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
+def _switching(recompute: str | None, run: Run) -> list[str]:
+    """4 SGD steps, under autocast and without it in turn, then an evaluation without; the plan
+    carries the dtypes of the state it was made for (returned)."""
+    cm, ref = run.cm, run.ref
     if recompute is not None:  # the recomputation asked for, on every stage
         assert all(st.selective == recompute.startswith("selective") and st.recompute == (
             recompute == "whole") for st in cm.plan.stages), cm.plan.summary()
     planned_dtypes = sorted({str(cv.spec.dtype) for cv in cm.plan.cut_values})
+    (largs, lkwargs), (args, kwargs) = run.split(run.batch(1))
     for step, amp in enumerate(["bfloat16", None, "bfloat16", None]):
         before = snapshot(ref)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None)
         with ctx:
             out, want = cm(*largs, **lkwargs), ref(*args, **kwargs)
         assert _loss(out).dtype == _loss(want).dtype
-        assert_close(_loss(out), _loss(want), **(BF16 if amp else EXACT if step == 1 else BF16))
-        for loss, o in ((_loss(out), opt), (_loss(want), ref_opt)):
-            loss.backward()
-            o.step()
-            o.zero_grad()
+        run.compare(out, want, **(BF16 if amp else EXACT if step == 1 else BF16))
+        run.backward(out, want)
+        run.step()
         # the step moved this rank's parameters as it moved the reference's (the losses'
         # tolerance would pass a stage that stopped training)
         assert_moved_alike_in_norm(cm.stages[0], ref, before, rel=MOVED)
@@ -73,10 +62,24 @@ def _switching(rank: int, world: int, name: str, planned: str | None,
     return planned_dtypes
 
 
+def _train_switching(name: str, planned: str | None, recompute: str | None = None
+                     ) -> list[str]:
+    """``_switching`` on 2 ranks (the parameters are compared after each step, in norm); each
+    rank's planned dtypes."""
+    world = 2
+    cfg = dict(replicas=(1,) * world, micro_batches=2, autocast_dtype=planned,
+               **_RECOMPUTE[recompute])
+    got = train_against_reference(functools.partial(EXAMPLES[name], batch=LOCAL * world), cfg,
+                                  world, optimizer=optimizer(torch.optim.SGD, lr=0.05),
+                                  params=False, loop=functools.partial(_switching, recompute),
+                                  timeout_s=30.0)
+    return [t.extra for t in got]
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("planned", [None, "bfloat16"])
 def test_training_under_autocast_and_evaluating_without_follows_one_process(name, planned):
-    dtypes = run_ranks(_switching, 2, name, planned, timeout_s=30.0, wall_s=120.0)
+    dtypes = _train_switching(name, planned)
     # the plan carries the dtypes of the state it was made for (the MLP's cut is a Linear's
     # output: bfloat16 under autocast; the LM's cut falls after a float32 residual add)
     if name == "mlp":
@@ -89,38 +92,31 @@ def test_recomputing_stages_follow_one_process_in_and_out_of_autocast(recompute)
     (whole: ``R`` inside the call's state; selective: the checkpoint's saved state, with
     autocast's weight cache off, so that a second micro-batch's forward, which found its
     casts in the cache, and its recomputation after the call dispatch the same ops)."""
-    run_ranks(_switching, 2, "gpt", None, recompute, timeout_s=30.0, wall_s=120.0)
+    _train_switching("gpt", None, recompute)
 
 
-def _scaled(rank: int, world: int, inf_on: int | None) -> list[float]:
-    torch.manual_seed(0)
-    model, (x, y), _ = mlp_example(batch=LOCAL * world)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
-                 micro_batches=2)
-    cut = lambda t: t[rank * LOCAL : (rank + 1) * LOCAL]  # noqa: E731
-    cm = rannc_fx.compile(model, opt, cfg, example_args=(cut(x), cut(y)))
-    scaler, ref_scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler(
-        "cpu", init_scale=2.0**10)
+def _inf_on_one_rank(inf_on: int | None, run: Run) -> None:
+    """3 steps through GradScaler; at the second, an inf in rank ``inf_on``'s first gradient
+    (and in the reference's)."""
     for step in range(3):
-        for m, s, o, args in ((cm, scaler, opt, (cut(x), cut(y))), (ref, ref_scaler, ref_opt, (x, y))):
-            s.scale(m(*args)).backward()
-            if step == 1 and inf_on is not None and (m is ref or rank == inf_on):
+        out, want = run.call(run.batch(1))
+        run.backward(out, want)
+        if step == 1 and inf_on is not None:
+            for m in (run.ref, run.cm) if run.rank == inf_on else (run.ref,):
                 next(iter(m.parameters())).grad.view(-1)[0] = float("inf")
-            s.unscale_(o)
-            s.step(o)
-            s.update()
-            o.zero_grad()
-        assert scaler.get_scale() == ref_scaler.get_scale()
-    for pname, p in cm.stages[0].named_parameters():
-        assert_close(p, ref.get_parameter(pname), **EXACT)
-    return [scaler.get_scale()]
+        run.step()  # both scalers' scales compared
+
+
+def _final_scale(run: Run) -> list[float]:
+    return [run.scaler.get_scale()]
 
 
 @pytest.mark.parametrize("inf_on", [None, 1])
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(inf_on):
     # the inf is on rank 1's stage only; torch's own GradScaler would step on rank 0
-    scales = run_ranks(_scaled, 2, inf_on, timeout_s=30.0, wall_s=60.0)
+    scales = [t.extra for t in train_against_reference(
+        functools.partial(mlp_example, batch=LOCAL * 2), dict(replicas=(1, 1), micro_batches=2),
+        2, optimizer=optimizer(torch.optim.SGD, lr=0.1), tol=EXACT, scaler=2.0**10,
+        loop=functools.partial(_inf_on_one_rank, inf_on), check=_final_scale,
+        timeout_s=30.0, wall_s=60.0)]
     assert scales[0] == scales[1] == ([2.0**10] if inf_on is None else [2.0**9])

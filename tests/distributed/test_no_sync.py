@@ -25,7 +25,6 @@ import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import MLP
 from rannc_fx.runtime import grad_shards, grads
-
 from tests.dist_utils import assert_moved_alike, run_ranks, snapshot
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -8,30 +8,25 @@ from __future__ import annotations
 
 import copy
 import io
-import operator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.partition import partition
-from rannc_fx.passes.capture import CapturedGraph, capture_pass
-from rannc_fx.passes.group import CALL_OPS, BlockGraph, recomputed_values, written_state
-from rannc_fx.passes.split import split_pass
-from rannc_fx.plan import Plan
-from rannc_fx.values import ValueSpec
-
 from tests.dist_utils import run_ranks
 from tests.unit.test_group import value_specs
-from tests.unit.test_split import make_plan
-from tests.unit.test_shared_buffers import Counter, Layer, MODELS, Rotary, RotaryLM, Scaled, SharedBN, _angles, _capture, _example, _split_after_first_reader
-
+from tests.unit.test_shared_buffers import (
+    MODELS,
+    Scaled,
+    _capture,
+    _example,
+    _split_after_first_reader,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 2  # samples per rank

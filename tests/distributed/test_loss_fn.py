@@ -16,11 +16,8 @@ from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.config import Config
-from rannc_fx.passes.capture import CaptureError, capture_pass
-
 from tests.dist_utils import run_ranks, step_each
-from tests.unit.test_loss_fn import Inline, Mlp, WithCriterion, _Criterion, masked_nll
-
+from tests.unit.test_loss_fn import Inline, Mlp, WithCriterion, masked_nll
 
 LOCAL = 6  # samples per rank
 STEPS = 3

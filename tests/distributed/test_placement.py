@@ -16,10 +16,7 @@ from torch import nn
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import TransformerLM, gpt_example
-from rannc_fx.startup.placement import rank_device
-
 from tests.dist_utils import run_ranks
-
 
 CFG = dict(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0)
 
