@@ -5,7 +5,7 @@ size out), and a batch that would give each replica one sample is refused. The p
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any
 
 import pytest
@@ -13,11 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import rannc_fx
 from rannc_fx.models import ResCNN
 from rannc_fx.plan import Plan
-from tests.dist_utils import run_ranks
-from tests.unit.test_batchnorm_sizes import BatchNormMLP, _check_plan_keeps_off, _config, _data
+from tests.harness import Run, optimizer, train_against_reference
+from tests.unit.test_batchnorm_sizes import BatchNormMLP, _check_plan_keeps_off, _data
 
 STEPS = 2
 
@@ -32,27 +31,15 @@ def _model(name: str) -> nn.Module:
 
 
 # -- training ---------------------------------------------------------------------------------
-def _train(rank: int, world: int, name: str, tracer: str, local: int, cost_model: str
-           ) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = _model(name)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    mine = slice(rank * local, (rank + 1) * local)
-    x, y = _data(name, local * world, 0)
-    cm = rannc_fx.compile(model, opt, _config(tracer, cost_model=cost_model,
-                                              dynamic_dims="batch"),
-                          example_args=(x[mine], y[mine]))
+def _steps(name: str, local: int, run: Run) -> dict[str, Any]:
+    """``STEPS`` Adam steps, each training loss's ratio to one process's; then every replica's
+    buffers alike, the eval loss's ratio, and what a call of one sample a rank raises."""
+    rank, world, cm, ref = run.rank, run.world, run.cm, run.ref
     ratios = []
-    for step in range(STEPS):
-        x, y = _data(name, local * world, step + 1)
-        loss = cm(x[mine], y[mine])
-        want = ref(x, y)
-        for lo, o in ((loss, opt), (want, ref_opt)):
-            lo.backward()
-            o.step()
-            o.zero_grad()
+    for step in range(1, STEPS + 1):
+        loss, want = run.forward(run.batch(step))
+        run.backward(loss, want)
+        run.step()
         ratios.append(float(loss) / float(want))
     stage = cm.plan.stages_of_rank(rank)[0]
     group = dist.new_group(list(stage.ranks)) if stage.replicas > 1 else None
@@ -62,12 +49,13 @@ def _train(rank: int, world: int, name: str, tracer: str, local: int, cost_model
                 got = [torch.empty_like(b) for _ in stage.ranks]
                 dist.all_gather(got, b, group=group)
                 assert all(torch.equal(g, got[0]) for g in got), n
-    model.eval()
+    run.model.eval()
     ref.eval()
     x, y = _data(name, local * world, 99)
+    mine = slice(rank * local, (rank + 1) * local)
     with torch.no_grad():
         ratios.append(float(cm(x[mine], y[mine])) / float(ref(x, y)))
-    model.train()
+    run.model.train()
     refused = ""
     try:  # one sample a rank: every replica's micro-batch would hold one
         cm(x[rank : rank + 1], y[rank : rank + 1])
@@ -84,8 +72,12 @@ def _train(rank: int, world: int, name: str, tracer: str, local: int, cost_model
 ])
 def test_batchnorm_models_plan_and_train_like_one_process(name, world, local, tracer,
                                                           cost_model):
-    got = run_ranks(_train, world, name, tracer, local, cost_model, timeout_s=60.0,
-                    wall_s=240.0)
+    got = [t.extra for t in train_against_reference(
+        functools.partial(_model, name), dict(tracer=tracer, cost_model=cost_model,
+                                              dynamic_dims="batch"), world,
+        data=functools.partial(_data, name, local * world),
+        optimizer=optimizer(torch.optim.Adam, lr=0.01), params=False,
+        loop=functools.partial(_steps, name, local), wall_s=240.0)]
     plan = Plan.from_json(got[0]["plan"])
     assert any(e.samples == 1 for e in plan.excluded_sizes), plan.summary()
     assert "never runs 1 sample(s)" in plan.summary()

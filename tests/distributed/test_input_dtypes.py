@@ -4,15 +4,11 @@ refused on every rank; never read as the planned dtype's bytes. The casts captur
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.testing import assert_close
 
-import rannc_fx
-from rannc_fx.config import Config
-from tests.dist_utils import run_ranks, step_each
+from tests.harness import Run, optimizer, train_against_reference
 from tests.unit.test_input_dtypes import Casts, _batch
 
 LOCAL = 4  # samples per rank
@@ -30,14 +26,9 @@ CALLS: list[tuple[str, dict[int, tuple[torch.dtype, tuple[int, ...]]]]] = [
 ]
 
 
-def _train(rank: int, world: int, tracer: str, replicas: tuple[int, ...]) -> list[object]:
-    torch.manual_seed(0)
-    model = Casts()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    cm = rannc_fx.compile(model, opt, Config(profile_cache_dir=None, profile_repeats=1,
-                                             timeout_s=30.0, tracer=tracer, replicas=replicas))
+def _calls(run: Run) -> list[object]:
+    """Each of ``CALLS``: the error it raised, or (loss, one process's loss) after a step."""
+    rank, world = run.rank, run.world
     out: list[object] = []
     for step, (_, change) in enumerate(CALLS):
         inputs = list(_batch(LOCAL * world, step))
@@ -47,14 +38,15 @@ def _train(rank: int, world: int, tracer: str, replicas: tuple[int, ...]) -> lis
                 if r < world:
                     parts[r][j] = parts[r][j].to(dtype)
         try:
-            got = cm(*parts[rank])
+            got = run.cm(*parts[rank])
         except ValueError as e:
             out.append(str(e))
             continue
         # one process on the global batch, each rank's part cast as the model casts it
-        want = ref(torch.cat([p[0].float() for p in parts]), torch.cat([p[1] for p in parts]),
-                   torch.cat([p[2].long() for p in parts]))
-        step_each((got, opt), (want, ref_opt))
+        want = run.ref(torch.cat([p[0].float() for p in parts]),
+                       torch.cat([p[1] for p in parts]), torch.cat([p[2].long() for p in parts]))
+        run.backward(got, want)
+        run.step()
         out.append((float(got), float(want)))
     return out
 
@@ -64,7 +56,10 @@ def _train(rank: int, world: int, tracer: str, replicas: tuple[int, ...]) -> lis
 ])
 def test_inputs_of_another_dtype_are_converted_as_the_model_does_or_refused(tracer, world,
                                                                             replicas):
-    results = run_ranks(_train, world, tracer, replicas, timeout_s=30.0, wall_s=180.0)
+    results = [t.extra for t in train_against_reference(
+        Casts, dict(tracer=tracer, replicas=replicas), world,
+        optimizer=optimizer(torch.optim.SGD, lr=0.1), example=False, loop=_calls,
+        timeout_s=30.0, wall_s=180.0)]
     for k, (what, change) in enumerate(CALLS):
         seen = [r[k] for r in results]
         # torch.fx's graph shows the model's casts of the features and labels (not of the token

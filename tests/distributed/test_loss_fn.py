@@ -5,7 +5,7 @@ model's own forward, whose statements from the failing one on run eagerly after 
 
 from __future__ import annotations
 
-import copy
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -14,13 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-import rannc_fx
-from rannc_fx.config import Config
-from tests.dist_utils import run_ranks, step_each
+from tests.harness import Run, optimizer, train_against_reference
 from tests.unit.test_loss_fn import Inline, Mlp, WithCriterion, masked_nll
 
 LOCAL = 6  # samples per rank
 STEPS = 3
+ADAM = optimizer(torch.optim.Adam, lr=0.01)
 
 
 def ctc(logits: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -82,32 +81,35 @@ BODIES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
 }
 
 
-def _train(rank: int, world: int, name: str, way: str,
-           tracer: str) -> tuple[list[tuple[float, float]], set[str]]:
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _model(name: str, way: str) -> nn.Module:
     body_cls, loss = BODIES[name]
-    torch.manual_seed(0)
     body = body_cls()
-    model: nn.Module = {"loss_fn": body, "criterion": WithCriterion(body, loss),
-                        "inline": Inline(body, loss)}[way]
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, tracer=tracer,
-                    replicas=(1, 2), micro_batches=2)
-    cm = rannc_fx.compile(model, opt, config, loss_fn=loss if way == "loss_fn" else None)
+    return {"loss_fn": body, "criterion": WithCriterion(body, loss),
+            "inline": Inline(body, loss)}[way]
+
+
+def _steps(name: str, way: str, run: Run) -> tuple[list[tuple[float, float]], set[str]]:
+    """``STEPS`` Adam steps, the loss given to compile as ``loss_fn`` (the targets passed as
+    ``target=``) or kept in the model; each step's (loss, one process's), the modules held."""
+    loss = BODIES[name][1]
+    cm, ref, mine = run.cm, run.ref, slice(run.rank * LOCAL, (run.rank + 1) * LOCAL)
     out = []
     for step in range(STEPS):
-        x, targets = _data(name, LOCAL * world, step)
+        x, targets = _data(name, LOCAL * run.world, step)
         local = tuple(t[mine] for t in targets)
         if way == "loss_fn":
             got = cm(x[mine], target=local if len(local) > 1 else local[0])
             want = loss(ref(x), *targets)
         else:
             got, want = cm(x[mine], *local), ref(x, *targets)
-        step_each((got, opt), (want, ref_opt))
+        run.compare(got, want)
+        run.backward(got, want)
+        run.step()
         out.append((float(got), float(want)))
-    assert cm.plan.tracer == tracer
+    assert cm.plan.tracer == run.spec.config["tracer"]
     return out, {n for gm in cm.stages for n, _ in gm.named_modules()}
 
 
@@ -119,7 +121,13 @@ def _train(rank: int, world: int, name: str, way: str,
 ])
 def test_a_loss_capture_cannot_trace_trains_like_one_process(name, way, tracer):
     held: set[str] = set()
-    for losses, modules in run_ranks(_train, 3, name, way, tracer, timeout_s=60.0, wall_s=240.0):
+    got = train_against_reference(
+        functools.partial(_model, name, way), dict(tracer=tracer, replicas=(1, 2),
+                                                   micro_batches=2), 3,
+        optimizer=ADAM, tol=TOL, params=False, example=False,
+        compile_kw=dict(loss_fn=BODIES[name][1] if way == "loss_fn" else None),
+        loop=functools.partial(_steps, name, way), wall_s=240.0)
+    for losses, modules in (t.extra for t in got):
         held |= modules
         for got, want in losses:
             assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -158,25 +166,20 @@ def _tagger_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def _train_tagger(rank: int, world: int) -> tuple[list[tuple[float, float]], str]:
-    torch.manual_seed(0)
-    model = Tagger()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0,
-                    replicas=(1, 2), micro_batches=2)
-    cm = rannc_fx.compile(model, opt, config)
-    mine = slice(rank * 4, (rank + 1) * 4)
+def _tagger_steps(run: Run) -> tuple[list[tuple[float, float]], str]:
+    """``STEPS`` Adam steps and an evaluation; each (loss, one process's), the tracer."""
+    cm, ref, mine = run.cm, run.ref, slice(run.rank * 4, (run.rank + 1) * 4)
     out = []
     for step in range(STEPS):
-        ids, labels = _tagger_batch(4 * world, step)
+        ids, labels = _tagger_batch(4 * run.world, step)
         got, want = cm(ids[mine], labels[mine]), ref(ids, labels)
-        step_each((got, opt), (want, ref_opt))
+        run.compare(got, want)
+        run.backward(got, want)
+        run.step()
         out.append((float(got), float(want)))
     cm.eval()
     ref.eval()
-    ids, labels = _tagger_batch(4 * world, 99)
+    ids, labels = _tagger_batch(4 * run.world, 99)
     with torch.no_grad():
         out.append((float(cm(ids[mine], labels[mine])), float(ref(ids, labels))))
     return out, cm.plan.tracer
@@ -185,7 +188,10 @@ def _train_tagger(rank: int, world: int) -> tuple[list[tuple[float, float]], str
 def test_a_loss_in_the_forward_itself_runs_eagerly_after_the_pipelined_body():
     """An unmodified model: capture fails at the labels' range check in its forward, and the
     forward's statements from there on run eagerly, once a step, after the traced encoder."""
-    for losses, tracer in run_ranks(_train_tagger, 3, timeout_s=60.0, wall_s=240.0):
+    got = train_against_reference(Tagger, dict(replicas=(1, 2), micro_batches=2), 3,
+                                  optimizer=ADAM, tol=TOL, params=False, example=False,
+                                  loop=_tagger_steps, wall_s=240.0)
+    for losses, tracer in (t.extra for t in got):
         assert tracer == "export"  # transformers' encoder: the one a new user gets ("auto")
         for got, want in losses:
             assert_close(got, want, rtol=1e-5, atol=1e-6)
