@@ -10,7 +10,7 @@ sync call. A step or a clip with unsummed gradients, and ranks that disagree on
 
 from __future__ import annotations
 
-import copy
+import functools
 from collections import Counter
 from contextlib import nullcontext
 from typing import Any
@@ -22,10 +22,9 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import MLP
 from rannc_fx.runtime import grad_shards, grads
-from tests.dist_utils import assert_moved_alike, run_ranks, snapshot
+from tests.harness import Run, optimizer, train_against_reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
@@ -76,26 +75,18 @@ def _count_sums() -> None:
     grad_shards.collective = collective  # type: ignore[assignment]
 
 
-def _train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    _count_sums()
-    torch.manual_seed(0)
-    model: nn.Module = TiedLM() if case["model"] == "tied" else MLP(depth=3)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    scale = case.get("scaler", False)
-    scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10, enabled=scale)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scale)
+def _model(name: str) -> nn.Module:
+    return TiedLM() if name == "tied" else MLP(depth=3)
+
+
+def _windows(case: dict[str, Any], run: Run) -> dict[str, Any]:
+    """The ``STEPS`` windows: each call's loss against one process's, every gradient after a
+    window's last call, the sums over ranks each call made (none inside ``no_sync()``); with
+    GradScaler, clipping after the sync call (the norms compared)."""
+    rank, world, cm, ref = run.rank, run.world, run.cm, run.ref
+    scaler, ref_scaler = run.scaler, run.ref_scaler
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0,
-                 replicas=case["replicas"], micro_batches=2, schedule=case["schedule"],
-                 zero=case.get("zero", 0), host_params=case.get("host_params", False),
-                 tracer=case.get("tracer", "fx"), cost_model="analytic",
-                 link_bandwidth=1e9, link_latency=2e-5)
-    first = _batch(case["model"], LOCAL * world, 0)
-    cm = rannc_fx.compile(model, opt, cfg, example_args=tuple(t[mine] for t in first))
-    before = snapshot(ref)
-    losses, sums = [], []
+    sums = []
     for step, inside in enumerate(STEPS):
         _SUMS.clear()
         for k, quiet in enumerate(inside):
@@ -103,29 +94,29 @@ def _train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             summed = len(_SUMS)
             with cm.no_sync() if quiet else nullcontext():
                 loss = cm(x[mine], y[mine])
-                scaler.scale(loss).backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             want = ref(x, y)
-            ref_scaler.scale(want).backward()
-            assert_close(loss, want, **TOL)
-            losses.append(loss.item())
+            (ref_scaler.scale(want) if ref_scaler is not None else want).backward()
+            run.compare(loss, want)
             if quiet:
                 assert len(_SUMS) == summed, f"summed inside no_sync(): {_SUMS[summed:]}"
             if case.get("refusals") and step == 0 and k == len(inside) - 2:
-                _refused(cm, opt)
+                _refused(cm, run.opt)
         sums.append(Counter(_SUMS))
-        for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
-            s.unscale_(o)
+        if scaler is not None:
+            for s, o in ((scaler, run.opt), (ref_scaler, run.ref_opt)):
+                s.unscale_(o)
         _assert_grads_like(cm, ref, sharded=case.get("zero", 0) == 2)
-        if scale:
+        if scaler is not None:
             assert_close(cm.clip_grad_norm_(0.5), nn.utils.clip_grad_norm_(ref.parameters(), 0.5),
                          **TOL)
-        for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
-            s.step(o)
-            s.update()
+        for s, o in ((scaler, run.opt), (ref_scaler, run.ref_opt)):
+            if s is not None:
+                s.step(o)
+                s.update()
+            else:
+                o.step()
             o.zero_grad()
-    for stage in cm.stages:  # one, or a lane's (ZBV: one of them may hold no parameter)
-        if any(p.requires_grad for p in stage.parameters()):
-            assert_moved_alike(stage, ref, before, **TOL)
     if case.get("refusals"):
         _refused_apart(cm, rank, x[mine], y[mine])
     held = {st.index for st in cm.plan.stages_of_rank(rank)}
@@ -133,7 +124,7 @@ def _train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         *(cm.plan.stages[s].ranks for s in held),
         *({r for s in sp.stages for r in cm.plan.stages[s].ranks}
           for sp in cm.plan.shared_params if held & set(sp.stages))))
-    return {"sums": sums, "shared": len(cm.plan.shared_params), "losses": losses,
+    return {"sums": sums, "shared": len(cm.plan.shared_params), "losses": run.losses,
             "sums_here": sums_here}
 
 
@@ -199,7 +190,18 @@ def test_accumulating_under_no_sync_trains_like_one_process(name):
     case = CASES[name]
 
     world = sum(case["replicas"])
-    got = run_ranks(_train, world, case, timeout_s=30.0, wall_s=120.0)
+    cfg = dict(replicas=case["replicas"], micro_batches=2, schedule=case["schedule"],
+               zero=case.get("zero", 0), host_params=case.get("host_params", False),
+               tracer=case.get("tracer", "fx"), cost_model="analytic", link_bandwidth=1e9,
+               link_latency=2e-5)
+    # every stage's parameters against one process's at the end, and moved (a stage of a
+    # lane may hold no trainable one)
+    got = [t.extra for t in train_against_reference(
+        functools.partial(_model, case["model"]), cfg, world,
+        data=functools.partial(_batch, case["model"], LOCAL * world),
+        optimizer=optimizer(torch.optim.SGD, lr=0.1, momentum=0.9),
+        scaler=2.0**10 if case.get("scaler") else None, moved=True, setup=_count_sums,
+        loop=functools.partial(_windows, case), timeout_s=30.0)]
     assert all(r["losses"] == got[0]["losses"] for r in got)
     if case["model"] == "tied":
         assert got[0]["shared"] == 1

@@ -7,6 +7,7 @@ rank; with ``sync_module_states=False`` each rank keeps its own, so the replicas
 from __future__ import annotations
 
 import copy
+import functools
 import zlib
 from typing import Any
 
@@ -15,16 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.startup import sync
-from tests.dist_utils import run_ranks, snapshot, step_each
+from tests.dist_utils import run_ranks
+from tests.harness import Run, optimizer, test_config, train_against_reference
 
 # forced plans without the link probe or per-op profiling (they cost seconds a case)
-CFG = dict(profile_cache_dir=None, timeout_s=30.0, cost_model="analytic", link_bandwidth=1e9,
-           link_latency=1e-5, allreduce_bandwidth=1e9)
+CFG = dict(timeout_s=30.0, cost_model="analytic", link_bandwidth=1e9, link_latency=1e-5,
+           allreduce_bandwidth=1e9)
 TOL = dict(rtol=1e-5, atol=1e-6)
 LOCAL = 2  # samples per rank
 STEPS = 3
@@ -107,58 +107,82 @@ def _batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(LOCAL * world, 16, generator=g), torch.randn(LOCAL * world, 16, generator=g)
 
 
-def _train(rank: int, world: int, cfg: dict[str, Any], how: str, tmp: str = "",
-           bucket: int | None = None) -> Any:
-    """Seed by rank, build, compile, check the start and 3 Adam steps against one process
-    started from rank 0's model. ``how``: "cpu", "meta" (init=), "file" (a saved plan),
-    "off" (sync_module_states=False: returns whether this rank started from rank 0's).
-    ``bucket``: the transfer's bucket bytes (a 16 x 16 weight is 1 KiB)."""
-    if bucket is not None:
-        sync.BUCKET_BYTES = bucket  # this forked rank's only
+def _every_step(world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _batch(world)  # the same batch at every step
+
+
+def _rank_model(how: str, cfg: dict[str, Any], tmp: str) -> Net:
+    """This rank's model, drawn from its own seed (on the meta device for "meta"); for "file",
+    a plan made by an earlier compile of a copy, saved by rank 0 to ``tmp`` for every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)  # each rank draws its own model
     if how == "meta":
         with torch.device("meta"):
-            model = Net()
-        ref = _materialized(seed=0)  # rank 0's seed
-    else:
-        model = Net()
-        torch.manual_seed(0)
-        ref = Net()  # what rank 0 built
-    x, y = _batch(world)
-    lx, ly = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    config = Config(**CFG, **cfg, sync_module_states=how != "off")
-    plan = None
-    if how == "file":  # a plan made by an earlier compile, saved, loaded on every rank
-        first = rannc_fx.compile(copy.deepcopy(model), None, Config(**CFG, **cfg),
+            return Net()
+    model = Net()
+    if how == "file":
+        x, y = _batch(world)
+        lx, ly = x[rank * LOCAL:(rank + 1) * LOCAL], y[rank * LOCAL:(rank + 1) * LOCAL]
+        first = rannc_fx.compile(copy.deepcopy(model), None, test_config(**CFG, **cfg),
                                  example_args=(lx, ly))
         if rank == 0:
             first.plan.save(tmp)
         dist.barrier()
-        plan = tmp
-    cm = rannc_fx.compile(model, opt, config, plan, example_args=(lx, ly),
-                          init=_init if how == "meta" else None)
+    return model
+
+
+def _rank_0s_model(how: str) -> Net:
+    """What rank 0 built (or, from the meta device, what ``init=`` materializes there)."""
+    if how == "meta":
+        return _materialized(seed=0)  # rank 0's seed
+    torch.manual_seed(0)
+    return Net()
+
+
+def _from_rank_0(how: str, run: Run) -> Any:
+    """Every tensor this rank holds starts as rank 0's (unless "off"), then 3 Adam steps; for
+    "off", whether this rank started from rank 0's and where its tensors ended."""
+    cm, ref = run.cm, run.ref
     start = {k: v.clone() for k, v in cm.state_dict().items()}
     assert start, "this rank holds no tensors"
     differ = [k for k, v in start.items() if not torch.equal(v, ref.state_dict()[k])]
     assert how == "off" or not differ, differ
-    before = snapshot(ref)
-    for _ in range(STEPS):
-        loss, want = cm(lx, ly), ref(x, y)
+    for step in range(1, STEPS + 1):
+        loss, want = run.forward(run.batch(step))
         if how != "off":
-            assert_close(loss, want, **TOL)
-        step_each((loss, opt), (want, ref_opt))
+            run.compare(loss, want)
+        run.backward(loss, want)
+        run.step()
     if how == "off":
         return not differ, {k: v.tolist() for k, v in cm.state_dict().items()}
-    moved = 0.0
-    for stage in cm.stages:
-        for name, p in stage.named_parameters():
-            want_p = ref.get_parameter(name).detach()
-            assert_close(p, want_p, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-            moved = max(moved, float((want_p - before[name]).abs().max()))
-    assert moved > 1e-3  # the parameters trained, so equal ones mean equal training
     return sorted(start)
+
+
+def _trained(run: Run) -> Any:
+    """The parameters trained, so equal ones mean equal training."""
+    moved = max(float((run.ref.get_parameter(name).detach() - run.before[name]).abs().max())
+                for stage in run.cm.stages for name, _ in stage.named_parameters())
+    assert moved > 1e-3
+    return sorted(run.cm.state_dict())
+
+
+def _train(world: int, cfg: dict[str, Any], how: str, tmp: str = "",
+           bucket: int | None = None) -> list[Any]:
+    """Seed by rank, build, compile, check the start and 3 Adam steps against one process
+    started from rank 0's model. ``how``: "cpu", "meta" (init=), "file" (a saved plan),
+    "off" (sync_module_states=False: returns whether this rank started from rank 0's).
+    ``bucket``: the transfer's bucket bytes (a 16 x 16 weight is 1 KiB)."""
+    got = train_against_reference(
+        functools.partial(_rank_model, how, cfg, tmp), {**CFG, **cfg,
+                                                       "sync_module_states": how != "off"},
+        world, data=functools.partial(_every_step, world), reference=functools.partial(
+            _rank_0s_model, how), optimizer=optimizer(torch.optim.Adam, lr=0.01), tol=TOL,
+        params=how != "off", compile_kw=dict(plan=tmp if how == "file" else None,
+                                             init=_init if how == "meta" else None),
+        loop=functools.partial(_from_rank_0, how), check=None if how == "off" else _trained,
+        timeout_s=30.0,
+        patches=[(sync.__name__, "BUCKET_BYTES", bucket)] if bucket is not None else ())
+    return [t.extra for t in got]
 
 
 @pytest.mark.parametrize("world,cfg,how,bucket", [
@@ -173,8 +197,7 @@ def _train(rank: int, world: int, cfg: dict[str, Any], how: str, tmp: str = "",
 def test_ranks_seeded_differently_train_like_one_process_from_rank_0s_model(
     world, cfg, how, bucket, tmp_path
 ):
-    held = run_ranks(_train, world, cfg, how, str(tmp_path / "plan.json"), bucket,
-                     timeout_s=30.0, wall_s=120.0)
+    held = _train(world, cfg, how, str(tmp_path / "plan.json"), bucket)
     # every tensor of the model was checked on some rank (export keeps no counter of a
     # BatchNorm in eval mode: nothing reads it)
     assert set().union(*held) >= set(Net().state_dict()) - {"norm.num_batches_tracked"}
@@ -182,7 +205,7 @@ def test_ranks_seeded_differently_train_like_one_process_from_rank_0s_model(
 
 def test_without_the_transfer_each_rank_keeps_its_own_model():
     cfg = dict(replicas=(2,), micro_batches=2, tracer="fx")
-    (first, a), (second, b) = run_ranks(_train, 2, cfg, "off", timeout_s=30.0, wall_s=120.0)
+    (first, a), (second, b) = _train(2, cfg, "off")
     assert first and not second  # rank 1 started from its own draws, not rank 0's
     assert any(a[k] != b[k] for k in a)  # and the replicas stay apart after the steps
 
@@ -193,7 +216,7 @@ def _unlike(rank: int, world: int) -> str:
     if rank == 1:  # a buffer of another shape (it still broadcasts in the forward)
         model.shift = torch.zeros(1)
     x, y = _batch(world)
-    cfg = Config(**CFG, replicas=(2,), micro_batches=2, tracer="fx")
+    cfg = test_config(**CFG, replicas=(2,), micro_batches=2, tracer="fx")
     with pytest.raises(ValueError, match="the ranks built different models") as e:
         rannc_fx.compile(model, None, cfg, example_args=(x[:LOCAL], y[:LOCAL]))
     return str(e.value)
