@@ -3,53 +3,36 @@ the summary; the traced steps train like one process."""
 
 from __future__ import annotations
 
-import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 import rannc_fx
 from rannc_fx.__main__ import main as cli
-from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
 from rannc_fx.plan import Plan
 from rannc_fx.runtime.lowering import lower_plan
 from rannc_fx.runtime.tracefile import matching_start, summarize
 from tests.dist_utils import run_ranks
+from tests.harness import Run, test_config, train_against_reference
 
 LOCAL = 4  # samples per rank
 STEPS = 4
 TRACED = (2, 3)
 
 
-def _train(rank: int, world: int, out: str, cfg: dict[str, Any]) -> tuple[str, list[float]]:
-    torch.manual_seed(0)
-    model, args, kwargs = gpt_example(batch=LOCAL * world)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, trace_dir=out,
-                    trace_steps=f"{TRACED[0]}-{TRACED[-1]}", **cfg)
-    cut = lambda t: t[rank * LOCAL : (rank + 1) * LOCAL]  # noqa: E731
-    cm = rannc_fx.compile(model, opt, config, example_args=tuple(cut(a) for a in args),
-                          example_kwargs={k: cut(v) for k, v in kwargs.items()})
-    losses = []
-    for step in range(STEPS):
-        torch.manual_seed(step + 1)
-        _, gargs, gkwargs = gpt_example(batch=LOCAL * world)
-        loss = cm(*(cut(a) for a in gargs), **{k: cut(v) for k, v in gkwargs.items()})["loss"]
-        want = ref(*gargs, **gkwargs)["loss"]
-        assert_close(loss, want, rtol=1e-5, atol=1e-5)
-        for lo, o in ((loss, opt), (want, ref_opt)):
-            lo.backward()
-            o.step()
-            o.zero_grad()
-        losses.append(loss.item())
-    return cm.plan.to_json(), losses
+def _gpt_batch(world: int, step: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(step)
+    _, args, kwargs = gpt_example(batch=LOCAL * world)
+    return args, kwargs
+
+
+def _plan(run: Run) -> str:
+    return run.cm.plan.to_json()
 
 
 def _label(a: Any) -> str:
@@ -61,8 +44,12 @@ def traced(request, tmp_path_factory) -> tuple[dict[str, Any], Plan, Path, str]:
     out = tmp_path_factory.mktemp(f"trace_{request.param}")
     schedule, _, recompute = request.param.partition("+")
     cfg = dict(replicas=(2, 1), micro_batches=2, schedule=schedule, recompute=bool(recompute))
-    results = run_ranks(_train, 3, str(out), cfg, timeout_s=30.0, wall_s=120.0)
-    plan = Plan.from_json(results[0][0])
+    # the traced steps train like one process
+    got = train_against_reference(
+        functools.partial(gpt_example, batch=LOCAL * 3),
+        dict(trace_dir=str(out), trace_steps=f"{TRACED[0]}-{TRACED[-1]}", **cfg), 3, STEPS,
+        data=functools.partial(_gpt_batch, 3), check=_plan, timeout_s=30.0)
+    plan = Plan.from_json(got[0].extra)
     path = out / "trace.json"
     return json.loads(path.read_text()), plan, path, schedule
 
@@ -176,8 +163,7 @@ def _alone(rank: int, world: int, out: str) -> tuple[list[str], bool]:
     logging.getLogger("rannc_fx").addHandler(handler)
     model, (x, y), _ = mlp_example(batch=LOCAL)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cm = rannc_fx.compile(model, opt, Config(profile_cache_dir=None, profile_repeats=1,
-                                             trace_dir=out, trace_steps="1-2"),
+    cm = rannc_fx.compile(model, opt, test_config(trace_dir=out, trace_steps="1-2"),
                           example_args=(x, y))
     for _ in range(3):
         cm(x, y).backward()
@@ -207,8 +193,8 @@ def _clock_ahead(rank: int, world: int, out: str) -> dict[str, Any] | None:
             perf_counter_ns=lambda: real() + AHEAD_NS)
     model, (x, y), _ = mlp_example(batch=LOCAL)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
-                 micro_batches=2, trace_dir=out, trace_steps="2-3")
+    cfg = test_config(timeout_s=30.0, replicas=(1, 1), micro_batches=2, trace_dir=out,
+                      trace_steps="2-3")
     cm = rannc_fx.compile(model, opt, cfg, example_args=(x, y))
     for _ in range(3):
         cm(x, y).backward()
