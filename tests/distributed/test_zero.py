@@ -7,7 +7,7 @@ and unsharded plans."""
 
 from __future__ import annotations
 
-import copy
+import functools
 import io
 from typing import Any
 
@@ -17,12 +17,12 @@ import torch.distributed.checkpoint as dcp
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import mlp_example
 from rannc_fx.runtime import comm, grad_shards
 from rannc_fx.runtime.zero import shard_of
-from tests.dist_utils import assert_like_reference, run_ranks
+from tests.dist_utils import run_ranks
 from tests.distributed.test_checkpoint import _local
+from tests.harness import Run, optimizer, test_config, train_against_reference
 from tests.unit.test_checkpoint import _adam, _data  # the tied-embedding LM and its Adam
 from tests.unit.test_zero import TOL
 
@@ -49,35 +49,33 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
               ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     opt = _adam(model)
-    # the link given, not probed, and the costs counted, not timed: on loaded cores a probe
-    # (milliseconds a message) or timed ops can cut the stages so that the replicated one
-    # holds no parameter (nothing to shard) or a layered one a single layer (no segment
-    # start inside it)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=replicas,
-                 micro_batches=2, schedule=schedule, recompute=recompute, zero=zero,
-                 offload=offload, recompute_layers=layers, link_bandwidth=1e9,
-                 link_latency=2e-5, cost_model="analytic")
+    cfg = test_config(timeout_s=30.0, **_zero_config(replicas, zero, schedule, recompute,
+                                                     offload, layers))
     largs, lkwargs = _local(rank, world, args, kwargs)
     return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
             opt, largs, lkwargs)
 
 
-def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
-           recompute: bool, clip: float | None, offload: bool = False,
-           layers: bool | None = None, zero: int = 1) -> tuple[list[float], dict[str, Any]]:
-    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero, schedule=schedule,
-                                      recompute=recompute, offload=offload, layers=layers)
-    losses = [_step(cm, opt, args, kwargs, clip) for _ in range(STEPS)]
-    ref, rargs, rkwargs = _data()
-    ref_opt = _adam(ref)
-    want = [_step(ref, ref_opt, rargs, rkwargs, clip) for _ in range(STEPS)]
-    assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
-    assert_like_reference(cm.stages, ref, **TOL)
-    me = cm.plan.stages_of_rank(rank)[0]
+def _zero_config(replicas: tuple[int, ...], zero: int, schedule: str | None = None,
+                 recompute: bool | None = None, offload: bool | None = False,
+                 layers: bool | None = None) -> dict[str, Any]:
+    # the link given, not probed, and the costs counted, not timed: on loaded cores a probe
+    # (milliseconds a message) or timed ops can cut the stages so that the replicated one
+    # holds no parameter (nothing to shard) or a layered one a single layer (no segment
+    # start inside it)
+    return dict(replicas=replicas, micro_batches=2, schedule=schedule, recompute=recompute,
+                zero=zero, offload=offload, recompute_layers=layers, link_bandwidth=1e9,
+                link_latency=2e-5, cost_model="analytic")
+
+
+def _shares(run: Run) -> dict[str, Any]:
+    """What this rank's share of the optimizer state holds, and what the plan says of it."""
+    cm, opt = run.cm, run.opt
+    me = cm.plan.stages_of_rank(run.rank)[0]
     shard = shard_of(opt)
     kept = {id(p) for p in opt.state}
     ps = list(dict.fromkeys(p for gm in cm.stages for p in gm.parameters()))
-    return losses, {
+    return {
         "stage": me.index, "replicas": me.replicas, "zero": me.zero,
         "sharded": shard is not None,
         "kept": len(kept & {id(p) for p in ps}), "params": len(ps),
@@ -85,12 +83,24 @@ def _train(rank: int, world: int, replicas: tuple[int, ...], schedule: str,
                            for v in opt.state[p].values()
                            if isinstance(v, torch.Tensor) and v.dim() > 0),  # not the step
         "largest": 2 * max(p.numel() * p.element_size() for p in ps),  # Adam: 2 moments
-        "predicted": sum(st.memory.optimizer_state for st in cm.plan.stages_of_rank(rank)),
+        "predicted": sum(st.memory.optimizer_state for st in cm.plan.stages_of_rank(run.rank)),
         "offload": me.offload, "host_bytes": me.host_bytes, "layers": len(me.checkpoints),
         "host_params": len(shard.host.params) if shard is not None and shard.host else 0,
         "bucketed": shard is not None and shard.host is not None and len(
             comm.buckets(shard.host.params, comm.BUCKET_BYTES)) > 1,
     }
+
+
+def _train(replicas: tuple[int, ...], schedule: str, recompute: bool, clip: float | None,
+           offload: bool = False, layers: bool | None = None, zero: int = 1,
+           patches: Any = ()) -> list[dict[str, Any]]:
+    """``STEPS`` Adam steps of the tied-embedding LM (clipped at ``clip``) against one
+    process: losses, norms, every parameter; each rank's ``_shares``."""
+    got = train_against_reference(
+        _data, _zero_config(replicas, zero, schedule, recompute, offload, layers),
+        sum(replicas), STEPS, clip=clip, check=_shares, timeout_s=30.0, wall_s=180.0,
+        patches=patches)
+    return [t.extra for t in got]
 
 
 @pytest.mark.slow
@@ -113,11 +123,9 @@ def test_sharded_training_is_the_one_process_training(replicas, schedule, recomp
                                                      zero):
     # one stage: many all-gathers of a few tensors each
     patches = [(comm.__name__, "BUCKET_BYTES", 4096)] if len(replicas) == 1 else []
-    world = sum(replicas)
-    got = run_ranks(_train, world, replicas, schedule, recompute, clip, False, None, zero,
-                    timeout_s=30.0, wall_s=180.0, patches=patches)
+    got = _train(replicas, schedule, recompute, clip, False, None, zero, patches)
     by_stage: dict[int, list[dict[str, Any]]] = {}
-    for _, info in got:
+    for info in got:
         by_stage.setdefault(info["stage"], []).append(info)
     for infos in by_stage.values():
         r = infos[0]["replicas"]
@@ -134,17 +142,14 @@ def test_sharded_training_is_the_one_process_training(replicas, schedule, recomp
                 assert i["state_bytes"] <= whole / r + i["largest"]
 
 
-def _gradients(rank: int, world: int, replicas: tuple[int, ...], schedule: str, zero: int
-               ) -> dict[str, Any]:
-    """Two calls' gradients accumulated, then clipped and stepped, against one process's."""
-    cm, opt, args, kwargs = _compiled(rank, world, replicas, zero, schedule=schedule)
-    ref, rargs, rkwargs = _data()
-    ref_opt = _adam(ref)
+def _accumulated(zero: int, run: Run) -> dict[str, Any]:
+    """Two calls' gradients accumulated, then clipped and stepped, against one process's;
+    then 2 clipped steps."""
+    cm, ref = run.cm, run.ref
     for _ in range(2):  # accumulation over calls: the second adds to the first's
-        cm(*args, **kwargs)["loss"].backward()
-        ref(*rargs, **rkwargs)["loss"].backward()
+        run.backward(*run.forward(run.batch(1)))
     shared = {n for sp in cm.plan.shared_params for n in (sp.name, *sp.aliases)}
-    shard = shard_of(opt)
+    shard = shard_of(run.opt)
     kept, dropped = [], []
     for gm in cm.stages:
         for name, p in gm.named_parameters():
@@ -160,15 +165,21 @@ def _gradients(rank: int, world: int, replicas: tuple[int, ...], schedule: str, 
     norm = cm.clip_grad_norm_(0.5)
     want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     assert_close(norm, want_norm, **TOL)
-    for o in (opt, ref_opt):
+    for o in (run.opt, run.ref_opt):
         o.step()
         o.zero_grad()
-    losses = [_step(cm, opt, args, kwargs, 0.5) for _ in range(2)]
-    want = [_step(ref, ref_opt, rargs, rkwargs, 0.5) for _ in range(2)]
-    assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
-    assert_like_reference(cm.stages, ref, **TOL)
-    me = cm.plan.stages_of_rank(rank)[0]
+    for _ in range(2):
+        run.train_step(1)  # clipped at 0.5
+    me = cm.plan.stages_of_rank(run.rank)[0]
     return {"stage": me.index, "zero": me.zero, "kept": kept, "dropped": dropped}
+
+
+def _gradients(replicas: tuple[int, ...], schedule: str, zero: int, patches: Any = ()
+               ) -> list[dict[str, Any]]:
+    got = train_against_reference(_data, _zero_config(replicas, zero, schedule), 3, clip=0.5,
+                                  loop=functools.partial(_accumulated, zero), timeout_s=30.0,
+                                  wall_s=180.0, patches=patches)
+    return [t.extra for t in got]
 
 
 @pytest.mark.slow
@@ -178,7 +189,7 @@ def test_a_sharded_stage_s_gradients_are_one_process_s_on_their_owners(replicas,
                                                                        zero):
     """ZeRO-1 keeps every gradient on every replica; ZeRO-2 keeps each on its owner only,
     the two calls' sum reduced once; the clipped norm and the steps are one process's."""
-    got = run_ranks(_gradients, 3, replicas, schedule, zero, timeout_s=30.0, wall_s=180.0)
+    got = _gradients(replicas, schedule, zero)
     two = [info for info in got if info["stage"] == replicas.index(2)]
     assert all(i["zero"] == zero for i in two)
     if zero == 1:
@@ -198,45 +209,37 @@ def _nccl(group: object) -> str:
 def test_the_reduce_scatter_nccl_runs_gives_the_owners_one_process_s_gradients():
     """Over gloo the rounds are all-reduced (faster there); NCCL's path, a reduce-scatter of
     the same rounds, run here on gloo."""
-    got = run_ranks(_gradients, 3, (2, 1), "1f1b", 2, timeout_s=30.0, wall_s=180.0,
-                    patches=[(grad_shards.__name__, "backend_of", _nccl),
-                             (comm.__name__, "BUCKET_BYTES", 64 * 1024)])  # several rounds
+    got = _gradients((2, 1), "1f1b", 2,
+                     patches=[(grad_shards.__name__, "backend_of", _nccl),
+                              (comm.__name__, "BUCKET_BYTES", 64 * 1024)])  # several rounds
     assert all(i["kept"] and i["dropped"] for i in got if i["stage"] == 0)
 
 
-def _scaled(rank: int, world: int, inf_on: int | None) -> float:
+def _inf_on_a_replica(inf_on: int | None, run: Run) -> float:
     """GradScaler over a sharded stage: an inf on one replica skips the step everywhere."""
-    local = 4
-    torch.manual_seed(0)
-    model, (x, y), _ = mlp_example(batch=local * world)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(2, 1),
-                 micro_batches=2, zero=1)
-    cut = lambda t: t[rank * local : (rank + 1) * local]  # noqa: E731
-    cm = rannc_fx.compile(model, opt, cfg, example_args=(cut(x), cut(y)))
-    assert (shard_of(opt) is not None) == (rank < 2)  # the first stage's two replicas
-    scaler, ref_scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler(
-        "cpu", init_scale=2.0**10)
+    assert (shard_of(run.opt) is not None) == (run.rank < 2)  # the first stage's two replicas
     for step in range(3):
-        for m, sc, o, args in ((cm, scaler, opt, (cut(x), cut(y))),
-                               (ref, ref_scaler, ref_opt, (x, y))):
-            sc.scale(m(*args)).backward()
-            if step == 1 and inf_on is not None and (m is ref or rank == inf_on):
+        out, want = run.call(run.batch(1))
+        run.backward(out, want)
+        if step == 1 and inf_on is not None:
+            for m in (run.ref, run.cm) if run.rank == inf_on else (run.ref,):
                 list(m.parameters())[-1].grad.view(-1)[0] = float("inf")
-            sc.step(o)
+        for sc, o in ((run.scaler, run.opt), (run.ref_scaler, run.ref_opt)):
+            sc.step(o)  # unscaling there
             sc.update()
             o.zero_grad()
-        assert scaler.get_scale() == ref_scaler.get_scale()
-    assert_like_reference(cm.stages, ref, **TOL)
-    return scaler.get_scale()
+        assert run.scaler.get_scale() == run.ref_scaler.get_scale()
+    return run.scaler.get_scale()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("inf_on", [None, 1])
 def test_grad_scaler_over_a_sharded_stage_steps_like_one_process(inf_on):
-    scales = run_ranks(_scaled, 3, inf_on, timeout_s=30.0, wall_s=120.0)
+    scales = [t.extra for t in train_against_reference(
+        functools.partial(mlp_example, batch=4 * 3), dict(replicas=(2, 1), micro_batches=2,
+                                                          zero=1), 3,
+        optimizer=optimizer(torch.optim.Adam, lr=0.01), scaler=2.0**10,
+        loop=functools.partial(_inf_on_a_replica, inf_on), timeout_s=30.0)]
     assert set(scales) == {2.0**10 if inf_on is None else 2.0**9}
 
 
@@ -246,9 +249,8 @@ def test_sharded_offloaded_and_layered_stages_train_like_one_process(schedule):
     """ZeRO-1, the state offloaded and recomputation layer by layer on every stage at once:
     the last stage's two replicas share its state and step it in buckets, each stage's R
     keeps only its layers' inputs."""
-    got = run_ranks(_train, 3, (1, 2), schedule, True, 0.5, True, True, timeout_s=30.0,
-                    wall_s=180.0, patches=[(comm.__name__, "BUCKET_BYTES", 64 * 1024)])
-    infos = [info for _, info in got]
+    infos = _train((1, 2), schedule, True, 0.5, True, True,
+                   patches=[(comm.__name__, "BUCKET_BYTES", 64 * 1024)])
     assert all(i["layers"] >= 1 and i["offload"] for i in infos)
     assert [i["zero"] for i in infos] == [int(i["replicas"] > 1) for i in infos]
     assert any(i["bucketed"] for i in infos)
@@ -263,11 +265,10 @@ def test_sharded_offloaded_and_layered_stages_train_like_one_process(schedule):
 def test_offloaded_state_steps_in_buckets_like_one_process(replicas, schedule, recompute):
     """Host and device are one memory here: the state's path (bucket by bucket, the user's
     optimizer stepping each bucket) and its numerics are what is tested."""
-    got = run_ranks(_train, sum(replicas), replicas, schedule, recompute, 0.5, True,
-                    timeout_s=30.0, wall_s=180.0,
-                    patches=[(comm.__name__, "BUCKET_BYTES", 64 * 1024)])  # several buckets a stage
-    assert any(info["bucketed"] for _, info in got)  # a rank that stepped several buckets
-    for _, info in got:
+    got = _train(replicas, schedule, recompute, 0.5, True,
+                 patches=[(comm.__name__, "BUCKET_BYTES", 64 * 1024)])  # several buckets a stage
+    assert any(info["bucketed"] for info in got)  # a rank that stepped several buckets
+    for info in got:
         assert info["offload"] and info["host_params"] > 0
         # the plan's device keeps none of the state; the host this replica's share of it
         assert info["predicted"] == 0 and info["host_bytes"] > 0
