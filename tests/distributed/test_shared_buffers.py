@@ -7,18 +7,20 @@ splits them is refused."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
 from tests.dist_utils import run_ranks
+from tests.harness import Run, optimizer, test_config, train_against_reference
 from tests.unit.test_group import value_specs
 from tests.unit.test_shared_buffers import (
     MODELS,
@@ -32,7 +34,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 2  # samples per rank
 # the analytic cost model and fixed links: the same plan on every run (a measured one moves
 # the stage boundaries, and with them which stages read the buffer)
-CFG = dict(profile_cache_dir=None, timeout_s=60.0, cost_model="analytic", link_bandwidth=1e9,
+CFG = dict(timeout_s=60.0, cost_model="analytic", link_bandwidth=1e9,
            link_latency=1e-5, allreduce_bandwidth=1e9)
 INV_FREQ = "rotary.inv_freq"
 
@@ -60,37 +62,46 @@ def _scale_init(m: nn.Module) -> None:
         m.reset_parameters()
 
 
-def _train(rank: int, world: int, name: str, kw: dict[str, Any], cfg: dict[str, Any],
-           meta: bool = False) -> dict[str, Any]:
-    """3 Adam steps against a deep-copied single-process reference on the global batch; the
-    loss at each step, every parameter and every buffer (and constant) of this rank's stage
-    equal it."""
-    model, args = _example(name, LOCAL * world, **kw)
-    ref = copy.deepcopy(model)
-    ref_opt = _adam(ref)
+def _shared_model(name: str, kw: dict[str, Any], meta: bool) -> tuple[nn.Module, Any, dict]:
+    """The model (built on the meta device with ``meta``: each stage computes or is given its
+    tensors) and the global batch."""
+    model, args = _example(name, LOCAL * dist.get_world_size(), **kw)
     if meta:
         with torch.device("meta"):
             model = MODELS[name](**kw)  # Rotary.reset_parameters() computes inv_freq on each
-    opt = _adam(model)
-    init = _scale_init if meta and name == "scaled" else None
-    cm = rannc_fx.compile(model, opt, Config(**CFG, **cfg), example_args=_local(args, rank),
-                          init=init)
-    stage = cm.stages[0]
-    if meta:  # the persistent tensors come from the plain model: all but inv_freq
-        cm.load_state_dict(ref.state_dict())
+    return model, args, {}
+
+
+def _plain_model(name: str, kw: dict[str, Any]) -> nn.Module:
+    return _example(name, 1, **kw)[0]
+
+
+def _reference_buffers(ref: nn.Module) -> dict[str, torch.Tensor]:
     # a stage GraphModule holds a constant (a plain tensor attribute) as a buffer
     constants = {k: v for k, v in vars(ref).items() if isinstance(v, torch.Tensor)}
-    ref_buffers = {**dict(ref.named_buffers(remove_duplicate=False)), **constants}
-    for bname, b in stage.named_buffers(remove_duplicate=False):
+    return {**dict(ref.named_buffers(remove_duplicate=False)), **constants}
+
+
+def _buffers_alike(meta: bool, run: Run) -> None:
+    """3 Adam steps; every buffer (and constant) of this rank's stage is the reference's
+    before them (from the meta device: after loading the plain model's state dict)."""
+    if meta:  # the persistent tensors come from the plain model: all but inv_freq
+        run.cm.load_state_dict(run.ref.state_dict())
+    ref_buffers = _reference_buffers(run.ref)
+    for bname, b in run.cm.stages[0].named_buffers(remove_duplicate=False):
         assert torch.equal(b, ref_buffers[bname]), bname
-    for _ in range(3):
-        got, want = _step(cm, opt, _local(args, rank)), _step(ref, ref_opt, args)
-        assert_close(got, want, **TOL)
-    for pname, p in stage.named_parameters():
-        assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
+    for step in range(1, 4):
+        run.train_step(step)
+
+
+def _held(name: str, run: Run) -> dict[str, Any]:
+    """Every buffer and constant equal to the reference's after the steps; only the tied
+    embedding is a shared parameter; which buffers the plan gives each stage and which this
+    rank's holds."""
+    model, stage, plan = run.model, run.cm.stages[0], run.cm.plan
+    ref_buffers = _reference_buffers(run.ref)
     for bname, b in stage.named_buffers(remove_duplicate=False):
         assert_close(b, ref_buffers[bname], **TOL, msg=lambda m, n=bname: f"{n}: {m}")
-    plan = cm.plan
     # only the tied embedding is a shared parameter: a buffer has no gradient to all-reduce
     assert [sp.name for sp in plan.shared_params] == (["embed.weight"] if name == "rotary" else [])
     assert all(INV_FREQ not in st.param_names for st in plan.stages)
@@ -101,8 +112,22 @@ def _train(rank: int, world: int, name: str, kw: dict[str, Any], cfg: dict[str, 
     return {
         "buffers": [st.buffer_names for st in plan.stages],
         "held": sorted({first[id(b)] for b in stage.buffers()}),
-        "stage": plan.stage_of_rank(rank).index,
+        "stage": plan.stage_of_rank(run.rank).index,
     }
+
+
+def _train(world: int, name: str, kw: dict[str, Any], cfg: dict[str, Any],
+           meta: bool = False) -> list[dict[str, Any]]:
+    """3 Adam steps against a single-process reference on the global batch (the plain model
+    where the compiled one is built on the meta device); the loss at each step, every
+    parameter and every buffer (and constant) of this rank's stage equal it."""
+    got = train_against_reference(
+        functools.partial(_shared_model, name, kw, meta), {**CFG, **cfg}, world,
+        reference=functools.partial(_plain_model, name, kw) if meta else None,
+        optimizer=optimizer(torch.optim.Adam, lr=0.01),
+        compile_kw=dict(init=_scale_init if meta and name == "scaled" else None),
+        loop=functools.partial(_buffers_alike, meta), check=functools.partial(_held, name))
+    return [t.extra for t in got]
 
 
 @pytest.mark.parametrize(
@@ -116,7 +141,7 @@ def _train(rank: int, world: int, name: str, kw: dict[str, Any], cfg: dict[str, 
     ],
 )
 def test_a_buffer_every_layer_reads_is_held_by_each_stage(world, kw, cfg):
-    results = run_ranks(_train, world, "rotary", kw, cfg, timeout_s=60.0, wall_s=120.0)
+    results = _train(world, "rotary", kw, cfg)
     plan_buffers = results[0]["buffers"]
     readers = [s for s, names in enumerate(plan_buffers) if INV_FREQ in names]
     assert len(readers) >= 2, plan_buffers  # the case this file is about
@@ -127,14 +152,14 @@ def test_a_buffer_every_layer_reads_is_held_by_each_stage(world, kw, cfg):
 @pytest.mark.parametrize("kw", [dict(), dict(alias=True, persistent=True)])
 def test_a_meta_model_computes_the_shared_buffer_on_every_stage(kw):
     cfg = dict(replicas=(1, 1, 1), micro_batches=2)
-    results = run_ranks(_train, 3, "rotary", kw, cfg, True, timeout_s=60.0, wall_s=120.0)
+    results = _train(3, "rotary", kw, cfg, True)
     assert sum(INV_FREQ in names for names in results[0]["buffers"]) >= 2
 
 
 @pytest.mark.parametrize("tracer,meta", [("fx", False), ("export", False), ("fx", True)])
 def test_a_tensor_constant_every_layer_reads_is_held_by_each_stage(tracer, meta):
     cfg = dict(replicas=(1, 1), micro_batches=2, tracer=tracer)
-    results = run_ranks(_train, 2, "scaled", {}, cfg, meta, timeout_s=60.0, wall_s=120.0)
+    results = _train(2, "scaled", {}, cfg, meta)
     assert all("scale" in names for names in results[0]["buffers"]), results[0]["buffers"]
 
 
@@ -142,7 +167,7 @@ def _constant_on_meta(rank: int, world: int) -> str:
     _, args = _example("scaled", LOCAL * world)
     with torch.device("meta"):
         model = Scaled()
-    cfg = Config(**CFG, replicas=(1, 1), micro_batches=2)
+    cfg = test_config(**CFG, replicas=(1, 1), micro_batches=2)
     try:
         rannc_fx.compile(model, None, cfg, example_args=_local(args, rank))
     except RuntimeError as e:
@@ -164,7 +189,7 @@ def test_a_tensor_constant_nothing_computed_on_the_meta_device_is_named():
 def test_a_buffer_the_forward_writes_stays_with_all_its_readers(name, world, tracer):
     # BatchNorm normalizes by each micro-batch's statistics: exact with one micro-batch
     cfg = dict(replicas=(1,) * world, micro_batches=1 if name == "bn" else 2, tracer=tracer)
-    results = run_ranks(_train, world, name, {}, cfg, timeout_s=60.0, wall_s=120.0)
+    results = _train(world, name, {}, cfg)
     written = ("bn.running_mean", "bn.running_var") if name == "bn" else ("count",)
     for buf in written:  # the buffers themselves equal the reference's (checked in _train)
         holders = [s for s, names in enumerate(results[0]["buffers"]) if buf in names]
@@ -174,7 +199,7 @@ def test_a_buffer_the_forward_writes_stays_with_all_its_readers(name, world, tra
 def _save(rank: int, world: int, path: str, kw: dict[str, Any]) -> dict[str, Any]:
     model, args = _example("rotary", LOCAL * world, **kw)
     opt = _adam(model)
-    cm = rannc_fx.compile(model, opt, Config(**CFG, replicas=(1,) * world, micro_batches=2))
+    cm = rannc_fx.compile(model, opt, test_config(**CFG, replicas=(1,) * world, micro_batches=2))
     _step(cm, opt, _local(args, rank))
     msd, osd = rannc_fx.get_state_dict(cm, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -191,7 +216,7 @@ def _load(rank: int, world: int, path: str, kw: dict[str, Any], full: bytes) -> 
         for t in (*model.parameters(), *model.buffers()):
             t.zero_()
     opt = _adam(model)
-    cm = rannc_fx.compile(model, opt, Config(**CFG, replicas=(1,) * world, micro_batches=2),
+    cm = rannc_fx.compile(model, opt, test_config(**CFG, replicas=(1,) * world, micro_batches=2),
                           example_args=_local(args, rank))
     msd, osd = rannc_fx.get_state_dict(cm, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -226,7 +251,7 @@ def _loaded_split_plan(rank: int, world: int) -> str:
     plan = _split_after_first_reader(cg, value_specs(cg, flat), "bn.running_mean", LOCAL * world)
     plan = plan.model_copy(update={"model_fingerprint": cg.fingerprint()})
     try:
-        rannc_fx.compile(model, None, Config(**CFG), plan=plan, example_args=_local(args, rank))
+        rannc_fx.compile(model, None, test_config(**CFG), plan=plan, example_args=_local(args, rank))
     except ValueError as e:
         return str(e)
     return "compiled"
@@ -237,7 +262,7 @@ def test_a_loaded_plan_that_splits_them_fails_on_every_rank():
     assert all("'bn.running_mean' is written in the forward" in m for m in messages), messages
 
 
-def _llama(rank: int, world: int) -> dict[str, Any]:
+def _llama() -> tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -246,31 +271,22 @@ def _llama(rank: int, world: int) -> dict[str, Any]:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (LOCAL * world, 16),
+    ids = torch.randint(0, cfg.vocab_size, (LOCAL * dist.get_world_size(), 16),
                         generator=torch.Generator().manual_seed(1))
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
-    cm = rannc_fx.compile(model, opt, Config(**CFG, replicas=(1,) * world, micro_batches=2))
-    local = ids[rank * LOCAL : (rank + 1) * LOCAL]
-    for _ in range(3):
-        loss = cm(local, labels=local).loss
-        want = ref(ids, labels=ids).loss
-        assert_close(loss, want, **TOL)
-        for m, o in ((loss, opt), (want, ref_opt)):
-            m.backward()
-            o.step()
-            o.zero_grad()
-    stage = cm.stages[0]
-    for pname, p in stage.named_parameters():
-        assert_close(p, ref.get_parameter(pname), **TOL, msg=lambda m, n=pname: f"{n}: {m}")
-    return {"buffers": [st.buffer_names for st in cm.plan.stages],
-            "shared": [(sp.name, sp.aliases) for sp in cm.plan.shared_params]}
+    return model, (ids,), {"labels": ids}
+
+
+def _plan_of_llama(run: Run) -> dict[str, Any]:
+    plan = run.cm.plan
+    return {"buffers": [st.buffer_names for st in plan.stages],
+            "shared": [(sp.name, sp.aliases) for sp in plan.shared_params]}
 
 
 @pytest.mark.slow
 def test_transformers_llama_with_tied_embeddings_trains_on_two_stages():
-    results = run_ranks(_llama, 2, timeout_s=90.0, wall_s=240.0)
+    results = [t.extra for t in train_against_reference(
+        _llama, {**CFG, "replicas": (1, 1), "micro_batches": 2}, 2, example=False,
+        check=_plan_of_llama, timeout_s=90.0, wall_s=240.0)]
     assert results[0]["shared"] == [("model.embed_tokens.weight", ("lm_head.weight",))]
     inv_freq = "model.rotary_emb.inv_freq"
     assert all(inv_freq in names for names in results[0]["buffers"]), results[0]["buffers"]
