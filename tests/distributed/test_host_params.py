@@ -5,7 +5,7 @@ GradScaler, checkpoints to and from device parameters). In one process:
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any
 
 import pytest
@@ -14,21 +14,19 @@ import torch.distributed.checkpoint as dcp
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
-from rannc_fx.plan import Plan
 from rannc_fx.runtime import host_params as hp
 from rannc_fx.runtime.host_params import HostParams, host_of
-from tests.dist_utils import assert_like_reference, run_ranks
+from tests.dist_utils import run_ranks
 from tests.gpt_training import (
     STEPS,
     TOL,
     adam,
-    assert_like_one_process,
     gpt,
     local,
     step,
-    train_gpt,
+    train_like_one_process,
 )
+from tests.harness import Run, test_config, train_against_reference
 from tests.unit.test_host_params import _gpt_plan
 
 
@@ -60,27 +58,22 @@ def test_host_parameters_train_like_one_process(schedule, recompute, selective, 
     plan = _gpt_plan(schedule, recompute, selective, replicas, layers)
     assert all(st.host_params for st in plan.stages), plan.summary()
     assert all(bool(st.checkpoints) == bool(layers) for st in plan.stages)
-    got = run_ranks(train_gpt, 2, plan, 0.0, 0, _counting_tokens, timeout_s=30.0,
-                    wall_s=120.0)
+    counted = train_like_one_process(plan, _counting_tokens)
     if not selective:  # under checkpoint its own hooks hold what the forward saves
-        assert all(calls > 0 for _, _, calls in got)
-    assert_like_one_process(got)
+        assert all(calls > 0 for calls in counted)
 
 
-def _fetches_and_eval(rank: int, world: int, plan: Plan) -> bool:
-    model, args, kwargs = gpt(0.0)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adam(model), adam(ref)
-    largs, lkw = local(rank, args, kwargs)
-    cm = rannc_fx.compile(model, opt, Config(timeout_s=30.0, batch_norm=plan.batch_norm),
-                          plan=plan, example_args=largs, example_kwargs=lkw)
-    step(ref, ref_opt, args, kwargs)
-    step(cm, opt, largs, lkw)
+def _fetches_and_eval(run: Run) -> bool:
+    """A step, every stage running through its fetches, then an evaluation call; whether the
+    user's optimizer stepped exactly this rank's parameters."""
+    cm, opt = run.cm, run.opt
+    run.train_step(1)
     assert all(host_of(gm) is not None and hp.FETCH in gm.code for gm in cm.stages)
     mine = {id(p) for gm in cm.stages for p in gm.parameters()}
     stepped = {id(p) for p in opt.state}
+    (largs, lkw), (args, kwargs) = run.split(run.batch(1))
     with torch.no_grad():
-        got, want = cm(*largs, **lkw)["loss"], ref(*args, **kwargs)["loss"]
+        got, want = cm(*largs, **lkw)["loss"], run.ref(*args, **kwargs)["loss"]
     assert_close(got, want, rtol=TOL["rtol"], atol=TOL["atol"])
     return stepped == mine
 
@@ -91,7 +84,11 @@ def test_the_runtime_fetches_and_an_evaluation_call_is_one_process_s():
     evaluation call under ``torch.no_grad`` (fetches without autograd, nothing saved) after a
     step gives one process's loss."""
     plan = _gpt_plan("1f1b")
-    assert all(run_ranks(_fetches_and_eval, 2, plan, timeout_s=30.0, wall_s=120.0))
+    got = train_against_reference(functools.partial(gpt, 0.0),
+                                  dict(timeout_s=30.0, batch_norm=plan.batch_norm), 2,
+                                  optimizer=adam, compile_kw=dict(plan=plan),
+                                  loop=_fetches_and_eval, timeout_s=30.0)
+    assert all(t.extra for t in got)
 
 
 def _checkpointed(rank: int, world: int, host: bool, path: str, resume: bool) -> list[float]:
@@ -100,8 +97,8 @@ def _checkpointed(rank: int, world: int, host: bool, path: str, resume: bool) ->
     model, args, kwargs = gpt(0.0)
     opt = adam(model)
     largs, lkwargs = local(rank, args, kwargs)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, cost_model="analytic",
-                 timeout_s=30.0, replicas=(1, 1), micro_batches=2, host_params=host)
+    cfg = test_config(cost_model="analytic", timeout_s=30.0, replicas=(1, 1), micro_batches=2,
+                      host_params=host)
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
     assert all(st.host_params == host for st in cm.plan.stages)
     msd, osd = rannc_fx.get_state_dict(cm, opt)
@@ -131,41 +128,32 @@ def test_a_checkpoint_moves_between_host_and_device_parameters(tmp_path, saved_o
                      atol=TOL["atol"])
 
 
-def _clipped_and_scaled(rank: int, world: int, inf_on: int | None) -> float:
-    """3 steps with ``GradScaler`` (an inf in step 2 on rank ``inf_on``) and
-    ``clip_grad_norm_``, a frozen parameter among those on the host, against one process."""
+def _frozen_position_table() -> tuple[torch.nn.Module, Any, Any]:
     model, args, kwargs = gpt(0.0)
     model.pos.requires_grad_(False)  # fetched like the others, no gradient
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adam(model), adam(ref)
-    largs, lkwargs = local(rank, args, kwargs)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, cost_model="analytic",
-                 timeout_s=30.0, replicas=(1, 1), micro_batches=2, host_params=True)
-    cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
-    assert all(st.host_params for st in cm.plan.stages)
-    scaler = rannc_fx.GradScaler("cpu", init_scale=2.0**10)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    return model, args, kwargs
+
+
+def _inf_on_one_rank(inf_on: int | None, run: Run) -> float:
+    """3 steps with ``GradScaler`` (an inf in step 2 on rank ``inf_on``) and
+    ``clip_grad_norm_``, a frozen parameter among those on the host."""
+    assert all(st.host_params for st in run.cm.plan.stages)
     for i in range(3):
-        for m, sc, o, a, k in ((cm, scaler, opt, largs, lkwargs),
-                               (ref, ref_scaler, ref_opt, args, kwargs)):
-            sc.scale(m(*a, **k)["loss"]).backward()
-            if i == 1 and inf_on is not None and (m is ref or rank == inf_on):
+        out, want = run.call(run.batch(1))
+        run.backward(out, want)
+        if i == 1 and inf_on is not None:
+            for m in (run.ref, run.cm) if run.rank == inf_on else (run.ref,):
                 held = [p for p in m.parameters() if p.grad is not None]
                 held[-1].grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
-            sc.unscale_(o)
-            if m is cm:
-                cm.clip_grad_norm_(0.5)
-            else:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            sc.step(o)
-            sc.update()
-            o.zero_grad()
-        assert scaler.get_scale() == ref_scaler.get_scale()
-    assert_like_reference(cm.stages, ref, **TOL)
-    return scaler.get_scale()
+        run.step()  # unscaled, clipped at 0.5 (both norms compared), the scales compared
+    return run.scaler.get_scale()
 
 
 @pytest.mark.parametrize("inf_on", [None, 1], ids=["finite", "inf-on-rank-1"])
 def test_clipping_and_the_grad_scaler_over_host_parameters(inf_on):
-    scales = run_ranks(_clipped_and_scaled, 2, inf_on, timeout_s=30.0, wall_s=120.0)
+    scales = [t.extra for t in train_against_reference(
+        _frozen_position_table, dict(cost_model="analytic", replicas=(1, 1), micro_batches=2,
+                                     host_params=True), 2,
+        optimizer=adam, scaler=2.0**10, clip=0.5,
+        loop=functools.partial(_inf_on_one_rank, inf_on), timeout_s=30.0)]
     assert set(scales) == {2.0**10 if inf_on is None else 2.0**9}
