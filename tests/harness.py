@@ -164,7 +164,7 @@ class Spec:
     buffers: bool
     moved: bool
     example: bool
-    compile_kw: dict[str, Any]
+    compile_kw: dict[str, Any] | Callable[[nn.Module], dict[str, Any]]
     setup: Callable[[], Any] | None
     loop: Callable[[Run], Any] | None
     check: Callable[[Run], Any] | None
@@ -322,7 +322,7 @@ def _rank(rank: int, world: int, spec: Spec) -> Trained:
     run = Run(spec=spec, rank=rank, world=world, model=model, ref=ref,
               opt=spec.optimizer(model), ref_opt=spec.optimizer(ref),
               example_batch=example_batch, installed=installed)
-    kw = dict(spec.compile_kw)
+    kw = dict(spec.compile_kw(model) if callable(spec.compile_kw) else spec.compile_kw)
     if spec.example:
         first = example_batch if example_batch is not None else run.batch(0)
         (args, kwargs), _ = run.split(first)
@@ -371,7 +371,7 @@ def train_against_reference(
     buffers: bool = False,
     moved: bool = False,
     example: bool = True,
-    compile_kw: dict[str, Any] | None = None,
+    compile_kw: dict[str, Any] | Callable[[nn.Module], dict[str, Any]] | None = None,
     setup: Callable[[], Any] | None = None,
     loop: Callable[[Run], Any] | None = None,
     check: Callable[[Run], Any] | None = None,
@@ -409,7 +409,7 @@ def train_against_reference(
     ``config``'s timeout defaults to ``timeout_s``, the ranks' group's.
     ``example``: compile with this rank's part of the example batch (else the first call
     plans). ``compile_kw``: more of ``rannc_fx.compile``'s arguments (``plan``, ``init``,
-    ``loss_fn``). ``setup()`` runs first in each rank (a spy), its result ``Run.installed``.
+    ``loss_fn``), or a function of the model that returns them (an ``init`` bound to it). ``setup()`` runs first in each rank (a spy), its result ``Run.installed``.
     ``loop(run)`` drives the steps instead of the default loop; ``check(run)`` runs after the
     last comparison, and its result (else ``loop``'s) is ``Trained.extra``. ``seed`` seeds
     torch before ``model_factory``. ``same_losses``: every rank's losses are equal.
@@ -424,7 +424,8 @@ def train_against_reference(
         clip=(clip, 2.0) if isinstance(clip, (int, float)) else clip,
         clip_kw=dict(clip_kw or {}), clip_tol=clip_tol, clipped=clipped, scaler=scaler,
         params=params, buffers=buffers, moved=moved, example=example,
-        compile_kw=dict(compile_kw or {}), setup=setup, loop=loop, check=check, seed=seed,
+        compile_kw=compile_kw if callable(compile_kw) else dict(compile_kw or {}),
+        setup=setup, loop=loop, check=check, seed=seed,
     )
     got = run_ranks(_rank, ranks, spec, timeout_s=timeout_s, wall_s=wall_s, patches=patches)
     if same_losses:

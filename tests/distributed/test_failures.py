@@ -4,18 +4,15 @@ alone: ``unit/test_failures.py``."""
 
 from __future__ import annotations
 
-import copy
+import functools
 import re
 from typing import Any
 
 import pytest
 import torch
-from torch.testing import assert_close
 
-import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
-from tests.dist_utils import run_ranks
+from tests.harness import Run, train_against_reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
@@ -36,17 +33,20 @@ def _spoil(what: str, ids: torch.Tensor, labels: torch.Tensor) -> tuple[Any, ...
     return ids, labels + VOCAB
 
 
-def _run(rank: int, world: int, case: str, cfg: dict[str, Any]) -> list[str]:
-    torch.manual_seed(0)
-    model = gpt_example(batch=2, seq=16)[0]
-    ref = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-4)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, eps=1e-4)
+def _gpt() -> torch.nn.Module:
+    return gpt_example(batch=2, seq=16)[0]
+
+
+def _labelled(world: int, step: int) -> tuple[tuple[torch.Tensor], dict[str, torch.Tensor]]:
+    ids, labels = _batch(world, seed=step)
+    return (ids,), {"labels": labels}
+
+
+def _run(case: str, run: Run) -> list[str]:
+    """4 steps, the second failing as ``case`` says on some rank (the reference skips it);
+    what each rank raised."""
+    rank, world, cm, ref, opt, ref_opt = run.rank, run.world, run.cm, run.ref, run.opt, run.ref_opt
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    ids, labels = _batch(world, seed=0)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, **cfg)
-    cm = rannc_fx.compile(model, opt, config, example_args=(ids[mine],),
-                          example_kwargs={"labels": labels[mine]})
     raised: list[str] = []
     hook = None
     for step in range(4):
@@ -83,10 +83,7 @@ def _run(rank: int, world: int, case: str, cfg: dict[str, Any]) -> list[str]:
         want["loss"].backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        assert_close(out["loss"], want["loss"], **TOL)
-    for stage in cm.stages:
-        for name, p in stage.named_parameters():
-            assert_close(p, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        run.compare(out, want)
     return raised
 
 
@@ -116,7 +113,10 @@ def test_a_failure_in_a_step_ends_it_on_every_rank_and_the_next_call_trains(
     case, world, cfg, own, peer
 ):
     # wall_s far below the 60 s timeout: no rank waits for the one that failed
-    results = run_ranks(_run, world, case, cfg, timeout_s=60.0, wall_s=40.0)
+    # every parameter against one process's (which skipped the bad step) at the end
+    results = [t.extra for t in train_against_reference(
+        _gpt, cfg, world, data=functools.partial(_labelled, world),
+        loop=functools.partial(_run, case), timeout_s=60.0, wall_s=40.0)]
     failing = [r for r, msgs in enumerate(results) if any(re.search(own, m) for m in msgs)]
     assert failing, results
     for rank, msgs in enumerate(results):

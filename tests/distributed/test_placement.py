@@ -5,6 +5,7 @@ touched are named before they can train; the optimizer carries over."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -14,11 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import TransformerLM, gpt_example
 from tests.dist_utils import run_ranks
+from tests.harness import Run, optimizer, test_config, train_against_reference
 
-CFG = dict(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0)
+CFG = dict(timeout_s=30.0)
 
 
 def _example(batch: int) -> tuple[Any, Any]:
@@ -33,7 +34,7 @@ def _meta_lm(rank: int, world: int, replicas: tuple[int, ...]) -> list[str]:
         model = TransformerLM()
     opt = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.05)
     # 2 MiB per device: too little for one stage, so the layers (and the tied weight) split
-    cfg = Config(**CFG, replicas=replicas, micro_batches=2, device_memory=2 * 2**20)
+    cfg = test_config(**CFG, replicas=replicas, micro_batches=2, device_memory=2 * 2**20)
     cm = rannc_fx.compile(model, opt, cfg,
                           example_args=args, example_kwargs=kwargs)
     # this rank's stages: one, or a lane's several (the plan may interleave)
@@ -142,7 +143,7 @@ def _uninitialized(rank: int, world: int, mode: str) -> str:
     hook = init if mode == "init" else None
     plan = dict(stages=1) if world == 1 else dict(replicas=(1,) * world, micro_batches=2)
     try:
-        cm = rannc_fx.compile(model, opt, Config(**CFG, **plan), example_args=(x,), init=hook)
+        cm = rannc_fx.compile(model, opt, test_config(**CFG, **plan), example_args=(x,), init=hook)
     except RuntimeError as e:
         return str(e)
     if mode == "load":
@@ -205,7 +206,7 @@ def _computed_buffer(rank: int, world: int) -> bool:
     x = torch.randn(4, 8)
     with torch.device("meta"):
         model = _net(Frequencies(8))
-    cm = rannc_fx.compile(model, None, Config(**CFG, replicas=(1, 1), micro_batches=2),
+    cm = rannc_fx.compile(model, None, test_config(**CFG, replicas=(1, 1), micro_batches=2),
                           example_args=(x,))
     buffers = dict(cm.stages[0].named_buffers())
     holds = any(b is model[1].inv_freq for b in buffers.values())
@@ -227,7 +228,7 @@ def _measured_on_meta(rank: int, world: int) -> str:
     with torch.device("meta"):
         model = _net(nn.ReLU())
     try:
-        rannc_fx.compile(model, None, Config(**CFG, cost_model="measured"),
+        rannc_fx.compile(model, None, test_config(**CFG, cost_model="measured"),
                          example_args=(torch.randn(4, 8),))
     except ValueError as e:
         return str(e)
@@ -240,42 +241,46 @@ def test_measuring_a_meta_model_is_refused_with_the_way_out():
     assert "cost_model='auto'" in message
 
 
-def _hf_from_meta(rank: int, world: int, name: str) -> list[float]:
+def _plain(name: str) -> Any:
     from tests import hf_models
 
-    ref, args, kwargs = getattr(hf_models, f"{name}_example")(batch=2 * world)
+    return getattr(hf_models, f"{name}_example")(batch=2 * dist.get_world_size())
+
+
+def _plain_model(name: str) -> nn.Module:
+    return _plain(name)[0]
+
+
+def _from_meta(name: str) -> Any:
+    """The transformers model built on the meta device, and the global batch."""
+    ref, args, kwargs = _plain(name)
     with torch.device("meta"):
         model = type(ref)(ref.config)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    n = args[0].shape[0] // world
-    largs = tuple(a[rank * n : (rank + 1) * n] for a in args)
-    lkwargs = {k: v[rank * n : (rank + 1) * n] for k, v in kwargs.items()}
-    cm = rannc_fx.compile(
-        model, opt, Config(**CFG, replicas=(1,) * world, micro_batches=2),
-        example_args=largs, example_kwargs=lkwargs, init=model._init_weights,
-    )  # fmt: skip
-    # non-persistent buffers (rotary inv_freq): computed by the init, as the CPU model has them
-    ref_buffers = dict(ref.named_buffers())
-    for bname, b in cm.stages[0].named_buffers():
+    return model, args, kwargs
+
+
+def _its_init(model: nn.Module) -> dict[str, Any]:
+    return dict(init=model._init_weights)
+
+
+def _loaded_then_trained(run: Run) -> None:
+    """Non-persistent buffers (rotary inv_freq) computed by the init, as the CPU model has
+    them; every rank takes its part of the plain model's state dict, then 2 steps."""
+    ref_buffers = dict(run.ref.named_buffers())
+    for bname, b in run.cm.stages[0].named_buffers():
         if bname in ref_buffers:
             assert torch.equal(b, ref_buffers[bname]), bname
-    cm.load_state_dict(ref.state_dict())  # every rank takes its part of the plain model's
-    losses = []
-    for _ in range(2):
-        loss = cm(*largs, **lkwargs).loss
-        want = ref(*args, **kwargs).loss
-        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
-        for m, o in ((loss, opt), (want, ref_opt)):
-            m.backward()
-            o.step()
-            o.zero_grad()
-        losses.append(loss.item())
-    return losses
+    run.cm.load_state_dict(run.ref.state_dict())
+    for step in range(1, 3):
+        run.train_step(step)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_a_transformers_model_from_meta_trains_like_the_cpu_built_one(name):
-    losses = run_ranks(_hf_from_meta, 2, name, timeout_s=60.0, wall_s=180.0)
-    assert losses[0] == losses[1]
+    got = train_against_reference(
+        functools.partial(_from_meta, name), dict(CFG, replicas=(1, 1), micro_batches=2), 2,
+        reference=functools.partial(_plain_model, name),
+        optimizer=optimizer(torch.optim.Adam, lr=1e-3), compile_kw=_its_init,
+        loop=_loaded_then_trained, params=False, wall_s=180.0)
+    assert got[0].losses == got[1].losses

@@ -9,6 +9,7 @@ inside ``no_sync()`` are refused on every rank, and the job goes on once undone.
 from __future__ import annotations
 
 import copy
+import functools
 from contextlib import nullcontext
 from typing import Any
 
@@ -18,10 +19,10 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import MLP
 from rannc_fx.runtime.zero import shard_of
-from tests.dist_utils import assert_moved_alike, run_ranks, snapshot
+from tests.dist_utils import run_ranks
+from tests.harness import Run, test_config, train_against_reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
@@ -40,24 +41,38 @@ def _batch(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(samples, 32, generator=g), torch.randint(0, 10, (samples,), generator=g)
 
 
-def _compiled(rank: int, world: int, case: dict[str, Any], frozen: tuple[str, ...]
-              ) -> tuple[rannc_fx.CompiledModel, nn.Module, nn.Module, Any, Any]:
-    """The compiled model (hidden 256: two stages split it, the head on the second), the
-    model, its reference and both Adams over what trains at first."""
-    torch.manual_seed(0)
+def _frozen_mlp(frozen: tuple[str, ...]) -> nn.Module:
+    """Hidden 256: two stages split it, the head on the second; ``frozen`` frozen at first."""
     model = MLP(hidden=256, depth=4)
     for name, p in model.named_parameters():
         p.requires_grad_(not name.startswith(frozen))
+    return model
+
+
+def _trainable_adam(model: nn.Module) -> torch.optim.Optimizer:
+    """Adam over what trains at first (eps: no 1e-7 noise)."""
+    return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01,
+                            eps=1e-4)
+
+
+def _config(case: dict[str, Any]) -> dict[str, Any]:
+    return dict(replicas=case["replicas"], micro_batches=2, schedule=case["schedule"],
+                zero=case.get("zero", 0), tracer=case.get("tracer", "fx"),
+                cost_model="analytic", link_bandwidth=1e9, link_latency=2e-5)
+
+
+def _compiled(rank: int, world: int, case: dict[str, Any], frozen: tuple[str, ...]
+              ) -> tuple[rannc_fx.CompiledModel, nn.Module, nn.Module, Any, Any]:
+    """The compiled model, the model, its reference and both Adams over what trains at
+    first."""
+    torch.manual_seed(0)
+    model = _frozen_mlp(frozen)
     ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=0.01,
-                                     eps=1e-4) for m in (model, ref))  # eps: no 1e-7 noise
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0,
-                 replicas=case["replicas"], micro_batches=2, schedule=case["schedule"],
-                 zero=case.get("zero", 0), tracer=case.get("tracer", "fx"),
-                 cost_model="analytic", link_bandwidth=1e9, link_latency=2e-5)
+    opt, ref_opt = _trainable_adam(model), _trainable_adam(ref)
     x, y = _batch(LOCAL * world, 0)
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    cm = rannc_fx.compile(model, opt, cfg, example_args=(x[mine], y[mine]))
+    cm = rannc_fx.compile(model, opt, test_config(timeout_s=30.0, **_config(case)),
+                          example_args=(x[mine], y[mine]))
     return cm, model, ref, opt, ref_opt
 
 
@@ -94,28 +109,35 @@ def _assert_grads_like(cm: rannc_fx.CompiledModel, ref: nn.Module) -> int:
 HEAD = ("layers.3.", "head.")  # the last two layers: unfrozen, they move a ZeRO owner in LPT
 
 
-def _unfreeze(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    cm, model, ref, opt, ref_opt = _compiled(rank, world, case, frozen=HEAD)
-    me = cm.plan.stages_of_rank(rank)[0]
+def _unfreeze(case: dict[str, Any], run: Run) -> dict[str, Any]:
+    """A step with the head frozen, two with it unfrozen (every gradient compared at the
+    second), one with the first layer frozen again; what the head's owners and optimizer
+    hold."""
+    cm, model, ref, opt, ref_opt = run.cm, run.model, run.ref, run.opt, run.ref_opt
+    me = cm.plan.stages_of_rank(run.rank)[0]
     assert me.zero == case.get("zero", 0) and me.replicas == case["replicas"][0]
-    opts = (opt, ref_opt)
-    before = snapshot(ref)
-    _step(cm, ref, rank, world, 1, opts)
+
+    def step(seed: int, check: Any = None) -> None:
+        out, want = run.call(run.batch(seed))
+        run.backward(out, want)
+        if check is not None:
+            check()
+        run.step()
+
+    step(1)
     # fine-tuning's next phase: the head trains too, at its own learning rate
     for m, o in ((model, opt), (ref, ref_opt)):
         head = [p for n, p in m.named_parameters() if n.startswith(HEAD)]
         for p in head:
             p.requires_grad_(True)
         o.add_param_group({"params": head, "lr": 0.005})
-    _step(cm, ref, rank, world, 2, opts)
-    _step(cm, ref, rank, world, 3, opts, check=lambda: _assert_grads_like(cm, ref))
+    step(2)
+    step(3, check=lambda: _assert_grads_like(cm, ref))
     # and the first layer is frozen again: no gradient, no sum over the replicas
     for m in (model, ref):
         m.layers[0].requires_grad_(False)
     grads: list[int] = []
-    _step(cm, ref, rank, world, 4, opts, check=lambda: grads.append(_assert_grads_like(cm, ref)))
-    for stage in cm.stages:
-        assert_moved_alike(stage, ref, before, **TOL)
+    step(4, check=lambda: grads.append(_assert_grads_like(cm, ref)))
     own = {id(p) for gm in cm.stages for p in gm.parameters()}
     groups = [[(tuple(p.shape), id(p) in own) for p in g["params"]] for g in opt.param_groups]
     assert all(mine and shape != (0,) for g in groups for shape, mine in g), groups
@@ -133,7 +155,11 @@ def _unfreeze(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
 def test_a_head_unfrozen_after_a_step_trains_like_one_process(name):
     case = CASES[name]
     world = sum(case["replicas"])
-    got = run_ranks(_unfreeze, world, case, timeout_s=30.0, wall_s=240.0)
+    # every loss and, after the steps, every parameter (moved) against one process's
+    got = [t.extra for t in train_against_reference(
+        functools.partial(_frozen_mlp, HEAD), _config(case), world,
+        data=functools.partial(_batch, LOCAL * world), optimizer=_trainable_adam, moved=True,
+        loop=functools.partial(_unfreeze, case), timeout_s=30.0, wall_s=240.0)]
     holders = [g for g in got if g["head"]]
     assert holders and all(g["head"] == 4 for g in holders)  # 2 weights, 2 biases
     if case.get("zero"):  # the head's Adam state on its owner only, the same owner everywhere

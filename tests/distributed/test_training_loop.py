@@ -5,14 +5,14 @@ autocast; the parameters after every step."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-import rannc_fx
-from rannc_fx.config import Config
-from tests.dist_utils import assert_moved_alike, assert_moved_alike_in_norm, run_ranks, snapshot
+from tests.dist_utils import assert_moved_alike, assert_moved_alike_in_norm, snapshot
+from tests.harness import Run, optimizer, train_against_reference
 
 EXACT = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=3e-2, atol=3e-2)  # losses and norms under autocast
@@ -35,37 +35,28 @@ def _build(name: str, batch: int):  # type: ignore[no-untyped-def]
     return hf_models.gpt2_example(batch=batch)
 
 
-def _loop(rank: int, world: int, name: str) -> float:
-    model, args, kwargs = _build(name, LOCAL * world)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-
-    def cut(t: torch.Tensor, n: int) -> torch.Tensor:
-        return t[rank * n : (rank + 1) * n]
-
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, replicas=(1,) * world,
-                 micro_batches=2, cost_model="analytic", link_bandwidth=1e9, link_latency=1e-4,
-                 allreduce_bandwidth=1e9)
-    cm = rannc_fx.compile(model, opt, cfg, example_args=tuple(cut(a, LOCAL) for a in args),
-                          example_kwargs={k: cut(v, LOCAL) for k, v in kwargs.items()})
+def _loop(run: Run) -> float:
+    """A float32 step, then bfloat16 autocast steps (one of a smaller batch), each clipped
+    (the norms compared), the parameters after every step; an evaluation without autocast.
+    The first step's norm."""
+    cm, ref, world = run.cm, run.ref, run.world
+    args, kwargs = run.example_batch
     norms = []
     # the float32 step first: until it both models hold the same parameters, so it is exact
     for n, amp in [(LOCAL, False), (LOCAL, True), (3, True), (LOCAL, True)]:
         before = snapshot(ref)
-        gargs = tuple(a[: n * world] for a in args)
-        gkwargs = {k: v[: n * world] for k, v in kwargs.items()}
+        (largs, lkwargs), (gargs, gkwargs) = run.split(
+            (tuple(a[: n * world] for a in args), {k: v[: n * world] for k, v in kwargs.items()}))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            out = cm(*(cut(a, n) for a in gargs), **{k: cut(v, n) for k, v in gkwargs.items()})
+            out = cm(*largs, **lkwargs)
             want = ref(*gargs, **gkwargs)
-        assert_close(out.loss, want.loss, **(BF16 if amp else EXACT))
-        out.loss.backward()
-        want.loss.backward()
+        run.compare(out, want, **(BF16 if amp else EXACT))
+        run.backward(out, want)
         norm = cm.clip_grad_norm_(0.5)
         want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         assert_close(norm.float(), want_norm.float(), **(BF16 if amp else EXACT))
         norms.append(norm.item())
-        for o in (opt, ref_opt):
+        for o in (run.opt, run.ref_opt):
             o.step()
             o.zero_grad()
         # every step moved this rank's parameters as it moved the reference's
@@ -75,8 +66,9 @@ def _loop(rank: int, world: int, name: str) -> float:
             assert_moved_alike(cm.stages[0], ref, before, **EXACT)
     cm.eval()
     ref.eval()
+    (largs, lkwargs), _ = run.split((args, kwargs))
     with torch.no_grad():
-        out = cm(*(cut(a, LOCAL) for a in args), **{k: cut(v, LOCAL) for k, v in kwargs.items()})
+        out = cm(*largs, **lkwargs)
         assert_close(out.loss, ref(*args, **kwargs).loss, **BF16)
     return norms[0]
 
@@ -84,5 +76,10 @@ def _loop(rank: int, world: int, name: str) -> float:
 @pytest.mark.slow  # ~5 s each: export capture on every rank
 @pytest.mark.parametrize("name", ["gpt2", "llama-tied"])
 def test_a_whole_training_loop_on_a_transformers_model_follows_one_process(name):
-    norms = run_ranks(_loop, 2, name, timeout_s=60.0, wall_s=240.0)
+    cfg = dict(replicas=(1, 1), micro_batches=2, cost_model="analytic", link_bandwidth=1e9,
+               link_latency=1e-4, allreduce_bandwidth=1e9)
+    norms = [t.extra for t in train_against_reference(
+        functools.partial(_build, name, LOCAL * 2), cfg, 2,
+        optimizer=optimizer(torch.optim.AdamW, lr=1e-3), params=False, loop=_loop,
+        wall_s=240.0)]
     assert norms[0] == norms[1]
