@@ -17,6 +17,7 @@ from torch.testing import assert_close
 import rannc_fx
 from rannc_fx.config import Config
 from tests.dist_utils import run_ranks
+from tests.harness import test_config
 
 LOCAL = 8  # samples per rank
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -82,7 +83,7 @@ def _run(rank: int, world: int, tracer: str, cfg: dict[str, Any]) -> dict[str, A
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     x, y = _data(0, world)
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, tracer=tracer,
+    config = test_config(timeout_s=60.0, tracer=tracer,
                     **cfg)
     cm = rannc_fx.compile(model, opt, config, example_args=(x[mine], y[mine]))
     assert cm.plan.tracer == tracer
@@ -157,7 +158,7 @@ def _run_hf(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[str, 
     blank = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mine = {k: v[rank * LOCAL:(rank + 1) * LOCAL] for k, v in kw.items()}
-    config = Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, **cfg)
+    config = test_config(timeout_s=60.0, **cfg)
     cm = rannc_fx.compile(model, opt, config, example_kwargs=mine)
     assert cm.plan.tracer == "export"
     for _step in range(2):

@@ -30,6 +30,7 @@ from tests.gpt_training import (
     train_gpt,
     train_like_one_process,
 )
+from tests.harness import test_config
 from tests.unit.test_recompute_layers import (
     _gpt_plan,
     _with_checkpoints,
@@ -122,7 +123,7 @@ def test_batchnorm_in_a_segment_keeps_the_statistics(batch_norm, micro_batches):
     recomputation, though each checkpointed segment runs three times a step; with one
     micro-batch, those of one process."""
     x, y = _bn_data(0)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+    cfg = test_config(recompute=True,
                  recompute_selective=False, replicas=(1, 1),
                  micro_batches=micro_batches, schedule="1f1b", batch_norm=batch_norm)
     parted = rannc_fx.partition(BNLayers(), (x, y), world_size=2, device="cpu", config=cfg)

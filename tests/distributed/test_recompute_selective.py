@@ -30,6 +30,7 @@ from tests.gpt_training import (
     train_gpt,
     train_like_one_process,
 )
+from tests.harness import test_config
 from tests.unit.test_recompute_selective import _gpt_plan
 
 
@@ -107,7 +108,7 @@ def test_batchnorm_statistics_are_counted_once(batch_norm):
     """The convolutions kept, BatchNorm rerun in the backward: the statistics are those of
     the same plan without recomputation (the rerun inside the stage's buffer scope)."""
     model, args = _convnet()
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+    cfg = test_config(recompute=True,
                  recompute_selective=True, replicas=(1, 1), micro_batches=2, schedule="gpipe",
                  batch_norm=batch_norm)
     plan = rannc_fx.partition(model, args, world_size=2, device="cpu", config=cfg).plan

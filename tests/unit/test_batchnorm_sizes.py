@@ -23,6 +23,7 @@ from rannc_fx.planner.analyze import analyze
 from rannc_fx.planner.driver import choose, run_search
 from rannc_fx.runtime.batches import rebatched
 from tests.dist_utils import make_plan, scalar, tensor
+from tests.harness import test_config
 
 
 class BatchNormMLP(nn.Module):
@@ -52,7 +53,7 @@ def _data(name: str, samples: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _config(tracer: str, **kw: Any) -> Config:
-    return Config(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0, tracer=tracer, **kw)
+    return test_config(timeout_s=60.0, tracer=tracer, **kw)
 
 
 def _check_plan_keeps_off(plan: Plan) -> None:

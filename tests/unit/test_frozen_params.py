@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rannc_fx
-from rannc_fx.config import Config
+from tests.harness import test_config
 from tests.hf_models import lora_llama_example
 
 pytest.importorskip("peft")
@@ -39,7 +39,7 @@ def _saved_bytes(gm: torch.fx.GraphModule, inputs: list[Any], skip: set[int]) ->
 
 def test_plan_counts_gradients_and_optimizer_state_of_trainable_parameters_only():
     model, args, kwargs = lora_llama_example(batch=8, layers=4)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, stages=2, replicas=(1, 1),
+    cfg = test_config(stages=2, replicas=(1, 1),
                  micro_batches=1, optimizer_state_factor=2.0)
     parted = rannc_fx.partition(model, args, kwargs, world_size=2, config=cfg)
     cg = parted.captured

@@ -27,6 +27,7 @@ from tests.gpt_training import (
     LiveBytes,
     gpt,
 )
+from tests.harness import test_config
 
 
 class _Block(nn.Module):
@@ -139,7 +140,7 @@ def test_fetching_ahead_stays_within_the_window():
 def _gpt_plan(schedule: Any, recompute: bool | None = False, selective: bool | None = False,
               replicas: tuple[int, ...] = (1, 1), layers: bool | None = False) -> Plan:
     model, args, kwargs = gpt(0.0)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, cost_model="analytic",
+    cfg = test_config(cost_model="analytic",
                  host_params=True, recompute=recompute, recompute_selective=selective,
                  recompute_layers=layers, replicas=replicas, micro_batches=2,
                  schedule=schedule)
@@ -148,7 +149,7 @@ def _gpt_plan(schedule: Any, recompute: bool | None = False, selective: bool | N
 
 def _one_stage() -> rannc_fx.Partitioned:
     model, args, kwargs = gpt(0.0)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, cost_model="analytic",
+    cfg = test_config(cost_model="analytic",
                  host_params=True, replicas=(2,), micro_batches=1)
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)
 

@@ -11,13 +11,14 @@ from torch.utils import _pytree as pytree
 
 import rannc_fx
 import rannc_fx.passes.capture
-from rannc_fx import Config, DeviceSpec, Plan
+from rannc_fx import DeviceSpec, Plan
 from rannc_fx.__main__ import main as cli
 from rannc_fx.models import TransformerLM, cnn_example, gpt_example, mlp_example
 from rannc_fx.plan import FORMAT_VERSION
 from tests import hf_models
+from tests.harness import test_config
 
-CFG = Config(profile_cache_dir=None, profile_repeats=1)
+CFG = test_config()
 
 ZOO = {
     "mlp": mlp_example,

@@ -13,12 +13,13 @@ import pytest
 import torch.distributed as dist
 
 import rannc_fx
-from rannc_fx import Config, progress
+from rannc_fx import progress
 from rannc_fx.__main__ import main as cli
 from rannc_fx.models import mlp_example
 from rannc_fx.progress import Progress
+from tests.harness import test_config
 
-CFG = Config(profile_cache_dir=None, profile_repeats=1)
+CFG = test_config()
 
 # the first word of each pass's line, in the order the driver runs the passes
 PASSES = ["captured", "inferred", "profiled", "grouped", "costed", "cost", "searched", "built",

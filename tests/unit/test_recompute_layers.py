@@ -14,7 +14,6 @@ import torch
 from torch import fx, nn
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
 from rannc_fx.partition import Partitioned
 from rannc_fx.plan import Plan
@@ -24,6 +23,7 @@ from tests.gpt_training import (
     LiveBytes,
     gpt,
 )
+from tests.harness import test_config
 
 
 def _layer(n: fx.Node) -> str | None:
@@ -61,7 +61,7 @@ def _with_checkpoints(parted: Partitioned) -> Plan:
 def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
     """2 stages on 2 ranks, both recomputing layer by layer (checkpoints: ``_layer_starts``)."""
     model, args, kwargs = gpt(dropout)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+    cfg = test_config(recompute=True,
                  recompute_selective=False, replicas=(1, 1),
                  micro_batches=2, schedule=schedule)
     parted = rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)
@@ -80,7 +80,7 @@ def _deep_stage() -> tuple[Plan, fx.GraphModule, tuple[str, ...], dict[str, Any]
     sizes and masks the split pass rebuilt inside it."""
     torch.manual_seed(0)
     model, args, kwargs = gpt_example(batch=GLOBAL, layers=6, dropout=0.1)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+    cfg = test_config(recompute=True,
                  recompute_selective=False, replicas=(1, 1),
                  micro_batches=2, schedule="1f1b")
     parted = rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)

@@ -26,13 +26,14 @@ from tests.gpt_training import (
     LiveBytes,
     gpt,
 )
+from tests.harness import test_config
 
 
 @functools.cache
 def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
     """2 stages on 2 ranks (interleaved: 4), all recomputing selectively (forced)."""
     model, args, kwargs = gpt(dropout)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, recompute=True,
+    cfg = test_config(recompute=True,
                  recompute_selective=True, replicas=(1, 1), micro_batches=2,
                  schedule=schedule, virtual_stages=2 if schedule == "interleaved" else None)
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
@@ -109,7 +110,7 @@ def test_the_search_takes_selective_recomputation_before_rerunning_whole_stages(
     model, args, kwargs = gpt_example(batch=8, layers=4, d_model=256, dropout=0.1)
 
     def plan(**kw: Any) -> Plan:
-        cfg = Config(profile_cache_dir=None, profile_repeats=1, replicas=(1, 1),
+        cfg = test_config(replicas=(1, 1),
                      micro_batches=4, schedule="gpipe", **kw)
         return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu",
                                   config=cfg).plan
@@ -146,7 +147,7 @@ def test_a_selective_stage_keeps_what_the_profile_counted():
     bytes (less the loss) are what the profile's ``kept_bytes`` sum to, and the gradients are
     those of a plain backward, bitwise."""
     model, args, kwargs = gpt(0.0)
-    cfg = Config(profile_cache_dir=None, profile_repeats=1, stages=1, micro_batches=1)
+    cfg = test_config(stages=1, micro_batches=1)
     part = rannc_fx.partition(model, args, kwargs, world_size=1, device="cpu", config=cfg)
     gm = part.stages[0]
     profile = analyze(model, args, kwargs, world_size=1, device="cpu", config=cfg).profile

@@ -13,10 +13,10 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.config import Config
 from rannc_fx.passes.capture_graph import CaptureError
 from rannc_fx.passes.search import NoFeasiblePlan
 from rannc_fx.planner.analyze import analyze
+from tests.harness import test_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -47,7 +47,7 @@ def _bi_batch(samples: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _partition(model: nn.Module, *args: Any, world: int = 2, **cfg: Any) -> Any:
-    config = Config(profile_cache_dir=None, profile_repeats=1, **cfg)
+    config = test_config(**cfg)
     return rannc_fx.partition(model, args, world_size=world, config=config)
 
 
@@ -79,7 +79,7 @@ def test_the_tail_starts_where_samples_mix_and_runs_on_the_last_stage():
 def test_the_tail_costs_nothing_per_micro_batch_and_its_batch_is_held_at_the_last_block():
     batch = _bi_batch(8, 0)
     a = analyze(BiEncoder(), batch, world_size=2,
-                config=Config(profile_cache_dir=None, profile_repeats=1))
+                config=test_config())
     tail = set(a.captured.tail.nodes)
     spec = a.values["matmul"]  # (b, b): one entry per pair of samples
     assert (spec.batch_dim, spec.mixed, spec.shape, spec.shape_for(3, 8)) == (0, (1,), (1, 1),

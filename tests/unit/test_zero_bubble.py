@@ -12,6 +12,7 @@ from torch import nn
 import rannc_fx
 from rannc_fx.config import Config
 from rannc_fx.models import gpt_example
+from tests.harness import test_config
 
 # layers long enough that a split backward's walk of the graph costs little next to them;
 # analytic V100 costs, so that the choice is the same on every run
@@ -72,7 +73,7 @@ class _TwoLosses(nn.Module):
 
 
 def test_a_model_with_two_losses_never_runs_zbh1():
-    config = Config(profile_cache_dir=None, profile_repeats=1, stages=2, micro_batches=4)
+    config = test_config(stages=2, micro_batches=4)
     plan = rannc_fx.partition(_TwoLosses(), (torch.randn(16, 8),), world_size=2,
                               config=config).plan
     assert plan.schedule == "gpipe"
