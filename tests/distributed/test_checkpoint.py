@@ -39,7 +39,7 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], *, meta: bool = 
             model = TransformerLM()
     opt = (make_opt or _adam)(model)
     cfg = test_config(timeout_s=30.0, replicas=replicas,
-                 micro_batches=2, schedule=schedule)
+                      micro_batches=2, schedule=schedule)
     largs, lkwargs = _local(rank, world, args, kwargs)
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
     return cm, opt, largs, lkwargs

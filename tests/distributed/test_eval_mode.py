@@ -84,7 +84,7 @@ def _run(rank: int, world: int, tracer: str, cfg: dict[str, Any]) -> dict[str, A
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     x, y = _data(0, world)
     config = test_config(timeout_s=60.0, tracer=tracer,
-                    **cfg)
+                         **cfg)
     cm = rannc_fx.compile(model, opt, config, example_args=(x[mine], y[mine]))
     assert cm.plan.tracer == tracer
     for step in range(2):

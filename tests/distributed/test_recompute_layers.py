@@ -124,8 +124,8 @@ def test_batchnorm_in_a_segment_keeps_the_statistics(batch_norm, micro_batches):
     micro-batch, those of one process."""
     x, y = _bn_data(0)
     cfg = test_config(recompute=True,
-                 recompute_selective=False, replicas=(1, 1),
-                 micro_batches=micro_batches, schedule="1f1b", batch_norm=batch_norm)
+                      recompute_selective=False, replicas=(1, 1),
+                      micro_batches=micro_batches, schedule="1f1b", batch_norm=batch_norm)
     parted = rannc_fx.partition(BNLayers(), (x, y), world_size=2, device="cpu", config=cfg)
     plan = _with_checkpoints(parted)
     assert all(st.checkpoints for st in plan.stages), plan.stages

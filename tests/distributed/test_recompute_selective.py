@@ -109,8 +109,8 @@ def test_batchnorm_statistics_are_counted_once(batch_norm):
     the same plan without recomputation (the rerun inside the stage's buffer scope)."""
     model, args = _convnet()
     cfg = test_config(recompute=True,
-                 recompute_selective=True, replicas=(1, 1), micro_batches=2, schedule="gpipe",
-                 batch_norm=batch_norm)
+                      recompute_selective=True, replicas=(1, 1), micro_batches=2, schedule="gpipe",
+                      batch_norm=batch_norm)
     plan = rannc_fx.partition(model, args, world_size=2, device="cpu", config=cfg).plan
     assert all(st.selective for st in plan.stages)
     got = run_ranks(_train_convnet, 2, plan, timeout_s=30.0, wall_s=120.0)

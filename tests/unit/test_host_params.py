@@ -141,16 +141,16 @@ def _gpt_plan(schedule: Any, recompute: bool | None = False, selective: bool | N
               replicas: tuple[int, ...] = (1, 1), layers: bool | None = False) -> Plan:
     model, args, kwargs = gpt(0.0)
     cfg = test_config(cost_model="analytic",
-                 host_params=True, recompute=recompute, recompute_selective=selective,
-                 recompute_layers=layers, replicas=replicas, micro_batches=2,
-                 schedule=schedule)
+                      host_params=True, recompute=recompute, recompute_selective=selective,
+                      recompute_layers=layers, replicas=replicas, micro_batches=2,
+                      schedule=schedule)
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
 
 
 def _one_stage() -> rannc_fx.Partitioned:
     model, args, kwargs = gpt(0.0)
     cfg = test_config(cost_model="analytic",
-                 host_params=True, replicas=(2,), micro_batches=1)
+                      host_params=True, replicas=(2,), micro_batches=1)
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)
 
 

@@ -62,8 +62,8 @@ def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
     """2 stages on 2 ranks, both recomputing layer by layer (checkpoints: ``_layer_starts``)."""
     model, args, kwargs = gpt(dropout)
     cfg = test_config(recompute=True,
-                 recompute_selective=False, replicas=(1, 1),
-                 micro_batches=2, schedule=schedule)
+                      recompute_selective=False, replicas=(1, 1),
+                      micro_batches=2, schedule=schedule)
     parted = rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)
     return _with_checkpoints(parted)
 
@@ -81,8 +81,8 @@ def _deep_stage() -> tuple[Plan, fx.GraphModule, tuple[str, ...], dict[str, Any]
     torch.manual_seed(0)
     model, args, kwargs = gpt_example(batch=GLOBAL, layers=6, dropout=0.1)
     cfg = test_config(recompute=True,
-                 recompute_selective=False, replicas=(1, 1),
-                 micro_batches=2, schedule="1f1b")
+                      recompute_selective=False, replicas=(1, 1),
+                      micro_batches=2, schedule="1f1b")
     parted = rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg)
     plan = _with_checkpoints(parted)
     return plan, parted.stages[1], plan.stages[1].checkpoints, kwargs

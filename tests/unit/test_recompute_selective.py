@@ -34,8 +34,8 @@ def _gpt_plan(schedule: str, dropout: float = 0.0) -> Plan:
     """2 stages on 2 ranks (interleaved: 4), all recomputing selectively (forced)."""
     model, args, kwargs = gpt(dropout)
     cfg = test_config(recompute=True,
-                 recompute_selective=True, replicas=(1, 1), micro_batches=2,
-                 schedule=schedule, virtual_stages=2 if schedule == "interleaved" else None)
+                      recompute_selective=True, replicas=(1, 1), micro_batches=2,
+                      schedule=schedule, virtual_stages=2 if schedule == "interleaved" else None)
     return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu", config=cfg).plan
 
 
@@ -111,7 +111,7 @@ def test_the_search_takes_selective_recomputation_before_rerunning_whole_stages(
 
     def plan(**kw: Any) -> Plan:
         cfg = test_config(replicas=(1, 1),
-                     micro_batches=4, schedule="gpipe", **kw)
+                          micro_batches=4, schedule="gpipe", **kw)
         return rannc_fx.partition(model, args, kwargs, world_size=2, device="cpu",
                                   config=cfg).plan
 
