@@ -5,7 +5,7 @@
 PYTHON ?= python3
 STAMP := .setup-done
 
-.PHONY: setup train plan test lint bench
+.PHONY: setup train plan test test-quick lint bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
@@ -25,5 +25,10 @@ lint: $(STAMP)
 	$(PYTHON) -m ruff check rannc_fx tests benchmarks examples
 	$(PYTHON) -m mypy
 
+# the whole suite (CI's command, .ci/run): lint, then tests/unit and tests/distributed
 test: lint
 	$(PYTHON) -m pytest -q
+
+# the unit tier alone (tests/unit: one process, no ranks), a few minutes
+test-quick: $(STAMP)
+	$(PYTHON) -m pytest -q tests/unit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,12 +26,31 @@ ZOO = {
 Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
 
 
+# tests/unit: one process, no ranks; tests/distributed: gloo ranks, torchrun agents, scripts
+# (not "dist": pytest and ruff skip folders of that name unless told otherwise)
+UNIT, DIST = Path(__file__).parent / "unit", Path(__file__).parent / "distributed"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The fork server ``run_ranks`` forks its workers from, started before any test runs a
-    torch op (``dist_utils.run_ranks`` says why)."""
+    torch op (``dist_utils.run_ranks`` says why); not for a run of the unit tier alone."""
     from .dist_utils import start_fork_server
 
+    paths = [Path(a.split("::")[0]).resolve() for a in session.config.args]
+    if paths and all(p == UNIT or UNIT in p.parents for p in paths):
+        return
     start_fork_server()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tier of each test, as its folder says: ``-m unit`` or ``-m "not dist"`` selects the
+    tests that start no process."""
+    for item in items:
+        path = Path(item.path)
+        if DIST in path.parents:
+            item.add_marker(pytest.mark.dist)
+        elif UNIT in path.parents:
+            item.add_marker(pytest.mark.unit)
 
 
 def zoo_example(name: str, **kw: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:

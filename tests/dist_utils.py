@@ -119,7 +119,7 @@ def run_ranks(
 # imported once by the fork server, so that each worker starts with them
 # (a missing one is skipped: transformers and peft are optional)
 _PRELOAD = ["torch", "torch._dynamo", "torch.export._trace", "torch.distributed", "rannc_fx",
-            "rannc_fx.compile", "tests.dist_utils", "tests.hf_models", "transformers",
+            "rannc_fx.compile", "tests.dist_utils", "tests.harness", "tests.hf_models", "transformers",
             "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.llama.modeling_llama", "transformers.models.t5.modeling_t5",
             "transformers.models.resnet.modeling_resnet", "peft"]

@@ -1,9 +1,11 @@
-"""Training the built-in GPT on 2 ranks against one process, and the bytes a run keeps alive:
-the helpers the recomputation tests share (``test_recompute_layers``,
-``test_recompute_selective``)."""
+"""Training the built-in GPT on 2 ranks under a given plan (against one process, on the
+harness; or two runs bit for bit alike), and the bytes a run keeps alive: the helpers the
+recomputation and host-parameter tests share (``test_recompute_layers``,
+``test_recompute_selective``, ``test_host_params``)."""
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -19,6 +20,7 @@ import rannc_fx
 from examples.models import gpt_example
 from rannc_fx.plan.config import Config
 from rannc_fx.plan.plan import Plan
+from tests.harness import Run, train_against_reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 GLOBAL = 6  # samples a step, over 2 ranks
@@ -79,27 +81,25 @@ def train_gpt(rank: int, world: int, plan: Plan, dropout: float, seed: int,
     return losses, to_bytes(params), len(calls)
 
 
-def reference(dropout: float) -> tuple[list[float], nn.Module]:
-    """The same steps in one process."""
-    model, args, kwargs = gpt(dropout)
-    opt = adam(model)
-    return [step(model, opt, args, kwargs) for _ in range(STEPS)], model
+def _counted_and_moved(run: Run) -> int:
+    """The parameters moved enough for the comparison to fail; how often the counter counted."""
+    moved = max(float((run.ref.get_parameter(n).detach() - p0).abs().max())
+                for n, p0 in run.before.items())
+    assert moved > 100 * TOL["atol"]
+    return len(run.installed)
+
+
+def train_like_one_process(plan: Plan, counter: Callable[[], list[int]]) -> list[int]:
+    """``STEPS`` Adam steps of the GPT under ``plan`` on 2 ranks against one process (the
+    harness: every loss and every parameter); how often ``counter`` (installed first, in each
+    rank) counted there."""
+    got = train_against_reference(functools.partial(gpt, 0.0), dict(timeout_s=30.0), 2,
+                                  STEPS, optimizer=adam, compile_kw=dict(plan=plan),
+                                  setup=counter, check=_counted_and_moved, timeout_s=30.0)
+    return [t.extra for t in got]
 
 
 Trained = tuple[list[float], bytes, int]  # what ``train_gpt`` returns, per rank
-
-
-def assert_like_one_process(got: list[Trained]) -> None:
-    """Every rank's losses and parameters are one process's (``reference(0.0)``), and the
-    parameters moved enough for the comparison to fail."""
-    want, ref = reference(0.0)
-    for losses, params, _ in got:
-        assert_close(torch.tensor(losses), torch.tensor(want), **TOL)
-        for name, p in from_bytes(params).items():
-            assert_close(p, ref.get_parameter(name), **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    moved = max(float((ref.get_parameter(n).detach() - p0.detach()).abs().max())
-                for n, p0 in gpt(0.0)[0].named_parameters())
-    assert moved > 100 * TOL["atol"]
 
 
 def assert_bitwise_alike(got: list[Trained], plain: list[Trained]) -> None:

@@ -1,0 +1,2 @@
+"""Tests that start processes: forked gloo ranks (``dist_utils.run_ranks``), torchrun agents,
+scripts."""

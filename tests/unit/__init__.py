@@ -1,0 +1,1 @@
+"""Unit tests: one process, no ranks (``make test-quick``)."""
