@@ -3,7 +3,7 @@
 Each row is one field: its name, its type and bounds read from the annotation, its default, its
 ``RANNC_FX_<NAME>`` environment variable and its ``Field(description=...)``. The page is never
 edited by hand: ``python -m rannc_fx options > docs/options.md`` writes it again, and
-``tests/test_options_doc.py`` fails when the committed page and ``Config`` differ.
+``tests/unit/test_options_doc.py`` fails when the committed page and ``Config`` differ.
 """
 
 from __future__ import annotations

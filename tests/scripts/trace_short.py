@@ -1,6 +1,6 @@
 """Two steps of a run asked to trace steps 3-4: at exit rank 0 says no trace was written.
 
-Run by tests/test_trace.py as two processes with torchrun's variables; argv[1] is the
+Run by tests/distributed/test_trace.py as two processes with torchrun's variables; argv[1] is the
 trace directory."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train the built-in MLP with ``rannc_fx.compile`` under torchrun; each rank writes its losses.
 
-``tests/test_torchrun.py`` runs it as two torchrun agents (two "nodes") on one machine:
+``tests/distributed/test_torchrun.py`` runs it as two torchrun agents (two "nodes") on one machine:
 
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint 127.0.0.1:29400 --node-rank 0 tests/scripts/train_multinode.py --out DIR
