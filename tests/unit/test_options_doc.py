@@ -10,7 +10,7 @@ from rannc_fx import Config
 from rannc_fx.__main__ import main as cli
 from rannc_fx.plan.options_doc import REGENERATE, options_markdown
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 
 
 def test_the_options_page_is_the_generated_one() -> None:
