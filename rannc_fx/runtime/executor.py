@@ -173,7 +173,7 @@ class StageExecutor:
         # the outputs tied to autograd: the averaged ones (losses); which one is the loss
         self._diff = [r.index for r in plan.outputs if r.index in self.outputs.averaged]
         self._loss = plan.loss_output
-        self._in_call = (any(a.kind is Kind.B for a in split_at_gather(self.actions)[0])
+        self._in_call = (self.program.in_call[self.program.lane_of(self.stage.index)]
                          and self._loss is not None)
         self._release = rank_release(self.program.lowered, self.program.topology,
                                      self.program.lane_of(self.stage.index), self.runners,

@@ -3,8 +3,10 @@ of it.
 
 A plan and the Config name their schedule by a string (``Plan.schedule``, JSON-friendly);
 every other module reads what that schedule does from its ``ScheduleKind`` here
-(``kind_of(name)``), never by comparing the name. Adding a schedule is one generator and one
-entry in ``KINDS``.
+(``kind_of(name)``), never by comparing the name. A schedule with several stages a lane is
+tried on the searched lanes from its entry alone (``planner/virtual.py``); the search's own
+DP costs GPipe, 1F1B and ZB-H1 by their formulas, and ZB-H1 is chosen by name
+(``planner/zb_choice.py``).
 
     name         title             B/W split  backward in call  stages a lane  searched as
     gpipe        GPipe             no         no (loss.backward) 1             itself

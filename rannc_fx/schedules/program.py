@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan.plan import Plan
-from .actions import Action, Kind, Schedule
+from .actions import Kind, Schedule
 from .kinds import GPIPE
 from .lowering import Topology, lower_plan, split_at_gather
 from .simulate import Simulation, plan_durations, simulate
@@ -28,19 +28,18 @@ class Program:
     """``lowered``: the plan's schedule lowered, one list a lane. ``deferred``: the list each
     lane runs when the backward waits for ``loss.backward()`` (its own where it is
     fill-drain, GPipe's otherwise: a 1F1B list cannot stop at ``GATHER`` with every forward
-    done). ``simulation``: the lowered lists timed with the plan's costs."""
+    done). ``in_call``: per lane, whether its lowered list runs a backward before
+    ``GATHER`` (the whole step can run in the call). ``simulation``: the lowered lists timed
+    with the plan's costs."""
 
     topology: Topology
     lowered: Schedule
     deferred: Schedule
+    in_call: tuple[bool, ...]
     simulation: Simulation
 
     def lane_of(self, stage: int) -> int:
         return self.topology.lane_of[stage]
-
-    def actions(self, stage: int) -> list[Action]:
-        """The lowered list of ``stage``'s lane."""
-        return self.lowered[self.lane_of(stage)]
 
 
 _programs: list[tuple[Plan, Program]] = []
@@ -61,11 +60,11 @@ def program_of(plan: Plan) -> Program:
             return program
     topology, lowered = lower_plan(plan)
     simulation = simulate(lowered, topology, plan_durations(plan, lowered))
-    interleaved = [any(a.kind is Kind.B for a in split_at_gather(acts)[0]) for acts in lowered]
-    gpipe = lower_plan(plan, GPIPE.name)[1] if any(interleaved) else []
+    in_call = tuple(any(a.kind is Kind.B for a in split_at_gather(acts)[0]) for acts in lowered)
+    gpipe = lower_plan(plan, GPIPE.name)[1] if any(in_call) else []
     deferred = [gpipe[k] if mixed else acts
-                for k, (acts, mixed) in enumerate(zip(lowered, interleaved, strict=True))]
-    program = Program(topology, lowered, deferred, simulation)
+                for k, (acts, mixed) in enumerate(zip(lowered, in_call, strict=True))]
+    program = Program(topology, lowered, deferred, in_call, simulation)
     keep(plan, program)
     return program
 
