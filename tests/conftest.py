@@ -11,17 +11,7 @@ import pytest
 
 from rannc_fx.passes.capture import CapturedGraph, capture_pass
 
-# name -> (module, factory); the transformers ones skip when transformers is missing.
-ZOO = {
-    "mlp": ("rannc_fx.models", "mlp_example"),
-    "cnn": ("rannc_fx.models", "cnn_example"),
-    "gpt": ("rannc_fx.models", "gpt_example"),
-    "bert": ("tests.hf_models", "bert_example"),
-    "gpt2": ("tests.hf_models", "gpt2_example"),
-    "resnet": ("tests.hf_models", "resnet_example"),
-    "llama": ("tests.hf_models", "llama_example"),
-    "t5": ("tests.hf_models", "t5_example"),
-}
+from .harness import ZOO  # name -> (module, factory); the transformers ones need transformers
 
 Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
 
