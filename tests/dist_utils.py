@@ -32,8 +32,9 @@ from rannc_fx.plan.plan import (
 )
 from rannc_fx.plan.values import ValueSpec
 
-__all__ = ["RankFailed", "assert_like_reference", "assert_moved_alike", "assert_moved_alike_in_norm",
-           "local_part", "make_plan", "run_ranks", "scalar", "snapshot", "step_each", "tensor"]
+__all__ = ["RankFailed", "SharedRanks", "assert_like_reference", "assert_moved_alike",
+           "assert_moved_alike_in_norm", "local_part", "make_plan", "run_ranks", "scalar",
+           "snapshot", "step_each", "tensor"]
 
 
 class RankFailed(AssertionError):
@@ -114,6 +115,76 @@ def run_ranks(
     if errors:
         raise RankFailed("\n".join(errors))
     return [got[r][1] for r in range(world_size)]
+
+
+class SharedRanks:
+    """Many small cases, each ``fn(rank, world, *args)``, run on shared ranks: the cases of a
+    world size run one after another in one launch of its ranks, the first time a test asks
+    for any of them (``result``), instead of one launch each. Start-up (fork, imports, the
+    group) is most of a small case's time.
+
+    A case that raises on any rank ends its launch there; it and every case after it run
+    again alone (``run_ranks``), so that a failing test reports its own ranks' tracebacks, as
+    it would without sharing. Only for functions that leave nothing behind in the process
+    that a later case could see (no patched modules)."""
+
+    def __init__(self, **run_ranks_kw: Any) -> None:
+        self.kw = run_ranks_kw
+        self.pending: dict[int, list[tuple[Callable[..., Any], tuple[Any, ...]]]] = {}
+        self.done: dict[tuple[Any, ...], list[Any] | RankFailed] = {}
+
+    def add(self, fn: Callable[..., Any], world: int, *args: Any) -> None:
+        """Register a case (before the first ``result`` of its world size)."""
+        if (fn, world, args) not in self.done:
+            self.pending.setdefault(world, []).append((fn, args))
+
+    def result(self, fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+        """Every rank's return value of the case (registered or not); its ``RankFailed``
+        raised."""
+        key = (fn, world, args)
+        if key not in self.done:
+            if (fn, args) not in self.pending.get(world, []):
+                self.pending.setdefault(world, []).append((fn, args))
+            self._launch(world)
+        got = self.done[key]
+        if isinstance(got, RankFailed):
+            raise got
+        return got
+
+    def _launch(self, world: int) -> None:
+        cases = self.pending.pop(world)
+        timeout_s = self.kw.get("timeout_s", 10.0)
+        wall_s = self.kw.get("wall_s", 60.0)
+        try:
+            ran = run_ranks(_run_cases, world, cases, **{**self.kw, "timeout_s": timeout_s,
+                                                        "wall_s": wall_s * len(cases)})
+        except RankFailed:
+            ran = [[] for _ in range(world)]
+        for k, (fn, args) in enumerate(cases):
+            if all(len(r) > k for r in ran):
+                self.done[fn, world, args] = [r[k] for r in ran]
+                continue
+            try:  # it failed, or a case before it did: alone, as a test without sharing runs
+                self.done[fn, world, args] = run_ranks(fn, world, *args, **self.kw)
+            except RankFailed as e:
+                self.done[fn, world, args] = e
+
+
+def _run_cases(rank: int, world: int, cases: list[tuple[Callable[..., Any], tuple[Any, ...]]]
+               ) -> list[Any]:
+    """``SharedRanks``' worker: the cases in order, until one raises on any rank."""
+    done = []
+    for fn, args in cases:
+        try:
+            value, failed = fn(rank, world, *args), 0
+        except Exception:
+            value, failed = None, 1
+        flag = torch.tensor([failed])
+        dist.all_reduce(flag)  # every rank hears of a failure, and stops there
+        if int(flag):
+            break
+        done.append(value)
+    return done
 
 
 # imported once by the fork server, so that each worker starts with them

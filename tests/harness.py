@@ -4,7 +4,7 @@ numerics test, and the suite's ``Config``.
 ``train_against_reference(model_factory, config, ranks, steps)`` runs on ``ranks`` forked
 gloo ranks (``dist_utils.run_ranks``). Each rank builds the model (``torch.manual_seed(seed)``
 first), deep-copies it as the one-process reference, makes an optimizer for each, compiles
-the model with ``test_config(**config)`` and trains both side by side on the same global
+the model with ``test_config(**LINK, **config)`` and trains both side by side on the same global
 batches: the compiled model on this rank's slice of each batch, the reference on all of it.
 Every call compares the loss; after the steps every parameter of this rank's stages is
 compared with the reference's. Back in the test process, every rank must have seen the same
@@ -53,6 +53,11 @@ def test_config(**overrides: Any) -> Config:
 
 
 test_config.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test to collect
+
+# The link between ranks, given to every compile of the harness: compile on several ranks
+# measures it otherwise (a second or more a compile on loaded cores, and figures that move the
+# stage boundaries from run to run). test_links_and_optimizer measures it.
+LINK = dict(link_bandwidth=1e9, link_latency=1e-5, allreduce_bandwidth=1e9)
 
 
 # -- the model zoo, seeded ------------------------------------------------------------------------
@@ -406,7 +411,8 @@ def train_against_reference(
     of the rank's stages at the end; ``buffers``, every buffer too; ``moved``, also that the
     reference's parameters moved by more than the tolerance (``assert_moved_alike``).
 
-    ``config``'s timeout defaults to ``timeout_s``, the ranks' group's.
+    ``config``'s timeout defaults to ``timeout_s``, the ranks' group's, and its link to
+    ``LINK`` (no probe).
     ``example``: compile with this rank's part of the example batch (else the first call
     plans). ``compile_kw``: more of ``rannc_fx.compile``'s arguments (``plan``, ``init``,
     ``loss_fn``), or a function of the model that returns them (an ``init`` bound to it). ``setup()`` runs first in each rank (a spy), its result ``Run.installed``.
@@ -417,7 +423,7 @@ def train_against_reference(
     """
     tol = dict(tol or TOL)
     spec = Spec(
-        model_factory=model_factory, config={"timeout_s": timeout_s, **(config or {})},
+        model_factory=model_factory, config={"timeout_s": timeout_s, **LINK, **(config or {})},
         steps=steps, data=data,
         split=split, optimizer=optimizer, reference=reference, loss=loss, tol=tol,
         param_tol=dict(param_tol or tol), outputs=outputs, grads=grads,

@@ -14,7 +14,7 @@ import torch
 import rannc_fx
 from examples.models import gpt_example, mlp_example
 from tests.dist_utils import run_ranks
-from tests.harness import Run, test_config, train_against_reference
+from tests.harness import LINK, Run, test_config, train_against_reference
 
 PLANNED = 4  # samples per rank in the example batch the plan is made for
 EXAMPLES = {"mlp": mlp_example, "gpt": gpt_example}
@@ -53,7 +53,7 @@ def test_other_batch_sizes_train_like_one_process(name, world, cfg, sizes):
 def _disagreeing(rank: int, world: int, what: str) -> str:
     torch.manual_seed(0)
     model, (x, y), _ = mlp_example(batch=PLANNED * world)
-    cfg = test_config(timeout_s=30.0, replicas=(1, 1), micro_batches=2)
+    cfg = test_config(**LINK, timeout_s=30.0, replicas=(1, 1), micro_batches=2)
     cm = rannc_fx.compile(model, None, cfg, example_args=(x[:PLANNED], y[:PLANNED]))
     # rank 1's last batch is smaller, or rank 1 alone runs under autocast
     n = 3 if what == "size" and rank == 1 else PLANNED

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 import rannc_fx
 from examples.models import TransformerLM
 from tests.dist_utils import run_ranks
-from tests.harness import test_config
+from tests.harness import LINK, test_config
 from tests.unit.test_checkpoint import GLOBAL, TOL, _adam, _data, _groups, _reference, _step
 
 STEPS = 3  # before and after the checkpoint
@@ -38,7 +38,7 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], *, meta: bool = 
         with torch.device("meta"):
             model = TransformerLM()
     opt = (make_opt or _adam)(model)
-    cfg = test_config(timeout_s=30.0, replicas=replicas,
+    cfg = test_config(**LINK, timeout_s=30.0, replicas=replicas,
                       micro_batches=2, schedule=schedule)
     largs, lkwargs = _local(rank, world, args, kwargs)
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)

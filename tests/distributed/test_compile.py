@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from rannc_fx.compile import compile as rannc_compile
 from tests.dist_utils import local_part, run_ranks
-from tests.harness import TOL, Run, example, optimizer, test_config, train_against_reference
+from tests.harness import LINK, TOL, Run, example, optimizer, test_config, train_against_reference
 
 LOCAL = 2  # samples per rank
 
@@ -101,7 +101,7 @@ def test_schedules_and_recomputation_train_like_one_process(name, world, cfg):
 def _saved_plan(rank: int, world: int, path: str) -> None:
     model, args, kwargs = example("mlp", LOCAL * world)
     local_args = _local(args, rank, LOCAL * world)
-    cfg = test_config(replicas=(1,) * world, micro_batches=2)
+    cfg = test_config(**LINK, replicas=(1,) * world, micro_batches=2)
     first = rannc_compile(copy.deepcopy(model), None, cfg)
     loss = first(*local_args)
     if rank == 0:
@@ -144,7 +144,7 @@ def _dropout(rank: int, world: int) -> list[float]:
     model = DropoutMLP()
     x, y = torch.randn(LOCAL * world, 16), torch.randint(0, 4, (LOCAL * world,))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    cfg = test_config(replicas=(1, 1), micro_batches=2)
+    cfg = test_config(**LINK, replicas=(1, 1), micro_batches=2)
     cm = rannc_compile(model, opt, cfg)
     losses = []
     for _ in range(30):
@@ -219,7 +219,7 @@ class HalfRows(torch.nn.Module):
 
 def _unroutable(rank: int, world: int) -> None:
     torch.manual_seed(0)
-    cm = rannc_compile(HalfRows(), None, test_config(micro_batches=1))
+    cm = rannc_compile(HalfRows(), None, test_config(**LINK, micro_batches=1))
     with pytest.raises(ValueError, match=r"model output 1 \('reshape'.*interleaved.*"
                        r"view\(seq, batch, -1\)"):
         cm(torch.randn(LOCAL, 4))

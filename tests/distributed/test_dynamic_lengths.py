@@ -13,7 +13,7 @@ import torch
 import rannc_fx
 from examples.models import gpt_example
 from tests.dist_utils import run_ranks
-from tests.harness import Run, test_config, train_against_reference
+from tests.harness import LINK, Run, test_config, train_against_reference
 
 LOCAL = 4  # samples per rank
 LONGEST = 24  # the example's length: the plan's largest
@@ -93,7 +93,8 @@ def _refused(rank: int, world: int, what: str) -> tuple[str, float]:
     model = _model("gpt")
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     batch = {k: v[mine] for k, v in _batch("gpt", LOCAL * world, LONGEST, seed=0).items()}
-    cfg = test_config(timeout_s=90.0, micro_batches=2, replicas=(2, 1) if world == 3 else (1, 1),
+    cfg = test_config(**LINK, timeout_s=90.0, micro_batches=2,
+                      replicas=(2, 1) if world == 3 else (1, 1),
                       dynamic_dims="batch" if what == "batch only" else "auto")
     cm = rannc_fx.compile(model, None, cfg, example_kwargs=batch)
     if what == "longer":

@@ -15,9 +15,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.plan.config import Config
 from tests.dist_utils import run_ranks
-from tests.harness import test_config
+from tests.harness import LINK, test_config
 
 LOCAL = 8  # samples per rank
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -83,7 +82,7 @@ def _run(rank: int, world: int, tracer: str, cfg: dict[str, Any]) -> dict[str, A
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     x, y = _data(0, world)
-    config = test_config(timeout_s=60.0, tracer=tracer,
+    config = test_config(**LINK, timeout_s=60.0, tracer=tracer,
                          **cfg)
     cm = rannc_fx.compile(model, opt, config, example_args=(x[mine], y[mine]))
     assert cm.plan.tracer == tracer
@@ -158,7 +157,7 @@ def _run_hf(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[str, 
     blank = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mine = {k: v[rank * LOCAL:(rank + 1) * LOCAL] for k, v in kw.items()}
-    config = test_config(timeout_s=60.0, **cfg)
+    config = test_config(**LINK, timeout_s=60.0, **cfg)
     cm = rannc_fx.compile(model, opt, config, example_kwargs=mine)
     assert cm.plan.tracer == "export"
     for _step in range(2):
@@ -194,8 +193,8 @@ def _modes_differ(rank: int, world: int) -> str:
     model = Net(depth=0)  # no batch norm: one sample a replica plans too
     x, y = _data(0, world)
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    cm = rannc_fx.compile(model, None, Config(profile_cache_dir=None, profile_repeats=1,
-                                              timeout_s=30.0, replicas=(2,), tracer="fx"))
+    cm = rannc_fx.compile(model, None, test_config(**LINK, timeout_s=30.0, replicas=(2,),
+                                                   tracer="fx"))
     with torch.no_grad():
         cm(x[mine], y[mine])
         cm.train(rank == 0)

@@ -24,7 +24,7 @@ from rannc_fx.runtime import outputs as outputs_module
 from rannc_fx.runtime.comm import all_reduce_flat
 from rannc_fx.runtime.outputs import unbatched_peers
 from rannc_fx.schedules import routing
-from tests.dist_utils import run_ranks
+from tests.dist_utils import SharedRanks, run_ranks
 from tests.executor_cases import CASES, LOCAL, TOL, Case
 
 # -- the worker -----------------------------------------------------------------------------------
@@ -110,62 +110,62 @@ def _same_everywhere(losses: list[list[list[Any]]]) -> None:
 # -- tier 1: against the single-process reference ------------------------------------------------
 
 
-@pytest.mark.parametrize("mbs", [1, 2, 3])
+# every case of _train (and _bn_buffers) below runs on ranks shared with the others of its
+# world size (one launch each: the cases are small, start-up is most of their time)
+SHARED = SharedRanks()
+ONE_RANK = [1, 2, 3]  # micro-batches
+TWO_STAGES = [((1, 1), 1), ((1, 1), 3), ((1, 1), 6), ((2, 1), 2), ((1, 2), 2), ((2, 1), 3),
+              ((1, 2), 1), ((2, 2), 2), ((1, 3), 2), ((3, 1), 4)]
+PURE_DATA_PARALLEL = [((2,), 1), ((2,), 3)]
+SKIP = [((1, 1, 1), 2), ((1, 2, 1), 3), ((2, 1, 1), 2), ((1, 1, 2), 2)]
+TIED = [((1, 1), 2), ((2, 1), 2), ((1, 2), 3), ((2, 2), 3)]
+TIED_THREE = [((1, 1, 1), 2), ((2, 1, 1), 3)]
+ROWS = [((1, 1), 2), ((2, 1), 3), ((1, 2), 2)]
+UNBATCHED = [((2, 1), 2), ((1, 2), 3), ((2, 2), 3)]
+BN_BUFFERS = [((2, 1), 2, "gpipe", None, per) for per in (False, True)] + [
+    ((1, 1), 3, "gpipe", None, per) for per in (False, True)]
+
+
+@pytest.mark.parametrize("mbs", ONE_RANK)
 def test_one_rank(mbs):
-    _same_everywhere(run_ranks(_train, 1, "mlp1", (1,), mbs))
+    _same_everywhere(SHARED.result(_train, 1, "mlp1", (1,), mbs))
 
 
-@pytest.mark.parametrize(
-    "replicas,mbs",
-    [
-        ((1, 1), 1),
-        ((1, 1), 3),
-        ((1, 1), 6),
-        ((2, 1), 2),
-        ((1, 2), 2),
-        ((2, 1), 3),
-        ((1, 2), 1),
-        ((2, 2), 2),
-        ((1, 3), 2),
-        ((3, 1), 4),
-    ],
-)
+@pytest.mark.parametrize("replicas,mbs", TWO_STAGES)
 def test_two_stages(replicas, mbs):
-    _same_everywhere(run_ranks(_train, sum(replicas), "mlp2", replicas, mbs))
+    _same_everywhere(SHARED.result(_train, sum(replicas), "mlp2", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((2,), 1), ((2,), 3)])
+@pytest.mark.parametrize("replicas,mbs", PURE_DATA_PARALLEL)
 def test_pure_data_parallel(replicas, mbs):
-    _same_everywhere(run_ranks(_train, sum(replicas), "mlp1", replicas, mbs))
+    _same_everywhere(SHARED.result(_train, sum(replicas), "mlp1", replicas, mbs))
 
 
-@pytest.mark.parametrize(
-    "replicas,mbs", [((1, 1, 1), 2), ((1, 2, 1), 3), ((2, 1, 1), 2), ((1, 1, 2), 2)]
-)
+@pytest.mark.parametrize("replicas,mbs", SKIP)
 def test_skip_connection_to_two_later_stages(replicas, mbs):
-    _same_everywhere(run_ranks(_train, sum(replicas), "skip3", replicas, mbs))
+    _same_everywhere(SHARED.result(_train, sum(replicas), "skip3", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 2), ((1, 2), 3), ((2, 2), 3)])
+@pytest.mark.parametrize("replicas,mbs", TIED)
 def test_tied_embedding_and_batched_output(replicas, mbs):
-    _same_everywhere(run_ranks(_train, sum(replicas), "lm2", replicas, mbs))
+    _same_everywhere(SHARED.result(_train, sum(replicas), "lm2", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((1, 1, 1), 2), ((2, 1, 1), 3)])
+@pytest.mark.parametrize("replicas,mbs", TIED_THREE)
 def test_tied_embedding_in_first_and_last_of_three_stages(replicas, mbs):
-    _same_everywhere(run_ranks(_train, sum(replicas), "lm3", replicas, mbs))
+    _same_everywhere(SHARED.result(_train, sum(replicas), "lm3", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((1, 1), 2), ((2, 1), 3), ((1, 2), 2)])
+@pytest.mark.parametrize("replicas,mbs", ROWS)
 def test_rows_per_sample_batch_dim_1_and_integer_cut(replicas, mbs):
-    _same_everywhere(run_ranks(_train, sum(replicas), "flat2", replicas, mbs))
+    _same_everywhere(SHARED.result(_train, sum(replicas), "flat2", replicas, mbs))
 
 
-@pytest.mark.parametrize("replicas,mbs", [((2, 1), 2), ((1, 2), 3), ((2, 2), 3)])
+@pytest.mark.parametrize("replicas,mbs", UNBATCHED)
 def test_unbatched_outputs_of_two_stages(replicas, mbs):
     """Stage 0 returns an auxiliary loss and an integer count, stage 1 the loss: each stage's
     go to the other's ranks, so two ranks exchange them in both directions."""
-    _same_everywhere(run_ranks(_train, sum(replicas), "aux2", replicas, mbs))
+    _same_everywhere(SHARED.result(_train, sum(replicas), "aux2", replicas, mbs))
 
 
 def _loss_collectives(rank: int, world: int, name: str, replicas: tuple[int, ...]) -> None:
@@ -201,18 +201,18 @@ def test_loss_needs_no_collective_over_every_rank(name, replicas):
 
 
 def test_gradient_accumulation_over_two_calls():
-    _same_everywhere(run_ranks(_train, 3, "mlp2", (2, 1), 2, 2, 2))
+    _same_everywhere(SHARED.result(_train, 3, "mlp2", (2, 1), 2, 2, 2))
 
 
 def test_batchnorm_one_microbatch_is_exact():
-    _same_everywhere(run_ranks(_train, 2, "bn2", (1, 1), 1))
-    run_ranks(_bn_buffers, 2, (1, 1), 1)
+    _same_everywhere(SHARED.result(_train, 2, "bn2", (1, 1), 1))
+    SHARED.result(_bn_buffers, 2, (1, 1), 1)
 
 
 @pytest.mark.parametrize("per_microbatch", [False, True])
 @pytest.mark.parametrize("replicas,mbs", [((2, 1), 2), ((1, 1), 3)])
 def test_batchnorm_buffers_with_microbatches(replicas, mbs, per_microbatch):
-    run_ranks(_bn_buffers, sum(replicas), replicas, mbs, "gpipe", None, per_microbatch)
+    SHARED.result(_bn_buffers, sum(replicas), replicas, mbs, "gpipe", None, per_microbatch)
 
 
 def _sliced_running_var(plan: Plan, ref: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -347,3 +347,17 @@ def _alone(rank: int, world: int) -> int:
 
 def test_init_without_torchrun_is_one_process():
     assert run_ranks(_alone, 1, init=False) == [1]
+
+
+# the shared ranks' cases, all known before the first test asks for one
+for _mbs in ONE_RANK:
+    SHARED.add(_train, 1, "mlp1", (1,), _mbs)
+for _name, _cases in (("mlp2", TWO_STAGES), ("mlp1", PURE_DATA_PARALLEL), ("skip3", SKIP),
+                      ("lm2", TIED), ("lm3", TIED_THREE), ("flat2", ROWS), ("aux2", UNBATCHED)):
+    for _replicas, _mbs in _cases:
+        SHARED.add(_train, sum(_replicas), _name, _replicas, _mbs)
+SHARED.add(_train, 3, "mlp2", (2, 1), 2, 2, 2)
+SHARED.add(_train, 2, "bn2", (1, 1), 1)
+SHARED.add(_bn_buffers, 2, (1, 1), 1)
+for _case in BN_BUFFERS:
+    SHARED.add(_bn_buffers, sum(_case[0]), *_case)

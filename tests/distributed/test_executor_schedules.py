@@ -15,51 +15,56 @@ from torch.testing import assert_close
 from rannc_fx.runtime.executor import Mode
 from rannc_fx.schedules import routing
 from rannc_fx.schedules.generators import Kind
-from tests.dist_utils import run_ranks
+from tests.dist_utils import SharedRanks
 from tests.distributed.test_executor import _bn_buffers, _local, _same_everywhere, _setup, _train
 from tests.executor_cases import CASES, H8, LOCAL, TOL, XY, Case, _xy
 
+# every case below runs on ranks shared with the others of its world size (one launch each:
+# the cases are small, start-up is most of their time)
+SHARED = SharedRanks()
+SCHEDULES = ["gpipe", "1f1b", "zbh1"]
+TRAINED = [
+    ("mlp1", (1,), 3, (True,)),
+    ("mlp1", (2,), 2, (True,)),
+    ("mlp2", (1, 1), 4, (False, False)),
+    ("mlp2", (1, 1), 1, (False, False)),  # fill-drain: ZB-H1's own list, deferred
+    ("mlp2", (1, 1), 4, (True, True)),
+    ("mlp2", (2, 1), 3, (True, False)),
+    ("mlp2", (1, 3), 2, (False, True)),
+    ("skip3", (1, 1, 1), 5, (False, True, False)),
+    ("skip3", (1, 2, 1), 3, (True, False, True)),
+    ("lm2", (1, 1), 3, (True, True)),
+    ("lm3", (1, 1, 1), 4, (False, True, True)),
+    ("lm3", (2, 1, 1), 3, (True, False, False)),
+    ("flat2", (1, 2), 3, (True, True)),
+    ("aux2", (2, 1), 2, (True, False)),  # two losses: the backward stays deferred
+]
+ACCUMULATED = [(schedule, recompute) for schedule in ("1f1b", "zbh1")
+               for recompute in ((False, False), (True, True))]
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
-@pytest.mark.parametrize(
-    "name,replicas,mbs,recompute",
-    [
-        ("mlp1", (1,), 3, (True,)),
-        ("mlp1", (2,), 2, (True,)),
-        ("mlp2", (1, 1), 4, (False, False)),
-        ("mlp2", (1, 1), 1, (False, False)),  # fill-drain: ZB-H1's own list, deferred
-        ("mlp2", (1, 1), 4, (True, True)),
-        ("mlp2", (2, 1), 3, (True, False)),
-        ("mlp2", (1, 3), 2, (False, True)),
-        ("skip3", (1, 1, 1), 5, (False, True, False)),
-        ("skip3", (1, 2, 1), 3, (True, False, True)),
-        ("lm2", (1, 1), 3, (True, True)),
-        ("lm3", (1, 1, 1), 4, (False, True, True)),
-        ("lm3", (2, 1, 1), 3, (True, False, False)),
-        ("flat2", (1, 2), 3, (True, True)),
-        ("aux2", (2, 1), 2, (True, False)),  # two losses: the backward stays deferred
-    ],
-)
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name,replicas,mbs,recompute", TRAINED)
 def test_schedules_and_recomputation_train_like_one_process(
     schedule, name, replicas, mbs, recompute
 ):
     _same_everywhere(
-        run_ranks(_train, sum(replicas), name, replicas, mbs, 3, 1, schedule, recompute)
+        SHARED.result(_train, sum(replicas), name, replicas, mbs, 3, 1, schedule, recompute)
     )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
 @pytest.mark.parametrize("recompute", [(False, False), (True, True)])
 def test_gradient_accumulation_over_two_calls_in_the_call(schedule, recompute):
-    _same_everywhere(run_ranks(_train, 3, "mlp2", (2, 1), 3, 2, 2, schedule, recompute))
+    _same_everywhere(SHARED.result(_train, 3, "mlp2", (2, 1), 3, 2, 2, schedule, recompute))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_batchnorm_recomputed_counts_one_update(schedule):
     """The recomputation must not update running statistics again (checkpoint would)."""
-    _same_everywhere(run_ranks(_train, 2, "bn2", (1, 1), 1, 3, 1, schedule, (True, True)))
-    run_ranks(_bn_buffers, 2, (1, 1), 1, schedule, (True, False))
-    run_ranks(_bn_buffers, 3, (2, 1), 3, schedule, (True, True))
+    _same_everywhere(SHARED.result(_train, 2, "bn2", (1, 1), 1, 3, 1, schedule, (True, True)))
+    SHARED.result(_bn_buffers, 2, (1, 1), 1, schedule, (True, False))
+    SHARED.result(_bn_buffers, 3, (2, 1), 3, schedule, (True, True))
 
 
 # -- dropout: recomputation draws what the forward drew ------------------------------------------
@@ -126,8 +131,8 @@ def _dropout_run(rank: int, world: int, schedule: str, recompute: tuple[bool, ..
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_dropout_recomputed_with_the_same_masks(schedule):
-    plain = run_ranks(_dropout_run, 2, schedule, (False, False))
-    again = run_ranks(_dropout_run, 2, schedule, (True, True))
+    plain = SHARED.result(_dropout_run, 2, schedule, (False, False))
+    again = SHARED.result(_dropout_run, 2, schedule, (True, True))
     assert plain == again  # bitwise: the same masks, the same stream afterwards
 
 
@@ -193,7 +198,7 @@ def _call_semantics(rank: int, world: int, recompute: tuple[bool, ...]) -> None:
 
 @pytest.mark.parametrize("recompute", [(False, False, False), (True, False, True)])
 def test_whole_step_in_the_call(recompute):
-    run_ranks(_call_semantics, 3, recompute)
+    SHARED.result(_call_semantics, 3, recompute)
 
 
 def _peak_in_flight(rank: int, world: int, schedule: str, mbs: int) -> int:
@@ -239,4 +244,21 @@ def _peak_in_flight(rank: int, world: int, schedule: str, mbs: int) -> int:
 
 @pytest.mark.parametrize("schedule,want", [("gpipe", [4, 4]), ("1f1b", [2, 1])])
 def test_micro_batches_in_flight_follow_the_schedule(schedule, want):
-    assert run_ranks(_peak_in_flight, 2, schedule, 4) == want
+    assert SHARED.result(_peak_in_flight, 2, schedule, 4) == want
+
+
+# the shared ranks' cases, all known before the first test asks for one
+for _schedule in SCHEDULES:
+    for _name, _replicas, _mbs, _recompute in TRAINED:
+        SHARED.add(_train, sum(_replicas), _name, _replicas, _mbs, 3, 1, _schedule, _recompute)
+for _schedule, _recompute in ACCUMULATED:
+    SHARED.add(_train, 3, "mlp2", (2, 1), 3, 2, 2, _schedule, _recompute)
+for _schedule in ("gpipe", "1f1b"):
+    SHARED.add(_train, 2, "bn2", (1, 1), 1, 3, 1, _schedule, (True, True))
+    SHARED.add(_bn_buffers, 2, (1, 1), 1, _schedule, (True, False))
+    SHARED.add(_bn_buffers, 3, (2, 1), 3, _schedule, (True, True))
+    for _recompute in ((False, False), (True, True)):
+        SHARED.add(_dropout_run, 2, _schedule, _recompute)
+    SHARED.add(_peak_in_flight, 2, _schedule, 4)
+for _recompute in ((False, False, False), (True, False, True)):
+    SHARED.add(_call_semantics, 3, _recompute)

@@ -16,7 +16,7 @@ from rannc_fx.plan.plan import Plan, lane_layout
 from rannc_fx.runtime import StageExecutor
 from rannc_fx.runtime.lane import LaneModules
 from rannc_fx.schedules import routing
-from tests.dist_utils import make_plan, run_ranks, scalar
+from tests.dist_utils import SharedRanks, make_plan, scalar
 from tests.distributed.test_executor import _same_everywhere
 from tests.executor_cases import H8, LOCAL, TOL, XY, TiedLM, _ids, _Lm0, _LmHead, _xy
 from tests.executor_cases import LM_VALUES as LM
@@ -276,26 +276,43 @@ def _train(rank: int, world: int, name: str, replicas: tuple[int, ...], mbs: int
     return losses
 
 
-@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zbv", 2)])
-@pytest.mark.parametrize("name", ["deep4", "lm4", "fan4", "aux4"])
-@pytest.mark.parametrize(
-    "lanes,mbs,recompute",
-    [
-        ((1, 1), 2, (False,) * 4),
-        ((1, 1), 4, (True, False, True, False)),
-        ((1, 1), 1, (False,) * 4),
-        ((2, 1), 4, (False, True, False, True)),
-        ((2, 2), 3, (True, True, True, True)),
-        ((1, 1), 6, (False, False, True, False)),  # every sample its own micro-batch
-        ((2, 1), 8, (True, False, False, False)),
-    ],
-)
-def test_several_stages_a_rank_train_like_one_process(name, schedule, virtual, lanes, mbs,
-                                                      recompute):
-    """``lanes``: the replica count of each lane's stages."""
+# every case runs on ranks shared with the others of its world size (one launch each: the
+# cases are small, start-up is most of their time)
+SHARED = SharedRanks()
+SCHEDULES = [("interleaved", 2), ("zbv", 2)]
+NAMES = ["deep4", "lm4", "fan4", "aux4"]
+LANES = [
+    ((1, 1), 2, (False,) * 4),
+    ((1, 1), 4, (True, False, True, False)),
+    ((1, 1), 1, (False,) * 4),
+    ((2, 1), 4, (False, True, False, True)),
+    ((2, 2), 3, (True, True, True, True)),
+    ((1, 1), 6, (False, False, True, False)),  # every sample its own micro-batch
+    ((2, 1), 8, (True, False, False, False)),
+]
+
+
+def _case(name: str, schedule: str, virtual: int, lanes: tuple[int, ...], mbs: int,
+          recompute: tuple[bool, ...]) -> tuple[Any, ...]:
+    """``_train``'s world size and arguments: each stage gets its lane's replica count."""
     layout = lane_layout(schedule, 4, virtual)
     replicas = tuple(lanes[next(k for k, held in enumerate(layout) if s in held)]
                      for s in range(4))
-    _same_everywhere(run_ranks(_train, sum(lanes), name, replicas, mbs, schedule, virtual,
-                               recompute))
+    return sum(lanes), name, replicas, mbs, schedule, virtual, recompute
 
+
+@pytest.mark.parametrize("schedule,virtual", SCHEDULES)
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("lanes,mbs,recompute", LANES)
+def test_several_stages_a_rank_train_like_one_process(name, schedule, virtual, lanes, mbs,
+                                                      recompute):
+    """``lanes``: the replica count of each lane's stages."""
+    _same_everywhere(SHARED.result(_train, *_case(name, schedule, virtual, lanes, mbs,
+                                                  recompute)))
+
+
+# the shared ranks' cases, all known before the first test asks for one
+for _schedule, _virtual in SCHEDULES:
+    for _name in NAMES:
+        for _lanes, _mbs, _recompute in LANES:
+            SHARED.add(_train, *_case(_name, _schedule, _virtual, _lanes, _mbs, _recompute))

@@ -26,7 +26,7 @@ from tests.gpt_training import (
     step,
     train_like_one_process,
 )
-from tests.harness import Run, test_config, train_against_reference
+from tests.harness import LINK, Run, test_config, train_against_reference
 from tests.unit.test_host_params import _gpt_plan
 
 
@@ -97,7 +97,7 @@ def _checkpointed(rank: int, world: int, host: bool, path: str, resume: bool) ->
     model, args, kwargs = gpt(0.0)
     opt = adam(model)
     largs, lkwargs = local(rank, args, kwargs)
-    cfg = test_config(cost_model="analytic", timeout_s=30.0, replicas=(1, 1), micro_batches=2,
+    cfg = test_config(**LINK, cost_model="analytic", timeout_s=30.0, replicas=(1, 1), micro_batches=2,
                       host_params=host)
     cm = rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs)
     assert all(st.host_params == host for st in cm.plan.stages)

@@ -17,7 +17,7 @@ from torch import nn
 import rannc_fx
 from examples.models import TransformerLM, gpt_example
 from tests.dist_utils import run_ranks
-from tests.harness import Run, optimizer, test_config, train_against_reference
+from tests.harness import LINK, Run, optimizer, test_config, train_against_reference
 
 CFG = dict(timeout_s=30.0)
 
@@ -34,7 +34,7 @@ def _meta_lm(rank: int, world: int, replicas: tuple[int, ...]) -> list[str]:
         model = TransformerLM()
     opt = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.05)
     # 2 MiB per device: too little for one stage, so the layers (and the tied weight) split
-    cfg = test_config(**CFG, replicas=replicas, micro_batches=2, device_memory=2 * 2**20)
+    cfg = test_config(**CFG, **LINK, replicas=replicas, micro_batches=2, device_memory=2 * 2**20)
     cm = rannc_fx.compile(model, opt, cfg,
                           example_args=args, example_kwargs=kwargs)
     # this rank's stages: one, or a lane's several (the plan may interleave)
@@ -143,7 +143,7 @@ def _uninitialized(rank: int, world: int, mode: str) -> str:
     hook = init if mode == "init" else None
     plan = dict(stages=1) if world == 1 else dict(replicas=(1,) * world, micro_batches=2)
     try:
-        cm = rannc_fx.compile(model, opt, test_config(**CFG, **plan), example_args=(x,), init=hook)
+        cm = rannc_fx.compile(model, opt, test_config(**CFG, **LINK, **plan), example_args=(x,), init=hook)
     except RuntimeError as e:
         return str(e)
     if mode == "load":
@@ -206,7 +206,7 @@ def _computed_buffer(rank: int, world: int) -> bool:
     x = torch.randn(4, 8)
     with torch.device("meta"):
         model = _net(Frequencies(8))
-    cm = rannc_fx.compile(model, None, test_config(**CFG, replicas=(1, 1), micro_batches=2),
+    cm = rannc_fx.compile(model, None, test_config(**CFG, **LINK, replicas=(1, 1), micro_batches=2),
                           example_args=(x,))
     buffers = dict(cm.stages[0].named_buffers())
     holds = any(b is model[1].inv_freq for b in buffers.values())

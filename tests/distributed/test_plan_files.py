@@ -10,12 +10,11 @@ import torch
 
 import rannc_fx
 from examples.models import gpt_example
-from rannc_fx.plan.config import Config
 from tests.dist_utils import local_part, run_ranks
+from tests.harness import LINK, test_config
 
 LOCAL = 4
-CONFIG = dict(profile_cache_dir=None, profile_repeats=1, timeout_s=30.0, replicas=(1, 1),
-              micro_batches=2, schedule="gpipe")
+CONFIG = dict(LINK, timeout_s=30.0, replicas=(1, 1), micro_batches=2, schedule="gpipe")
 
 # (field edited in the file, its new value, the Config the plan is loaded with)
 EDITS = [
@@ -48,7 +47,7 @@ def _run(rank: int, world: int, folder: str) -> tuple[list[float], list[float], 
     model, _, _ = gpt_example(LOCAL * world)
     fresh = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cm = rannc_fx.compile(model, opt, Config(**CONFIG))
+    cm = rannc_fx.compile(model, opt, test_config(**CONFIG))
     planned = _steps(cm, opt, rank, world)
     path = f"{folder}/plan.json"
     if rank == 0:
@@ -56,7 +55,7 @@ def _run(rank: int, world: int, folder: str) -> tuple[list[float], list[float], 
     torch.distributed.barrier()
     again = copy.deepcopy(fresh)
     opt2 = torch.optim.SGD(again.parameters(), lr=0.1)
-    loaded = _steps(rannc_fx.compile(again, opt2, Config(**CONFIG), plan=path), opt2, rank, world)
+    loaded = _steps(rannc_fx.compile(again, opt2, test_config(**CONFIG), plan=path), opt2, rank, world)
     refusals = []
     for k, (field, value, config) in enumerate(EDITS):
         edited = f"{folder}/edited{k}.json"
@@ -69,7 +68,7 @@ def _run(rank: int, world: int, folder: str) -> tuple[list[float], list[float], 
                 json.dump(data, f)
         torch.distributed.barrier()
         model = copy.deepcopy(fresh)
-        cm = rannc_fx.compile(model, None, Config(**{**CONFIG, **config}), plan=edited)
+        cm = rannc_fx.compile(model, None, test_config(**{**CONFIG, **config}), plan=edited)
         try:
             _steps(cm, torch.optim.SGD(model.parameters(), lr=0.1), rank, world)
         except ValueError as e:

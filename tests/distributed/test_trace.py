@@ -18,7 +18,7 @@ from rannc_fx.plan.plan import Plan
 from rannc_fx.runtime.tracefile import matching_start, summarize
 from rannc_fx.schedules.lowering import lower_plan
 from tests.dist_utils import run_ranks
-from tests.harness import Run, test_config, train_against_reference
+from tests.harness import LINK, Run, test_config, train_against_reference
 
 LOCAL = 4  # samples per rank
 STEPS = 4
@@ -196,7 +196,7 @@ def _clock_ahead(rank: int, world: int, out: str) -> dict[str, Any] | None:
             perf_counter_ns=lambda: real() + AHEAD_NS)
     model, (x, y), _ = mlp_example(batch=LOCAL)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = test_config(timeout_s=30.0, replicas=(1, 1), micro_batches=2, trace_dir=out,
+    cfg = test_config(**LINK, timeout_s=30.0, replicas=(1, 1), micro_batches=2, trace_dir=out,
                       trace_steps="2-3")
     cm = rannc_fx.compile(model, opt, cfg, example_args=(x, y))
     for _ in range(3):

@@ -22,7 +22,7 @@ import rannc_fx
 from examples.models import MLP
 from rannc_fx.runtime.zero import shard_of
 from tests.dist_utils import run_ranks
-from tests.harness import Run, test_config, train_against_reference
+from tests.harness import LINK, Run, test_config, train_against_reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LOCAL = 4  # samples per rank
@@ -71,7 +71,7 @@ def _compiled(rank: int, world: int, case: dict[str, Any], frozen: tuple[str, ..
     opt, ref_opt = _trainable_adam(model), _trainable_adam(ref)
     x, y = _batch(LOCAL * world, 0)
     mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    cm = rannc_fx.compile(model, opt, test_config(timeout_s=30.0, **_config(case)),
+    cm = rannc_fx.compile(model, opt, test_config(**{**LINK, **_config(case)}, timeout_s=30.0),
                           example_args=(x[mine], y[mine]))
     return cm, model, ref, opt, ref_opt
 

@@ -22,7 +22,7 @@ from rannc_fx.runtime import comm, grad_shards
 from rannc_fx.runtime.zero import shard_of
 from tests.dist_utils import run_ranks
 from tests.distributed.test_checkpoint import _local
-from tests.harness import Run, optimizer, test_config, train_against_reference
+from tests.harness import LINK, Run, optimizer, test_config, train_against_reference
 from tests.unit.test_checkpoint import _adam, _data  # the tied-embedding LM and its Adam
 from tests.unit.test_zero import TOL
 
@@ -49,8 +49,8 @@ def _compiled(rank: int, world: int, replicas: tuple[int, ...], zero: int, *,
               ) -> tuple[rannc_fx.CompiledModel, torch.optim.Optimizer, Any, Any]:
     model, args, kwargs = _data()
     opt = _adam(model)
-    cfg = test_config(timeout_s=30.0, **_zero_config(replicas, zero, schedule, recompute,
-                                                     offload, layers))
+    zero_cfg = _zero_config(replicas, zero, schedule, recompute, offload, layers)
+    cfg = test_config(timeout_s=30.0, **{**LINK, **zero_cfg})
     largs, lkwargs = _local(rank, world, args, kwargs)
     return (rannc_fx.compile(model, opt, cfg, example_args=largs, example_kwargs=lkwargs),
             opt, largs, lkwargs)
