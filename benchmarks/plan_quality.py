@@ -346,7 +346,7 @@ def score(a: Analysis, title: str, analyze_s: float) -> list[str]:
             continue
         ev = sc.evaluation
         slow = max(c.time_s for c in ev.stages)
-        mem = max(c.memory for c in ev.stages) / a.space.memory_budget
+        mem = max(c.memory.total for c in ev.stages) / a.space.memory_budget
         rows.append(f"| {name} | {len(sc.stages)} | {sc.micro_batches} | {_shape(sc.stages)} "
                     f"| {1e3 * ev.step_s:.1f} | {ev.step_s / ours:.2f} | {1e3 * slow:.1f} "
                     f"| {100 * mem:.0f} % |")

@@ -252,7 +252,7 @@ def run_bert(a: argparse.Namespace) -> list[str]:
             else:
                 res = t.result
                 reps = "/".join(str(st.replicas) for st in res.stages)
-                mem = max(c.memory for c in res.evaluation.stages) / an.space.memory_budget
+                mem = max(c.memory.total for c in res.evaluation.stages) / an.space.memory_budget
                 rc = sum(st.recompute for st in res.stages)
                 rows.append(head + f"| {len(res.stages)} stages, m={res.micro_batches}, "
                                    f"{res.schedule}, {rc} recomputing, replicas {reps} "

@@ -10,7 +10,6 @@ from ..plan.plan import (
     Block,
     CutValue,
     ExcludedSize,
-    MemoryEstimate,
     OutputRef,
     Plan,
     SharedParam,
@@ -118,11 +117,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             host_params=cost.host,
             window_bytes=cost.window,
             fetch_ms=ms * cost.fetch_s,
-            memory=MemoryEstimate(
-                params=cost.params, grads=cost.grads, optimizer_state=cost.optimizer_state,
-                activations=cost.activations, comm_buffers=cost.comm_buffers,
-                workspace=cost.workspace, outputs=cost.outputs, overlap=cost.overlap,
-            ),
+            memory=cost.memory,
         ))
 
     cut_values = tuple(

@@ -217,7 +217,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
         # else recomputes its stage that holds the most activations
         more = False
         for lane in layout:
-            if sum(ev.stages[s].memory for s in lane) <= a.space.memory_budget:
+            if sum(ev.stages[s].memory.total for s in lane) <= a.space.memory_budget:
                 continue
             unsharded = [s for s in lane if not zero[s] and reps[s] > 1]
             if unsharded and a.space.zero is None:
@@ -235,7 +235,7 @@ def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> Search
                 for now, then in ((0, SELECTIVE), (SELECTIVE, 1), (0, 1)):
                     free = [s for s in lane if level[s] == now]
                     if free and (selective or then != SELECTIVE) and (whole or then != 1):
-                        level[max(free, key=lambda s: ev.stages[s].activations)] = then
+                        level[max(free, key=lambda s: ev.stages[s].memory.activations)] = then
                         more = True
                         break
         if not more:

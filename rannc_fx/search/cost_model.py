@@ -1,6 +1,7 @@
 """The cost model: what one stage of a plan costs in time and memory, and the step time.
 
-This module imports numpy only (no torch). All times are in seconds, sizes in bytes.
+This module imports numpy and the plan's memory breakdown (``MemoryEstimate``), no torch op.
+All times are in seconds, sizes in bytes.
 
 A stage covers blocks [i, j) with r replicas; with m micro-batches each replica handles
 q = ceil(global_batch / (m * r)) samples per micro-batch, and ``k`` is the index of q in
@@ -139,6 +140,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..plan.parts import MemoryEstimate
 from ..schedules.kinds import GPIPE, ONE_F_ONE_B, ZBH1, kind_of
 from .segments import Segments
 
@@ -281,8 +283,10 @@ class StageCost:
 
     ``recompute_s`` is the forward that recomputation runs again (``fwd_s`` or 0);
     ``in_flight`` is n, the micro-batches whose activations the stage holds at once;
-    ``activations`` is n * A without recomputation and A with it, ``comm_buffers``
-    n * (cin + cout) without and n * cin + cout with it.
+    ``memory`` is the plan's breakdown (the plan's stage carries it as it is): its
+    ``activations`` are n * A without recomputation and A with it, its ``comm_buffers``
+    n * (cin + cout) without and n * cin + cout with it, its ``overlap`` the bytes of those
+    parts that never coexist.
     """
 
     samples: int
@@ -292,18 +296,11 @@ class StageCost:
     allreduce_s: float
     optimizer_s: float
     accumulate_s: float  # per micro-batch after the first
-    params: int
-    grads: int
-    optimizer_state: int
-    activations: int
-    comm_buffers: int
-    workspace: int
+    memory: MemoryEstimate  # the plan's own breakdown (``Stage.memory``), peak = its total
     recompute: bool = False  # R: the forward again before each backward
     in_flight: int = 1
     recompute_s: float = 0.0
     selective: bool = False  # the backward reruns what the forward did not keep
-    outputs: int = 0  # batched model outputs held: m micro-batches' and the local batch's
-    overlap: int = 0  # of the parts above, the bytes that never coexist (see the docstring)
     gather_s: float = 0.0  # ag_s: ZeRO-1's all-gather of the stepped parameters
     zero: bool = False
     offload: bool = False
@@ -323,11 +320,6 @@ class StageCost:
             compute = max(compute, self.fetch_s) if self.fetch_overlap else (
                 compute + self.fetch_s)
         return compute + self.comm_s
-
-    @property
-    def memory(self) -> int:
-        return (self.params + self.grads + self.optimizer_state + self.activations
-                + self.comm_buffers + self.workspace + self.outputs - self.overlap)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..plan.parts import MemoryEstimate
 from ..schedules.kinds import GPIPE, ZBH1, kind_of
 from .cost_model import (
     CostTable,
@@ -97,12 +98,13 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         offload=omega, host_s=float(up[0] - ar - step_s if hp else up[0] - base[0]),
         host_state=round(host), host=hp, fetch_s=fetch, fetch_overlap=space.host_overlap,
         window=round(window) if hp else 0,
-        params=round(params), grads=round(grads), optimizer_state=round(state),
-        activations=round(acts), comm_buffers=round(kept),
-        overlap=round(grads + acts + kept - held),
-        workspace=round(ws), recompute=rerun, selective=selective, in_flight=n,
+        memory=MemoryEstimate(
+            params=round(params), grads=round(grads), optimizer_state=round(state),
+            activations=round(acts), comm_buffers=round(kept), workspace=round(ws),
+            outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
+            overlap=round(grads + acts + kept - held)),
+        recompute=rerun, selective=selective, in_flight=n,
         recompute_s=float(terms.recomputed(rho)[0]),
-        outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
     )
     mem = float((terms.memory(n, rho, tr, hp) - (0.0 if hp else saved))[0])
     if zb:  # ZB-H1: its corner (``zerobubble.ZeroBubble``)
@@ -112,9 +114,9 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         nw, w = int(terms.zbh1_whole(n)[0]), float(terms.wheld[0])
         acts = nw * act + (zb - nw) * w
         mem = float((terms.memory_zbh1(n, zb, tr) - saved)[0])
-        cost = replace(cost, in_flight=zb, activations=round(acts),
-                       comm_buffers=round(nw * cuts), overlap=0,
-                       workspace=round(max(float(terms.ws[0]), float(tr[0]) - acts - nw * cuts)))
+        cost = replace(cost, in_flight=zb, memory=cost.memory.model_copy(update=dict(
+            activations=round(acts), comm_buffers=round(nw * cuts), overlap=0,
+            workspace=round(max(float(terms.ws[0]), float(tr[0]) - acts - nw * cuts)))))
     if split:
         tz, uz = terms.zbh1_times(rho, np.array([acc]), up, queue)
         t, u = float(tz[0]), float(uz[0])
@@ -211,7 +213,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
         shares = held_once(table, space, [stages[s] for s in lane], shares)
         for s, c in zip(lane, shares, strict=True):
             costs[s] = c
-        fits = fits and sum(c.memory for c in shares) <= space.memory_budget and \
+        fits = fits and sum(c.memory.total for c in shares) <= space.memory_budget and \
             sum(c.host_state for c in shares) <= space.host_budget
     return Evaluation(step, tuple(costs), fits)
 
@@ -233,12 +235,13 @@ def held_once(table: CostTable, space: SearchSpace, stages: Sequence[StageChoice
             zeta = st.zero and r > 1
             state = gb * space.optimizer_state_factor / (r if zeta else 1)
             host = state if st.offload else 0.0
-            grads = c.grads - round(gb)
+            grads = c.memory.grads - round(gb)
             # the all-reduce of what gradients the stage has left (none: no all-reduce)
             ar = float(allreduce_s(space, np.array([float(grads)]), np.array([r]), zeta)[0])
-            out[k] = replace(c, params=round(c.params - pb), grads=grads,
-                             optimizer_state=round(c.optimizer_state - (state - host)),
-                             host_state=round(c.host_state - host),
+            memory = c.memory.model_copy(update=dict(
+                params=round(c.memory.params - pb), grads=grads,
+                optimizer_state=round(c.memory.optimizer_state - (state - host))))
+            out[k] = replace(c, memory=memory, host_state=round(c.host_state - host),
                              allreduce_s=ar if grads > 0 else 0.0,
                              optimizer_s=max(0.0, c.optimizer_s - (opt_s / r if zeta else opt_s))
                              if grads > 0 else 0.0)
@@ -277,7 +280,7 @@ def lane_memory(costs: Sequence[StageCost],
     rc = [s for s, c in enumerate(costs)
           if (c.recompute and not u[:, s, 1].any()) or c.selective]
     transient = max(rc, key=lambda s: per_mb[s][3] + per_mb[s][4], default=None)
-    widest = max(range(len(costs)), key=lambda s: costs[s].workspace)
+    widest = max(range(len(costs)), key=lambda s: costs[s].memory.workspace)
     out = []
     for s, c in enumerate(costs):
         a, cuts, o, rebuilt, rebuilt_out, w = per_mb[s]
@@ -286,6 +289,7 @@ def lane_memory(costs: Sequence[StageCost],
         inputs, whole, split = (float(x) for x in peak[s])
         act = whole * a + split * w + rebuilt
         comm = inputs * (cuts - o) + whole * cuts + rebuilt_out
-        out.append(replace(c, activations=round(act), comm_buffers=round(comm), overlap=0,
-                           workspace=c.workspace if s == widest else 0))
+        out.append(replace(c, memory=c.memory.model_copy(update=dict(
+            activations=round(act), comm_buffers=round(comm), overlap=0,
+            workspace=c.memory.workspace if s == widest else 0))))
     return out

@@ -257,7 +257,8 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         for name in _TIMES:
             assert getattr(c, name) == pytest.approx(getattr(f, name), rel=1e-9, abs=1e-12)
         for name in _BYTES:  # StageCost rounds each part to whole bytes
-            assert abs(getattr(c, name) - getattr(f, name)) <= 0.5 + 1e-9 * abs(getattr(f, name))
+            got = getattr(c if name == "host_state" else c.memory, name)
+            assert abs(got - getattr(f, name)) <= 0.5 + 1e-9 * abs(getattr(f, name))
         assert c.time_s == pytest.approx(f.t, rel=1e-9, abs=1e-12)
         assert f.memory <= space.memory_budget * (1 + SLACK)
     for s, f in zip(st, figs, strict=True):  # the policy: a variant only where needed
@@ -464,22 +465,25 @@ def test_evaluate_by_hand() -> None:
     ev = evaluate(table, space, (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2)
     s0, s1 = ev.stages
     assert (s0.samples, s0.fwd_s, s0.bwd_s, s0.comm_s, s0.allreduce_s) == (4, 6, 12, 4, 0)
-    assert (s0.params, s0.grads, s0.optimizer_state) == (150, 150, 300)
-    assert (s0.activations, s0.comm_buffers, s0.workspace, s0.in_flight) == (120, 8, 9, 2)
+    assert (s0.memory.params, s0.memory.grads, s0.memory.optimizer_state) == (150, 150, 300)
+    m0 = s0.memory
+    assert (m0.activations, m0.comm_buffers, m0.workspace, s0.in_flight) == (120, 8, 9, 2)
     assert (s1.samples, s1.fwd_s, s1.bwd_s, s1.comm_s, s1.allreduce_s) == (2, 3, 6, 2, 100)
     # the gradients (200) appear as the first backward frees one micro-batch's activations
     # (30): the peak holds 2 x 2 cut bytes + max(60, 30 + 200); overlap 200 + 60 + 4 - 234.
     # After the backwards the all-reduce of its 2 replicas copies the 200 gradient bytes (one
     # bucket): 400 against the backward's 234 + workspace 1, so the transient is 400 - 234
-    assert (s1.activations, s1.comm_buffers, s1.workspace, s1.overlap) == (60, 4, 166, 30)
-    assert s1.memory == 250 + 200 + 400 + 60 + 4 + 166 - 30 == 1050
+    m1 = s1.memory
+    assert (m1.activations, m1.comm_buffers, m1.workspace, m1.overlap) == (60, 4, 166, 30)
+    assert s1.memory.total == 250 + 200 + 400 + 60 + 4 + 166 - 30 == 1050
     # buckets of 50 bytes: 250 against 235
     small = evaluate(table, dataclasses.replace(space, reduce_bucket=50),
                      (StageChoice(0, 2, 1), StageChoice(2, 3, 2)), 2).stages[1]
-    assert (small.workspace, small.memory) == (16, 900)
+    assert (small.memory.workspace, small.memory.total) == (16, 900)
     # t = 22 and 11; step = 33 + max(1 * 22 + 0, 1 * 11 + 100)
     assert ev.step_s == 33 + 111
-    assert ev.fits and s0.memory == 737 - 60  # overlap 150 + 120 + 8 - (8 + max(120, 60 + 150))
+    # overlap 150 + 120 + 8 - (8 + max(120, 60 + 150))
+    assert ev.fits and s0.memory.total == 737 - 60
 
     # 0.5 s per message, all-reduces at half the link's speed, optimizer steps of the ranges
     opt = np.array([[0, 2, 3.5, 5.5], [0, 0, 1.5, 3.5], [0, 0, 0, 3]], float)
@@ -520,27 +524,29 @@ def test_evaluate_recompute_and_1f1b_by_hand() -> None:
     assert (s0.recompute, s0.fwd_s, s0.bwd_s, s0.recompute_s, s0.time_s) == (True, 6, 12, 6, 28)
     # and holds the inputs of both micro-batches (none: it is the first stage) and one
     # micro-batch's outputs (4) and activations (60 bytes)
-    assert (s0.in_flight, s0.activations, s0.comm_buffers) == (2, 60, 4)
+    assert (s0.in_flight, s0.memory.activations, s0.memory.comm_buffers) == (2, 60, 4)
     # peak: the second backward's 4 cut bytes + 60 + 150 beats the first's 4 + max(60, 150),
     # so gradients, activations and outputs all coexist
-    assert s0.overlap == 150 + 60 + 4 - max(4 + 150, 4 + 60 + 150) == 0
-    assert s0.memory == 150 + 150 + 300 + 60 + 4 + 9 == 673
-    assert (s1.recompute, s1.recompute_s, s1.memory) == (False, 0, 885)
+    assert s0.memory.overlap == 150 + 60 + 4 - max(4 + 150, 4 + 60 + 150) == 0
+    assert s0.memory.total == 150 + 150 + 300 + 60 + 4 + 9 == 673
+    assert (s1.recompute, s1.recompute_s, s1.memory.total) == (False, 0, 885)
     # t = 28 and 11; step = 39 + max(1 * 28, 1 * 11 + 100)
     assert ev.step_s == 39 + 111 and ev.fits
 
     # 1F1B: stage 0 is 2 from the end (2 in flight, as GPipe); the last stage holds only 1
     ev = evaluate(table, space, plan, 2, "1f1b")
     s0, s1 = ev.stages
-    assert (s0.in_flight, s0.activations, s0.comm_buffers, s0.memory) == (2, 60, 4, 673)
-    assert (s1.in_flight, s1.activations, s1.comm_buffers) == (1, 30, 2)
+    assert (s0.in_flight, s0.memory.activations, s0.memory.comm_buffers) == (2, 60, 4)
+    assert s0.memory.total == 673
+    assert (s1.in_flight, s1.memory.activations, s1.memory.comm_buffers) == (1, 30, 2)
     # one in flight of m = 2: a forward follows the first backward, so all of it coexists
-    assert s1.overlap == 0 and s1.memory == 250 + 200 + 400 + 30 + 2 + 1 == 883
+    assert s1.memory.overlap == 0 and s1.memory.total == 250 + 200 + 400 + 30 + 2 + 1 == 883
     assert ev.step_s == 150  # the schedule changes memory only
     # recomputing with one micro-batch in flight saves nothing: A + cuts either way
     s1r = evaluate(table, space, (plan[0], StageChoice(2, 3, 2, recompute=True)), 2,
                    "1f1b").stages[1]
-    assert (s1r.activations, s1r.comm_buffers, s1r.memory, s1r.time_s) == (30, 2, 883, 14)
+    assert (s1r.memory.activations, s1r.memory.comm_buffers) == (30, 2)
+    assert (s1r.memory.total, s1r.time_s) == (883, 14)
 
 
 def test_evaluate_model_outputs_by_hand() -> None:
@@ -556,9 +562,9 @@ def test_evaluate_model_outputs_by_hand() -> None:
     plan = (StageChoice(0, 2, 1), StageChoice(2, 3, 2))
     for schedule in ("gpipe", "1f1b"):
         s0, s1 = evaluate(table, space, plan, 2, schedule).stages
-        assert s0.outputs == 7  # only the local batch's
-        assert s1.outputs == 2 * 2 * 5 + 7  # m = 2 micro-batches of 2 samples each, and 7
-    assert evaluate(table, space, plan, 2).stages[1].memory == 885 + 27
+        assert s0.memory.outputs == 7  # only the local batch's
+        assert s1.memory.outputs == 2 * 2 * 5 + 7  # m = 2 micro-batches of 2 samples, and 7
+    assert evaluate(table, space, plan, 2).stages[1].memory.total == 885 + 27
 
 
 def test_shared_parameter_counted_once() -> None:
@@ -573,7 +579,7 @@ def test_shared_parameter_counted_once() -> None:
                       workspace=zeros, cut=np.zeros((2, B + 1)),
                       param_bytes=_ranges(psize, uses), grad_bytes=_ranges(psize, uses))
     ev = evaluate(table, space, (StageChoice(0, 1, 1), StageChoice(1, 4, 1)), 1)
-    assert [c.params for c in ev.stages] == [1, 63] and not ev.fits  # 126 bytes > 125
+    assert [c.memory.params for c in ev.stages] == [1, 63] and not ev.fits  # 126 > 125
     # Only blocks {0, 1} | {2, 3} fits: 62 + 62 bytes, the shared weight in both stages.
     res = search_pass(table, space)
     assert res.stages == (StageChoice(0, 2, 1), StageChoice(2, 4, 1))

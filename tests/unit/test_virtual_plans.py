@@ -254,13 +254,15 @@ def test_held_units_follow_the_lane_s_list_point_by_point():
 
 
 def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
+    from rannc_fx.plan.parts import MemoryEstimate
     from rannc_fx.search.cost_model import StageCost
     from rannc_fx.search.evaluate import lane_memory
 
     def cost(recompute: bool, ws: int) -> StageCost:
         return StageCost(samples=1, fwd_s=0, bwd_s=0, comm_s=0, allreduce_s=0, optimizer_s=0,
-                         accumulate_s=0, params=100, grads=10, optimizer_state=20,
-                         activations=0, comm_buffers=0, workspace=ws, recompute=recompute)
+                         accumulate_s=0, recompute=recompute, memory=MemoryEstimate(
+                             params=100, grads=10, optimizer_state=20, activations=0,
+                             comm_buffers=0, workspace=ws))
 
     # activations, cuts in + out, out, (recomputing) what a backward rebuilds of both, and
     # what a micro-batch holds between a split B and its W
@@ -270,30 +272,32 @@ def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
              ((0, 0, 0), (0, 2, 0))]
     got = lane_memory([cost(False, 5), cost(False, 7)], per_mb, units)
     # peak: (2, 0): 2 x (8 + 2) = 20 (not 20 + 16); the larger workspace once
-    assert [c.activations for c in got] == [16, 0] and [c.comm_buffers for c in got] == [4, 0]
-    assert sum(c.memory for c in got) == 2 * 130 + 20 + 7
+    assert [c.memory.activations for c in got] == [16, 0]
+    assert [c.memory.comm_buffers for c in got] == [4, 0]
+    assert sum(c.memory.total for c in got) == 2 * 130 + 20 + 7
     inputs_only = [tuple((w, 0, 0) for _, w, _ in us) for us in units]
     rc = lane_memory([cost(True, 0), cost(True, 0)], per_mb, inputs_only)
     # recomputing: each holds its inputs (c - o) per micro-batch, plus one backward's A + o
-    assert sum(c.activations + c.comm_buffers for c in rc) == 2 * 1 + 8 + 1
+    assert sum(c.memory.activations + c.memory.comm_buffers for c in rc) == 2 * 1 + 8 + 1
     # selectively: each holds what it keeps (3 and 2 of 8 and 6) and its cut values per
     # micro-batch whole, plus the largest backward's rebuilt activations, once for the lane
     kept = [(3.0, 2.0, 1.0, 8.0, 0.0, 3.0), (2.0, 2.0, 1.0, 6.0, 0.0, 2.0)]
     sel = lane_memory([replace(cost(False, 0), selective=True)] * 2, kept, units)
-    assert [c.activations for c in sel] == [2 * 3 + 8, 0]
-    assert [c.comm_buffers for c in sel] == [2 * 2, 0]
+    assert [c.memory.activations for c in sel] == [2 * 3 + 8, 0]
+    assert [c.memory.comm_buffers for c in sel] == [2 * 2, 0]
     # split backwards: stage 0 holds 2 whole (2 x 10 = 20), or 1 whole and 2 between B and W
     # (10 + 2 x 3 = 16); stage 1, whose W reads 2 of its 6, 1 whole and 7 between (8 + 7 x 2
     # = 22): the lane's peak
     split = [((0, 2, 0), (0, 0, 0)), ((0, 1, 2), (0, 0, 0)), ((0, 0, 0), (0, 1, 7))]
     got = lane_memory([cost(False, 0), cost(False, 0)], per_mb, split)
-    assert [c.activations for c in got] == [0, 6 + 7 * 2]
-    assert [c.comm_buffers for c in got] == [0, 2]
+    assert [c.memory.activations for c in got] == [0, 6 + 7 * 2]
+    assert [c.memory.comm_buffers for c in got] == [0, 2]
 
 
 def test_a_tensor_two_stages_of_a_lane_use_is_reduced_and_stepped_once():
     """ZBV's first lane holds the tied embedding's stage and the LM head's: the head's stage
     holds, reduces and steps nothing of it (what it has besides, it still does)."""
+    from rannc_fx.plan.parts import MemoryEstimate
     from rannc_fx.search.cost_model import StageChoice, StageCost
     from rannc_fx.search.evaluate import held_once
     from rannc_fx.search.variants import allreduce_s
@@ -306,14 +310,16 @@ def test_a_tensor_two_stages_of_a_lane_use_is_reduced_and_stepped_once():
         return StageCost(samples=1, fwd_s=0, bwd_s=0, comm_s=0, optimizer_s=opt_s,
                          allreduce_s=float(allreduce_s(space, np.array([grads]),
                                                        np.array([2]))[0]),
-                         accumulate_s=0, params=grads, grads=grads, optimizer_state=2 * grads,
-                         activations=0, comm_buffers=0, workspace=0)
+                         accumulate_s=0, memory=MemoryEstimate(
+                             params=grads, grads=grads, optimizer_state=2 * grads,
+                             activations=0, comm_buffers=0, workspace=0))
 
     lane = [StageChoice(0, 1, 2), StageChoice(3, 4, 2)]
     for extra, opt in ((0, 0.25), (100, 0.3)):  # the head alone, or with a bias of its own
         first, head = held_once(table, space, lane, [cost(500, 0.4), cost(400 + extra, opt)])
         assert first == cost(500, 0.4)  # the first user keeps it
-        assert (head.params, head.grads, head.optimizer_state) == (extra, extra, 2 * extra)
+        held = head.memory
+        assert (held.params, held.grads, held.optimizer_state) == (extra, extra, 2 * extra)
         assert head.optimizer_s == pytest.approx(opt - 0.25)
         assert head.allreduce_s == pytest.approx(
             float(allreduce_s(space, np.array([extra]), np.array([2]))[0]) if extra else 0.0)
