@@ -26,9 +26,11 @@ lint: $(STAMP)
 	$(PYTHON) -m mypy
 
 # the whole suite (CI's command, .ci/run): lint, then tests/unit and tests/distributed
+# on two pytest-xdist workers: the unit tier shares them, the distributed tier runs on one in
+# turn (tests/conftest.py)
 test: lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup
 
 # the unit tier alone (tests/unit: one process, no ranks), a few minutes
 test-quick: $(STAMP)
-	$(PYTHON) -m pytest -q tests/unit
+	$(PYTHON) -m pytest -q -n 2 tests/unit

@@ -26,6 +26,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     torch op (``dist_utils.run_ranks`` says why); not for a run of the unit tier alone."""
     from .dist_utils import start_fork_server
 
+    if getattr(session.config.option, "dist", "no") != "no" and not hasattr(
+            session.config, "workerinput"):
+        return  # pytest-xdist's controller: its workers run the tests
     paths = [Path(a.split("::")[0]).resolve() for a in session.config.args]
     if paths and all(p == UNIT or UNIT in p.parents for p in paths):
         return
@@ -34,11 +37,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tier of each test, as its folder says: ``-m unit`` or ``-m "not dist"`` selects the
-    tests that start no process."""
+    tests that start no process.
+
+    Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) the distributed tier is one
+    group, run on one worker in turn: its ranks use both cores, and two of its cases side by
+    side would wait on each other's ranks past their timeouts. The unit tier shares the
+    workers."""
     for item in items:
         path = Path(item.path)
         if DIST in path.parents:
             item.add_marker(pytest.mark.dist)
+            item.add_marker(pytest.mark.xdist_group("ranks"))
         elif UNIT in path.parents:
             item.add_marker(pytest.mark.unit)
 
