@@ -1,7 +1,8 @@
 """11. Runtime: what executes a plan on every rank.
 
 routing   which samples each rank holds and every piece that moves (pure arithmetic)
-comm      process groups, batched p2p, flat all-reduces, errors that name the peer
+comm      process groups, flat all-reduces, errors that name the peer
+p2p       point-to-point messages: posted in order, batched on NCCL, waited on the board
 pieces    cutting tensors into sample pieces and reassembling them
 checks    plan, stage module and inputs agree
 buffers   BatchNorm-style buffers under micro-batching, replicas and recomputation
