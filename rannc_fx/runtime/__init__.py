@@ -11,6 +11,7 @@ accumulation  model.no_sync(): calls that leave their gradients unsummed over ra
 outputs   model outputs home, the loss to every rank
 stage     StageRunner: the operations the actions name, on this rank's stage
 autograd_link  the loss's autograd function: loss.backward() reaches the executor
+interpret  which part of the lowered list a call runs (Mode), and the loop that runs it
 executor  StageExecutor: interprets the lowered schedule (``schedules.lowering``)
 single_rank  the one-rank, one-micro-batch fast path (same interface)
 clip      the whole model's gradient norm and clipping, each parameter counted once
