@@ -64,6 +64,7 @@ from .parts import (
     Stage,
     Tail,
 )
+from .table import plan_table
 from .values import DynamicDim, ValueSpec
 
 __all__ = [
@@ -339,75 +340,9 @@ class Plan(BaseModel):
 
     # -- for people ------------------------------------------------------------------------
     def summary(self) -> str:
-        """A table: one row per stage, with predicted time and memory against the budget."""
-        head = (
-            f"rannc_fx plan: {len(self.stages)} stage(s) on {self.world_size} rank(s), "
-            f"{self.micro_batches} micro-batch(es) of {self.global_batch // self.micro_batches}"
-            f"{'+' if self.global_batch % self.micro_batches else ''} samples, "
-            f"schedule {self.schedule}"
-            + (f" ({self.virtual_stages} stages a lane: {[list(x) for x in self.lanes]})"
-               if self.virtual_stages > 1 else "")
-            + f", device {self.device.name} ({self.cost_model} costs)"
-        )
-        cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
-                "recompute", "zero", "offload", "in flight", "comm ms", "accum ms",
-                "allred ms", "optim ms", "memory", "of budget")
-        rows = []
-        for st in self.stages:
-            nparam = st.memory.params
-            rows.append((
-                str(st.index),
-                f"{st.first_block}-{st.end_block - 1}",
-                str(st.num_nodes),
-                # parameters on the host: what of them the device holds (two windows)
-                _human_bytes(nparam) + (" fetched" if st.host_params else ""),
-                str(st.replicas),
-                str(st.samples),
-                f"{st.fwd_ms:.2f}",
-                f"{st.bwd_ms:.2f}",
-                ("layers" if st.checkpoints else "yes") if st.recompute
-                else "selective" if st.selective else "no",
-                str(st.zero),
-                f"params {_human_bytes(st.host_bytes)}" if st.host_params else
-                f"{_human_bytes(st.host_bytes)}" if st.offload else "no",
-                str(self.in_flight(st.index)),
-                f"{st.comm_ms:.2f}",
-                f"{st.accumulate_ms:.2f}",
-                f"{st.allreduce_ms:.2f}" + (f"+{st.gather_ms:.2f}" if st.zero else ""),
-                f"{st.optimizer_ms:.2f}" + (f"+{st.host_ms:.2f}" if st.offload or (
-                    st.host_params and st.host_ms) else ""),
-                _human_bytes(st.memory.total),
-                f"{100 * st.memory.total / self.memory_budget:.0f}%",
-            ))
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
-        body = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-        tail = [
-            f"predicted step time {self.predicted_step_ms:.2f} ms"
-            + (f" (schedule simulated: {self.simulated_step_ms:.2f} ms)"
-               if self.simulated_step_ms is not None else "")
-            + "; memory budget "
-            f"{_human_bytes(self.memory_budget)} per device; {len(self.cut_values)} cut value(s)",
-        ]
-        if self.virtual_stages > 1:  # a stage's memory is its share at its lane's peak
-            tail.append("memory per lane (its stages at their common peak): " + ", ".join(
-                f"{'+'.join(map(str, lane))} {_human_bytes(m)} "
-                f"({100 * m / self.memory_budget:.0f}%)"
-                for lane in self.lanes
-                for m in [sum(self.stages[s].memory.total for s in lane)]))
-        if self.dynamic_dims:
-            tail.append("dynamic dimension(s), up to the planned size: " + ", ".join(
-                f"{d.name} <= {d.size}" for d in self.dynamic_dims))
-        if self.tail is not None:
-            tail.append(
-                f"tail: {len(self.tail.nodes)} node(s) from {', '.join(self.tail.mixing)} (samples "
-                f"mix there) run once a step on the whole batch on stage {len(self.stages) - 1}'s "
-                f"ranks, {self.tail.fwd_ms:.2f} + {self.tail.bwd_ms:.2f} ms"
-            )
-        for sp in self.shared_params:
-            tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
-        tail += [f"note: {n}" for n in self.notes]
-        return "\n".join([head, line, "-" * len(line), *body, *tail])
+        """A table: one row per stage, with predicted time and memory against the budget
+        (``table.plan_table``)."""
+        return plan_table(self)
 
 
 def lane_layout(schedule: str, num_stages: int, virtual: int) -> tuple[tuple[int, ...], ...]:
@@ -424,10 +359,3 @@ def loss_output(outputs: list[ValueSpec]) -> int | None:
     if len(carry) != 1:
         return None
     return carry[0] if all(d == 1 for d in outputs[carry[0]].shape) else None
-
-
-def _human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

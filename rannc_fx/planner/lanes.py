@@ -34,7 +34,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..search import SearchResult
-from ..search.cost_model import Evaluation, samples_per_replica, size_index
+from ..search.cost_model import samples_per_replica, size_index
+from ..search.problem import Evaluation
 from .analyze import Analysis
 
 __all__ = ["Lanes", "lane_choices", "step_bound", "work_s"]

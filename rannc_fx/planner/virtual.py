@@ -52,15 +52,9 @@ from ..schedules.actions import Action, Kind, in_flight
 from ..schedules.kinds import KINDS, ONE_F_ONE_B, kind_of, make_schedule
 from ..schedules.simulate import ScheduleError
 from ..search import SearchResult
-from ..search.cost_model import (
-    Evaluation,
-    StageChoice,
-    blocked,
-    range_max,
-    samples_per_replica,
-    size_index,
-)
+from ..search.cost_model import blocked, range_max, samples_per_replica, size_index
 from ..search.evaluate import evaluate
+from ..search.problem import Evaluation, StageChoice
 from ..search.terms import SELECTIVE, stage_terms
 from .analyze import Analysis
 from .lanes import Lanes, lane_choices, step_bound, work_s

@@ -35,8 +35,8 @@ from ..progress import note
 from ..schedules.actions import in_flight
 from ..schedules.kinds import ONE_F_ONE_B, ZBH1, kind_of
 from ..search import NoFeasiblePlan, SearchResult, search_pass
-from ..search.cost_model import Evaluation, StageChoice
 from ..search.evaluate import evaluate
+from ..search.problem import Evaluation, StageChoice
 from .analyze import Analysis
 from .virtual import held_units
 

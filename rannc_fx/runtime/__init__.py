@@ -1,7 +1,8 @@
 """11. Runtime: what executes a plan on every rank.
 
 routing   which samples each rank holds and every piece that moves (pure arithmetic)
-comm      process groups, batched p2p, flat all-reduces, errors that name the peer
+comm      process groups, flat all-reduces, errors that name the peer
+p2p       point-to-point messages: posted in order, batched on NCCL, waited on the board
 pieces    cutting tensors into sample pieces and reassembling them
 checks    plan, stage module and inputs agree
 buffers   BatchNorm-style buffers under micro-batching, replicas and recomputation
@@ -10,6 +11,7 @@ accumulation  model.no_sync(): calls that leave their gradients unsummed over ra
 outputs   model outputs home, the loss to every rank
 stage     StageRunner: the operations the actions name, on this rank's stage
 autograd_link  the loss's autograd function: loss.backward() reaches the executor
+interpret  which part of the lowered list a call runs (Mode), and the loop that runs it
 executor  StageExecutor: interprets the lowered schedule (``schedules.lowering``)
 single_rank  the one-rank, one-micro-batch fast path (same interface)
 clip      the whole model's gradient norm and clipping, each parameter counted once

@@ -3,18 +3,8 @@
 The schedule is the single source of ordering: ``schedule`` makes the compute actions of the
 plan's schedule, ``lowering`` adds messages and once-a-step actions, and ``StageExecutor``
 dispatches each action to ``StageRunner`` (or to its own ``GATHER`` and ``REDUCE``) by table.
-Which part of the list a call runs depends on what the call can know:
-
-    no gradients (``torch.no_grad()``)  the forward actions only; nothing is kept
-    the whole step in the call          a schedule that interleaves backwards with forwards
-                                        (1F1B), when the loss is the model's only output that
-                                        carries a gradient; ``loss.backward()`` then applies
-                                        the held gradients scaled by the gradient that reaches
-                                        the loss (``grads.GradSync.hold``/``apply``)
-    deferred backward                   GPipe, and any schedule in eval mode or with several
-                                        outputs that carry gradients: GPipe's lowered list up
-                                        to ``GATHER`` in the call, the rest when
-                                        ``loss.backward()`` reaches the loss (``Bridge``)
+Which part of the list a call runs (``Mode``: no gradients, the whole step in the call, or
+the backward deferred to ``loss.backward()``), and the loop that runs it, are ``interpret``'s.
 
 Every rank runs its list the same way; what it sends and receives comes from ``routing``,
 computed from the plan alone, and ``simulate`` checks at start-up that the lowered schedule
@@ -24,7 +14,6 @@ matches every message and cannot hang.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from enum import Enum
 from typing import Any
 
 import torch
@@ -37,7 +26,6 @@ from ..plan.plan import Plan
 from ..schedules import routing
 from ..schedules.generators import Action, Kind
 from ..schedules.kinds import GPIPE
-from ..schedules.lowering import split_at_gather
 from ..schedules.program import Program, program_of
 from ..schedules.release import rank_release
 from .accumulation import Accumulation
@@ -53,6 +41,7 @@ from .checks import (
 )
 from .comm import Groups, build_groups, check_same_plan
 from .grads import GradSync
+from .interpret import Dispatch, Mode, action_lists, run_actions, run_traced
 from .lane import LaneModules
 from .lane_runners import LaneRunners, action_peers
 from .recompute import check_reruns_unsplit
@@ -60,15 +49,7 @@ from .step import StepState
 from .trace import Recorder
 from .trainable import Trainable
 
-__all__ = ["Mode", "StageExecutor"]
-
-_FORWARD_KINDS = {Kind.SCATTER, Kind.RECV_F, Kind.F, Kind.SEND_F, Kind.GATHER}
-
-
-class Mode(Enum):
-    EVAL = "no gradients"
-    CALL = "the whole step in the call"
-    DEFERRED = "backward deferred to loss.backward()"
+__all__ = ["StageExecutor"]
 
 
 class StageExecutor:
@@ -114,7 +95,8 @@ class StageExecutor:
         # checks every stage: one that went on would wait for the refusing one
         self.program = program if program is not None else program_of(plan)
         check_reruns_unsplit(plan, self.program.lowered)
-        self._lists, self._deferred, self._split = self._action_lists()
+        self._lists, self._deferred, self._split = action_lists(self.program, self.stage.index,
+                                                                 self.stages)
         if plan.world_size > 1:
             check_same_plan(plan, self.device)
         timeout = timeout_s if timeout_s is not None else Config().timeout_s
@@ -135,27 +117,6 @@ class StageExecutor:
     def actions(self) -> list[Action]:
         """This rank's lowered list (its lane's)."""
         return self._lists[Mode.CALL]
-
-    def _action_lists(self) -> tuple[dict[Mode, list[Action]], tuple[list[Action], list[Action]],
-                                     dict[int, dict[int, frozenset[int]]]]:
-        """The list each mode runs, the deferred list cut at ``GATHER`` (the call's part, the
-        backward's), and per list (by identity) and stage the micro-batches whose backward it
-        splits into B and W (it has their W)."""
-        lane = self.program.lane_of(self.stage.index)
-        actions = self.program.lowered[lane]
-        deferred = split_at_gather(self.program.deferred[lane])
-        lists = {
-            Mode.EVAL: [a for a in actions if a.kind in _FORWARD_KINDS],
-            Mode.CALL: actions,
-            Mode.DEFERRED: deferred[0],
-        }
-        split = {
-            id(acts): {st.index: frozenset(a.microbatch for a in acts if a.kind is Kind.W
-                                           and a.stage == st.index and a.microbatch is not None)
-                       for st in self.stages}
-            for acts in (*lists.values(), deferred[1])
-        }
-        return lists, deferred, split
 
     def _build_runners(self, in_specs: dict[int, Any]) -> None:
         """The lane's runners (one a stage), their routes and buffers, the outputs and the
@@ -192,7 +153,7 @@ class StageExecutor:
                               self.trainable.owners)
         self.accumulation = accumulation if accumulation is not None else Accumulation()
 
-    def _dispatch_table(self) -> dict[int, dict[Kind, Callable[..., None]]]:
+    def _dispatch_table(self) -> Dispatch:
         """By stage and kind, what runs an action; the once-a-step kinds are the rank's, for
         all its stages."""
         once: dict[Kind, Callable[..., None]] = {
@@ -217,7 +178,7 @@ class StageExecutor:
 
     # -- a step ------------------------------------------------------------------------------------
     def mode(self) -> Mode:
-        """What a call made now would run (see the module docstring)."""
+        """What a call made now would run (``interpret``'s docstring)."""
         if not torch.is_grad_enabled():
             return Mode.EVAL
         if self._in_call and self.module.training:
@@ -342,17 +303,9 @@ class StageExecutor:
         release = self._release if actions is self.actions else {}
         rec = self.trace
         if rec is not None and rec.on:
-            self._run_traced(rec, step, actions, release)
+            run_traced(rec, step, actions, self._dispatch, release, self._peers)
             return
-        dispatch, parts = self._dispatch, step.parts
-        for p, a in enumerate(actions):  # the once-a-step kinds get the main stage's state
-            fn = dispatch[a.stage][a.kind]
-            if a.peer is None:
-                fn(step if a.kind.once else parts[a.stage], a.microbatch)
-            else:
-                fn(parts[a.stage], a.microbatch, a.peer)
-            for stage, what, i in release.get(p, ()):
-                parts[stage].finish_send(what, i)
+        run_actions(step, actions, self._dispatch, release)
 
     # -- tracing -----------------------------------------------------------------------------------
     def set_trace(self, rec: Recorder | None) -> None:
@@ -364,33 +317,6 @@ class StageExecutor:
             self._peers = {}
             for s, routes in self._routes.items():
                 self._peers.update(action_peers(self.plan, self.rank, s, routes, self.groups))
-
-    def _run_traced(self, rec: Recorder, step: StepState, actions: list[Action],
-                    release: dict[int, list[tuple[int, str, int]]]) -> None:
-        """``_run``, each action an event; a compute action starts after the waits it ran."""
-        for p, a in enumerate(actions):
-            first = len(rec.events)
-            t0 = rec.now()
-            fn = self._dispatch[a.stage][a.kind]
-            if a.peer is None:
-                fn(step if a.kind.once else step.parts[a.stage], a.microbatch)
-            else:
-                fn(step.parts[a.stage], a.microbatch, a.peer)
-            t1 = rec.now()
-            if a.kind.is_compute:
-                t0 = max([t0, *(e["end"] for e in rec.events[first:])])
-            i = a.microbatch
-            peers = self._peers.get((a.stage if not a.kind.once else -1, a.kind, i), [])
-            label = a.kind.value + ("" if i is None else str(i))
-            if a.kind in (Kind.GATHER, Kind.REDUCE):
-                rec.event(label, "collective", t0, t1, kind=a.kind.value, peers=peers,
-                          match=a.kind.value)
-            elif a.kind.is_compute:
-                rec.event(label, "compute", t0, t1, kind=a.kind.value, microbatch=i)
-            else:
-                rec.event(label, "post", t0, t1, kind=a.kind.value, microbatch=i, to=peers)
-            for stage, what, j in release.get(p, ()):
-                step.parts[stage].finish_send(what, j)
 
     # -- once a step -------------------------------------------------------------------------------
     def _scatter(self, step: StepState, _: int | None = None) -> None:

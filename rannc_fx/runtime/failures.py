@@ -8,7 +8,7 @@ every ``CHECK_S`` while it waits; when the board shows a failure the rank has no
 abandons its step and raises ``PeerFailed`` naming the rank that failed, its stage and its
 exception. So no rank waits for a peer that has already failed, and none needs that peer to
 tell it. (A send waited at its release point, whose receiver has already posted the receive,
-completes whatever that peer does next: it is waited in place, ``comm.Pending.wait_posted``.)::
+completes whatever that peer does next: it is waited in place, ``p2p.Pending.wait_posted``.)::
 
     rank 0   F0 ✗ IndexError ── post(rank 0, stage 0, IndexError) ──▶ store
     rank 1   RECV_F 0 … waits, reads the board every CHECK_S ──────── PeerFailed(rank 0)

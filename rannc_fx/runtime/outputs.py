@@ -9,7 +9,7 @@
                      (``unbatched_peers``); every other rank receives it
 
 Between any two ranks the loss messages come after the batched outputs on both sides, so they
-match in posting order like every other message (``comm.post``). A sender returns without
+match in posting order like every other message (``p2p.post``). A sender returns without
 waiting for its loss sends (the last stage's forward is the critical path); ``finish_sends``
 completes them at the next forward or at the end of the backward. A one-stage plan all-reduces
 the loss among its replicas, which are then every rank.
@@ -31,7 +31,8 @@ import torch
 
 from ..plan.plan import OutputRef, Plan, Stage
 from ..schedules.routing import RankRoutes, Transfer, spec_of
-from .comm import Groups, Message, Pending, all_reduce_flat, post
+from .comm import Groups, all_reduce_flat
+from .p2p import Message, Pending, post
 from .pieces import assemble, dtype_of, interleave, ints_value, piece_shape, sample_major, take
 
 __all__ = ["Outputs", "unbatched_peers"]

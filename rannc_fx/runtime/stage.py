@@ -44,9 +44,10 @@ from ..schedules.routing import RankRoutes, Transfer
 from .backward_split import SavedBoxes, backward_inputs, backward_weights, keeping_for_split
 from .buffers import BufferSync
 from .checks import check_stage_outputs
-from .comm import Groups, Message, Pending, post
+from .comm import Groups
 from .host_params import HostParams, fetching, saving
 from .outputs import Outputs
+from .p2p import Message, Pending, post
 from .pieces import assemble, dtype_of, ints_value, piece_shape, take
 from .recompute import build_segmented, keeping_nothing, rng_restored, rng_state
 from .step import StepState

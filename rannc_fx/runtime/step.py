@@ -10,7 +10,7 @@ import torch
 
 from ..schedules.routing import Transfer
 from .backward_split import SavedBoxes, WeightWork
-from .comm import Pending
+from .p2p import Pending
 
 __all__ = ["StepState"]
 

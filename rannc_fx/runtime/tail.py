@@ -18,7 +18,7 @@ contrastive loss) runs GPipe, and every replica of the last stage runs the tail 
 
 So the step is the one-process step: the tail sees the batch one process would, and the body
 gets the gradient of every sample's row. Between two ranks the tail's messages come before
-``Outputs``' at GATHER on both sides, so they match in posting order (``comm.post``).
+``Outputs``' at GATHER on both sides, so they match in posting order (``p2p.post``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from torch import fx, nn
 from ..plan.plan import Plan, Stage
 from ..plan.values import ValueSpec
 from ..schedules import routing
-from .comm import Groups, Message, post
+from .comm import Groups
+from .p2p import Message, post
 from .pieces import dtype_of
 
 __all__ = ["TailRunner", "tail_senders"]

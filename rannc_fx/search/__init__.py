@@ -3,7 +3,9 @@ micro-batches, schedule, recomputation, sharding, offloading and parameters in h
 
 The search imports numpy only (no torch); its modules, in the order a search uses them:
 
-    model       the cost model (its docstring has the formulas), the types
+    problem     what the search is given and gives back: the cost table, the space, the
+                stages chosen and costed, the result
+    model       the cost model (its docstring has the formulas)
     segments    recomputation layer by layer: what a stage holds while its backward
                 recomputes its layers
     terms       the formulas: one stage's time and memory terms
@@ -25,7 +27,10 @@ The search imports numpy only (no torch); its modules, in the order a search use
     explain     ``NoFeasiblePlan``: why nothing fits, and what would
 """
 
-from .cost_model import (
+from .cost_model import needed_sizes, run_sizes, samples_per_replica
+from .evaluate import evaluate
+from .explain import NoFeasiblePlan
+from .problem import (
     SCHEDULES,
     CostTable,
     Evaluation,
@@ -33,12 +38,7 @@ from .cost_model import (
     SearchSpace,
     StageChoice,
     StageCost,
-    needed_sizes,
-    run_sizes,
-    samples_per_replica,
 )
-from .evaluate import evaluate
-from .explain import NoFeasiblePlan
 from .scan import SearchProgress, search_pass
 from .segments import Segments
 

@@ -23,18 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost_model import (
-    CostTable,
-    SearchSpace,
-    blocked,
-    bottleneck_s,
-    range_max,
-    range_sum,
-    samples_per_replica,
-    size_index,
-)
+from .cost_model import blocked, bottleneck_s, range_max, range_sum, samples_per_replica, size_index
 from .dp_chain import Edges, States
 from .inflight import Positioned, max_in_flight
+from .problem import CostTable, SearchSpace
 from .terms import StageTerms, block_params, stage_terms
 from .variants import (
     VARIANTS,

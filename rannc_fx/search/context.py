@@ -17,9 +17,9 @@ import numpy as np
 from ..schedules.kinds import GPIPE, ONE_F_ONE_B, ZBH1
 from . import dp_chain, dp_positioned
 from .candidates import Candidates
-from .cost_model import SEARCHED, CostTable, SearchSpace, StageChoice
 from .evaluate import plan_step
 from .inflight import Positioned
+from .problem import SEARCHED, CostTable, SearchSpace, StageChoice
 from .variants import choice
 
 __all__ = ["Best", "Run", "Scanned", "SearchProgress", "bisect", "key", "least_bottleneck",

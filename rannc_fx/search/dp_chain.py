@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost_model import SearchSpace
+from .problem import SearchSpace
 from .windows import RangeMin, Runs, runs_and_tables
 
 __all__ = ["Edges", "States", "backtrack", "backward", "build_states", "forward", "groups",

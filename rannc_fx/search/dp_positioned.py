@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost_model import SearchSpace
 from .dp_chain import groups
+from .problem import SearchSpace
 from .windows import RangeMin, Runs, runs_and_tables
 
 __all__ = ["Entries", "Layers", "Weights", "backtrack", "build_layers", "forward", "max_depth"]

@@ -14,19 +14,8 @@ import numpy as np
 
 from ..plan.parts import MemoryEstimate
 from ..schedules.kinds import GPIPE, ZBH1, kind_of
-from .cost_model import (
-    CostTable,
-    Evaluation,
-    SearchSpace,
-    StageChoice,
-    StageCost,
-    blocked,
-    bottleneck_s,
-    in_flight,
-    range_sum,
-    samples_per_replica,
-    size_index,
-)
+from .cost_model import blocked, bottleneck_s, in_flight, range_sum, samples_per_replica, size_index
+from .problem import CostTable, Evaluation, SearchSpace, StageChoice, StageCost
 from .terms import SELECTIVE, held_bytes, kept_cuts, outputs_held, reruns, stage_terms
 from .variants import (
     after_transient,

@@ -14,13 +14,9 @@ import numpy as np
 from ..schedules.kinds import ONE_F_ONE_B
 from . import dp_chain, dp_positioned
 from .candidates import Candidates
-from .cost_model import (
-    CostTable,
-    SearchSpace,
-    blocked,
-    range_max,
-)
+from .cost_model import blocked, range_max
 from .dp_chain import Edges
+from .problem import CostTable, SearchSpace
 from .terms import TERMS, StageTerms, stage_terms
 from .variants import (
     VARIANTS,

@@ -57,10 +57,11 @@ import numpy as np
 from ..schedules.kinds import GPIPE, ONE_F_ONE_B, ZBH1
 from . import dp_chain as kernel
 from .context import Run, SearchProgress, bisect, least_bottleneck, u_candidates
-from .cost_model import SCHEDULES, CostTable, SearchResult, SearchSpace, _check
+from .cost_model import _check
 from .evaluate import evaluate
 from .explain import NoFeasiblePlan, no_plan
 from .positions import Layered, first_positioned, scan_layered, search_zbh1
+from .problem import SCHEDULES, CostTable, SearchResult, SearchSpace
 from .variants import choice
 
 __all__ = ["SearchProgress", "search_pass"]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..schedules.bw_split import SPLIT_OVERHEAD, weight_share
-from .cost_model import CostTable, SearchSpace, range_max
+from .cost_model import range_max
+from .problem import CostTable, SearchSpace
 
 __all__ = ["HELD", "SELECTIVE", "TERMS", "StageTerms", "fetches", "held_bytes", "kept_cuts",
            "outputs_held", "reruns", "stage_memory", "stage_terms"]

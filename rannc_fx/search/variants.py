@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cost_model import SearchSpace, StageChoice
+from .problem import SearchSpace, StageChoice
 
 __all__ = ["VARIANTS", "Variant", "after_transient", "allreduce_s", "choice", "host_bytes",
            "host_state", "host_step_s", "state_saved", "update_s", "variants"]

@@ -40,7 +40,8 @@ from torch import fx
 
 from ..plan.plan import Plan
 from ..progress import note
-from ..runtime.comm import BUCKET_BYTES, Groups, Message, backend_of, buckets, collective, post
+from ..runtime.comm import BUCKET_BYTES, Groups, backend_of, buckets, collective
+from ..runtime.p2p import Message, post
 from .placement import stage_tensors
 
 __all__ = ["Layout", "Synced", "TensorSpec", "check_alike", "lane_tensors", "sync_stages"]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.testing import assert_close
 
-from rannc_fx.runtime.executor import Mode
+from rannc_fx.runtime.interpret import Mode
 from rannc_fx.schedules import routing
 from rannc_fx.schedules.generators import Kind
 from tests.dist_utils import SharedRanks

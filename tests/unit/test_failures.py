@@ -112,7 +112,8 @@ def test_a_released_send_is_waited_in_place_and_its_error_read_against_the_board
     ``CommError`` naming the peer."""
     import torch.distributed as dist
 
-    from rannc_fx.runtime.comm import CommError, Groups, Message, Pending
+    from rannc_fx.runtime.comm import CommError, Groups
+    from rannc_fx.runtime.p2p import Message, Pending
 
     store = dist.HashStore()
     board, other = Board(store), Board(store)

@@ -16,7 +16,7 @@ import rannc_fx
 from examples.models import gpt_example
 from rannc_fx.plan.config import Config
 from rannc_fx.planner.virtual import balanced_stages
-from rannc_fx.search.cost_model import CostTable, SearchSpace, StageChoice
+from rannc_fx.search.problem import CostTable, SearchSpace, StageChoice
 from rannc_fx.search.terms import stage_terms
 
 WIDE = dict(d_model=512, layers=8, seq=512)  # analytic V100 costs: the same plan every run
@@ -255,8 +255,8 @@ def test_held_units_follow_the_lane_s_list_point_by_point():
 
 def test_a_lane_s_memory_is_its_stages_at_the_peak_not_their_peaks_summed():
     from rannc_fx.plan.parts import MemoryEstimate
-    from rannc_fx.search.cost_model import StageCost
     from rannc_fx.search.evaluate import lane_memory
+    from rannc_fx.search.problem import StageCost
 
     def cost(recompute: bool, ws: int) -> StageCost:
         return StageCost(samples=1, fwd_s=0, bwd_s=0, comm_s=0, allreduce_s=0, optimizer_s=0,
@@ -298,8 +298,8 @@ def test_a_tensor_two_stages_of_a_lane_use_is_reduced_and_stepped_once():
     """ZBV's first lane holds the tied embedding's stage and the LM head's: the head's stage
     holds, reduces and steps nothing of it (what it has besides, it still does)."""
     from rannc_fx.plan.parts import MemoryEstimate
-    from rannc_fx.search.cost_model import StageChoice, StageCost
     from rannc_fx.search.evaluate import held_once
+    from rannc_fx.search.problem import StageChoice, StageCost
     from rannc_fx.search.variants import allreduce_s
 
     space = SearchSpace(world_size=4, global_batch=8, memory_budget=1e9, link_bandwidth=1e3,
