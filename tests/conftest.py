@@ -35,6 +35,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     start_fork_server()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tier of each test, as its folder says: ``-m unit`` or ``-m "not dist"`` selects the
     tests that start no process.

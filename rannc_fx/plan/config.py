@@ -188,7 +188,11 @@ class Config(BaseModel):
         "the example's other sizes), or names 'INPUT.DIM' ('input_ids.1') of the ones to keep "
         "(the others are pinned at the example's size)",
     )
-    profile_repeats: int = Field(default=3, ge=1, description="timed runs per profiled op")
+    profile_repeats: int = Field(
+        default=3, ge=1,
+        description="timed runs per profiled op, and per size of the optimizer step and the "
+        "gradient accumulation",
+    )
     profile_cache_dir: Path | None = Field(
         default_factory=lambda: Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         / "rannc_fx",

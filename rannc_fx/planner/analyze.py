@@ -176,7 +176,8 @@ def analyze(
         for b, nodes in enumerate(blocks.blocks):
             log.info("block %d: %s", b, " ".join(nodes))
     if param_costs is None:
-        param_costs = parameter_costs(optimizer, run_device, spec, cfg.optimizer_state_factor)
+        param_costs = parameter_costs(optimizer, run_device, spec, cfg.optimizer_state_factor,
+                                      repeats=cfg.profile_repeats)
     tail = tail_cost(captured, profile, values, batch)
     table = build_cost_table(
         captured, blocks, profile, values, sizes=sizes, tail=tail,

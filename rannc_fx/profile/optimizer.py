@@ -84,16 +84,19 @@ def parameter_costs(
     device: torch.device | None,
     spec: DeviceSpec,
     optimizer_state_factor: float,
+    *,
+    repeats: int = 3,
 ) -> ParameterCosts:
-    """The optimizer and accumulation curves, measured on ``device`` (None: analytic).
+    """The optimizer and accumulation curves, measured on ``device`` (None: analytic), each
+    size timed ``repeats`` times after a first run (``Config.profile_repeats``).
 
     Under ``compile()`` every rank measures at once, so that ranks sharing a host's memory
     bandwidth (CPU processes) are timed as they will run: side by side.
     """
     t0 = time.perf_counter()
     costs = ParameterCosts(
-        optimizer_curve(optimizer, device, spec, optimizer_state_factor),
-        accumulate_curve(device, spec),
+        optimizer_curve(optimizer, device, spec, optimizer_state_factor, repeats=repeats),
+        accumulate_curve(device, spec, repeats=repeats),
     )
     note("costed the optimizer step and gradient accumulation per tensor in %.2f s: %s; %s",
          time.perf_counter() - t0, costs.optimizer.describe(), costs.accumulate.describe())
@@ -150,9 +153,12 @@ def optimizer_curve(
     device: torch.device | None,
     spec: DeviceSpec,
     optimizer_state_factor: float,
+    *,
+    repeats: int = 3,
 ) -> SizeCurve:
     """Measured when there is an optimizer and a device to measure on, else analytic."""
-    curve = measure(optimizer, device) if optimizer is not None and device is not None else None
+    curve = (measure(optimizer, device, repeats=repeats)
+             if optimizer is not None and device is not None else None)
     return curve or analytic_curve(3 + 2 * optimizer_state_factor, spec, "optimizer step")
 
 

@@ -5,7 +5,8 @@ The search imports numpy only (no torch); its modules, in the order a search use
 
     problem     what the search is given and gives back: the cost table, the space, the
                 stages chosen and costed, the result
-    model       the cost model (its docstring has the formulas)
+    table       the per-node profiles as the per-block cost arrays the search reads
+    cost_model  the cost model (its docstring has the formulas)
     segments    recomputation layer by layer: what a stage holds while its backward
                 recomputes its layers
     terms       the formulas: one stage's time and memory terms
@@ -16,12 +17,13 @@ The search imports numpy only (no torch); its modules, in the order a search use
     inflight    1F1B's in-flight limits: the most micro-batches a variant of a stage holds;
                 the view of one m the layered DP reads (1F1B or ZB-H1)
     candidates  every stage of one micro-batch count, costed
-    zerobubble  the same under ZB-H1, per count of micro-batches held
+    zb_view     the same under ZB-H1, per count of micro-batches held
     windows     range minima: stages that differ only in consecutive replica counts and
                 share a weight read one window of a DP row
-    kernel      the DP over the block chain (a stage's weight is one number)
-    layers      the 1F1B and ZB-H1 DP (a stage's weight depends on its position from the end)
-    run         what one search's DPs share (the incumbent), and the threshold scan over U
+    dp_chain    the DP over the block chain (a stage's weight is one number)
+    dp_positioned
+                the 1F1B and ZB-H1 DP (a stage's weight depends on its position from the end)
+    context     what one search's DPs share (the incumbent), and the threshold scan over U
     positions   the scans of 1F1B and ZB-H1, whose stages' costs depend on their position
     scan        ``search_pass``: the exact optimum by a threshold scan over the bottleneck
     explain     ``NoFeasiblePlan``: why nothing fits, and what would

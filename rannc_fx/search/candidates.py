@@ -8,14 +8,14 @@ takes the first that fits:
 * ``gpipe(m)``: the stages as the GPipe DP sees them (n = m), each at its first variant that
   fits among those ``SearchSpace.recompute`` and ``zero`` allow, dropped if none does;
 * ``one_f_one_b(m)``: under 1F1B, for each stage the largest n with which each variant fits,
-  its variants (as ``layers.Entries`` on demand), and the relaxed edges --
+  its variants (as ``dp_positioned.Entries`` on demand), and the relaxed edges --
   each stage at its cheapest variant, as if it were the last stage (n = 1): a lower bound on
   its weight at any position, for the bounds of the search;
 * ``stage(...)``: one stage at a given n (a GPipe plan re-costed under 1F1B);
 * ``least_memory(m, n)``: every stage at its least memory (for ``NoFeasiblePlan``).
 
 A stage holding a block that cannot run a size its replicas' micro-batches hold
-(``model.blocked``) fits nowhere with that m and r: ``offsets`` takes -inf off its memory, as
+(``cost_model.blocked``) fits nowhere with that m and r: ``offsets`` takes -inf off its memory, as
 for offloaded state the host cannot hold, so every path above drops it.
 """
 
@@ -153,7 +153,7 @@ class Candidates:
 
     def blocked(self, m: int, r: int | np.ndarray, rows: np.ndarray | None = None
                 ) -> np.ndarray:
-        """``model.blocked`` of the stages (rows; all if None) on r replicas with m
+        """``cost_model.blocked`` of the stages (rows; all if None) on r replicas with m
         micro-batches, shaped as ``offsets`` takes r."""
         def every(count: int) -> np.ndarray:
             if (m, count) not in self._blocked:

@@ -10,7 +10,7 @@ to block ``end`` that uses ``reps`` ranks; the state counts what the stages so f
 One DP is O(E * Z) vectorised operations (E edges, Z states) in chunks that stay in cache;
 where the states shift, edges that differ only in consecutive replica counts and share their
 weight read one window of a row (``windows``), so E counts such runs. A stage's weight here
-is one number per edge; ``layers`` extends the states with the stage's position from the end,
+is one number per edge; ``dp_positioned`` extends the states with the stage's position from the end,
 where a 1F1B stage's weight depends on it.
 
 With nothing forced, the state before a stage of r replicas that ends in state z is z - r:

@@ -1,4 +1,4 @@
-"""One plan's step time and per-stage costs under the cost model (``model``'s formulas).
+"""One plan's step time and per-stage costs under the cost model (``cost_model``'s formulas).
 
 This module imports numpy only (no torch).
 """
@@ -96,7 +96,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         recompute_s=float(terms.recomputed(rho)[0]),
     )
     mem = float((terms.memory(n, rho, tr, hp) - (0.0 if hp else saved))[0])
-    if zb:  # ZB-H1: its corner (``zerobubble.ZeroBubble``)
+    if zb:  # ZB-H1: its corner (``zb_view.ZeroBubble``)
         if rho or hp:
             raise ValueError(f"stage {st} recomputes or keeps its parameters on the host: "
                              "ZB-H1 costs it off its lists (evaluate's lanes)")
@@ -147,7 +147,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
     the formula's here only a lower bound.
 
     A plan with a stage holding a block that cannot run a size its micro-batches hold
-    (``model.blocked``) does not fit.
+    (``cost_model.blocked``) does not fit.
 
     ``memo``: a dict the caller keeps across calls with the same table, space, micro-batch
     count and schedule, in which each stage's costs are kept (a caller trying one change

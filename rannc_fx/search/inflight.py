@@ -69,7 +69,7 @@ class Positioned:
 
     1F1B (``held`` = m): x is the stage's in-flight count, and variant v (``VARIANTS``) is
     valid where the variants before it do not fit: x in [1 + max(fit[:v]), fit[v]].
-    ZB-H1 (``schedule`` "zbh1", ``held`` = min(m, S): ``zerobubble.ZeroBubble``) gives
+    ZB-H1 (``schedule`` "zbh1", ``held`` = min(m, S): ``zb_view.ZeroBubble``) gives
     ``lo`` (``first``), its columns only its variants (``kinds``).
     """
 

@@ -1,6 +1,6 @@
 """The scans where a stage's cost depends on its position from the end: 1F1B's (its
 in-flight count) and ZB-H1's (the micro-batches it holds), over ``inflight.Positioned``
-views with ``layers``' DP (``scan``'s docstring has the algorithm).
+views with ``dp_positioned``' DP (``scan``'s docstring has the algorithm).
 
 This module imports numpy only (no torch).
 """
@@ -23,7 +23,7 @@ __all__ = ["Layered", "first_positioned", "scan_layered", "search_zbh1"]
 
 
 class Layered:
-    """The 1F1B (or ZB-H1) DP of one m over the variants of the stages (see ``layers``)."""
+    """The 1F1B (or ZB-H1) DP of one m over the variants of the stages (see ``dp_positioned``)."""
 
     def __init__(self, run: Run, ff: Positioned) -> None:
         self.run, self.ff, self.m = run, ff, ff.m
@@ -106,7 +106,7 @@ def first_positioned(run: Run, ff: Positioned) -> tuple[float, np.ndarray, float
 
 
 def search_zbh1(run: Run, ms: list[int]) -> None:
-    """ZB-H1 (``zerobubble.ZeroBubble``): a stage holds min(m, S) micro-batches from F to W,
+    """ZB-H1 (``zb_view.ZeroBubble``): a stage holds min(m, S) micro-batches from F to W,
     so its memory depends on the stage count S where S < m, on its position d alone where
     S >= m. Per m: the layered DP with min(m, S) taken as m (exact for S >= 3 and S >= m;
     for fewer stages it counts more held than they hold, so its plans fit, and one or two

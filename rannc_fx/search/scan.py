@@ -1,6 +1,6 @@
 """The search pass: the exact optimum of the cost model by a threshold scan over the bottleneck.
 
-This module imports numpy only (no torch); the cost model is in ``model``'s docstring.
+This module imports numpy only (no torch); the cost model is in ``cost_model``'s docstring.
 
 Algorithm (exact). step = sum_s t_s + max_s u_s. For one m (and schedule), a DP over the
 states -- (block j, ranks used so far), (block, stages, ranks) when the stage count is forced,
@@ -21,17 +21,17 @@ stage by the least ``sum t + max(u, U_min)`` of a plan through it; the scan's DP
 stages whose bound is below the best step.
 
 ZB-H1, where the space names it, runs last with the incumbent of the others: the same
-layered scans over ``zerobubble.ZeroBubble``'s views (``positions.search_zbh1``), once with held = m
+layered scans over ``zb_view.ZeroBubble``'s views (``positions.search_zbh1``), once with held = m
 and once per forced stage count below m.
 
-GPipe (n = m for every stage) is the plain DP of ``kernel``: each stage is one edge, without
+GPipe (n = m for every stage) is the plain DP of ``dp_chain``: each stage is one edge, without
 recomputation if it fits, else with it. It runs first, for every m, whatever the schedules:
 1F1B runs a GPipe plan at the same cost or less (without GPipe among the schedules its plans
 are offered at their 1F1B cost), and exactly alike unless one of its stages does not fit at
 n = m as it is. So 1F1B needs a DP of its own only for an m where such a stage can still win;
 there its S_inf, U_min, bounds and first plans (an incumbent for GPipe's scan too) come from
 the relaxed edges (each stage at its cheapest variant, as if last) on the plain DP, and the
-scan's DPs are the layered DPs of ``layers`` over the variants whose bound is below the best
+scan's DPs are the layered DPs of ``dp_positioned`` over the variants whose bound is below the best
 step, with D taken from those variants only. Any stage whose t + u reaches the best step is
 dropped before a scan (a plan's step is at least any of its stages' t + u).
 

@@ -1,4 +1,4 @@
-"""The cost model's formulas (``model``'s docstring states them): one stage's time and memory
+"""The cost model's formulas (``cost_model``'s docstring states them): one stage's time and memory
 terms at one size, as arrays over stages [i, j).
 
 This module imports numpy only (no torch).

@@ -3,7 +3,7 @@ activations (recomputation), its optimizer state (sharded over its replicas, ZeR
 host memory, offloaded) and its parameters (in host memory, fetched at each use), and what
 those cost once a step and after the backwards.
 
-This module imports numpy only (no torch). ``model``'s docstring has the formulas; here are
+This module imports numpy only (no torch). ``cost_model``'s docstring has the formulas; here are
 the ones a variant changes: up_s (all-reduce, all-gather, optimizer step, the offloaded
 state's round trip), the state a replica keeps on its device and on its host, and the
 transient after the backwards. A stage takes the first variant of ``VARIANTS`` that fits.

@@ -1,7 +1,7 @@
 """Range minima over replica counts: a run of stages reads one window of a DP row.
 
-This module imports numpy only (no torch). Where the states shift (``kernel.States.shift``,
-the layers of ``layers``), a stage of r replicas that ends in state (layer b, ranks n) reads
+This module imports numpy only (no torch). Where the states shift (``dp_chain.States.shift``,
+the layers of ``dp_positioned``), a stage of r replicas that ends in state (layer b, ranks n) reads
 the DP row of its start block at (layer prev[b], ranks n - r). Stages that differ only in
 their replica count, over consecutive counts lo..hi, and share one weight read
 

@@ -2,7 +2,7 @@
 stage and replica count, its variants' t and u under ZB-H1 and the positions where each is
 the one the stage runs.
 
-This module imports numpy only (no torch). ZB-H1 (``model``'s docstring) runs stages that do
+This module imports numpy only (no torch). ZB-H1 (``cost_model``'s docstring) runs stages that do
 not recompute and keep their parameters on the device, each holding held = min(m, S)
 micro-batches from F to W; ``StageTerms.memory_zbh1`` and ``zbh1_times`` are its formulas.
 """

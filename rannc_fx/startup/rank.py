@@ -92,6 +92,7 @@ def set_up_rank(
         dist.barrier()
         param_costs = parameter_costs(
             optimizer, target.measure_on, target.spec, cfg.optimizer_state_factor,
+            repeats=cfg.profile_repeats,
         )  # fmt: skip
     if world > 1:  # every rank captures rank 0's batch: the same graph everywhere, even
         args, kwargs = _same_example(args, kwargs, rank)  # where it depends on the data
