@@ -35,15 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.graph import inputs_for_samples
 from .cache import device_name, qualname
-from .opcost import (
-    OpCall,
-    OpCost,
-    count_op,
-    differentiable,
-    measure_op,
-    run_op,
-    storage_id,
-)
+from .instruments import differentiable, storage_id
+from .opcost import OpCall, OpCost, count_op, measure_op, run_op
 from .opcost_bw import weight_held
 
 __all__ = ["NodeRunner", "ZeroScalars", "as_leaf", "home_device", "measure_device"]

@@ -27,39 +27,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..plan import selective
 from ..plan.device import DeviceSpec
+from .instruments import (
+    CudaPeak,
+    OpTracker,
+    SavedLog,
+    differentiable,
+    first_positions,
+    storage_id,
+    tensors,
+)
 from .timing import time_call
 
-__all__ = ["OpCall", "OpCost", "count_op", "differentiable", "first_positions", "measure_op",
-           "run_op", "storage_id", "tensors"]
+__all__ = ["OpCall", "OpCost", "count_op", "measure_op", "run_op"]
 
 log = logging.getLogger("rannc_fx")
-
-
-def tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensor leaves of a pytree, in order."""
-    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
-
-def storage_id(t: torch.Tensor) -> int:
-    """An id shared by all views of one storage (the StorageImpl address)."""
-    return int(t.untyped_storage()._cdata)
-
-
-def differentiable(t: torch.Tensor) -> bool:
-    """Whether autograd can track ``t`` (floating point or complex)."""
-    return t.is_floating_point() or t.is_complex()
 
 
 @dataclass
@@ -164,115 +155,6 @@ class OpCost:
 _ZERO = OpCost()
 
 
-# -- instruments -----------------------------------------------------------------------------
-
-
-class _SavedLog:
-    """saved_tensors_hooks that note each saved storage (and keep the tensor as it is)."""
-
-    def __init__(self) -> None:
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            st = t.untyped_storage()
-            self.storages[int(st._cdata)] = st.nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): by size
-            self.storages[id(t)] = t.numel() * t.element_size()
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def classify(
-        self, ins: list[torch.Tensor], outs: list[torch.Tensor], excluded: frozenset[int]
-    ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-        in_ids, out_ids = [storage_id(t) for t in ins], [storage_id(t) for t in outs]
-        saved = {s: n for s, n in self.storages.items() if s not in excluded}
-        in_pos = first_positions(in_ids, saved)
-        out_pos = first_positions(out_ids, {s: n for s, n in saved.items() if s not in in_ids})
-        internal = sum(n for s, n in saved.items() if s not in in_ids and s not in out_ids)
-        return internal, in_pos, out_pos
-
-
-def first_positions(ids: list[int], wanted: Container[int]) -> tuple[int, ...]:
-    """The first position in ``ids`` of each storage id in ``wanted``, in order."""
-    first: dict[int, int] = {}
-    for i, s in enumerate(ids):
-        if s in wanted:
-            first.setdefault(s, i)
-    return tuple(sorted(first.values()))
-
-
-# Ops that move no data (metadata, aliasing) and allocate nothing worth counting.
-_NO_DATA = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default",
-            "aten._assert_tensor_metadata.default", "prim.device.default"}
-
-
-class _OpTracker(TorchDispatchMode):
-    """Sums the bytes every aten op reads and writes, and the peak of storages allocated;
-    and, of the ops selective recomputation keeps (``selective.kept``), their outputs'
-    bytes, FLOPs and bytes moved."""
-
-    def __init__(self, known: set[int]) -> None:
-        super().__init__()
-        self.known = known
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = self.peak = 0
-        self.moved = 0
-        self.kept: dict[int, int] = {}  # storage -> bytes
-        self.kept_flops = self.kept_moved = 0
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if getattr(func, "is_view", False) or str(func) in _NO_DATA:
-            return out
-        self._sweep()
-        outs = tensors(out)
-        moved = sum(t.numel() * t.element_size() for t in [*tensors((args, kwargs)), *outs])
-        self.moved += moved
-        if selective.kept(func):
-            self.kept_moved += moved
-            count = flop_registry.get(func.overloadpacket)
-            self.kept_flops += count(*args, **(kwargs or {}), out_val=out) if count else 0
-            for t in outs:
-                sid = storage_id(t)
-                if sid not in self.known:
-                    self.kept[sid] = t.untyped_storage().nbytes()
-        for t in outs:
-            sid = storage_id(t)
-            if sid not in self.known and sid not in self.live:
-                st = t.untyped_storage()
-                self.live[sid] = (StorageWeakRef(st), st.nbytes())
-                self.current += st.nbytes()
-        self.peak = max(self.peak, self.current)
-        return out
-
-    def _sweep(self) -> None:
-        for sid in [s for s, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(sid)[1]
-
-
-class _CudaPeak:
-    """Peak bytes the CUDA caching allocator hands out over a region, above its start."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.peak, self.base = device, 0, 0
-
-    def __enter__(self) -> _CudaPeak:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.synchronize(self.device)
-        self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
-
-
 # -- running ---------------------------------------------------------------------------------
 
 
@@ -291,10 +173,10 @@ class _Run:
 def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
     """One forward run that logs saved tensors, allocations and bytes moved."""
     run, bound = call.bind()
-    log = _SavedLog()
+    log = SavedLog()
     known = set(call.excluded) | {storage_id(t) for t in bound}
-    tracker = _OpTracker(known)
-    cuda = _CudaPeak(device) if device is not None and device.type == "cuda" else None
+    tracker = OpTracker(known)
+    cuda = CudaPeak(device) if device is not None and device.type == "cuda" else None
     hooks = torch.autograd.graph.saved_tensors_hooks(log.pack, log.unpack)
     with torch.enable_grad(), hooks, cuda or contextlib.nullcontext(), tracker:
         out = run()
@@ -381,7 +263,7 @@ def count_op(call: OpCall) -> tuple[Any, OpCost]:
     bwd = _backward(call, first.out)
     bwd_flops, bwd_bytes = 0, 0
     if bwd is not None:
-        tracker = _OpTracker(set())
+        tracker = OpTracker(set())
         try:
             with FlopCounterMode(display=False) as bwd_fc, tracker:
                 bwd()

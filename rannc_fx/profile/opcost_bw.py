@@ -26,7 +26,8 @@ from typing import NamedTuple
 import torch
 
 from ..runtime.backward_split import SavedBoxes, backward_inputs, keeping_for_split
-from .opcost import OpCall, differentiable, first_positions, storage_id, tensors
+from .instruments import differentiable, first_positions, storage_id, tensors
+from .opcost import OpCall
 
 __all__ = ["WeightHeld", "weight_held"]
 

@@ -36,8 +36,9 @@ from torch.utils import _pytree as pytree
 from ..progress import Progress
 from ..shapes.symbolic import Label, SymbolicValues
 from .cache import CostCache, op_key
+from .instruments import storage_id, tensors
 from .noderun import NodeRunner, as_leaf
-from .opcost import OpCost, storage_id, tensors
+from .opcost import OpCost
 
 __all__ = ["Failed", "NotRun", "Row", "StandIn", "WalkStats", "walk_formulas", "walk_run"]
 

@@ -28,8 +28,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..profile.cache import arg_sig, module_sig, qualname
+from ..profile.instruments import differentiable, tensors
 from ..profile.noderun import NodeRunner
-from ..profile.opcost import differentiable, tensors
 
 __all__ = ["Label", "Leaf", "NoFormulas", "SymbolicValues", "batch_symbols", "size_symbols"]
 
