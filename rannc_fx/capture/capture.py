@@ -1,14 +1,15 @@
 """Capture an nn.Module as one flat fx.GraphModule: torch.fx where it traces and its graph
 computes what the model does, else torch.export.
 
-    capture_graph  CapturedGraph: the flat graph, its pytree specs, the model's own tensors
-    capture_trace  torch.fx and torch.export, each to a CapturedGraph
-    capture_repeat torch.export with each kind of repeated submodule traced once
-    capture_same   which submodules are of one kind
-    capture_shell  later members of a kind as empty shells while export runs
-    capture_copy   a traced member's nodes copied for the others
-    capture_check  a torch.fx graph against the model, on the example inputs
-    capture        ``capture_pass``: which tracer, and what to say when none works
+    graph          CapturedGraph: the flat graph, its pytree specs, the model's own tensors
+    trace          torch.fx and torch.export, each to a CapturedGraph
+    repeat         torch.export with each kind of repeated submodule traced once
+    same           which submodules are of one kind
+    shell          later members of a kind as empty shells while export runs
+    copy_nodes     a traced member's nodes copied for the others
+    check          a torch.fx graph against the model, on the example inputs
+    failure        what to say when no tracer works
+    capture        ``capture_pass``: which tracer, and the modules kept whole where one fails
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
-import re
 import sys
-import traceback
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal
@@ -30,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from ..progress import Progress
 from .check import GraphMismatch, check_capture
+from .failure import failure_message, first_line
 from .graph import CapturedGraph, CaptureError, autocast_state, batch_size_of
 from .loss import LossFn
 from .opaque import CallRecord, record_calls
@@ -143,7 +142,7 @@ def _capture(
         p.doing = "checking torch.fx's graph against the model"
         captured = _checked(captured, model, args, kwargs, errors)
         if captured is None and tracer == "fx":
-            raise CaptureError(_failure_message(model, errors, tracer)) from errors["torch.fx"]
+            raise CaptureError(failure_message(model, errors, tracer)) from errors["torch.fx"]
     if tracer == "export" or (tracer == "auto" and (captured is None or opaque)):
         breaks.wanted |= _of_classes(model, leaf_modules)
         # where torch.fx has a graph (a container kept whole), export is tried as it is
@@ -168,7 +167,7 @@ def _capture(
         p.doing = "checking torch.fx's graph against the model"
         captured = _checked(captured, model, args, kwargs, errors)  # the opaque graph is all we have
     if captured is None:
-        raise CaptureError(_failure_message(model, errors, tracer)) from errors.get(
+        raise CaptureError(failure_message(model, errors, tracer)) from errors.get(
             "torch.export", errors.get("torch.fx")
         )
     warn = False
@@ -190,7 +189,7 @@ def _capture(
         notes.append(
             f"kept {', '.join(f'{n} ({c})' for n, c in opaque)} as one node each (torch.fx "
             f"does not trace into torch.nn modules and torch.export failed: "
-            f"{_first_line(errors['torch.export'])}), so no stage boundary can fall inside"
+            f"{first_line(errors['torch.export'])}), so no stage boundary can fall inside"
         )
     return captured, notes, warn
 
@@ -232,7 +231,7 @@ class _Breaks:
                 self.wanted |= {n for n, m in self.model.named_modules()
                                 if n and type(m) is kind}
                 self.found.append(culprit)
-                self.why = f"{culprit} ({kind.__name__}): {_first_line(e)}"
+                self.why = f"{culprit} ({kind.__name__}): {first_line(e)}"
                 log.debug("capture: failed inside %s; keeping its kind whole: %s", culprit, e)
         raise AssertionError("unreachable")
 
@@ -295,108 +294,3 @@ def retarget_device_pass(gm: fx.GraphModule, device: torch.device | str) -> fx.G
         sub.graph.lint()
         sub.recompile()
     return gm
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
-_HERE = os.path.dirname(__file__)
-
-
-def _is_user_file(filename: str) -> bool:
-    if filename.startswith((_TORCH_DIR, "<")) or (
-        os.path.dirname(filename) == _HERE and os.path.basename(filename).startswith("capture")
-    ):
-        return False
-    return not filename.startswith(_STDLIB_DIR) or "site-packages" in filename
-
-
-def _user_frame(e: BaseException, modules: dict[int, str]) -> tuple[str, str | None]:
-    """``file:line in fn: code`` of the innermost model-code frame, and the innermost submodule
-    of the model that was running (``modules`` maps ids to qualified names)."""
-    chain: list[BaseException] = []
-    cur: BaseException | None = e
-    while cur is not None and cur not in chain:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    for exc in reversed(chain):
-        where, culprit = "", None
-        tb: TracebackType | None = exc.__traceback__
-        while tb is not None:
-            frame = tb.tb_frame
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and modules.get(id(owner)):
-                culprit = f"{modules[id(owner)]} ({type(owner).__name__})"
-            if _is_user_file(frame.f_code.co_filename):
-                fs = traceback.FrameSummary(frame.f_code.co_filename, tb.tb_lineno, frame.f_code.co_name)
-                path = os.path.relpath(fs.filename)
-                path = fs.filename if path.startswith("..") else path
-                where = f"{path}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
-            tb = tb.tb_next
-        if where:
-            return where, culprit
-    return "", None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(e).__name__}: {line[:300]}"
-
-
-def _failure_message(model: nn.Module, errors: dict[str, BaseException], tracer: str) -> str:
-    modules = {id(m): name for name, m in model.named_modules() if name}
-    lines = [f"could not capture {type(model).__name__} as a graph:"]
-    culprits = set()
-    for who, e in errors.items():
-        where, culprit = _user_frame(e, modules)
-        if isinstance(e, GraphMismatch):
-            lines.append(f"  {who}'s graph differs from the model on the example inputs: {e}")
-            lines.append(
-                "      (torch.fx runs forward() on Proxy objects, which answer a Python check "
-                "of a value as no tensor would: hasattr() is always true, isinstance(x, "
-                "torch.Tensor) false)"
-            )
-        else:
-            lines.append(f"  {who} failed: {_first_line(e)}")
-        if where:
-            lines.append(f"      at {where}")
-        if culprit:
-            lines.append(f"      inside module {culprit}")
-            culprits.add(culprit.rpartition(" (")[2].rstrip(")"))
-    lines.append("ways out:")
-    differs = tracer == "fx" and isinstance(errors.get("torch.fx"), GraphMismatch)
-    if differs:
-        lines.append(
-            "  - Config(tracer='export'): non-strict torch.export runs the model's code on real "
-            "tensors (\"auto\" checks torch.fx's graph and uses torch.export when it differs)"
-        )
-    for e in errors.values():
-        found = re.search(r"Found <class '([\w.]+)'> in output", str(e))
-        if found:
-            kind = found.group(1).rpartition(".")[2]
-            lines.append(
-                f"  - the model returns a {kind}, which is not made of tensors: for training, "
-                "turn it off (transformers: use_cache=False in the config or the call), or "
-                "register it with torch.utils._pytree.register_pytree_node"
-            )
-    if not all(isinstance(e, GraphMismatch) for e in errors.values()):
-        lines.append(
-            "  - a Python `if`/`for` on tensor values cannot become a graph: use torch.where(...) "
-            "or torch.cond(pred, true_fn, false_fn, (x,)) so the graph holds both branches"
-        )
-    names = tuple(sorted(culprits)) or ("ClassName",)
-    lines.append(
-        f"  - keep the failing module whole as one node run eagerly: "
-        f"Config(leaf_modules={names!r})"
-    )
-    lines.append(
-        "  - where the failing code is the loss: take it out of the model and pass it as "
-        "rannc_fx.compile(model, optimizer, loss_fn=...), called as model(x, target=y); it "
-        "runs eagerly on the last stage"
-    )
-    if tracer != "auto" and not differs:
-        other = "export" if tracer == "fx" else "fx"
-        lines.append(f"  - try the other tracer: Config(tracer={other!r}) (or \"auto\" for both)")
-    return "\n".join(lines)
