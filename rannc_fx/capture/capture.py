@@ -8,6 +8,8 @@ computes what the model does, else torch.export.
     shell          later members of a kind as empty shells while export runs
     copy_nodes     a traced member's nodes copied for the others
     check          a torch.fx graph against the model, on the example inputs
+    opaque         modules no tracer captures, one node each run eagerly
+    record         their calls recorded on the example
     failure        what to say when no tracer works
     capture        ``capture_pass``: which tracer, and the modules kept whole where one fails
 """
@@ -31,8 +33,9 @@ from .check import GraphMismatch, check_capture
 from .failure import failure_message, first_line
 from .graph import CapturedGraph, CaptureError, autocast_state, batch_size_of
 from .loss import LossFn
-from .opaque import CallRecord, record_calls
+from .opaque import CallRecord
 from .pieces import Cut, Piece, capture_in_pieces
+from .record import record_calls
 from .trace import opaque_modules, trace_export, trace_fx
 
 __all__ = [

@@ -235,7 +235,7 @@ def _same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
     """Rank 0's example batch on every rank, each tensor on the device this rank's was on.
 
     Capture runs the model on its example where it must (a loss kept whole is recorded and
-    probed on it, ``capture/opaque.py``), so ranks with their own data could capture
+    probed on it, ``capture/record.py``), so ranks with their own data could capture
     different graphs; with rank 0's every rank captures the graph rank 0 plans."""
     mine, spec = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
     payload: list[Any] = [[x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type
