@@ -58,8 +58,8 @@ __all__ = ["Segment", "build_segmented", "check_reruns_unsplit", "keeping_nothin
            "rng_restored", "rng_state", "segment_of"]
 
 _CALLS = ("call_function", "call_method", "call_module")
-# node.meta key of a stage node: the captured node it copies (``split/split.py``'s
-# ``_VALUE``); it survives the runtime's rewrites that rename a node (``DeferredBatchNorm``)
+# node.meta key of a stage node: the captured node it copies (``split/staged.py``'s
+# ``VALUE``); it survives the runtime's rewrites that rename a node (``DeferredBatchNorm``)
 _CAPTURED = "rannc_value"
 
 

@@ -1,7 +1,8 @@
 """Build one fx.GraphModule per stage from the plan's node-to-stage assignment (split_module).
 
-    split_interface  each stage's inputs and outputs and the cut values, from the graph and the
+    interface        each stage's inputs and outputs and the cut values, from the graph and the
                      node-to-stage assignment alone (``build`` names them in the plan from it)
+    staged           the staged copy: the graph in stage order, recomputed values rebuilt
     split            ``split_pass``: the staged copy, ``split_module``, the per-stage modules
 
 The search decides which stage each node runs in (``Plan.node_stage``);
@@ -10,7 +11,7 @@ The search decides which stage each node runs in (``Plan.node_stage``);
 * before: the graph is copied in stage order, and every recomputed value a stage reads from
   elsewhere (``group.recomputed_values``) is rebuilt inside that stage: a size as
   ``a * samples + c`` from the stage's sample count, a data-free value (a mask) by running its
-  chain again. So only tensors ever cross stages.
+  chain again (``staged``). So only tensors ever cross stages.
 * after: each partition becomes ``stage_<s>``, a GraphModule with placeholders in the order
   of ``plan.stages[s].inputs``, returning a flat tuple in the order of ``outputs``, holding
   the captured graph's own parameter and buffer objects under their original names.
@@ -27,7 +28,6 @@ captured graph bit for bit.
 
 from __future__ import annotations
 
-import functools
 import operator
 import time
 from collections.abc import Callable
@@ -41,9 +41,10 @@ from torch.fx.passes.split_module import split_module
 from ..capture.capture import CapturedGraph
 from ..group.group import CALL_OPS, recomputed_values, written_state
 from ..plan.plan import Plan
-from ..plan.values import SAMPLES, Formula, ValueSpec
+from ..plan.values import ValueSpec
 from ..progress import note
-from .interface import StageInterface, _sample_source, dimension_source, stage_interfaces
+from .interface import StageInterface, stage_interfaces
+from .staged import ORIGIN, STAGE, TARGET, VALUE, StagedCopy
 
 __all__ = [
     "StageInterface",
@@ -52,140 +53,6 @@ __all__ = [
     "split_pass",
     "stage_interfaces",
 ]
-
-# node.meta keys of the staged copy
-_STAGE = "rannc_stage"  # stage index of a call node
-_VALUE = "rannc_value"  # the captured node it copies (absent on recomputed copies)
-_TARGET = "rannc_target"  # original qualified name of a get_attr / call_module target
-_ORIGIN = "rannc_origin"  # op of the captured node
-
-
-# -- the staged copy -------------------------------------------------------------------------
-
-
-class _StagedCopy:
-    """The captured graph copied in stage order, recomputed values rebuilt in each reader."""
-
-    def __init__(self, captured: CapturedGraph, node_stage: dict[str, int],
-                 values: dict[str, ValueSpec], ifaces: list[StageInterface],
-                 recomputed: frozenset[str]) -> None:
-        self.gm = captured.gm
-        self.node_stage = node_stage
-        self.values = values
-        self.ifaces = ifaces
-        self.recomputed = recomputed
-        self.graph = fx.Graph()
-        self.env: dict[fx.Node, fx.Node] = {}
-        self.local: dict[tuple[int, fx.Node], Any] = {}
-        self.samples: dict[int, fx.Node] = {}
-        self.dim_sizes: dict[tuple[int, str], fx.Node] = {}
-
-    def build(self) -> fx.Graph:
-        g = self.graph
-        nodes = list(self.gm.graph.nodes)
-        for n in nodes:
-            if n.op in ("placeholder", "get_attr"):
-                new = g.node_copy(n)
-                new.meta.update({_VALUE: n.name, _ORIGIN: n.op, _TARGET: n.target})
-                self.env[n] = new
-        index = {n: i for i, n in enumerate(nodes)}
-        calls = sorted((n for n in nodes if n.op in CALL_OPS),
-                       key=lambda n: (self.node_stage[n.name], index[n]))
-        for n in calls:
-            s = self.node_stage[n.name]
-            new = g.node_copy(n, functools.partial(self._read, s=s))
-            new.meta.update({_STAGE: s, _VALUE: n.name, _ORIGIN: n.op, _TARGET: n.target})
-            self.env[n] = new
-        out = self.gm.graph.output_node()
-        g.output(fx.map_arg(out.args[0], self.env.__getitem__))
-        return g
-
-    def _read(self, a: fx.Node, s: int) -> Any:
-        if a.op in CALL_OPS and a.name in self.recomputed and self.node_stage[a.name] != s:
-            return self._rebuild(a, s)
-        return self.env[a]
-
-    def _rebuild(self, a: fx.Node, s: int) -> Any:
-        key = (s, a)
-        if key not in self.local:
-            spec = self.values[a.name]
-            if spec.kind in ("int", "ints"):
-                self.local[key] = self._affine(spec, s)
-            else:
-                def read(b: fx.Node) -> Any:
-                    return self._read(b, s)
-
-                new = self.graph.node_copy(a, read)
-                new.meta.update({_STAGE: s, _ORIGIN: a.op, _TARGET: a.target})
-                self.local[key] = new
-        return self.local[key]
-
-    def _affine(self, spec: ValueSpec, s: int) -> Any:
-        """``a * samples + c`` (a torch.Size of them for ``ints``) in stage ``s``; its formulas
-        where it depends on a dynamic dimension."""
-        g = self.graph
-        parts: list[Any] = []
-        if spec.formulas:
-            parts = [self._polynomial(f, s) for f in spec.formulas]
-            if spec.kind == "int":
-                return parts[0]
-            return self._tag(g.call_function(torch.Size, (parts,)), s)
-        for a, c in spec.int_coeffs:
-            if a == 0:
-                parts.append(c)
-                continue
-            v = self._sample_count(s)
-            if a != 1:
-                v = self._tag(g.call_function(operator.mul, (v, a)), s)
-            if c:
-                v = self._tag(g.call_function(operator.add, (v, c)), s)
-            parts.append(v)
-        if spec.kind == "int":
-            return parts[0]
-        return self._tag(g.call_function(torch.Size, (parts,)), s)
-
-    def _polynomial(self, formula: Formula, s: int) -> Any:
-        """``formula`` computed in stage ``s`` from its inputs' sizes."""
-        g = self.graph
-        total: Any = None
-        for coeff, names in formula:
-            term: Any = coeff
-            for name in names:
-                size = self._sample_count(s) if name == SAMPLES else self._dim_size(name, s)
-                term = size if term == 1 else self._tag(g.call_function(operator.mul, (term, size)), s)
-            total = term if total is None else self._tag(g.call_function(operator.add, (total, term)), s)
-        return 0 if total is None else total
-
-    def _dim_size(self, name: str, s: int) -> fx.Node:
-        key = (s, name)
-        if key not in self.dim_sizes:
-            found = dimension_source(self.ifaces[s].inputs, self.values, name)
-            assert found is not None, "build_plan pins a dimension no input of the stage has"
-            value, d = found
-            x = self.env[next(n for n in self.env if n.name == value)]
-            self.dim_sizes[key] = self._tag(self.graph.call_method("size", (x, d)), s)
-        return self.dim_sizes[key]
-
-    def _sample_count(self, s: int) -> fx.Node:
-        if s not in self.samples:
-            name = _sample_source(self.ifaces[s].inputs, self.values)
-            assert name is not None, "stage_interfaces checks that a sample source exists"
-            spec = self.values[name]
-            assert spec.batch_dim is not None
-            src = next(n for n in self.env if n.name == name)
-            x = self.env[src]
-            g = self.graph
-            v = self._tag(g.call_method("size", (x, spec.batch_dim)), s)
-            if spec.shape[spec.batch_dim] != 1:
-                v = self._tag(g.call_function(operator.floordiv, (v, spec.shape[spec.batch_dim])), s)
-            self.samples[s] = v
-        return self.samples[s]
-
-    @staticmethod
-    def _tag(node: fx.Node, s: int) -> fx.Node:
-        node.meta[_STAGE] = s
-        return node
-
 
 # -- per-stage modules -----------------------------------------------------------------------
 
@@ -201,10 +68,10 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, s: int, inputs: 
     attr_inputs = []
     for n in sub.graph.nodes:
         if n.op == "placeholder":
-            if n.meta.get(_ORIGIN) == "get_attr":
+            if n.meta.get(ORIGIN) == "get_attr":
                 attr_inputs.append(n)
             else:
-                data_inputs[n.meta[_VALUE]] = n
+                data_inputs[n.meta[VALUE]] = n
     extra = sorted(set(data_inputs) - set(inputs))
     if extra:
         raise ValueError(
@@ -217,22 +84,22 @@ def _stage_module(sub: fx.GraphModule, captured: CapturedGraph, s: int, inputs: 
         if value in data_inputs:
             env[data_inputs[value]] = ph
     for n in attr_inputs:
-        target = str(n.meta[_TARGET])
+        target = str(n.meta[TARGET])
         env[n] = g.get_attr(target)
     for n in sub.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         new = g.node_copy(n, env.__getitem__)
         if n.op in ("call_module", "get_attr"):
-            new.target = str(n.meta[_TARGET])
+            new.target = str(n.meta[TARGET])
         env[n] = new
-        if _VALUE in n.meta:
-            by_value[n.meta[_VALUE]] = new
+        if VALUE in n.meta:
+            by_value[n.meta[VALUE]] = new
     missing = [o for o in outputs if o not in by_value]
     if missing:
         raise ValueError(f"stage {s} must return {missing} but does not compute them")
     g.output(tuple(by_value[o] for o in outputs))
-    _drop_unused(g, lambda n: n.meta.get(_VALUE, "") in recomputed or _VALUE not in n.meta)
+    _drop_unused(g, lambda n: n.meta.get(VALUE, "") in recomputed or VALUE not in n.meta)
     root = {
         str(n.target): operator.attrgetter(str(n.target))(captured.gm)
         for n in g.nodes if n.op in ("get_attr", "call_module")
@@ -319,13 +186,13 @@ def split_pass(
                 f"{list(st.outputs)}, but on this graph it takes {list(iface.inputs)} and returns "
                 f"{list(iface.outputs)}: the plan was made for another graph; make it again"
             )
-    staged = _StagedCopy(captured, node_stage, values, ifaces, recomputed)
+    staged = StagedCopy(captured, node_stage, values, ifaces, recomputed)
     graph = staged.build()
     # Only the graphs of split_module's modules (its input, each partition, the top) are read:
     # lazy modules never generate and compile their code, two thirds of the split's time.
     with _use_lazy_graph_module(True):
         parts = split_module(
-            _make_graph_module(captured.gm, graph), captured.gm, lambda n: int(n.meta[_STAGE]),
+            _make_graph_module(captured.gm, graph), captured.gm, lambda n: int(n.meta[STAGE]),
             keep_original_node_name=True,
         )
     stages = []
