@@ -26,9 +26,9 @@ _HERE = os.path.dirname(__file__)
 
 
 def _is_user_file(filename: str) -> bool:
-    if filename.startswith((_TORCH_DIR, "<")) or (
-        os.path.dirname(filename) == _HERE and os.path.basename(filename).startswith("capture")
-    ):
+    """Whether a frame of ``filename`` is the model's code: not torch's, not this folder's
+    (the tracers and the stand-ins that run the model), not the standard library's."""
+    if filename.startswith((_TORCH_DIR, "<")) or os.path.dirname(filename) == _HERE:
         return False
     return not filename.startswith(_STDLIB_DIR) or "site-packages" in filename
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -352,6 +353,17 @@ def test_a_branch_on_the_parameters_own_output_gives_a_capture_error_with_ways_o
     msg = str(forced.value)
     assert "torch.fx failed" in msg and "test_capture.py:" in msg
     assert "Config(tracer='export')" in msg and "torch.export failed" not in msg
+
+
+def test_the_frame_a_capture_error_names_is_the_model_s_never_the_capture_s():
+    """The innermost frame of the model's code: torch's frames and every module of the
+    capture folder (the tracers and the stand-ins that run the model) are skipped, whatever
+    the module's name."""
+    from rannc_fx.capture import failure
+
+    ours = sorted(Path(failure.__file__).parent.glob("*.py"))
+    assert len(ours) > 10 and not [p.name for p in ours if failure._is_user_file(str(p))]
+    assert failure._is_user_file(__file__)
 
 
 def test_the_suggested_leaf_module_way_out_works():
