@@ -64,13 +64,13 @@ def capture_pass(
     """``model(*args, **kwargs)`` as a CapturedGraph.
 
     ``"auto"`` tries torch.fx first (module-level graph, instant, works on any device) and
-    checks its graph against the model on the example inputs (``capture_check``); when fx
+    checks its graph against the model on the example inputs (``capture/check``); when fx
     fails, its graph differs from the model, or it keeps a torch.nn container such as
     ``nn.TransformerEncoder`` as one opaque node, it tries non-strict torch.export (ATen-level
     graph) and keeps the finer graph. ``"fx"`` raises CaptureError when the check finds a
     difference; the check costs one forward of the model and one of the graph, under no_grad.
     ``leaf_modules`` (class names) are kept as single ``call_module`` nodes by torch.fx, and
-    run eagerly as one node each under torch.export (``capture_opaque``). Where a tracer
+    run eagerly as one node each under torch.export (``capture/opaque``). Where a tracer
     fails inside a submodule (data-dependent code, an op without a fake kernel), that module
     and every other of its class are kept whole too, run eagerly, and the capture goes on
     (torch.export always; torch.fx when it is the tracer asked for): a graph break at the
@@ -79,7 +79,7 @@ def capture_pass(
     input whose ``batch_dim`` has the example's batch size is dynamic, so the graph runs at any
     micro-batch size; with ``dynamic``, so is every other input dimension the model allows
     (``trace_export``). Where capture fails in the model's own forward, its statements before
-    and after a traceable body run eagerly as one node each (``capture_pieces``); ``pieces``
+    and after a traceable body run eagerly as one node each (``capture/pieces``); ``pieces``
     cuts it where a capture of the model's other mode did.
     """
     kwargs = dict(kwargs or {})

@@ -54,7 +54,7 @@ class CapturedGraph:
     dropout's and batch norm's training flag into the ops.
 
     ``copied_calls`` counts the calls of repeated submodules whose nodes torch.export did not
-    trace but ``capture_repeat`` copied from the first call of their kind.
+    trace but ``capture/repeat`` copied from the first call of their kind.
 
     ``checked`` says how a torch.fx graph was compared with the model on the example inputs
     (``"values"``; ``"shapes"`` and dtypes only on the meta device); ``None`` when it was not
@@ -75,7 +75,7 @@ class CapturedGraph:
     batch_dim: int = 0
     model_name: str = ""
     checked: Literal["values", "shapes"] | None = None
-    # the forward's statements [0, pre) and [post, n) run eagerly (``capture_pieces``)
+    # the forward's statements [0, pre) and [post, n) run eagerly (``capture/pieces``)
     pieces: tuple[int, int] | None = None
     # where samples mix: the tail that runs on the whole batch (``shapes.tail``), if any
     tail: TailNodes | None = None
@@ -83,7 +83,7 @@ class CapturedGraph:
     autocast: tuple[tuple[str, str], ...] = ()
     copied_calls: int = 0  # calls of repeated submodules copied from a first one (export)
     # submodules kept whole and run eagerly, by name: their calls as on the example
-    # (``capture_opaque``: a capture of the model's other mode reuses them)
+    # (``capture/opaque``: a capture of the model's other mode reuses them)
     opaque: dict[str, Any] = field(default_factory=dict)
 
     def flatten_inputs(

@@ -7,7 +7,7 @@ range check on the labels, ``masked_select``, ``.tolist()``, ``F.ctc_loss``). ``
 makes the model the compiled one calls as ``model(*args, target=y, **kwargs)``: the model's
 own forward, then ``loss_fn(output, *targets)`` (``target`` a tensor or a tuple of them),
 the loss kept whole as one node and run eagerly, with its autograd, in the last stage
-(``capture_opaque``): per micro-batch where it is a mean (or a sum, ``loss_reduction``) over
+(``capture/opaque``): per micro-batch where it is a mean (or a sum, ``loss_reduction``) over
 the samples, else once a step on the whole batch (the tail).
 
 The wrapped model is the user's: an instance of a subclass of its class that shares its

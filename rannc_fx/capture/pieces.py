@@ -8,8 +8,8 @@ and cuts its statements in three: what comes before the traceable body (``pre``)
 and what comes after it (``post``). ``wrap`` makes the model an instance of a subclass of its
 class, sharing its state, whose forward is the body with each outer piece replaced by the call
 of a ``Piece``: a module kept whole by capture and run eagerly in its stage
-(``capture_opaque``): ``pre`` where the inputs are, ``post`` with the body's outputs on the
-last stage (once a step on the whole batch where it couples the samples, ``passes/tail``).
+(``capture/opaque``): ``pre`` where the inputs are, ``post`` with the body's outputs on the
+last stage (once a step on the whole batch where it couples the samples, ``shapes/tail``).
 
 Where the capture of a body fails at a statement, ``next_bounds`` moves the cut: the failing
 statement joins ``pre`` when everything up to it reads no parameter or buffer (code that

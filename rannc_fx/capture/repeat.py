@@ -11,9 +11,9 @@ calls through a stand-in ``forward``:
                             inputs have the template's metadata (symbolic shapes, dtypes,
                             aliasing) and its plain arguments are equal; else the real forward
 
-The later members of a kind are empty shells while export runs (``capture_shell``), so that
+The later members of a kind are empty shells while export runs (``capture/shell``), so that
 their tensors are not lifted. ``expand`` then replaces each stand-in node by a copy of the
-template's nodes reading the call's inputs and its own module's tensors (``capture_copy``),
+template's nodes reading the call's inputs and its own module's tensors (``capture/copy_nodes``),
 so the graph holds the same ops in the same order as a plain export. A template that writes
 what it did not make (other than its own tensors), returns a view of an input, reads a
 watched attribute or changes its module traces its kind call by call instead (a shell asked
@@ -92,7 +92,7 @@ class _Call:
 class RepeatedCapture:
     """Stand-ins for the repeated submodules of ``model`` while the block runs (see module doc).
 
-    The later members of a kind are shells (``capture_shell``) unless their kind's first
+    The later members of a kind are shells (``capture/shell``) unless their kind's first
     member path is in ``keep``. A shell that must run its own forward (its call's inputs
     differ, the template cannot stand in) raises RepeatError and adds its kind to ``unshell``:
     export again with those kept.

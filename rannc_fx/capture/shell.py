@@ -3,7 +3,7 @@
 Non-strict torch.export lifts every parameter and buffer of the model into a graph input,
 fakes it, and ``ExportedProgram.module()`` turns each back into an attribute: per tensor work
 that grows with the layers even when a layer costs one stand-in node. While export runs, a
-member whose calls are all stood in (``capture_repeat``) is replaced in its parent by a
+member whose calls are all stood in (``capture/repeat``) is replaced in its parent by a
 *shell*: an object of its class with its plain attributes and none of its tensors or
 children. After export ``add_tensors`` puts the shells' ``get_attr`` nodes where a plain
 export puts them (all of the model's tensors at the top, in the model's order) and their

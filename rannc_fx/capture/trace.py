@@ -75,7 +75,7 @@ def trace_fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              leaf_modules: tuple[str, ...], batch_dim: int,
              opaque: Mapping[str, list[CallRecord]] | None = None) -> CapturedGraph:
     """``model(*args, **kwargs)`` traced by torch.fx (module level; ``leaf_modules`` kept
-    whole; the modules ``opaque`` names run eagerly, ``capture_opaque``)."""
+    whole; the modules ``opaque`` names run eagerly, ``capture/opaque``)."""
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tracer = _FlatTracer(leaf_modules, leaves, in_spec, _leaf_names(model, args, kwargs), opaque)
     graph = tracer.trace(model)
@@ -148,10 +148,10 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ``**kwargs``.
 
     With ``repeated``, each kind of repeated submodule (the layers of an encoder) is traced
-    once and its nodes copied for the others (``capture_repeat``): the same graph, in time
+    once and its nodes copied for the others (``capture/repeat``): the same graph, in time
     that grows with the kinds of layers rather than their number.
 
-    The modules ``opaque`` names are one node each, run eagerly (``capture_opaque``).
+    The modules ``opaque`` names are one node each, run eagerly (``capture/opaque``).
     """
     opaque = dict(opaque or {})
     leaves, in_spec = pytree.tree_flatten((args, kwargs))

@@ -71,8 +71,8 @@ def capture_model(
     opaque: dict[str, Any] | None = None, pieces: tuple[int, int] | None = None,
 ) -> Captured:
     """``capture_pass`` then ``shapes_pass`` on one example batch, as ``config`` says
-    (``opaque``: the modules kept whole and their recorded calls, ``capture_opaque``;
-    ``pieces``: where the forward is cut, ``capture_pieces``)."""
+    (``opaque``: the modules kept whole and their recorded calls, ``capture/opaque``;
+    ``pieces``: where the forward is cut, ``capture/pieces``)."""
     args, kwargs = tuple(args), dict(kwargs)
     if device_of(model).type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))

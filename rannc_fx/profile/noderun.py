@@ -219,7 +219,7 @@ class NodeRunner:
 
     def profile(self, call: OpCall) -> tuple[Any, OpCost]:
         """The op's outputs and costs, with what it holds between a split backward's B and
-        W (``opcost_split``)."""
+        W (``opcost_bw``)."""
         if self.analytic:
             out, cost = _robust(count_op, call, self._warn)
         else:

@@ -110,7 +110,7 @@ class OpCost:
     policy_s: float = 0.0
     kept_outputs: tuple[int, ...] = ()
     kept_saved: int = 0
-    # held between a split backward's B and W (``opcost_split.WeightHeld``)
+    # held between a split backward's B and W (``opcost_bw.WeightHeld``)
     w_inputs: tuple[int, ...] = ()
     w_outputs: tuple[int, ...] = ()
     w_internal: int = 0

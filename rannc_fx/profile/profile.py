@@ -1,6 +1,6 @@
 """Per-node forward/backward time and memory, measured on the device or from an analytic model.
 
-With the analytic model and the shape pass's formulas (``shapes_symbolic``), nothing runs per
+With the analytic model and the shape pass's formulas (``shapes/symbolic``), nothing runs per
 node: each distinct op signature is counted once per profiled size on fake tensors built from
 the formulas, and a walk over the nodes looks costs up and charges saved storages. Otherwise
 (measured costs, or a graph whose sizes are no formulas) the pass runs the captured graph node
@@ -66,7 +66,7 @@ class NodeCost(BaseModel):
     again_s: tuple[float, ...] = ()
     rebuilt_bytes: tuple[int, ...] = ()  # of saved_bytes, what it rebuilds (no kept op's)
     # held between a split backward's B and W: what the weight GEMMs read and the gradients
-    # kept for them (``opcost_split``)
+    # kept for them (``opcost_bw``)
     wheld_bytes: tuple[int, ...] = ()
 
     def series(self, field: str) -> tuple[float, ...]:

@@ -3,7 +3,7 @@
 Both walks visit the call nodes of one graph at one micro-batch size and return, per node that
 ran, its ``OpCost``, the bytes of saved storages charged to it, of those the bytes a kept op made
 (``selective.kept``: what selective recomputation keeps instead of rebuilding), and the bytes
-held between a split backward's ``B`` and ``W`` charged to it (``opcost_split``: the storages
+held between a split backward's ``B`` and ``W`` charged to it (``opcost_bw``: the storages
 the weight GEMMs read, charged as saved ones are, and the gradients kept for them). Saved bytes are charged per storage,
 once, to the node that made the storage (a ReLU output that the ReLU and the next Linear both
 save counts once, at the ReLU), so summing them over nodes gives what autograd keeps for one
@@ -17,7 +17,7 @@ returned as raising (``NotRun``). The profile rules such sizes out for the nodes
 
     walk_run        runs the graph node by node (real tensors, or fake ones), so each node sees
                     its real inputs; the ledger follows real storages
-    walk_formulas   runs nothing per node: each distinct signature (``shapes_symbolic``) is
+    walk_formulas   runs nothing per node: each distinct signature (``shapes/symbolic``) is
                     counted once per size on fake tensors built from the formulas, and the
                     ledger follows storages by which input each output views (``OpCost.views``)
 """

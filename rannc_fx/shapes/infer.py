@@ -1,8 +1,8 @@
 """Infer every value's per-sample shape, batch dimension and integer formula (fake tensors).
 
-    shapes_fit     a ValueSpec fitted to a value seen at several sample counts
-    shapes_layout  which batched tensors interleave their samples' rows, and how
-    shapes         ``infer_values_pass``: the graph run on fake tensors at ``SAMPLE_COUNTS``
+    fit            a ValueSpec fitted to a value seen at several sample counts
+    layout         which batched tensors interleave their samples' rows, and how
+    infer          ``infer_values_pass``: the graph run on fake tensors at ``SAMPLE_COUNTS``
 """
 
 from __future__ import annotations

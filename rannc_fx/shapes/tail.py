@@ -47,7 +47,7 @@ def find_tail(captured: CapturedGraph, values: dict[str, ValueSpec], *,
     """The graph's tail, or None where no value mixes samples. Raises CaptureError where the
     tail cannot run on the whole batch, naming the node and why.
 
-    A module run eagerly (``capture_opaque``) whose batch-free outputs are not a
+    A module run eagerly (``capture/opaque``) whose batch-free outputs are not a
     ``loss_reduction`` over the samples (a mean over the tokens a mask keeps) mixes them too."""
     gm = captured.gm
     nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
