@@ -1,9 +1,10 @@
 """6. Planner: the passes run in order (a model and its example batch in, a plan and its
 stages out), and the choice among plans the search does not make (several stages a lane, ZB-H1).
 
-    analyze   capture_model (capture and shapes: every rank of compile() calls it), then
-              profile -> group -> costs: the search's inputs, for the Target that
-              pick_target picks (the device's figures, the one cost-model rule)
+    captured  capture_model: capture and shapes on the example (trace_model, then
+              shape_model: every rank of compile() traces; rank 0 gives the others its shapes)
+    analyze   capture_model, then profile -> group -> costs: the search's inputs, for the
+              Target that pick_target picks (the device's figures, the one cost-model rule)
     build     the Plan from the search's result (stages, cut values, simulated step)
     driver    plan_model (analyze, search, build) and split_stages: what partition() and
               compile() call
@@ -15,8 +16,9 @@ The passes themselves live in their folders (capture, shapes, profile, group, se
 package runs them in order.
 """
 
-from .analyze import Analysis, Captured, Target, analyze, capture_model, pick_target
+from .analyze import Analysis, Target, analyze, pick_target
 from .build import build_plan
+from .captured import Captured, capture_model, shape_model, trace_model
 from .driver import Planned, plan_model, run_search, split_stages
 
 __all__ = [
@@ -30,5 +32,7 @@ __all__ = [
     "pick_target",
     "plan_model",
     "run_search",
+    "shape_model",
     "split_stages",
+    "trace_model",
 ]

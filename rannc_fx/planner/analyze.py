@@ -1,10 +1,7 @@
 """Everything before the search: capture -> shapes -> profile -> group -> costs, and the
 search space. ``driver.plan_model`` runs it, then the search and ``build_plan``.
 
-``capture_model`` is the one entry to capture and shape inference: rank 0 plans from it and
-every other rank of ``compile()`` calls it at start-up to split the same graph by the plan it
-receives. A meta-device model computes on meta: its example inputs are moved there first
-(shapes are all capture and shape inference use).
+It starts from ``captured.capture_model`` (capture and shapes on the example batch).
 
 The costs are for a ``Target``: the device's figures and the one rule that picks the cost
 model (``pick_target``), for ``partition()`` and ``compile()`` alike:
@@ -31,9 +28,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from ..capture.capture import CapturedGraph, capture_pass
+from ..capture.capture import CapturedGraph
 from ..group.group import BlockGraph, group_pass
 from ..plan.config import Config
 from ..plan.device import DeviceSpec, device_of
@@ -41,59 +37,17 @@ from ..plan.plan import loss_output
 from ..plan.values import ValueSpec, dtype_itemsize
 from ..profile.optimizer import ParameterCosts, parameter_costs
 from ..profile.profile import Profile, profile_pass
-from ..progress import note
 from ..runtime.comm import BUCKET_BYTES
 from ..schedules.kinds import GPIPE, kind_of
 from ..search import SCHEDULES, CostTable, SearchSpace, needed_sizes, run_sizes
 from ..search.table import build_cost_table
-from ..shapes.infer import shapes_pass
 from ..shapes.symbolic import SymbolicValues
-from ..shapes.tail import TailCost, find_tail, insert_tail_inputs, tail_cost
+from ..shapes.tail import TailCost, tail_cost
+from .captured import capture_model
 
-__all__ = ["Analysis", "Captured", "Target", "analyze", "capture_model", "pick_target"]
+__all__ = ["Analysis", "Target", "analyze", "pick_target"]
 
 log = logging.getLogger("rannc_fx")
-
-
-@dataclass
-class Captured:
-    """A captured graph, the example inputs it was captured on, every value's spec and, where
-    the graph's sizes are formulas in the sample count, those formulas (the profile's)."""
-
-    graph: CapturedGraph
-    inputs: list[Any]  # the example batch, flat, as the graph takes it (on meta for meta models)
-    values: dict[str, ValueSpec]
-    formulas: SymbolicValues | None = None
-
-
-def capture_model(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config, *,
-    opaque: dict[str, Any] | None = None, pieces: tuple[int, int] | None = None,
-) -> Captured:
-    """``capture_pass`` then ``shapes_pass`` on one example batch, as ``config`` says
-    (``opaque``: the modules kept whole and their recorded calls, ``capture/opaque``;
-    ``pieces``: where the forward is cut, ``capture/pieces``)."""
-    args, kwargs = tuple(args), dict(kwargs)
-    if device_of(model).type == "meta":
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    graph = capture_pass(
-        model, args, kwargs,
-        tracer=config.tracer, leaf_modules=config.leaf_modules, batch_dim=config.batch_dim,
-        dynamic=config.dynamic_dims != "batch", opaque=opaque,
-        pieces=pieces,
-    )  # fmt: skip
-    inputs = graph.flatten_inputs(args, kwargs)
-    dynamic = config.dynamic_dims != "batch"
-    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
-    tail = find_tail(graph, shapes.specs, loss_reduction=config.loss_reduction)
-    if tail is not None:  # its inputs get nodes of their own: the shapes again, with them
-        insert_tail_inputs(graph, tail)
-        graph.tail = tail
-        shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
-        note("capture: samples mix at %s; %d node(s) from there run once a step on the "
-             "whole batch, on the last stage's ranks", ", ".join(tail.mixing),
-             len(tail.nodes))
-    return Captured(graph, inputs, shapes.specs, shapes.formulas)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..capture.capture import CapturedGraph
 from ..capture.twins import twins_pass
 from ..group.group import CALL_OPS
 from ..plan.plan import Block, CutValue, OutputRef, Plan
-from ..planner.analyze import Captured
+from ..planner.captured import Captured
 from ..shapes.dynamic import dynamic_pass
 from .split import stage_interfaces
 

@@ -2,19 +2,19 @@
 
 Planning measures the link between ranks (unless ``Config.link_bandwidth`` and
 ``link_latency`` are given) and, on every rank at once, the optimizer step and gradient
-accumulation per tensor size, then captures the model on every rank; rank 0 alone profiles
-(timing the user's optimizer too) and searches (the others wait) and broadcasts the plan as
-JSON. A meta-device model, or one whose tensors are not on the rank's device, is planned
-with the analytic cost model for the rank's device (``planner.pick_target``); the measured link
-goes into that device's spec. Each rank then splits the graph, infers
-the dtypes of the other autocast states while the model is whole (``amp.py``), checks with the
-others that they built alike and takes rank 0's seed (``sync.py``), places its own stage
-(``placement.py``), builds its executors (and the plan's process groups), takes rank 0's
-values into its stage (``sync.py``; ``Config.sync_module_states``), frees every other parameter
-and buffer of the model, and prunes the optimizer to the parameters it still holds, before
-ZeRO shards it.
+accumulation per tensor size, then traces the model on every rank (rank 0's example batch,
+``planned.py``); rank 0 alone infers the values' shapes, profiles (timing the user's optimizer
+too), searches and infers the dtypes of the other autocast states while the model is whole
+(``amp.py``), and broadcasts the plan with what it found as JSON, while the others wait. A
+meta-device model, or one whose tensors are not on the rank's device, is planned with the
+analytic cost model for the rank's device (``planner.pick_target``); the measured link goes
+into that device's spec. Each rank then splits the graph, checks with the others that they
+built alike and takes rank 0's seed (``sync.py``), places its own stage (``placement.py``),
+builds its executors (and the plan's process groups), takes rank 0's values into its stage
+(``sync.py``; ``Config.sync_module_states``), frees every other parameter and buffer of the
+model, and prunes the optimizer to the parameters it still holds, before ZeRO shards it. With
+a plan given (a file), every rank captures and infers alone.
 """
-
 from __future__ import annotations
 
 import time
@@ -32,12 +32,21 @@ from ..capture.graph import untouched
 from ..plan.config import Config
 from ..plan.device import DeviceSpec, device_of
 from ..plan.plan import Plan
-from ..planner import Planned, Target, capture_model, pick_target, plan_model, split_stages
+from ..planner import (
+    Planned,
+    Target,
+    capture_model,
+    pick_target,
+    plan_model,
+    shape_model,
+    split_stages,
+    trace_model,
+)
 from ..profile.optimizer import ParameterCosts, parameter_costs
 from ..progress import note
 from ..runtime import BatchSizes, StageExecutor
 from ..runtime.accumulation import Accumulation
-from ..runtime.comm import CommError, Groups, agree
+from ..runtime.comm import Groups, agree
 from ..runtime.lane import LaneModules, graph_modules
 from ..runtime.trainable import Trainable
 from ..runtime.zero import shard_optimizer
@@ -46,6 +55,7 @@ from .amp import AmpSpecs, amp_state, autocast_as
 from .given import check_given, load_given
 from .modes import Modes
 from .placement import InitFn, Placement, free_others, place_stage
+from .planned import Planning, broadcast_planning, same_example
 from .probe import measure_link
 from .sync import Layout, check_alike, sync_stages
 
@@ -94,41 +104,56 @@ def set_up_rank(
             optimizer, target.measure_on, target.spec, cfg.optimizer_state_factor,
             repeats=cfg.profile_repeats,
         )  # fmt: skip
+    alike = True  # whether this rank captures rank 0's batch
     if world > 1:  # every rank captures rank 0's batch: the same graph everywhere, even
-        args, kwargs = _same_example(args, kwargs, rank)  # where it depends on the data
+        args, kwargs, alike = same_example(args, kwargs, rank)  # where it depends on the data
     amp_type = home.type if home.type != "meta" else device.type
     planned_amp = cfg.autocast_dtype or amp_state(amp_type)
     modes = Modes(model, args, kwargs, config=cfg, device=device, rank=rank, amp_type=amp_type,
                   planned_amp=planned_amp, home=home)  # before any tensor moves or is freed
+
+    def amp_specs(captured: CapturedGraph, plan: Plan) -> AmpSpecs | None:
+        """The other autocast states' dtypes, while the model is whole."""
+        if home.type == "meta":
+            return None
+        return AmpSpecs.of(
+            captured, captured.flatten_inputs(args, kwargs), plan, device_type=amp_type,
+            planned=planned_amp, batch_dim=cfg.batch_dim,
+        )  # fmt: skip
+
     with untouched(model), autocast_as(amp_type, planned_amp):
         if planned:
             assert target is not None
             try:
                 here = _plan_here(model, optimizer, args, kwargs, world, cfg, target, param_costs)
                 plan, captured, values = here.plan, here.captured, here.values
+                found: Planning | None = Planning(plan, values, captured.tail,
+                                                  amp_specs(captured, plan))
             except Exception as e:
-                _broadcast_plan(e, rank, world)  # the others must hear of it, not time out
+                broadcast_planning(e, rank, world)  # the others must hear of it, not time out
                 raise
+        elif given is None:  # while rank 0 plans
+            traced = trace_model(model, args, kwargs, cfg)
         else:
             cap = capture_model(model, args, kwargs, cfg)
             captured, values = cap.graph, cap.values
     if given is None:
-        plan = _broadcast_plan(plan if planned else None, rank, world)
+        found = broadcast_planning(found if planned else None, rank, world)
+        plan, amp = found.plan, found.amp
+        if not planned:  # rank 0's findings on the same graph, unless this rank's batch differs
+            with untouched(model), autocast_as(amp_type, planned_amp):
+                cap = shape_model(traced, cfg, given=(found.values, found.tail) if alike else None)
+            captured, values = cap.graph, cap.values
     else:
         plan = load_given(given, captured, world)
+        with untouched(model):
+            amp = amp_specs(captured, plan)
     stages = split_stages(captured, values, plan, debug=cfg.debug)
     if given is not None:
         check_given(plan, captured, stages, cfg)
     mine = [st.index for st in plan.stages_of_rank(rank)]
     stage: fx.GraphModule | LaneModules = (
         stages[mine[0]] if len(mine) == 1 else LaneModules({s: stages[s] for s in mine}))
-    amp = None
-    if home.type != "meta":  # the other autocast states' dtypes, while the model is whole
-        with untouched(model):
-            amp = AmpSpecs.of(
-                captured, captured.flatten_inputs(args, kwargs), plan, device_type=amp_type,
-                planned=planned_amp, batch_dim=cfg.batch_dim,
-            )  # fmt: skip
     if home != device:
         for gm in graph_modules(stage):
             retarget_device_pass(gm, device)  # export baked the capture device in
@@ -198,56 +223,6 @@ def _target(home: torch.device, device: torch.device, cfg: Config, world: int) -
         if link is not None:
             spec = link.applied_to(spec)  # Config's figures, where set, still win
     return pick_target(home, device, cfg, spec=spec)
-
-
-def _broadcast_plan(plan: Plan | Exception | None, rank: int, world: int) -> Plan:
-    """Rank 0's plan (or its error) to every rank, as JSON."""
-    if world == 1:
-        if isinstance(plan, Exception):
-            raise plan
-        assert plan is not None
-        return plan
-    payload: list[str | None] = [None, None]
-    if rank == 0:
-        if isinstance(plan, Plan):
-            payload = ["plan", plan.to_json()]
-        else:
-            payload = ["error", f"{type(plan).__name__}: {plan}"]
-    try:
-        dist.broadcast_object_list(payload, src=0)
-    except RuntimeError as e:
-        why = (
-            "another rank died (see its log)"
-            if rank == 0
-            else "planning on rank 0 took longer than Config.timeout_s, or rank 0 died (see its log)"
-        )
-        raise CommError(f"rank {rank}: broadcasting the plan from rank 0 failed: {e}; {why}") from e
-    kind, text = payload
-    if kind == "error":
-        if isinstance(plan, Exception):
-            raise plan
-        raise RuntimeError(f"rank 0 could not plan the model: {text}")
-    return Plan.from_json(str(text))
-
-
-def _same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
-                  rank: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Rank 0's example batch on every rank, each tensor on the device this rank's was on.
-
-    Capture runs the model on its example where it must (a loss kept whole is recorded and
-    probed on it, ``capture/record.py``), so ranks with their own data could capture
-    different graphs; with rank 0's every rank captures the graph rank 0 plans."""
-    mine, spec = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
-    payload: list[Any] = [[x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type
-                           != "meta" else x for x in mine], spec] if rank == 0 else [None, None]
-    dist.broadcast_object_list(payload, src=0)
-    leaves, theirs = payload
-    if theirs != spec:  # the first call's structure differs: the call's checks say how
-        return args, kwargs
-    out = [t.to(x.device) if isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor) else t
-           for t, x in zip(leaves, mine, strict=True)]
-    a, kw = torch.utils._pytree.tree_unflatten(out, spec)
-    return tuple(a), dict(kw)
 
 
 def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:

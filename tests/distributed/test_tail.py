@@ -14,6 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
+from rannc_fx.shapes.infer import infer_dtypes_pass, shapes_pass
 from tests.dist_utils import local_part
 from tests.harness import Run, optimizer, train_against_reference
 from tests.unit.test_tail import TOL, BiEncoder, _bi_batch
@@ -27,9 +28,25 @@ def _bi_step(world: int, step: int) -> tuple[torch.Tensor, ...]:
     return _bi_batch(local * world, step)
 
 
-def _tail_after_training(amp: bool, run: Run) -> None:
+_INFERRED: list[str] = []  # in a rank: the inference passes it ran (counted by the patches)
+
+
+def _counted(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    _INFERRED.append(name)
+    return fn(*args, **kwargs)
+
+
+# the values' shapes and the other autocast states' dtypes, counted where they are inferred
+COUNTED = [("rannc_fx.planner.captured", "shapes_pass",
+            functools.partial(_counted, "shapes", shapes_pass)),
+           ("rannc_fx.startup.amp", "infer_dtypes_pass",
+            functools.partial(_counted, "dtypes", infer_dtypes_pass))]
+
+
+def _tail_after_training(amp: bool, run: Run) -> list[str]:
     """The whole model's state on rank 0 under the model's names (the tail's once), an
-    evaluation (the tail's forward only), and with ``amp`` a call under autocast."""
+    evaluation (the tail's forward only), and with ``amp`` a call under autocast; the
+    inference passes the rank ran."""
     cm, ref, rank, world = run.cm, run.ref, run.rank, run.world
     assert cm.plan.tail is not None and cm.plan.schedule == "gpipe"
     model_sd, _ = rannc_fx.get_state_dict(cm, run.opt, full=True)
@@ -49,6 +66,7 @@ def _tail_after_training(amp: bool, run: Run) -> None:
         assert logits.dtype == want_logits.dtype == torch.bfloat16
         assert_close(loss, want, rtol=2e-2, atol=2e-2)
         loss.backward()
+    return list(_INFERRED)
 
 
 @pytest.mark.parametrize(
@@ -62,9 +80,14 @@ def _tail_after_training(amp: bool, run: Run) -> None:
 def test_in_batch_negatives_train_like_one_process(world, cfg, amp):
     # the loss and the rank's rows of the whole batch's logits, every gradient (Adam would
     # hide a gradient counted twice: it is scale-invariant), every parameter
-    train_against_reference(BiEncoder, cfg, world, data=functools.partial(_bi_step, world),
-                            outputs=True, grads=True,
-                            check=functools.partial(_tail_after_training, amp), wall_s=180.0)
+    trained = train_against_reference(
+        BiEncoder, cfg, world, data=functools.partial(_bi_step, world), outputs=True,
+        grads=True, check=functools.partial(_tail_after_training, amp), wall_s=180.0,
+        patches=COUNTED)
+    # rank 0 found the shapes (twice: again with the tail's inputs) and the bfloat16 dtypes;
+    # the others took them with the plan, so they trained on rank 0's tail and dtypes
+    assert trained[0].extra == ["shapes", "shapes", "dtypes"]
+    assert all(t.extra == [] for t in trained[1:]), [t.extra for t in trained]
 
 
 def _clip() -> nn.Module:

@@ -1,0 +1,117 @@
+"""What rank 0 finds before the others split the model, sent to them: its example batch,
+then the plan with the specs, tail and autocast dtypes it found on the same graph.
+
+Every rank captures the model (each needs the graph to split its own parameters into its
+stage), but only rank 0 infers its values' shapes and dtypes: that takes the others as long
+again as rank 0's own inference and finds the same, since every rank captures rank 0's batch
+(``same_example``). The others trace while rank 0 plans, then take its findings with the
+plan (``broadcast_planning``) and only insert the tail's inputs into their graph. Everything
+travels as JSON, validated on arrival.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import TypeAdapter
+from torch.utils import _pytree as pytree
+
+from ..capture.graph import TailNodes
+from ..plan.plan import Plan
+from ..plan.values import ValueSpec
+from ..runtime.comm import CommError
+from .amp import AmpSpecs
+
+__all__ = ["Planning", "broadcast_planning", "same_example"]
+
+_VALUES: TypeAdapter[dict[str, ValueSpec]] = TypeAdapter(dict[str, ValueSpec])
+
+
+@dataclass
+class Planning:
+    """Rank 0's plan and what it found on the graph: every value's spec, the graph's tail,
+    the dtypes under the other autocast states (None for a meta-device model)."""
+
+    plan: Plan
+    values: dict[str, ValueSpec]
+    tail: TailNodes | None
+    amp: AmpSpecs | None
+
+    def to_json(self) -> list[str]:
+        amp = self.amp
+        return [
+            self.plan.to_json(),
+            _VALUES.dump_json(self.values).decode(),
+            json.dumps(None if self.tail is None else dataclasses.asdict(self.tail)),
+            json.dumps(None if amp is None else
+                       [amp.device_type, amp.planned, [[s, d] for s, d in amp.dtypes.items()]]),
+        ]
+
+    @classmethod
+    def from_json(cls, parts: list[str]) -> Planning:
+        plan, values, tail, amp = parts
+        t = json.loads(tail)
+        a = json.loads(amp)
+        return cls(
+            Plan.from_json(plan), _VALUES.validate_json(values),
+            None if t is None else TailNodes(**{k: tuple(v) for k, v in t.items()}),
+            None if a is None else AmpSpecs(a[0], a[1], {s: d for s, d in a[2]}),
+        )  # fmt: skip
+
+
+def broadcast_planning(found: Planning | Exception | None, rank: int, world: int) -> Planning:
+    """Rank 0's ``Planning`` (or its error, raised on every rank) to every rank."""
+    if world == 1:
+        if isinstance(found, Exception):
+            raise found
+        assert found is not None
+        return found
+    payload: list[Any] = [None, None]
+    if rank == 0:
+        if isinstance(found, Planning):
+            payload = ["plan", found.to_json()]
+        else:
+            payload = ["error", f"{type(found).__name__}: {found}"]
+    try:
+        dist.broadcast_object_list(payload, src=0)
+    except RuntimeError as e:
+        why = (
+            "another rank died (see its log)"
+            if rank == 0
+            else "planning on rank 0 took longer than Config.timeout_s, or rank 0 died (see its log)"
+        )
+        raise CommError(f"rank {rank}: broadcasting the plan from rank 0 failed: {e}; {why}") from e
+    kind, body = payload
+    if kind == "error":
+        if isinstance(found, Exception):
+            raise found
+        raise RuntimeError(f"rank 0 could not plan the model: {body}")
+    if isinstance(found, Planning):
+        return found
+    return Planning.from_json(list(body))
+
+
+def same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
+                 rank: int) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+    """Rank 0's example batch on every rank, each tensor on the device this rank's was on,
+    and whether it was taken (False: this rank's call differs in structure, and keeps its own).
+
+    Capture runs the model on its example where it must (a loss kept whole is recorded and
+    probed on it, ``capture/record.py``), so ranks with their own data could capture
+    different graphs; with rank 0's every rank captures the graph rank 0 plans."""
+    mine, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    payload: list[Any] = [[x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type
+                           != "meta" else x for x in mine], spec] if rank == 0 else [None, None]
+    dist.broadcast_object_list(payload, src=0)
+    leaves, theirs = payload
+    if theirs != spec:  # the first call's structure differs: the call's checks say how
+        return args, kwargs, False
+    out = [t.to(x.device) if isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor) else t
+           for t, x in zip(leaves, mine, strict=True)]
+    a, kw = pytree.tree_unflatten(out, spec)
+    return tuple(a), dict(kw), True
