@@ -26,11 +26,12 @@ lint: $(STAMP)
 	$(PYTHON) -m mypy
 
 # the whole suite (CI's command, .ci/run): lint, then tests/unit and tests/distributed
-# in one process: the distributed tier's ranks keep both cores busy (on two pytest-xdist
-# workers the whole suite took as long: 31.6 min, against 31.4 in one process)
+# in one process, 25 min here: the distributed tier's ranks keep both cores busy (on two
+# pytest-xdist workers the whole suite took as long: 31.6 min, against 31.4 in one process,
+# both before the captures got faster)
 test: lint
 	$(PYTHON) -m pytest -q
 
-# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 6 min here, 10.5 in one
+# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 5.7 min here
 test-quick: $(STAMP)
 	$(PYTHON) -m pytest -q -n 2 tests/unit
