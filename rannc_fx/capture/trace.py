@@ -337,9 +337,12 @@ def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ..
                           "in %.2f s", len(rep.templates), copies, time.perf_counter() - t0)
             return ep, gm, copies
         except Exception as e:
-            if rep.unshell - keep:  # a shell had to run its own forward: keep those modules
+            if rep.unshell - keep:  # a shell had to run its own forward: export again with
+                # no shells at all, not only that kind's: each export costs the whole model, and
+                # kept one kind at a time an encoder-decoder exported once per kind whose
+                # decoder members see other lengths than the encoder's (T5: three exports)
                 log.debug("capture: %s; exporting again", e)
-                keep |= rep.unshell
+                keep |= rep.unshell | {kind.members[0] for kind in rep.kinds}
                 continue
             if not rep.kinds and not isinstance(e, RepeatError):
                 raise  # nothing was stood in for: the model does not export
