@@ -342,7 +342,7 @@ def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ..
                 # kept one kind at a time an encoder-decoder exported once per kind whose
                 # decoder members see other lengths than the encoder's (T5: three exports)
                 log.debug("capture: %s; exporting again", e)
-                keep |= rep.unshell | {kind.members[0] for kind in rep.kinds}
+                keep |= {kind.members[0] for kind in rep.kinds}  # rep.unshell among them
                 continue
             if not rep.kinds and not isinstance(e, RepeatError):
                 raise  # nothing was stood in for: the model does not export

@@ -127,8 +127,7 @@ def set_up_rank(
             try:
                 here = _plan_here(model, optimizer, args, kwargs, world, cfg, target, param_costs)
                 plan, captured, values = here.plan, here.captured, here.values
-                found: Planning | None = Planning(plan, values, captured.tail,
-                                                  amp_specs(captured, plan))
+                found = Planning(plan, values, captured.tail, amp_specs(captured, plan))
             except Exception as e:
                 broadcast_planning(e, rank, world)  # the others must hear of it, not time out
                 raise

@@ -98,7 +98,7 @@ def test_an_encoder_decoder_is_exported_at_most_twice(caplog: pytest.LogCaptureF
     model, args, kwargs = t5_example()
     with caplog.at_level(logging.DEBUG, logger="rannc_fx"):
         fast = trace_export(model, args, kwargs, 0)
-    assert caplog.text.count("exporting again") == 1, caplog.text
+    assert caplog.text.count("exporting again") <= 1, caplog.text
     assert fast.copied_calls >= 1
 
 
