@@ -12,6 +12,7 @@ computes what the model does, else torch.export.
     record         their calls recorded on the example
     failure        what to say when no tracer works
     capture        ``capture_pass``: which tracer, and the modules kept whole where one fails
+    portable       a captured graph sent to another copy of the model (``compile()``'s ranks)
 """
 
 from __future__ import annotations
@@ -276,8 +277,10 @@ def _checked(captured: CapturedGraph, model: nn.Module, args: tuple[Any, ...],
     return captured
 
 
-def retarget_device_pass(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphModule:
-    """Point every device the graph names (``arange(..., device=cpu)``) at ``device``, in place.
+def retarget_device_pass(gm: fx.GraphModule, device: torch.device | str, *,
+                         only: torch.device | None = None) -> fx.GraphModule:
+    """Point every device the graph names (``arange(..., device=cpu)``) at ``device``, in place
+    (with ``only``: every mention of that device).
 
     torch.export bakes the capture device into factory calls; a graph captured on the CPU or
     on ``meta`` runs elsewhere only after this.
@@ -285,7 +288,7 @@ def retarget_device_pass(gm: fx.GraphModule, device: torch.device | str) -> fx.G
     dev = torch.device(device)
 
     def swap(x: Any) -> Any:
-        return dev if isinstance(x, torch.device) else x
+        return dev if isinstance(x, torch.device) and (only is None or x == only) else x
 
     # nested graphs too: export puts autocast / grad-mode regions in submodule graphs
     for sub in gm.modules():

@@ -1,12 +1,12 @@
 """What rank 0 finds before the others split the model, sent to them: its example batch,
-then the plan with the specs, tail and autocast dtypes it found on the same graph.
+then the plan with the graph it captured and the specs, tail and autocast dtypes it found.
 
-Every rank captures the model (each needs the graph to split its own parameters into its
-stage), but only rank 0 infers its values' shapes and dtypes: that takes the others as long
-again as rank 0's own inference and finds the same, since every rank captures rank 0's batch
-(``same_example``). The others trace while rank 0 plans, then take its findings with the
-plan (``broadcast_planning``) and only insert the tail's inputs into their graph. Everything
-travels as JSON, validated on arrival.
+Only rank 0 captures the model and infers its values' shapes and dtypes: the others would
+take as long again to find the same, since every rank holds rank 0's batch
+(``same_example``). They wait while rank 0 plans, then take its graph with the plan
+(``broadcast_planning``), bound to their own model's parameters (``capture/portable``). Where
+the graph cannot travel, each captures the model itself and takes rank 0's specs for it.
+The findings travel as JSON, validated on arrival.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class Planning:
     values: dict[str, ValueSpec]
     tail: TailNodes | None
     amp: AmpSpecs | None
+    # the captured graph (``capture/portable``) and the device it was captured on; None
+    # where it cannot be sent, and each rank captures the model itself
+    graph: bytes | None = None
+    home: str = "cpu"
 
     def to_json(self) -> list[str]:
         amp = self.amp
@@ -50,17 +54,19 @@ class Planning:
             json.dumps(None if self.tail is None else dataclasses.asdict(self.tail)),
             json.dumps(None if amp is None else
                        [amp.device_type, amp.planned, [[s, d] for s, d in amp.dtypes.items()]]),
+            self.home,
         ]
 
     @classmethod
-    def from_json(cls, parts: list[str]) -> Planning:
-        plan, values, tail, amp = parts
+    def from_json(cls, parts: list[str], graph: bytes | None = None) -> Planning:
+        plan, values, tail, amp, home = parts
         t = json.loads(tail)
         a = json.loads(amp)
         return cls(
             Plan.from_json(plan), _VALUES.validate_json(values),
             None if t is None else TailNodes(**{k: tuple(v) for k, v in t.items()}),
             None if a is None else AmpSpecs(a[0], a[1], {s: d for s, d in a[2]}),
+            graph, home,
         )  # fmt: skip
 
 
@@ -71,12 +77,12 @@ def broadcast_planning(found: Planning | Exception | None, rank: int, world: int
             raise found
         assert found is not None
         return found
-    payload: list[Any] = [None, None]
+    payload: list[Any] = [None, None, None]
     if rank == 0:
         if isinstance(found, Planning):
-            payload = ["plan", found.to_json()]
+            payload = ["plan", found.to_json(), found.graph]
         else:
-            payload = ["error", f"{type(found).__name__}: {found}"]
+            payload = ["error", f"{type(found).__name__}: {found}", None]
     try:
         dist.broadcast_object_list(payload, src=0)
     except RuntimeError as e:
@@ -86,14 +92,14 @@ def broadcast_planning(found: Planning | Exception | None, rank: int, world: int
             else "planning on rank 0 took longer than Config.timeout_s, or rank 0 died (see its log)"
         )
         raise CommError(f"rank {rank}: broadcasting the plan from rank 0 failed: {e}; {why}") from e
-    kind, body = payload
+    kind, body, graph = payload
     if kind == "error":
         if isinstance(found, Exception):
             raise found
         raise RuntimeError(f"rank 0 could not plan the model: {body}")
     if isinstance(found, Planning):
         return found
-    return Planning.from_json(list(body))
+    return Planning.from_json(list(body), graph)
 
 
 def same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -105,11 +111,12 @@ def same_example(args: tuple[Any, ...], kwargs: dict[str, Any],
     probed on it, ``capture/record.py``), so ranks with their own data could capture
     different graphs; with rank 0's every rank captures the graph rank 0 plans."""
     mine, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    # the structure as its text: a pickled TreeSpec warns on arrival (its leaves' class)
     payload: list[Any] = [[x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type
-                           != "meta" else x for x in mine], spec] if rank == 0 else [None, None]
+                           != "meta" else x for x in mine], str(spec)] if rank == 0 else [None, None]
     dist.broadcast_object_list(payload, src=0)
     leaves, theirs = payload
-    if theirs != spec:  # the first call's structure differs: the call's checks say how
+    if theirs != str(spec):  # the first call's structure differs: the call's checks say how
         return args, kwargs, False
     out = [t.to(x.device) if isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor) else t
            for t, x in zip(leaves, mine, strict=True)]

@@ -2,10 +2,10 @@
 
 Planning measures the link between ranks (unless ``Config.link_bandwidth`` and
 ``link_latency`` are given) and, on every rank at once, the optimizer step and gradient
-accumulation per tensor size, then traces the model on every rank (rank 0's example batch,
-``planned.py``); rank 0 alone infers the values' shapes, profiles (timing the user's optimizer
-too), searches and infers the dtypes of the other autocast states while the model is whole
-(``amp.py``), and broadcasts the plan with what it found as JSON, while the others wait. A
+accumulation per tensor size; rank 0 alone captures the model, infers the values' shapes,
+profiles (timing the user's optimizer too), searches and infers the dtypes of the other
+autocast states while the model is whole (``amp.py``), and broadcasts the plan with its graph
+and what it found (``planned.py``), which the others bind to their own model. A
 meta-device model, or one whose tensors are not on the rank's device, is planned with the
 analytic cost model for the rank's device (``planner.pick_target``); the measured link goes
 into that device's spec. Each rank then splits the graph, checks with the others that they
@@ -29,10 +29,13 @@ from torch import fx, nn
 
 from ..capture.capture import CapturedGraph, batch_size_of, retarget_device_pass
 from ..capture.graph import untouched
+from ..capture.portable import NotPortable, pack, unpack
 from ..plan.config import Config
 from ..plan.device import DeviceSpec, device_of
 from ..plan.plan import Plan
+from ..plan.values import ValueSpec
 from ..planner import (
+    Captured,
     Planned,
     Target,
     capture_model,
@@ -104,9 +107,10 @@ def set_up_rank(
             optimizer, target.measure_on, target.spec, cfg.optimizer_state_factor,
             repeats=cfg.profile_repeats,
         )  # fmt: skip
-    alike = True  # whether this rank captures rank 0's batch
-    if world > 1:  # every rank captures rank 0's batch: the same graph everywhere, even
-        args, kwargs, alike = same_example(args, kwargs, rank)  # where it depends on the data
+    alike = True  # whether this rank holds rank 0's batch
+    if world > 1:  # every rank holds rank 0's batch: the same graph everywhere (where one is
+        args, kwargs, alike = same_example(args, kwargs, rank)  # captured again), even where
+        # it depends on the data; the other mode's graph is captured on it too
     amp_type = home.type if home.type != "meta" else device.type
     planned_amp = cfg.autocast_dtype or amp_state(amp_type)
     modes = Modes(model, args, kwargs, config=cfg, device=device, rank=rank, amp_type=amp_type,
@@ -127,22 +131,22 @@ def set_up_rank(
             try:
                 here = _plan_here(model, optimizer, args, kwargs, world, cfg, target, param_costs)
                 plan, captured, values = here.plan, here.captured, here.values
-                found = Planning(plan, values, captured.tail, amp_specs(captured, plan))
+                found = Planning(plan, values, captured.tail, amp_specs(captured, plan),
+                                 _packed(captured, model) if world > 1 else None, str(home))
             except Exception as e:
                 broadcast_planning(e, rank, world)  # the others must hear of it, not time out
                 raise
-        elif given is None:  # while rank 0 plans
+        elif given is None and not alike:  # its own batch: its own graph, while rank 0 plans
             traced = trace_model(model, args, kwargs, cfg)
-        else:
+        elif given is not None:
             cap = capture_model(model, args, kwargs, cfg)
             captured, values = cap.graph, cap.values
     if given is None:
         found = broadcast_planning(found if planned else None, rank, world)
         plan, amp = found.plan, found.amp
-        if not planned:  # rank 0's findings on the same graph, unless this rank's batch differs
-            with untouched(model), autocast_as(amp_type, planned_amp):
-                cap = shape_model(traced, cfg, given=(found.values, found.tail) if alike else None)
-            captured, values = cap.graph, cap.values
+        if not planned:
+            captured, values = _rank0_graph(found, model, home, args, kwargs, cfg, alike,
+                                            traced if not alike else None, amp_type, planned_amp)
     else:
         plan = load_given(given, captured, world)
         with untouched(model):
@@ -199,6 +203,40 @@ def set_up_rank(
     note("compiled %s for %d rank(s) in %.2f s total (plan, split, placement)",
          captured.model_name, world, time.perf_counter() - started)
     return Ready(captured, stage, plan, placement, names, batches, modes)
+
+def _packed(captured: CapturedGraph, model: nn.Module) -> bytes | None:
+    """Rank 0's graph for the others, or None where it cannot travel (they capture it)."""
+    try:
+        return pack(captured, model)
+    except NotPortable as e:
+        note("the captured graph stays on rank 0 (%s): every rank captures the model", e)
+        return None
+
+
+def _rank0_graph(
+    found: Planning, model: nn.Module, home: torch.device, args: tuple[Any, ...],
+    kwargs: dict[str, Any], cfg: Config, alike: bool, traced: Captured | None,
+    amp_type: str, planned_amp: str | None,
+) -> tuple[CapturedGraph, dict[str, ValueSpec]]:
+    """The graph rank 0 planned, on this rank's model, with its values' specs: sent with the
+    plan, or captured here where it could not travel (with rank 0's specs, unless this rank's
+    batch differed in structure and its own graph was traced while rank 0 planned)."""
+    if alike and found.graph is not None:
+        try:
+            captured = unpack(found.graph, model)
+        except NotPortable as e:  # check_alike says how the models differ
+            note("rank 0's graph does not fit this rank's model (%s): capturing it here", e)
+        else:
+            there = torch.device(found.home)
+            if there != home and "meta" not in (there.type, home.type):
+                retarget_device_pass(captured.gm, home, only=there)
+            return captured, found.values
+    with untouched(model), autocast_as(amp_type, planned_amp):
+        if traced is None:
+            traced = trace_model(model, args, kwargs, cfg)
+        cap = shape_model(traced, cfg, given=(found.values, found.tail) if alike else None)
+    return cap.graph, cap.values
+
 
 def _plan_here(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, args: tuple[Any, ...],

@@ -1,0 +1,104 @@
+"""A captured graph sent to another copy of the model (``capture/portable``): what
+``compile()``'s other ranks receive from rank 0 instead of capturing the model again."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from rannc_fx.capture.capture import capture_pass
+from rannc_fx.capture.graph import CapturedGraph
+from rannc_fx.capture.opaque import OPAQUE, OpaqueCall
+from rannc_fx.capture.portable import NotPortable, pack, unpack
+from tests.unit.test_capture import CASES, IDS, _Branchy, _BranchyRoot, assert_same, run
+
+
+def _sent(cg: CapturedGraph, model: nn.Module) -> tuple[CapturedGraph, nn.Module]:
+    """``cg`` as another rank receives it, bound to its own copy of ``model``."""
+    theirs = copy.deepcopy(model)
+    return unpack(pack(cg, model), theirs), theirs
+
+
+def _assert_same_graph(got: CapturedGraph, cg: CapturedGraph) -> None:
+    mine = [(n.op, n.name, str(n.target), n.meta.get(OPAQUE)) for n in cg.gm.graph.nodes]
+    theirs = [(n.op, n.name, str(n.target), n.meta.get(OPAQUE)) for n in got.gm.graph.nodes]
+    assert theirs == mine
+    assert got.gm.code == cg.gm.code
+    assert got.fingerprint() == cg.fingerprint()
+    for field in ("tracer", "in_spec", "out_spec", "input_names", "tensor_leaf_index",
+                  "output_names", "aliases", "output_leaf_index", "constant_outputs",
+                  "model_name", "checked", "pieces", "copied_calls"):
+        assert getattr(got, field) == getattr(cg, field), field
+
+
+def _assert_holds_own_state(got: CapturedGraph, model: nn.Module) -> None:
+    """Every tensor of the graph is ``model``'s own object, under its own name."""
+    own = {**dict(model.named_parameters(remove_duplicate=False)),
+           **dict(model.named_buffers(remove_duplicate=False))}
+    held = {**dict(got.gm.named_parameters(remove_duplicate=False)),
+            **dict(got.gm.named_buffers(remove_duplicate=False))}
+    assert held and set(held) <= set(own)
+    assert all(t is own[name] for name, t in held.items())
+
+
+@pytest.mark.parametrize(("name", "tracer", "expect"), CASES, ids=IDS)
+def test_the_graph_arrives_whole_on_the_receiver_s_own_model(zoo, name, tracer, expect):
+    model, args, kwargs, cg = zoo(name, tracer)
+    got, theirs = _sent(cg, model)
+    assert got.tracer == expect
+    _assert_same_graph(got, cg)
+    _assert_holds_own_state(got, theirs)
+    model.eval()
+    theirs.eval()  # the copy computes what the model does, bitwise (no dropout in the way)
+    try:
+        with torch.no_grad():
+            assert_same(run(got, args, kwargs), run(cg, args, kwargs))
+    finally:
+        model.train()
+
+
+def test_a_tied_parameter_arrives_as_the_receiver_s_one_object(zoo):
+    model, _, _, cg = zoo("gpt2", "auto")
+    got, theirs = _sent(cg, model)
+    assert theirs.lm_head.weight is theirs.transformer.wte.weight
+    held = dict(got.gm.named_parameters(remove_duplicate=False))
+    assert held["lm_head.weight"] is held["transformer.wte.weight"] is theirs.lm_head.weight
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_module_kept_whole_runs_the_receiver_s_module(tracer):
+    model, x = _Branchy(), torch.randn(4, 4)
+    cg = capture_pass(model, (x,), tracer=tracer)  # type: ignore[arg-type]
+    got, theirs = _sent(cg, model)
+    _assert_same_graph(got, cg)
+    flip = got.gm.get_submodule("flip")
+    assert isinstance(flip, OpaqueCall) and flip.inner is theirs.flip
+    assert flip.calls == cg.gm.get_submodule("flip").calls  # the recorded calls travel
+    with torch.no_grad():
+        theirs.lin.weight.neg_()  # the receiver's own weights compute, not the sender's
+    for sign in (1.0, -1.0):
+        assert_same(run(got, (sign * x,), {}), theirs(sign * x))
+
+
+@pytest.mark.parametrize(("tracer", "says"), [
+    ("export", r"holds the tensor 'lin\.bias', which this rank's model lacks"),  # by name
+    ("fx", r"differs from rank 0's in the shapes or dtypes"),  # its Linear, called whole
+])
+def test_another_model_is_refused_with_what_differs(tracer, says):
+    model, x = _Branchy(), torch.randn(4, 4)
+    cg = capture_pass(model, (x,), tracer=tracer)
+    other = _Branchy()
+    other.lin = nn.Linear(4, 4, bias=False)
+    with pytest.raises(NotPortable, match=says + ".*build the same model on every rank"):
+        unpack(pack(cg, model), other)
+
+
+def test_a_forward_run_in_pieces_stays_where_it_was_captured():
+    model, x = _BranchyRoot(), torch.randn(4, 4)
+    cg = capture_pass(model, (x,), tracer="export")
+    assert cg.pieces is not None
+    with pytest.raises(NotPortable, match="runs in pieces"):
+        pack(cg, model)
