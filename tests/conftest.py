@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,7 @@ import pytest
 
 from rannc_fx.capture.capture import CapturedGraph, capture_pass
 
+from .captures import SHARED
 from .harness import ZOO  # name -> (module, factory); the transformers ones need transformers
 
 Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
@@ -32,7 +36,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     paths = [Path(a.split("::")[0]).resolve() for a in session.config.args]
     if paths and all(p == UNIT or UNIT in p.parents for p in paths):
         return
+    # the folder of the captures the session's ranks share (``captures.py``), which the
+    # workers find in the environment they are given
+    os.environ[SHARED] = tempfile.mkdtemp(prefix="rannc_fx-captures-")
     start_fork_server()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    folder = os.environ.pop(SHARED, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group marks

@@ -32,6 +32,8 @@ from rannc_fx.plan.plan import (
 )
 from rannc_fx.plan.values import ValueSpec
 
+from . import captures
+
 __all__ = ["RankFailed", "SharedRanks", "assert_like_reference", "assert_moved_alike",
            "assert_moved_alike_in_norm", "local_part", "make_plan", "run_ranks", "scalar",
            "snapshot", "step_each", "tensor"]
@@ -188,12 +190,13 @@ def _run_cases(rank: int, world: int, cases: list[tuple[Callable[..., Any], tupl
 
 
 # imported once by the fork server, so that each worker starts with them
-# (a missing one is skipped: transformers and peft are optional)
+# (a missing one is skipped: transformers and peft are optional); the last warms it up
 _PRELOAD = ["torch", "torch._dynamo", "torch.export._trace", "torch.distributed", "rannc_fx",
-            "rannc_fx.compile", "tests.dist_utils", "tests.harness", "tests.hf_models", "transformers",
-            "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2",
-            "transformers.models.llama.modeling_llama", "transformers.models.t5.modeling_t5",
-            "transformers.models.resnet.modeling_resnet", "peft"]
+            "rannc_fx.compile", "tests.dist_utils", "tests.harness", "tests.hf_models",
+            "transformers", "transformers.models.bert.modeling_bert",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+            "transformers.models.t5.modeling_t5", "transformers.models.resnet.modeling_resnet",
+            "peft", "tests.fork_warmup"]
 
 
 def _context() -> Any:
@@ -241,6 +244,7 @@ def _worker(
     os.environ.update(env)
     for module, attribute, value in patches:
         setattr(importlib.import_module(module), attribute, value)
+    captures.install()  # the session's shared captures, unless a patch turned them off
     torch.set_num_threads(1)
     try:
         if init:

@@ -22,11 +22,32 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import Any
 
 from rannc_fx.search import CostTable, SearchSpace, StageChoice
 
 SLACK = 1e-9
+
+
+class _Lists:
+    """A table (or its segments) with every array as nested Python lists, its other fields
+    as they are: the enumerations read single elements, each a numpy scalar on an array."""
+
+    def __init__(self, of: Any) -> None:
+        for f in fields(of):
+            v = getattr(of, f.name)
+            if hasattr(v, "tolist"):
+                v = v.tolist()
+            elif is_dataclass(v) and not isinstance(v, type):
+                v = _Lists(v)
+            setattr(self, f.name, v)
+        if hasattr(of, "num_blocks"):
+            self.num_blocks = of.num_blocks
+
+
+def _lists(table: CostTable) -> CostTable:
+    return table if isinstance(table, _Lists) else _Lists(table)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -385,6 +406,7 @@ def plans(table: CostTable, space: SearchSpace
 def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
     """Every plan of the space (tiny inputs), each stage at the policy's variant: the optimum
     within the strict budget and within the loose one (the policy decided at each)."""
+    table = _lists(table)
     out = Verdict()
     plain_space = replace(space, recompute=False, zero=False)
     for m, bounds, reps in plans(table, space):
@@ -431,6 +453,7 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
 
 def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
     """The least largest-stage memory over the space's plans, by enumeration (oracle figures)."""
+    table = _lists(table)
     best = math.inf
     memo: dict[tuple[int, int, int, int, int], float] = {}
 
@@ -472,6 +495,7 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
     each m, schedule and -- under 1F1B or when forced -- total stage count S, so that a stage's
     position from the end is known; each stage at the policy's variant. No pruning beyond
     dominance."""
+    table = _lists(table)
     B, W, G = table.num_blocks, space.world_size, space.global_batch
     memo: dict[tuple[int, int, int, int, int], Figures | None] = {}
     best: Best | None = None

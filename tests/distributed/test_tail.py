@@ -14,7 +14,9 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
+from rannc_fx.capture.capture import capture_pass
 from rannc_fx.shapes.infer import infer_dtypes_pass, shapes_pass
+from tests.captures import NOT_SHARED
 from tests.dist_utils import local_part
 from tests.harness import Run, optimizer, train_against_reference
 from tests.unit.test_tail import TOL, BiEncoder, _bi_batch
@@ -36,8 +38,12 @@ def _counted(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-# the values' shapes and the other autocast states' dtypes, counted where they are inferred
-COUNTED = [("rannc_fx.planner.captured", "shapes_pass",
+# the capture, the values' shapes and the other autocast states' dtypes, counted where they
+# are found (every capture traced: none shared with other tests)
+COUNTED = [NOT_SHARED,
+           ("rannc_fx.planner.captured", "capture_pass",
+            functools.partial(_counted, "capture", capture_pass)),
+           ("rannc_fx.planner.captured", "shapes_pass",
             functools.partial(_counted, "shapes", shapes_pass)),
            ("rannc_fx.startup.amp", "infer_dtypes_pass",
             functools.partial(_counted, "dtypes", infer_dtypes_pass))]
@@ -84,9 +90,10 @@ def test_in_batch_negatives_train_like_one_process(world, cfg, amp):
         BiEncoder, cfg, world, data=functools.partial(_bi_step, world), outputs=True,
         grads=True, check=functools.partial(_tail_after_training, amp), wall_s=180.0,
         patches=COUNTED)
-    # rank 0 found the shapes (twice: again with the tail's inputs) and the bfloat16 dtypes;
-    # the others took them with the plan, so they trained on rank 0's tail and dtypes
-    assert trained[0].extra == ["shapes", "shapes", "dtypes"]
+    # rank 0 captured the model and found the shapes (twice: again with the tail's inputs)
+    # and the bfloat16 dtypes; the others took its graph and findings with the plan, so they
+    # trained on rank 0's graph, tail and dtypes
+    assert trained[0].extra == ["capture", "shapes", "shapes", "dtypes"]
     assert all(t.extra == [] for t in trained[1:]), [t.extra for t in trained]
 
 

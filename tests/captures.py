@@ -1,0 +1,124 @@
+"""Captures shared by the suite's ranks: a model traced once is bound, in later tests, to
+their own copy of it (``rannc_fx/capture/portable``), as ``compile()``'s rank 0 sends its
+graph to the other ranks.
+
+Many distributed cases train the same model under other plans (schedules, replicas,
+recomputation), and its capture (torch.export's trace) was most of their rank 0's time.
+``trace_model`` stands in for ``rannc_fx.planner.captured.trace_model`` in the workers
+``run_ranks`` starts: it keys a capture by everything the trace reads (the model's classes,
+modules and their modes, tensors' names, shapes and dtypes, plain attributes and configs, the
+example's structure and tensors' shapes, the tracer's settings, autocast) and keeps it as
+bytes in the session's folder (``SHARED``, set by ``conftest.py``). A key it has bound on
+arrival passes the receiver's fingerprint check (``unpack``); anything that cannot travel
+is traced as before. The tests of capture itself run in the unit tier's process, which does
+not use it; a distributed test that counts captures turns it off (``NOT_SHARED``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from rannc_fx.capture.graph import autocast_state
+from rannc_fx.capture.portable import NotPortable, pack, unpack
+from rannc_fx.plan.config import Config
+from rannc_fx.plan.device import device_of
+from rannc_fx.planner import captured
+
+__all__ = ["NOT_SHARED", "SHARED", "install"]
+
+SHARED = "TESTS_SHARED_CAPTURES"  # the environment variable naming the session's folder
+ENABLED = True
+# a ``run_ranks`` patch for tests that count or watch captures: every rank 0 traces
+NOT_SHARED = (__name__, "ENABLED", False)
+_traced = captured.trace_model
+
+
+def install() -> None:
+    """Share captures in this process, where the session has a folder for them."""
+    if ENABLED and os.environ.get(SHARED):
+        captured.trace_model = trace_model  # type: ignore[assignment]
+
+
+def trace_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                config: Config, *, opaque: dict[str, Any] | None = None,
+                pieces: tuple[int, int] | None = None) -> captured.Captured:
+    """``captured.trace_model``, from the session's folder where the same model was traced."""
+    if opaque or pieces:
+        return _traced(model, args, kwargs, config, opaque=opaque, pieces=pieces)
+    path = Path(os.environ[SHARED]) / f"{_key(model, args, kwargs, config)}.graph"
+    if device_of(model).type == "meta":
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    if path.exists():
+        try:
+            graph = unpack(path.read_bytes(), model)
+        except NotPortable:
+            pass
+        else:
+            return captured.Captured(graph, graph.flatten_inputs(args, kwargs), {})
+    traced = _traced(model, args, kwargs, config)
+    try:
+        data = pack(traced.graph, model)
+    except NotPortable:
+        return traced
+    part = path.with_suffix(f".{os.getpid()}")
+    part.write_bytes(data)
+    part.replace(path)  # whole, or not there
+    return traced
+
+
+def _key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config) -> str:
+    text = [repr(_about(m, 0)) + repr(m.training) + f" {name}"
+            for name, m in model.named_modules(remove_duplicate=False)]
+    text += [f"{name} {tuple(t.shape)} {t.dtype} {t.device.type} {t.requires_grad}"
+             for name, t in (*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False))]
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    text += [str(spec), *(repr(_about(x, 0)) for x in leaves)]
+    text += [repr((config.tracer, config.leaf_modules, config.batch_dim, config.dynamic_dims)),
+             repr(autocast_state()), repr(torch.is_grad_enabled())]
+    return hashlib.sha256("\n".join(text).encode()).hexdigest()[:32]
+
+
+def _about(x: Any, depth: int) -> Any:
+    """What of ``x`` a trace may read: plain values as they are, tensors by shape and dtype,
+    functions by where their code is, objects by class and (a few levels down) attributes."""
+    if x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return x
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+    if isinstance(x, type):
+        return f"{x.__module__}.{x.__qualname__}"
+    if isinstance(x, functools.partial):
+        return ("partial", _about(x.func, depth), _about(x.args, depth),
+                _about(x.keywords, depth))
+    if isinstance(x, (types.FunctionType, types.MethodType)):
+        code = x.__code__ if isinstance(x, types.FunctionType) else x.__func__.__code__
+        return ("function", x.__qualname__, code.co_filename, code.co_firstlineno)
+    if callable(x) and not hasattr(x, "__dict__"):
+        return ("callable", getattr(x, "__qualname__", type(x).__qualname__))
+    if depth > 3:
+        return type(x).__qualname__
+    if isinstance(x, (list, tuple, set, frozenset)):
+        items = sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x
+        return (type(x).__name__, *(_about(v, depth + 1) for v in items))
+    if isinstance(x, dict):
+        return {str(k): _about(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, nn.Module):  # its own attributes: its children are keyed on their own
+        return (_about(type(x), depth), {k: _about(v, depth + 1) for k, v in vars(x).items()
+                                         if k not in _MODULE_TABLES})
+    if hasattr(x, "__dict__"):
+        return (_about(type(x), depth), _about(vars(x), depth + 1))
+    return repr(x)
+
+
+# an nn.Module's own tables: its tensors and children are keyed by name, its hooks are empty
+_MODULE_TABLES = frozenset(vars(nn.Module()))
