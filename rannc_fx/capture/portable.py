@@ -5,9 +5,10 @@ Every rank builds the same model (``startup/sync.py`` checks that they did), so 
 captured on one rank computes what the others' would: a second capture of it takes each
 of them as long as rank 0's own (torch.export's trace is most of the start-up) to find the
 same graph. ``pack`` writes rank 0's ``CapturedGraph`` with each of the model's parameters,
-buffers, tensor attributes and submodules as its name; ``unpack`` reads it against this
-rank's model, so the graph holds this rank's own objects, as a capture of its own would,
-and checks that it is the graph rank 0 had (``CapturedGraph.fingerprint``).
+buffers, tensor attributes and submodules as its name (a tensor attribute with its value too:
+torch.fx sets the constants it traces on the model, which another copy lacks); ``unpack``
+reads it against this rank's model, so the graph holds this rank's own objects, as a capture
+of its own would, and checks that it is the graph rank 0 had (``CapturedGraph.fingerprint``).
 
 The graph travels as its nodes (op, name, target, arguments, plain metadata), so names and
 the metadata later passes read (``OPAQUE``, ``TAIL``, module stacks) arrive as they were;
@@ -29,6 +30,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from .capture import retarget_device_pass
 from .graph import CapturedGraph
 from .opaque import OpaqueCall
 from .pieces import Piece
@@ -59,17 +61,34 @@ def pack(captured: CapturedGraph, model: nn.Module) -> bytes:
     return out.getvalue()
 
 
-def unpack(data: bytes, model: nn.Module) -> CapturedGraph:
+def unpack(data: bytes, model: nn.Module, *,
+           moved: tuple[torch.device, torch.device] | None = None) -> CapturedGraph:
     """The ``CapturedGraph`` ``pack`` wrote, holding ``model``'s own parameters, buffers and
-    submodules. Raises ``NotPortable`` where ``model`` lacks a name the graph holds, or holds
-    it with another shape or dtype, or a submodule of another kind."""
+    submodules; with ``moved`` (the sender's model's device, this one's), the devices the
+    graph names and the constants it carries moved from the first to the second. Raises
+    ``NotPortable`` where ``model`` lacks a name the graph holds, or holds it with another
+    shape or dtype, or a submodule of another kind."""
     fingerprint, captured = _Unpickler(io.BytesIO(data), model).load()
     assert isinstance(captured, CapturedGraph)
     if captured.fingerprint() != fingerprint:
         raise NotPortable("this rank's model differs from rank 0's in the shapes or dtypes of "
                           "the tensors the graph holds, or in its modules: build the same "
                           "model on every rank")
+    if moved is not None and moved[0] != moved[1]:
+        _move(captured.gm, model, *moved)
     return captured
+
+
+def _move(gm: fx.GraphModule, model: nn.Module, there: torch.device, here: torch.device) -> None:
+    """The graph's devices and the constants it carries (its own tensors, not the model's) on
+    ``here`` where they were on ``there``."""
+    retarget_device_pass(gm, here, only=there)
+    own = {id(t) for named in _own_tensors(model).values() for t in named.values()}
+    for mod in gm.modules():
+        for table in (mod._buffers, mod.__dict__):
+            for k, t in list(table.items()):
+                if isinstance(t, torch.Tensor) and id(t) not in own and t.device == there:
+                    table[k] = t.to(here)
 
 
 # -- the sender ----------------------------------------------------------------------------------
@@ -78,15 +97,19 @@ def unpack(data: bytes, model: nn.Module) -> CapturedGraph:
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, model: nn.Module) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: dict[int, str] = {}
-        for name, t in _own_tensors(model).items():
-            self.tensors.setdefault(id(t), name)
+        self.tensors: dict[int, tuple[str, str]] = {}
+        for kind, named in _own_tensors(model).items():
+            for name, t in named.items():
+                self.tensors.setdefault(id(t), (kind, name))
         self.modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            name = self.tensors.get(id(obj))
-            return None if name is None else ("tensor", name)
+            kind, name = self.tensors.get(id(obj), ("", ""))
+            if kind == "attribute":  # with its value (a copy: the pid itself is pickled
+                return (kind, name, obj.detach().clone())  # plainly): torch.fx sets the
+                # constants it traces on the model, which another copy lacks
+            return (kind, name) if kind else None
         if isinstance(obj, nn.Module) and id(obj) in self.modules:
             return ("module", self.modules[id(obj)])
         return None
@@ -160,28 +183,29 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, model: nn.Module) -> None:
         super().__init__(file)
         self.model = model
-        self.tensors = _own_tensors(model)
-        self.modules = dict(model.named_modules(remove_duplicate=False))
+        self.tables: dict[str, dict[str, Any]] = {
+            **_own_tensors(model), "module": dict(model.named_modules(remove_duplicate=False))}
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, name = pid
-        table: dict[str, Any] = self.tensors if kind == "tensor" else self.modules
+        kind, name, *value = pid
+        table = self.tables[kind]
+        if kind == "attribute" and name not in table:  # a constant only the sender's holds
+            return value[0]
         if name not in table:
             raise NotPortable(f"rank 0's graph holds the {kind} {name!r}, which this rank's "
                               "model lacks: build the same model on every rank")
         return table[name]
 
 
-def _own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor the model holds by name: parameters, buffers and plain tensor attributes
-    (constants), in that order."""
-    out = {**dict(model.named_parameters(remove_duplicate=False)),
-           **dict(model.named_buffers(remove_duplicate=False))}
-    for prefix, mod in model.named_modules(remove_duplicate=False):
-        for attr, v in vars(mod).items():
-            if isinstance(v, torch.Tensor):
-                out.setdefault(f"{prefix}.{attr}" if prefix else attr, v)
-    return out
+def _own_tensors(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor the model holds, by kind and name: its state (parameters and buffers) and
+    its plain tensor attributes (constants)."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    attributes = {f"{prefix}.{attr}" if prefix else attr: v
+                  for prefix, mod in model.named_modules(remove_duplicate=False)
+                  for attr, v in vars(mod).items() if isinstance(v, torch.Tensor)}
+    return {"tensor": state, "attribute": attributes}
 
 
 def _overload(namespace: str, name: str, overload: str) -> Any:

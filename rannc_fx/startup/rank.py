@@ -222,14 +222,13 @@ def _rank0_graph(
     plan, or captured here where it could not travel (with rank 0's specs, unless this rank's
     batch differed in structure and its own graph was traced while rank 0 planned)."""
     if alike and found.graph is not None:
+        there = torch.device(found.home)
         try:
-            captured = unpack(found.graph, model)
+            captured = unpack(found.graph, model, moved=None if "meta" in (
+                there.type, home.type) else (there, home))
         except NotPortable as e:  # check_alike says how the models differ
             note("rank 0's graph does not fit this rank's model (%s): capturing it here", e)
         else:
-            there = torch.device(found.home)
-            if there != home and "meta" not in (there.type, home.type):
-                retarget_device_pass(captured.gm, home, only=there)
             return captured, found.values
     with untouched(model), autocast_as(amp_type, planned_amp):
         if traced is None:
