@@ -1,4 +1,4 @@
-"""Captures shared by the suite's ranks: a model traced once is bound, in later tests, to
+"""Captures (and the optimizer's measured curves) shared by the suite's ranks: a model traced once is bound, in later tests, to
 their own copy of it (``rannc_fx/capture/portable``), as ``compile()``'s rank 0 sends its
 graph to the other ranks.
 
@@ -10,8 +10,11 @@ modules and their modes, tensors' names, shapes and dtypes, plain attributes and
 example's structure and tensors' shapes, the tracer's settings, autocast) and keeps it as
 bytes in the session's folder (``SHARED``, set by ``conftest.py``). A key it has bound on
 arrival passes the receiver's fingerprint check (``unpack``); anything that cannot travel
-is traced as before. The tests of capture itself run in the unit tier's process, which does
-not use it; a distributed test that counts captures turns it off (``NOT_SHARED``).
+is traced as before. The optimizer step's and gradient accumulation's measured curves
+(``parameter_costs``, every rank of every compile) are shared likewise, per optimizer class
+and settings, device and world size. The tests of capture itself run in the unit tier's
+process, which does not use it; a distributed test that counts captures turns it off
+(``NOT_SHARED``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import types
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -31,7 +36,9 @@ from rannc_fx.capture.graph import autocast_state
 from rannc_fx.capture.portable import NotPortable, pack, unpack
 from rannc_fx.plan.config import Config
 from rannc_fx.plan.device import device_of
-from rannc_fx.planner import captured
+from rannc_fx.planner import analyze, captured
+from rannc_fx.profile import optimizer as optimizer_costs
+from rannc_fx.startup import rank
 
 __all__ = ["NOT_SHARED", "SHARED", "install"]
 
@@ -43,9 +50,33 @@ _traced = captured.trace_model
 
 
 def install() -> None:
-    """Share captures in this process, where the session has a folder for them."""
+    """Share captures (and the optimizer's measured curves) in this process, where the
+    session has a folder for them."""
     if ENABLED and os.environ.get(SHARED):
         captured.trace_model = trace_model  # type: ignore[assignment]
+        rank.parameter_costs = parameter_costs  # type: ignore[assignment]
+        analyze.parameter_costs = parameter_costs  # type: ignore[assignment]
+
+
+def parameter_costs(optimizer: torch.optim.Optimizer | None, device: torch.device | None,
+                    spec: Any, factor: float, *, repeats: int = 3) -> optimizer_costs.ParameterCosts:
+    """``optimizer_costs.parameter_costs``, measured once a session for each optimizer class
+    and settings, device, world size and repeats: the curves of a plain loop over scratch
+    tensors, which every compile of the suite measured again (a third of a small case's CPU)."""
+    settings = None if optimizer is None else (
+        type(optimizer).__qualname__,
+        sorted((k, repr(v)) for k, v in optimizer.defaults.items()))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    key = hashlib.sha256(repr((settings, str(device), spec.name, factor, repeats, world))
+                         .encode()).hexdigest()[:32]
+    path = Path(os.environ[SHARED]) / f"{key}.costs"
+    if path.exists():
+        return pickle.loads(path.read_bytes())  # type: ignore[no-any-return]
+    costs = optimizer_costs.parameter_costs(optimizer, device, spec, factor, repeats=repeats)
+    part = path.with_suffix(f".{os.getpid()}")
+    part.write_bytes(pickle.dumps(costs))
+    part.replace(path)
+    return costs
 
 
 def trace_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
