@@ -193,8 +193,11 @@ def test_measured_costs_time_the_rerun_and_the_policy():
 
     block = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     x = torch.randn(4, 16, 64, requires_grad=True)
-    _, measured = measure_op(OpCall(block, (x,), {}, params=tuple(block.parameters())),
-                             device=torch.device("cpu"))
+    for _ in range(5):  # the policy's cost is a difference of two timings: on loaded cores one
+        _, measured = measure_op(OpCall(block, (x,), {}, params=tuple(block.parameters())),
+                                 device=torch.device("cpu"))  # measurement can come out 0
+        if measured.policy_s > 0:
+            break
     assert measured.policy_s > 0 and measured.again(None) == measured.policy_s
     assert measured.kept_bytes == 4 * 16 * (256 + 64) * 4  # the two products' outputs
     spec = DeviceSpec.preset("v100-32gb")
