@@ -32,6 +32,6 @@ test: lint
 	$(PYTHON) -m pytest -q -n 2 tests/unit
 	$(PYTHON) -m pytest -q tests/distributed
 
-# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 5.7 min here
+# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 6.1 min here
 test-quick: $(STAMP)
 	$(PYTHON) -m pytest -q -n 2 tests/unit

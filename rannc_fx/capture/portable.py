@@ -50,7 +50,8 @@ class NotPortable(RuntimeError):
 
 
 def pack(captured: CapturedGraph, model: nn.Module) -> bytes:
-    """``captured`` as bytes, with ``model``'s parameters, buffers and submodules by name."""
+    """``captured`` as bytes, with ``model``'s parameters, buffers, tensor attributes and
+    submodules by name."""
     out = io.BytesIO()
     try:
         _Pickler(out, model).dump((captured.fingerprint(), captured))
@@ -68,7 +69,12 @@ def unpack(data: bytes, model: nn.Module, *,
     graph names and the constants it carries moved from the first to the second. Raises
     ``NotPortable`` where ``model`` lacks a name the graph holds, or holds it with another
     shape or dtype, or a submodule of another kind."""
-    fingerprint, captured = _Unpickler(io.BytesIO(data), model).load()
+    try:
+        fingerprint, captured = _Unpickler(io.BytesIO(data), model).load()
+    except NotPortable:
+        raise
+    except Exception as e:  # an operator this process lacks, cut-off bytes: it captures instead
+        raise NotPortable(f"rank 0's graph cannot be read here: {type(e).__name__}: {e}") from e
     assert isinstance(captured, CapturedGraph)
     if captured.fingerprint() != fingerprint:
         raise NotPortable("this rank's model differs from rank 0's in the shapes or dtypes of "
@@ -182,7 +188,6 @@ def _plain(x: Any, depth: int = 0) -> bool:
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, model: nn.Module) -> None:
         super().__init__(file)
-        self.model = model
         self.tables: dict[str, dict[str, Any]] = {
             **_own_tensors(model), "module": dict(model.named_modules(remove_duplicate=False))}
 

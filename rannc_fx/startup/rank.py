@@ -204,6 +204,7 @@ def set_up_rank(
          captured.model_name, world, time.perf_counter() - started)
     return Ready(captured, stage, plan, placement, names, batches, modes)
 
+
 def _packed(captured: CapturedGraph, model: nn.Module) -> bytes | None:
     """Rank 0's graph for the others, or None where it cannot travel (they capture it)."""
     try:

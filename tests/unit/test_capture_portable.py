@@ -97,6 +97,15 @@ def test_another_model_is_refused_with_what_differs(tracer, says):
         unpack(pack(cg, model), other)
 
 
+def test_bytes_that_cannot_be_read_are_not_portable():
+    """Whatever unpickling raises (cut-off bytes here, an operator the process lacks) is a
+    ``NotPortable``, on which the rank captures the model itself."""
+    model, x = _Branchy(), torch.randn(4, 4)
+    data = pack(capture_pass(model, (x,), tracer="export"), model)
+    with pytest.raises(NotPortable, match="cannot be read here"):
+        unpack(data[: len(data) // 2], copy.deepcopy(model))
+
+
 def test_a_forward_run_in_pieces_stays_where_it_was_captured():
     model, x = _BranchyRoot(), torch.randn(4, 4)
     cg = capture_pass(model, (x,), tracer="export")
