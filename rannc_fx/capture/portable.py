@@ -12,7 +12,8 @@ of its own would, and checks that it is the graph rank 0 had (``CapturedGraph.fi
 
 The graph travels as its nodes (op, name, target, arguments, plain metadata), so names and
 the metadata later passes read (``OPAQUE``, ``TAIL``, module stacks) arrive as they were;
-node values that only shape inference uses (fake tensors) are left behind. Operators travel
+torch.export's node values (fake tensors with formula sizes, which the shape pass reads)
+travel as formulas and are made again (``fake_values``). Operators travel
 by their qualified names. What cannot travel (the pieces of a model's own forward, which
 hold code compiled from its source) raises ``NotPortable``: that rank then captures the
 model itself.
@@ -30,6 +31,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from . import fake_values
 from .capture import retarget_device_pass
 from .graph import CapturedGraph
 from .opaque import OpaqueCall
@@ -54,7 +56,8 @@ def pack(captured: CapturedGraph, model: nn.Module) -> bytes:
     submodules by name."""
     out = io.BytesIO()
     try:
-        _Pickler(out, model).dump((captured.fingerprint(), captured))
+        _Pickler(out, model).dump((captured.fingerprint(), captured,
+                                   fake_values.write(captured.gm.graph)))
     except NotPortable:
         raise
     except Exception as e:  # whatever a value's own pickling raises
@@ -70,7 +73,7 @@ def unpack(data: bytes, model: nn.Module, *,
     ``NotPortable`` where ``model`` lacks a name the graph holds, or holds it with another
     shape or dtype, or a submodule of another kind."""
     try:
-        fingerprint, captured = _Unpickler(io.BytesIO(data), model).load()
+        fingerprint, captured, values = _Unpickler(io.BytesIO(data), model).load()
     except NotPortable:
         raise
     except Exception as e:  # an operator this process lacks, cut-off bytes: it captures instead
@@ -82,6 +85,7 @@ def unpack(data: bytes, model: nn.Module, *,
                           "model on every rank")
     if moved is not None and moved[0] != moved[1]:
         _move(captured.gm, model, *moved)
+    fake_values.read(values, captured.gm.graph, moved)
     return captured
 
 

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from rannc_fx.capture.capture import capture_pass
 from rannc_fx.capture.graph import CapturedGraph
 from rannc_fx.capture.opaque import OPAQUE, OpaqueCall
 from rannc_fx.capture.portable import NotPortable, pack, unpack
+from rannc_fx.shapes.infer import Shapes, shapes_pass
 from tests.unit.test_capture import CASES, IDS, _Branchy, _BranchyRoot, assert_same, run
 
 
@@ -59,6 +62,51 @@ def test_the_graph_arrives_whole_on_the_receiver_s_own_model(zoo, name, tracer, 
             assert_same(run(got, args, kwargs), run(cg, args, kwargs))
     finally:
         model.train()
+
+
+def _source(shapes: Shapes) -> str | None:
+    return shapes.formulas.source if shapes.formulas is not None else None
+
+
+def _alike(signatures: dict[str, str]) -> list[list[str]]:
+    """The nodes grouped by equal signature (symbols are named afresh on arrival)."""
+    groups = defaultdict(list)
+    for name, sig in signatures.items():
+        groups[sig].append(name)
+    return sorted(groups.values())
+
+
+@pytest.mark.parametrize(("name", "tracer", "expect"), CASES, ids=IDS)
+def test_the_receiver_s_shapes_are_the_sender_s_from_the_values_that_travel(
+        zoo, name, tracer, expect):
+    """torch.export's node values travel as formulas: the receiver's shape pass reads them
+    as the sender's does (no symbolic run of its own) and finds the same specs, with the same
+    nodes alike; a torch.fx graph has none to send, and both run."""
+    model, args, kwargs, cg = zoo(name, tracer)
+    got, _ = _sent(cg, model)
+    flat = cg.flatten_inputs(args, kwargs)
+    mine, theirs = shapes_pass(cg, flat), shapes_pass(got, flat)
+    assert theirs.specs == mine.specs
+    assert _source(theirs) == _source(mine)
+    assert (_source(theirs) == "torch.export's") == (expect == "export")
+    if mine.formulas is not None and theirs.formulas is not None:
+        assert _alike(theirs.formulas.signatures) == _alike(mine.formulas.signatures)
+
+
+def test_values_that_cannot_be_written_stay_behind_and_the_receiver_runs():
+    """A node value that is neither a fake tensor, a SymInt nor plain data: the graph
+    travels without values, and the receiver's shape pass runs to the same specs."""
+    model, x = _Constant(), torch.randn(4, 2)
+    cg = capture_pass(model, (x,), tracer="export")
+    flat = cg.flatten_inputs((x,), {})
+    mine = shapes_pass(cg, flat)
+    first = next(n for n in cg.gm.graph.nodes if n.op == "call_function")
+    first.meta["val"] = (first.meta["val"], object())
+    got, _ = _sent(cg, model)
+    assert not any("val" in n.meta for n in got.gm.graph.nodes)
+    theirs = shapes_pass(got, flat)
+    assert theirs.specs == mine.specs
+    assert _source(theirs) == "one run" and _source(mine) == "torch.export's"
 
 
 def test_a_tied_parameter_arrives_as_the_receiver_s_one_object(zoo):
@@ -143,4 +191,7 @@ def test_a_receiver_on_another_device_gets_the_graph_on_its_own(tracer):
              if isinstance(a, torch.device)]
     assert len(carried) == 1 and carried[0].device == here
     assert all(d == here for d in named) and (named or tracer == "fx")
+    values = [t for n in got.gm.graph.nodes for t in pytree.tree_leaves(n.meta.get("val"))
+              if isinstance(t, torch.Tensor)]
+    assert all(t.device == here for t in values) and (values or tracer == "fx")
     assert all(p.device.type == "cpu" for p in theirs.parameters())
