@@ -10,6 +10,9 @@ and stride as its formula (sympy, with what the environment learned substituted)
 device, requires_grad, and each symbol's example size. ``read`` makes a fresh shape
 environment with one symbol for each (renamed one to one: a name is the environment's
 counter) and fake tensors of those sizes, so the graph holds values as its sender's did.
+That takes about 1 ms a node (a fake tensor with symbolic sizes is not cheap to make), so
+the receiver keeps them written (``CapturedGraph.values``) until its shape pass asks
+(``made``): a rank that plans nothing never makes them.
 
 A graph whose values are not all of that kind (a size that depends on tensor values, a
 symbolic float or bool, something else) travels without values: the receiver's shape
@@ -18,9 +21,10 @@ pass runs as it would for a torch.fx graph.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -30,7 +34,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils import _pytree as pytree
 
-__all__ = ["Values", "read", "write"]
+if TYPE_CHECKING:
+    from .graph import CapturedGraph
+
+__all__ = ["Values", "made", "moved", "write"]
 
 log = logging.getLogger("rannc_fx")
 
@@ -118,24 +125,38 @@ def write(graph: fx.Graph) -> Values | None:
     return Values(nodes, hints)
 
 
-def read(values: Values | None, graph: fx.Graph,
-         moved: tuple[torch.device, torch.device] | None = None) -> None:
-    """Set each node's ``meta["val"]`` from ``values`` (on ``moved[1]`` where it was on
-    ``moved[0]``); where that fails, no node keeps a value (the shape pass then runs)."""
+def moved(values: Values | None, there: torch.device, here: torch.device) -> Values | None:
+    """``values`` with their tensors on ``here`` where they were on ``there``."""
+    if values is None:
+        return None
+
+    def move(x: Any) -> Any:
+        if isinstance(x, _Tensor) and x.device == there:
+            return dataclasses.replace(x, device=here)
+        return x
+
+    return Values({name: pytree.tree_map(move, tree) for name, tree in values.nodes.items()},
+                  values.hints)
+
+
+def made(captured: CapturedGraph) -> None:
+    """Each node's ``meta["val"]`` made from ``captured.values``, once (then None); where
+    that fails, no node gets one (the shape pass then runs, as for a torch.fx graph)."""
+    values, captured.values = captured.values, None
     if values is None:
         return
     try:
-        made = _make(values, moved)
+        vals = _make(values)
     except Exception as e:  # a torch whose fake tensors refuse a formula: the slow path
         log.debug("the graph's node values could not be made here (%s: %s)",
                   type(e).__name__, e)
         return
-    for n in graph.nodes:
-        if n.name in made:
-            n.meta["val"] = made[n.name]
+    for n in captured.gm.graph.nodes:
+        if n.name in vals:
+            n.meta["val"] = vals[n.name]
 
 
-def _make(values: Values, moved: tuple[torch.device, torch.device] | None) -> dict[str, Any]:
+def _make(values: Values) -> dict[str, Any]:
     env = ShapeEnv(duck_shape=False)  # equal sizes are not the same dimension
     mode = FakeTensorMode(shape_env=env)
     renamed: dict[sympy.Symbol, sympy.Expr] = {}
@@ -156,15 +177,18 @@ def _make(values: Values, moved: tuple[torch.device, torch.device] | None) -> di
             ints[x] = env.create_symintnode(expr, hint=int(expr.xreplace(hints)))
         return ints[x]
 
+    tensors: dict[_Tensor, torch.Tensor] = {}
+
     def make(x: Any) -> Any:
         if isinstance(x, _Int):
             return size(x.expr)
         if not isinstance(x, _Tensor):
             return x
-        device = moved[1] if moved is not None and x.device == moved[0] else x.device
-        with mode:
-            t = torch.empty_strided([size(d) for d in x.shape], [size(d) for d in x.stride],
-                                    dtype=x.dtype, device=device)
-        return t.requires_grad_(x.requires_grad) if x.requires_grad else t
+        if x not in tensors:  # one for values alike: the shape pass reads no storage
+            with mode:
+                t = torch.empty_strided([size(d) for d in x.shape], [size(d) for d in x.stride],
+                                        dtype=x.dtype, device=x.device)
+            tensors[x] = t.requires_grad_(x.requires_grad) if x.requires_grad else t
+        return tensors[x]
 
     return {name: pytree.tree_map(make, tree) for name, tree in values.nodes.items()}

@@ -85,6 +85,9 @@ class CapturedGraph:
     # submodules kept whole and run eagerly, by name: their calls as on the example
     # (``capture/opaque``: a capture of the model's other mode reuses them)
     opaque: dict[str, Any] = field(default_factory=dict)
+    # a graph received from another rank: torch.export's node values as formulas
+    # (``capture/fake_values``), made into ``node.meta["val"]`` where the shape pass needs them
+    values: Any = None
 
     def flatten_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None

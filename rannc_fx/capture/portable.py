@@ -13,7 +13,7 @@ of its own would, and checks that it is the graph rank 0 had (``CapturedGraph.fi
 The graph travels as its nodes (op, name, target, arguments, plain metadata), so names and
 the metadata later passes read (``OPAQUE``, ``TAIL``, module stacks) arrive as they were;
 torch.export's node values (fake tensors with formula sizes, which the shape pass reads)
-travel as formulas and are made again (``fake_values``). Operators travel
+travel as formulas, made again where the shape pass asks (``fake_values``). Operators travel
 by their qualified names. What cannot travel (the pieces of a model's own forward, which
 hold code compiled from its source) raises ``NotPortable``: that rank then captures the
 model itself.
@@ -85,7 +85,8 @@ def unpack(data: bytes, model: nn.Module, *,
                           "model on every rank")
     if moved is not None and moved[0] != moved[1]:
         _move(captured.gm, model, *moved)
-    fake_values.read(values, captured.gm.graph, moved)
+        values = fake_values.moved(values, *moved)
+    captured.values = values  # made where the shape pass needs them
     return captured
 
 

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils import _pytree as pytree
 
+from ..capture import fake_values
 from ..capture.capture import CapturedGraph, batch_size_of
 from ..capture.graph import autocast_state, inputs_for_samples, is_batched
 from ..plan.values import ValueSpec, dtype_itemsize
@@ -132,6 +133,7 @@ def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_di
     (with the inputs' other dimensions symbolic too where ``dynamic`` and that run works)."""
     gm = captured.gm
     batch = batch_size_of(flat_inputs, batch_dim)
+    fake_values.made(captured)  # a received graph's: written down until now
     names = set(_valued(gm))
     meta = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.name in names}
     if captured.tracer == "export" and captured.autocast == autocast_state() and all(

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from rannc_fx.capture import fake_values
 from rannc_fx.capture.capture import capture_pass
 from rannc_fx.capture.graph import CapturedGraph
 from rannc_fx.capture.opaque import OPAQUE, OpaqueCall
@@ -84,8 +85,11 @@ def test_the_receiver_s_shapes_are_the_sender_s_from_the_values_that_travel(
     nodes alike; a torch.fx graph has none to send, and both run."""
     model, args, kwargs, cg = zoo(name, tracer)
     got, _ = _sent(cg, model)
+    assert not any("val" in n.meta for n in got.gm.graph.nodes)  # made where asked for
+    assert (got.values is not None) == (expect == "export")
     flat = cg.flatten_inputs(args, kwargs)
     mine, theirs = shapes_pass(cg, flat), shapes_pass(got, flat)
+    assert got.values is None
     assert theirs.specs == mine.specs
     assert _source(theirs) == _source(mine)
     assert (_source(theirs) == "torch.export's") == (expect == "export")
@@ -191,6 +195,7 @@ def test_a_receiver_on_another_device_gets_the_graph_on_its_own(tracer):
              if isinstance(a, torch.device)]
     assert len(carried) == 1 and carried[0].device == here
     assert all(d == here for d in named) and (named or tracer == "fx")
+    fake_values.made(got)
     values = [t for n in got.gm.graph.nodes for t in pytree.tree_leaves(n.meta.get("val"))
               if isinstance(t, torch.Tensor)]
     assert all(t.device == here for t in values) and (values or tracer == "fx")
