@@ -12,7 +12,8 @@ bytes in the session's folder (``SHARED``, set by ``conftest.py``). A key it has
 arrival passes the receiver's fingerprint check (``unpack``); anything that cannot travel
 is traced as before. The optimizer step's and gradient accumulation's measured curves
 (``parameter_costs``, every rank of every compile) are shared likewise, per optimizer class
-and settings, device and world size. The tests of capture itself run in the unit tier's
+and settings, device and world size, and so are the ops' measured costs (``profile_dir``:
+the suite's ``test_config`` names it as the profile cache). The tests of capture itself run in the unit tier's
 process, which does not use it; a distributed test that counts captures turns it off
 (``NOT_SHARED``).
 """
@@ -40,7 +41,7 @@ from rannc_fx.planner import analyze, captured
 from rannc_fx.profile import optimizer as optimizer_costs
 from rannc_fx.startup import rank
 
-__all__ = ["NOT_SHARED", "SHARED", "install"]
+__all__ = ["NOT_SHARED", "SHARED", "install", "profile_dir"]
 
 SHARED = "TESTS_SHARED_CAPTURES"  # the environment variable naming the session's folder
 ENABLED = True
@@ -56,6 +57,15 @@ def install() -> None:
         captured.trace_model = trace_model  # type: ignore[assignment]
         rank.parameter_costs = parameter_costs  # type: ignore[assignment]
         analyze.parameter_costs = parameter_costs  # type: ignore[assignment]
+
+
+def profile_dir() -> str | None:
+    """The session's op-cost cache (``Config.profile_cache_dir``) for this process's compiles:
+    the cases of a session profile the same few models, and an op measured once serves every
+    later plan (as a user's cache serves their next run). None where the session has no
+    folder, or a patch turned sharing off."""
+    folder = os.environ.get(SHARED)
+    return str(Path(folder) / "profile") if ENABLED and folder else None
 
 
 def parameter_costs(optimizer: torch.optim.Optimizer | None, device: torch.device | None,

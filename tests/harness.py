@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 import rannc_fx
 from rannc_fx.plan.config import Config
+from tests import captures
 from tests.dist_utils import assert_moved_alike, local_part, run_ranks, snapshot
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -45,9 +46,11 @@ Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def test_config(**overrides: Any) -> Config:
-    """The suite's Config: no profile cache (every test plans from its own measurements), one
+    """The suite's Config: the session's op-cost cache (``captures.profile_dir``: an op's
+    cost is measured once a session, not once a test; none outside a session's ranks), one
     timed run per profiled op, a 60 s process-group timeout; ``overrides`` on top."""
-    settings: dict[str, Any] = dict(profile_cache_dir=None, profile_repeats=1, timeout_s=60.0)
+    settings: dict[str, Any] = dict(profile_cache_dir=captures.profile_dir(), profile_repeats=1,
+                                    timeout_s=60.0)
     settings.update(overrides)
     return Config(**settings)
 
