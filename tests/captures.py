@@ -48,12 +48,15 @@ ENABLED = True
 # a ``run_ranks`` patch for tests that count or watch captures: every rank 0 traces
 NOT_SHARED = (__name__, "ENABLED", False)
 _traced = captured.trace_model
+_INSTALLED = False  # whether this process shares them (a rank of the session's)
 
 
 def install() -> None:
     """Share captures (and the optimizer's measured curves) in this process, where the
     session has a folder for them."""
+    global _INSTALLED
     if ENABLED and os.environ.get(SHARED):
+        _INSTALLED = True
         captured.trace_model = trace_model  # type: ignore[assignment]
         rank.parameter_costs = parameter_costs  # type: ignore[assignment]
         analyze.parameter_costs = parameter_costs  # type: ignore[assignment]
@@ -62,10 +65,10 @@ def install() -> None:
 def profile_dir() -> str | None:
     """The session's op-cost cache (``Config.profile_cache_dir``) for this process's compiles:
     the cases of a session profile the same few models, and an op measured once serves every
-    later plan (as a user's cache serves their next run). None where the session has no
-    folder, or a patch turned sharing off."""
+    later plan (as a user's cache serves their next run). None outside the ranks that
+    ``install`` set up (the unit tier plans from its own measurements, however it is run)."""
     folder = os.environ.get(SHARED)
-    return str(Path(folder) / "profile") if ENABLED and folder else None
+    return str(Path(folder) / "profile") if _INSTALLED and folder else None
 
 
 def parameter_costs(optimizer: torch.optim.Optimizer | None, device: torch.device | None,
