@@ -1,21 +1,23 @@
-"""Captures (and the optimizer's measured curves) shared by the suite's ranks: a model traced once is bound, in later tests, to
-their own copy of it (``rannc_fx/capture/portable``), as ``compile()``'s rank 0 sends its
-graph to the other ranks.
+"""Captures (and measured costs) shared by the suite: a model traced once is bound, in later
+tests, to their own copy of it (``rannc_fx/capture/portable``), as ``compile()``'s rank 0
+sends its graph to the other ranks.
 
 Many distributed cases train the same model under other plans (schedules, replicas,
-recomputation), and its capture (torch.export's trace) was most of their rank 0's time.
-``trace_model`` stands in for ``rannc_fx.planner.captured.trace_model`` in the workers
-``run_ranks`` starts: it keys a capture by everything the trace reads (the model's classes,
-modules and their modes, tensors' names, shapes and dtypes, plain attributes and configs, the
-example's structure and tensors' shapes, the tracer's settings, autocast) and keeps it as
-bytes in the session's folder (``SHARED``, set by ``conftest.py``). A key it has bound on
-arrival passes the receiver's fingerprint check (``unpack``); anything that cannot travel
-is traced as before. The optimizer step's and gradient accumulation's measured curves
-(``parameter_costs``, every rank of every compile) are shared likewise, per optimizer class
-and settings, device and world size, and so are the ops' measured costs (``profile_dir``:
-the suite's ``test_config`` names it as the profile cache). The tests of capture itself run in the unit tier's
-process, which does not use it; a distributed test that counts captures turns it off
-(``NOT_SHARED``).
+recomputation), and many unit tests plan the same model under other settings; its capture
+(torch.export's trace) was most of their time. ``trace_model`` stands in for
+``rannc_fx.planner.captured.trace_model`` in the workers ``run_ranks`` starts (``install``)
+and in the test process itself (``share_traces``): it keys a capture by everything the trace
+reads (the model's classes, modules and their modes, tensors' names, shapes and dtypes, plain
+attributes and configs, the example's structure and tensors' shapes, the tracer's settings,
+autocast) and keeps it as bytes in the session's folder (``SHARED``, set by
+``conftest.py``). A key it has bound on arrival passes the receiver's fingerprint check
+(``unpack``); anything that cannot travel is traced as before. In the ranks, the optimizer
+step's and gradient accumulation's measured curves (``parameter_costs``, every rank of every
+compile) are shared likewise, per optimizer class and settings, device and world size, and so
+are the ops' measured costs (``profile_dir``: the suite's ``test_config`` names it as the
+profile cache); the unit tier measures afresh. The tests of capture itself call
+``capture_pass``; a unit test that watches the capture pass is marked ``own_captures``, and a
+distributed test that counts captures turns sharing off in its ranks (``NOT_SHARED``).
 """
 
 from __future__ import annotations
@@ -41,14 +43,23 @@ from rannc_fx.planner import analyze, captured
 from rannc_fx.profile import optimizer as optimizer_costs
 from rannc_fx.startup import rank
 
-__all__ = ["NOT_SHARED", "SHARED", "install", "profile_dir"]
+__all__ = ["NOT_SHARED", "SHARED", "install", "profile_dir", "share_traces", "traced"]
 
 SHARED = "TESTS_SHARED_CAPTURES"  # the environment variable naming the session's folder
 ENABLED = True
 # a ``run_ranks`` patch for tests that count or watch captures: every rank 0 traces
 NOT_SHARED = (__name__, "ENABLED", False)
-_traced = captured.trace_model
+traced = captured.trace_model  # the product's own, for tests that watch it (``own_captures``)
 _INSTALLED = False  # whether this process shares them (a rank of the session's)
+
+
+def share_traces() -> None:
+    """Share captures in the test process itself (``conftest.py``): the unit tier plans the
+    same models again and again through ``partition()``, which traced each of them every time
+    (a third of the search tests' time). Its tests of capture call ``capture_pass`` itself, and
+    it measures everything else afresh."""
+    if os.environ.get(SHARED):
+        captured.trace_model = trace_model  # type: ignore[assignment]
 
 
 def install() -> None:
@@ -97,7 +108,7 @@ def trace_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 pieces: tuple[int, int] | None = None) -> captured.Captured:
     """``captured.trace_model``, from the session's folder where the same model was traced."""
     if opaque or pieces:
-        return _traced(model, args, kwargs, config, opaque=opaque, pieces=pieces)
+        return traced(model, args, kwargs, config, opaque=opaque, pieces=pieces)
     path = Path(os.environ[SHARED]) / f"{_key(model, args, kwargs, config)}.graph"
     if device_of(model).type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
@@ -108,15 +119,15 @@ def trace_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             pass
         else:
             return captured.Captured(graph, graph.flatten_inputs(args, kwargs), {})
-    traced = _traced(model, args, kwargs, config)
+    fresh = traced(model, args, kwargs, config)
     try:
-        data = pack(traced.graph, model)
+        data = pack(fresh.graph, model)
     except NotPortable:
-        return traced
+        return fresh
     part = path.with_suffix(f".{os.getpid()}")
     part.write_bytes(data)
     part.replace(path)  # whole, or not there
-    return traced
+    return fresh
 
 
 def _key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config) -> str:

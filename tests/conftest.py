@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from rannc_fx.capture.capture import CapturedGraph, capture_pass
+from rannc_fx.planner import captured
 
-from .captures import SHARED
+from .captures import SHARED, share_traces, traced
 from .harness import ZOO  # name -> (module, factory); the transformers ones need transformers
 
 Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
@@ -26,20 +27,20 @@ UNIT, DIST = Path(__file__).parent / "unit", Path(__file__).parent / "distribute
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """The fork server ``run_ranks`` forks its workers from, started before any test runs a
-    torch op (``dist_utils.run_ranks`` says why); not for a run of the unit tier alone."""
+    """The folder of what the session shares (``captures.py``), which this process's plans
+    use for their captures and the ranks find in the environment they are given; and the
+    fork server ``run_ranks`` forks its workers from, started before any test runs a torch
+    op (``dist_utils.run_ranks`` says why), except for a run of the unit tier alone."""
     from .dist_utils import start_fork_server
 
     if getattr(session.config.option, "dist", "no") != "no" and not hasattr(
             session.config, "workerinput"):
         return  # pytest-xdist's controller: its workers run the tests
-    paths = [Path(a.split("::")[0]).resolve() for a in session.config.args]
-    if paths and all(p == UNIT or UNIT in p.parents for p in paths):
-        return
-    # the folder of the captures the session's ranks share (``captures.py``), which the
-    # workers find in the environment they are given
     os.environ[SHARED] = tempfile.mkdtemp(prefix="rannc_fx-captures-")
-    start_fork_server()
+    share_traces()
+    paths = [Path(a.split("::")[0]).resolve() for a in session.config.args]
+    if not (paths and all(p == UNIT or UNIT in p.parents for p in paths)):
+        start_fork_server()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -64,6 +65,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("ranks"))
         elif UNIT in path.parents:
             item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _own_captures(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``own_captures`` traces its models itself (``captures.share_traces``)."""
+    if request.node.get_closest_marker("own_captures") is not None:
+        monkeypatch.setattr(captured, "trace_model", traced)
 
 
 def zoo_example(name: str, **kw: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:

@@ -25,6 +25,8 @@ CFG = test_config()
 PASSES = ["captured", "inferred", "profiled", "grouped", "costed", "cost", "searched", "built",
           "split", "partitioned"]
 
+pytestmark = pytest.mark.own_captures  # the capture pass's own lines are watched
+
 
 def _lines(caplog: pytest.LogCaptureFixture, level: int = logging.INFO) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "rannc_fx" and r.levelno == level]
