@@ -56,8 +56,8 @@ def pack(captured: CapturedGraph, model: nn.Module) -> bytes:
     submodules by name."""
     out = io.BytesIO()
     try:
-        _Pickler(out, model).dump((captured.fingerprint(), captured,
-                                   fake_values.write(captured.gm.graph)))
+        values = fake_values.write(captured.gm.graph) or captured.values  # or as received
+        _Pickler(out, model).dump((captured.fingerprint(), captured, values))
     except NotPortable:
         raise
     except Exception as e:  # whatever a value's own pickling raises

@@ -97,6 +97,16 @@ def test_the_receiver_s_shapes_are_the_sender_s_from_the_values_that_travel(
         assert _alike(theirs.formulas.signatures) == _alike(mine.formulas.signatures)
 
 
+def test_a_received_graph_sent_on_carries_the_values_it_received(zoo):
+    """A graph sent on before its values were made still carries them."""
+    model, args, kwargs, cg = zoo("gpt", "auto")
+    got, theirs = _sent(cg, model)
+    again, _ = _sent(got, theirs)
+    flat = cg.flatten_inputs(args, kwargs)
+    assert _source(shapes_pass(again, flat)) == "torch.export's"
+    assert shapes_pass(again, flat).specs == shapes_pass(cg, flat).specs
+
+
 def test_values_that_cannot_be_written_stay_behind_and_the_receiver_runs():
     """A node value that is neither a fake tensor, a SymInt nor plain data: the graph
     travels without values, and the receiver's shape pass runs to the same specs."""
