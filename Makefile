@@ -28,10 +28,10 @@ lint: $(STAMP)
 # the whole suite (CI's command, .ci/run): lint, then both tiers on two pytest-xdist workers:
 # the distributed tier's cases one after another on one worker (conftest.py makes them one
 # xdist group; their ranks keep 1.35 cores busy on average), the unit tier on the other and
-# beside it: 15.3 min here, against 18.0 with the tiers one after the other
+# beside it: 15.3 min here (919 s), against 18.0 with the tiers one after the other
 test: lint
 	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
 
-# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 5.6 min here
+# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 6.1 min here
 test-quick: $(STAMP)
 	$(PYTHON) -m pytest -q -n 2 tests/unit
