@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any
 
@@ -44,6 +44,7 @@ class _Lists:
             setattr(self, f.name, v)
         if hasattr(of, "num_blocks"):
             self.num_blocks = of.num_blocks
+            self.sums: dict[tuple[int, int, int], Any] = {}  # ``_block_sums``' ranges
 
 
 def _lists(table: CostTable) -> CostTable:
@@ -101,6 +102,33 @@ def layer_transient(table: CostTable, k: int, i: int, j: int, A: float) -> float
     return kept + max(parts)
 
 
+def _block_sums(table: CostTable, k: int, i: int, j: int
+                ) -> tuple[float, float, float, float, float, float, float]:
+    """Blocks [i, j) at size k, block by block from i: forward, backward, activations, kept,
+    redone and rebuilt bytes summed, the largest workspace. A ``_Lists`` table keeps each
+    range's, so that [i, j) adds block j - 1 to [i, j - 1): the same sums in the same order."""
+    memo = getattr(table, "sums", None)
+    if memo is not None and (k, i, j) in memo:
+        return memo[k, i, j]  # type: ignore[no-any-return]
+    if memo is not None and j > i:
+        F, Bw, A, keep, redo, rebuilt, ws = _block_sums(table, k, i, j - 1)
+        first = j - 1
+    else:
+        F = Bw = A = keep = redo = rebuilt = 0.0
+        ws, first = -math.inf, i
+    for b in range(first, j):
+        F += float(table.fwd[k][b])
+        Bw += float(table.bwd[k][b])
+        A += float(table.act[k][b])
+        keep += float(table.act[k][b] if table.kept is None else table.kept[k][b])
+        redo += float(table.fwd[k][b] if table.redo is None else table.redo[k][b])
+        rebuilt += float(table.act[k][b] if table.rebuilt is None else table.rebuilt[k][b])
+        ws = max(ws, float(table.workspace[k][b]))
+    if memo is not None:
+        memo[k, i, j] = (F, Bw, A, keep, redo, rebuilt, ws)
+    return F, Bw, A, keep, redo, rebuilt, ws
+
+
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
                   recompute: int, zero: bool = False, offload: bool = False,
                   host: bool = False) -> Figures:
@@ -119,16 +147,7 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     B, G = table.num_blocks, space.global_batch
     q = -(-G // (m * r))
     k = [int(x) for x in table.sizes].index(q)
-    F = Bw = A = keep = redo = rebuilt = 0.0
-    ws = -math.inf
-    for b in range(i, j):
-        F += float(table.fwd[k][b])
-        Bw += float(table.bwd[k][b])
-        A += float(table.act[k][b])
-        keep += float(table.act[k][b] if table.kept is None else table.kept[k][b])
-        redo += float(table.fwd[k][b] if table.redo is None else table.redo[k][b])
-        rebuilt += float(table.act[k][b] if table.rebuilt is None else table.rebuilt[k][b])
-        ws = max(ws, float(table.workspace[k][b]))
+    F, Bw, A, keep, redo, rebuilt, ws = _block_sums(table, k, i, j)
     again = 0.0  # layer by layer, the backward runs every layer's forward but the last again
     if rho == 2:  # one micro-batch's activations: its layers' inputs and one layer's
         A = layer_transient(table, k, i, j, A)
@@ -255,10 +274,17 @@ def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int
     if cannot_run(table, space, i, j, r, m):
         return None
     ok = allowed(space, table)
+    figs: dict[tuple[int, bool, bool, bool], Figures] = {}
+
+    def of(v: tuple[int, bool, bool, bool]) -> Figures:
+        if v not in figs:
+            figs[v] = stage_figures(table, space, i, j, r, m, n, *v)
+        return figs[v]
+
     for rho, zeta, omega, h in ok:
-        f = stage_figures(table, space, i, j, r, m, n, rho, zeta, omega, h)
+        f = of((rho, zeta, omega, h))
         if not zeta and not h and (rho, True, omega, False) in ok and \
-                stage_figures(table, space, i, j, r, m, n, rho, True, omega).u < f.u:
+                of((rho, True, omega, False)).u < f.u:
             continue
         if f.memory <= budget and f.host_state <= space.host_budget:
             return f
@@ -452,9 +478,12 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
 
 
 def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
-    """The least largest-stage memory over the space's plans, by enumeration (oracle figures)."""
+    """The least largest-stage memory over the space's plans (oracle figures): the plans of
+    ``plans``, for each micro-batch count and schedule, as a first stage and the best of the
+    rest, whose stages are one fewer from the end (an enumeration of every plan, factored:
+    min over plans of max over stages)."""
     table = _lists(table)
-    best = math.inf
+    B, W, G = table.num_blocks, space.world_size, space.global_batch
     memo: dict[tuple[int, int, int, int, int], float] = {}
 
     def least(i: int, j: int, r: int, m: int, n: int) -> float:
@@ -467,12 +496,33 @@ def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
                                       else math.inf for f in figs)
         return memo[i, j, r, m, n]
 
-    for m, bounds, reps in plans(table, space):
-        S = len(reps)
+    def rest_of(m: int, schedule: str) -> Callable[[int, int, int], float]:
+        rest: dict[tuple[int, int, int], float] = {}
+
+        def after(i: int, w: int, d: int) -> float:
+            """The least largest of d stages on blocks [i, B) and w ranks (forced replicas:
+            the last d of them), the first d from the end."""
+            if d == 0:
+                return -math.inf if i == B and (w == 0 or space.replicas) else math.inf
+            if (i, w, d) not in rest:
+                n = in_flight(schedule, m, d)
+                forced = space.replicas
+                reps = [forced[len(forced) - d]] if forced else range(1, w - d + 2)
+                out = math.inf
+                for j in range(i + 1, B - d + 2):
+                    for r in reps:
+                        if r * m <= G and (then := after(j, w - r, d - 1)) < out:
+                            out = min(out, max(least(i, j, r, m, n), then))
+                rest[i, w, d] = out
+            return rest[i, w, d]
+
+        return after
+
+    best = math.inf
+    for m in sorted(set(space.micro_batches)):
         for schedule in space.schedules:
-            worst = max(least(bounds[s], bounds[s + 1], reps[s], m,
-                              in_flight(schedule, m, S - s)) for s in range(S))
-            best = min(best, worst)
+            after = rest_of(m, schedule)  # its memo serves every stage count
+            best = min([best, *(after(0, W, S) for S in stage_counts(space, B))])
     return best
 
 
@@ -505,10 +555,12 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
         """Labels at (j, used) whose last stage is the s-th (0: not counted)."""
         new: list[Label] = []
         allowed = [space.replicas[s - 1]] if space.replicas is not None else range(1, W + 1)
+        allowed = [r for r in allowed if r <= used and m * r <= G]
+        before = max(s - 1, 0)
         for i in range(j):
             for r in allowed:
-                prev = labels.get((i, used - r, max(s - 1, 0)))
-                if r > used or m * r > G or not prev:
+                prev = labels.get((i, used - r, before))
+                if not prev:
                     continue
                 key = (i, j, r, m, n)
                 if key not in memo:
