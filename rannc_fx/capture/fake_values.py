@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import sympy
 import torch
 from torch import fx
-from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils import _pytree as pytree
@@ -157,6 +156,8 @@ def made(captured: CapturedGraph) -> None:
 
 
 def _make(values: Values) -> dict[str, Any]:
+    from torch._dynamo.source import ConstantSource  # here: importing torch._dynamo takes 2 s
+
     env = ShapeEnv(duck_shape=False)  # equal sizes are not the same dimension
     mode = FakeTensorMode(shape_env=env)
     renamed: dict[sympy.Symbol, sympy.Expr] = {}

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
@@ -364,6 +363,8 @@ def _run_export(flat: nn.Module, tensors: tuple[torch.Tensor, ...],
     once, so building and checking cache entries costs more than their hits save (a
     fifth to a third of the capture's time on the transformers models of the tests; the
     cache stays on for the shape pass's runs, where repeated layers hit it)."""
+    import torch._dynamo  # here, as torch.export imports it: a rank that never exports saves 2 s
+
     with _sized_len(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
         return torch.export.export(flat, tensors, strict=False, dynamic_shapes=dynamic)
 

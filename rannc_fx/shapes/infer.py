@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils import _pytree as pytree
@@ -163,6 +162,8 @@ def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batc
                   batch: int, hint: int, dynamic: bool, p: Progress) -> dict[str, Any]:
     """Every node's value from one FakeTensor run whose batch dimension is a symbol (and,
     with ``dynamic``, every other input dimension of size 2 or more: each its own symbol)."""
+    from torch._dynamo.source import ConstantSource  # here: importing torch._dynamo takes 2 s
+
     gm = captured.gm
     on_meta = any(t.device.type == "meta" for t in _state(gm))
     env = ShapeEnv(duck_shape=False)  # equal sizes are not the same dimension
