@@ -13,9 +13,9 @@ autocast) and keeps it as bytes in the session's folder (``SHARED``, set by
 ``conftest.py``). A key it has bound on arrival passes the receiver's fingerprint check
 (``unpack``); anything that cannot travel is traced as before. In the ranks, the optimizer
 step's and gradient accumulation's measured curves (``parameter_costs``, every rank of every
-compile) are shared likewise, per optimizer class and settings, device and world size, and so
-are the ops' measured costs (``profile_dir``: the suite's ``test_config`` names it as the
-profile cache); the unit tier measures afresh. The tests of capture itself call
+compile) are shared likewise, per optimizer class and settings, device and world size; and
+every process of the session shares the ops' measured and counted costs (``profile_dir``: the
+suite's ``test_config`` names it as the profile cache). The tests of capture itself call
 ``capture_pass``; a unit test that watches the capture pass is marked ``own_captures``, and a
 distributed test that counts captures turns sharing off in its ranks (``NOT_SHARED``).
 """
@@ -35,29 +35,49 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from rannc_fx.capture.capture import capture_pass
 from rannc_fx.capture.graph import autocast_state
 from rannc_fx.capture.portable import NotPortable, pack, unpack
 from rannc_fx.plan.config import Config
 from rannc_fx.plan.device import device_of
 from rannc_fx.planner import analyze, captured
 from rannc_fx.profile import optimizer as optimizer_costs
+from rannc_fx.shapes.infer import infer_dtypes_pass, shapes_pass
 from rannc_fx.startup import rank
 
-__all__ = ["NOT_SHARED", "SHARED", "install", "profile_dir", "share_traces", "traced"]
+__all__ = ["COUNTED", "NOT_SHARED", "PASSES", "SHARED", "install", "profile_dir",
+           "share_traces", "traced"]
 
 SHARED = "TESTS_SHARED_CAPTURES"  # the environment variable naming the session's folder
 ENABLED = True
 # a ``run_ranks`` patch for tests that count or watch captures: every rank 0 traces
 NOT_SHARED = (__name__, "ENABLED", False)
 traced = captured.trace_model  # the product's own, for tests that watch it (``own_captures``)
-_INSTALLED = False  # whether this process shares them (a rank of the session's)
+
+PASSES: list[str] = []  # in a rank: the capture and inference passes it ran (``COUNTED``)
+
+
+def _counted(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    PASSES.append(name)
+    return fn(*args, **kwargs)
+
+
+# ``run_ranks`` patches for tests that count where the graph is captured and its values'
+# shapes and the other autocast states' dtypes are found: each rank's ``PASSES`` (every
+# capture traced, none shared with other tests)
+COUNTED = [NOT_SHARED,
+           ("rannc_fx.planner.captured", "capture_pass",
+            functools.partial(_counted, "capture", capture_pass)),
+           ("rannc_fx.planner.captured", "shapes_pass",
+            functools.partial(_counted, "shapes", shapes_pass)),
+           ("rannc_fx.startup.amp", "infer_dtypes_pass",
+            functools.partial(_counted, "dtypes", infer_dtypes_pass))]
 
 
 def share_traces() -> None:
     """Share captures in the test process itself (``conftest.py``): the unit tier plans the
     same models again and again through ``partition()``, which traced each of them every time
-    (a third of the search tests' time). Its tests of capture call ``capture_pass`` itself, and
-    it measures everything else afresh."""
+    (a third of the search tests' time). Its tests of capture call ``capture_pass`` itself."""
     if os.environ.get(SHARED):
         captured.trace_model = trace_model  # type: ignore[assignment]
 
@@ -65,21 +85,20 @@ def share_traces() -> None:
 def install() -> None:
     """Share captures (and the optimizer's measured curves) in this process, where the
     session has a folder for them."""
-    global _INSTALLED
     if ENABLED and os.environ.get(SHARED):
-        _INSTALLED = True
         captured.trace_model = trace_model  # type: ignore[assignment]
         rank.parameter_costs = parameter_costs  # type: ignore[assignment]
         analyze.parameter_costs = parameter_costs  # type: ignore[assignment]
 
 
 def profile_dir() -> str | None:
-    """The session's op-cost cache (``Config.profile_cache_dir``) for this process's compiles:
-    the cases of a session profile the same few models, and an op measured once serves every
-    later plan (as a user's cache serves their next run). None outside the ranks that
-    ``install`` set up (the unit tier plans from its own measurements, however it is run)."""
+    """The session's op-cost cache (``Config.profile_cache_dir``) for this process's plans:
+    the tests of a session profile the same few models, and an op measured or counted once
+    serves every later plan (as a user's cache serves their next run), in every worker and
+    rank of the session. None outside a session. (A test of profiling itself gives its
+    Config no cache, or a folder of its own.)"""
     folder = os.environ.get(SHARED)
-    return str(Path(folder) / "profile") if _INSTALLED and folder else None
+    return str(Path(folder) / "profile") if folder else None
 
 
 def parameter_costs(optimizer: torch.optim.Optimizer | None, device: torch.device | None,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rannc_fx.capture.capture import CapturedGraph, capture_pass
 from rannc_fx.planner import captured
@@ -26,27 +27,32 @@ Captured = tuple[Any, tuple[Any, ...], dict[str, Any], CapturedGraph]
 UNIT, DIST = Path(__file__).parent / "unit", Path(__file__).parent / "distributed"
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """The folder of what the session shares (``captures.py``), which this process's plans
-    use for their captures and the ranks find in the environment they are given; and the
-    fork server ``run_ranks`` forks its workers from, started before any test runs a torch
-    op (``dist_utils.run_ranks`` says why), except for a run of the unit tier alone."""
-    from .dist_utils import start_fork_server
+_MADE: list[str] = []  # the session's folder, in the process that made it (and removes it)
 
-    if getattr(session.config.option, "dist", "no") != "no" and not hasattr(
-            session.config, "workerinput"):
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The folder of what the session shares (``captures.py``): made by the session's first
+    process (pytest-xdist's controller, or the one process of a run without workers) before
+    any worker starts, so that every worker and every rank finds the same one in its
+    environment. The user's cache of op costs (``Config.profile_cache_dir``'s default, under
+    ``XDG_CACHE_HOME``) is a folder of it too: a test never reads or writes the user's."""
+    if not os.environ.get(SHARED):
+        folder = tempfile.mkdtemp(prefix="rannc_fx-session-")
+        _MADE.append(folder)
+        os.environ[SHARED] = folder
+        os.environ["XDG_CACHE_HOME"] = str(Path(folder) / "cache")
+    workers = getattr(session.config, "workerinput", {}).get("workercount")
+    if getattr(session.config.option, "dist", "no") != "no" and workers is None:
         return  # pytest-xdist's controller: its workers run the tests
-    os.environ[SHARED] = tempfile.mkdtemp(prefix="rannc_fx-captures-")
+    if workers:  # each worker its share of the cores: more threads than cores spin idle
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
     share_traces()
-    paths = [Path(a.split("::")[0]).resolve() for a in session.config.args]
-    if not (paths and all(p == UNIT or UNIT in p.parents for p in paths)):
-        start_fork_server()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    folder = os.environ.pop(SHARED, None)
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
+    if _MADE:
+        shutil.rmtree(_MADE.pop(), ignore_errors=True)
+        del os.environ[SHARED]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group marks
@@ -54,15 +60,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tier of each test, as its folder says: ``-m unit`` or ``-m "not dist"`` selects the
     tests that start no process.
 
-    Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) the distributed tier is one
-    group, run on one worker in turn: its ranks use both cores, and two of its cases side by
-    side would wait on each other's ranks past their timeouts. The unit tier shares the
-    workers."""
+    Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) the distributed tier is two
+    groups, each run on one worker in turn: the cases on forked gloo ranks (``ranks``), whose
+    ranks use both cores and would wait on each other's past their timeouts side by side,
+    and those that run whole processes (``scripts``: a script's ranks, torchrun agents),
+    which spend most of their time starting Python and torch, beside the first. The unit
+    tier shares the workers."""
     for item in items:
         path = Path(item.path)
         if DIST in path.parents:
             item.add_marker(pytest.mark.dist)
-            item.add_marker(pytest.mark.xdist_group("ranks"))
+            group = "scripts" if item.get_closest_marker("scripts") else "ranks"
+            item.add_marker(pytest.mark.xdist_group(group))
         elif UNIT in path.parents:
             item.add_marker(pytest.mark.unit)
 

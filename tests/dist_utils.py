@@ -60,11 +60,11 @@ def run_ranks(
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` worker processes; their results.
 
-    The workers are forked from a fork server started once, before this process ran any
-    torch op: a process forked from one where autograd's threads ran cannot use autograd
-    (torch 2.14 refuses it: "Unable to handle autograd's threading in combination with
-    fork-based multiprocessing"), while a fork is ~0.1 s against 10-17 s for a spawned
-    worker that imports torch. ``fn`` and ``args`` must pickle (module-level functions).
+    The workers are forked from a fork server, a fresh interpreter of its own started once
+    (``tests/distributed/conftest.py``), never from this process: a process forked from one
+    where autograd's threads ran cannot use autograd (torch 2.14 refuses it: "Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"), while a
+    fork is ~0.1 s against 10-17 s for a spawned worker that imports torch. ``fn`` and ``args`` must pickle (module-level functions).
     Each worker sets one thread first (forked workers hang in OpenMP otherwise) and joins a
     gloo group with ``timeout_s``, so a mismatched message becomes an error, not a hang.
     When one rank fails the others get a short grace period, then are killed, and
@@ -200,8 +200,8 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.export._trace", "torch.distributed"
 
 
 def _context() -> Any:
-    """The fork server's context (started at the first call, and by ``conftest.py`` before
-    any test runs a torch op)."""
+    """The fork server's context (the server started by ``tests/distributed/conftest.py``
+    before the tier's first test, else at the first call)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -217,7 +217,8 @@ def _show_output(logs: tempfile.TemporaryDirectory[str]) -> None:
 
 
 def start_fork_server() -> None:
-    """Start the fork server now (``conftest.py``: before any test's torch work)."""
+    """Start the fork server now (``tests/distributed/conftest.py``: before the tier's first
+    test, outside its patches)."""
     from multiprocessing import forkserver
 
     _context()

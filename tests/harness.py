@@ -47,8 +47,8 @@ Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
 def test_config(**overrides: Any) -> Config:
     """The suite's Config: the session's op-cost cache (``captures.profile_dir``: an op's
-    cost is measured once a session, not once a test; none outside a session's ranks), one
-    timed run per profiled op, a 60 s process-group timeout; ``overrides`` on top."""
+    cost is measured or counted once a session, not once a test), one timed run per
+    profiled op, a 60 s process-group timeout; ``overrides`` on top."""
     settings: dict[str, Any] = dict(profile_cache_dir=captures.profile_dir(), profile_repeats=1,
                                     timeout_s=60.0)
     settings.update(overrides)

@@ -13,6 +13,8 @@ import pytest
 from tests.dist_utils import free_port
 from tests.unit.test_examples import EXAMPLES
 
+pytestmark = pytest.mark.scripts  # whole processes (conftest: their own xdist group)
+
 
 def _torchrun(script: str, *args: str) -> str:
     cmd = [

@@ -15,6 +15,8 @@ import pytest
 
 from tests.dist_utils import free_port
 
+pytestmark = pytest.mark.scripts  # whole processes (conftest: their own xdist group)
+
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 SCRIPT = SCRIPTS / "no_cleanup.py"
 RUNS = 3

@@ -14,9 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
-from rannc_fx.capture.capture import capture_pass
-from rannc_fx.shapes.infer import infer_dtypes_pass, shapes_pass
-from tests.captures import NOT_SHARED
+from tests.captures import COUNTED, PASSES
 from tests.dist_utils import local_part
 from tests.harness import Run, optimizer, train_against_reference
 from tests.unit.test_tail import TOL, BiEncoder, _bi_batch
@@ -28,25 +26,6 @@ def _bi_step(world: int, step: int) -> tuple[torch.Tensor, ...]:
     """Step ``step``'s batch: a smaller one in between (step 0: the example)."""
     local = (LOCAL, LOCAL, LOCAL - 1, LOCAL)[step]
     return _bi_batch(local * world, step)
-
-
-_INFERRED: list[str] = []  # in a rank: the inference passes it ran (counted by the patches)
-
-
-def _counted(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    _INFERRED.append(name)
-    return fn(*args, **kwargs)
-
-
-# the capture, the values' shapes and the other autocast states' dtypes, counted where they
-# are found (every capture traced: none shared with other tests)
-COUNTED = [NOT_SHARED,
-           ("rannc_fx.planner.captured", "capture_pass",
-            functools.partial(_counted, "capture", capture_pass)),
-           ("rannc_fx.planner.captured", "shapes_pass",
-            functools.partial(_counted, "shapes", shapes_pass)),
-           ("rannc_fx.startup.amp", "infer_dtypes_pass",
-            functools.partial(_counted, "dtypes", infer_dtypes_pass))]
 
 
 def _tail_after_training(amp: bool, run: Run) -> list[str]:
@@ -72,7 +51,7 @@ def _tail_after_training(amp: bool, run: Run) -> list[str]:
         assert logits.dtype == want_logits.dtype == torch.bfloat16
         assert_close(loss, want, rtol=2e-2, atol=2e-2)
         loss.backward()
-    return list(_INFERRED)
+    return list(PASSES)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,8 @@ import torch
 from tests.dist_utils import free_port
 from tests.scripts import train_multinode as script
 
+pytestmark = pytest.mark.scripts  # whole processes (conftest: their own xdist group)
+
 SCRIPT = Path(script.__file__)
 REPO = SCRIPT.parents[2]
 LOCAL = 4

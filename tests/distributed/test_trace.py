@@ -223,6 +223,7 @@ def test_a_rank_whose_clock_runs_ahead_is_aligned_to_rank_0(tmp_path):
     assert summarize(trace).unmatched == 0 and summarize(trace).step_ms < 1e3
 
 
+@pytest.mark.scripts  # two whole processes (conftest: their own xdist group)
 def test_a_run_that_ends_before_its_traced_steps_says_so_at_exit(tmp_path):
     import os
     import subprocess

@@ -18,15 +18,13 @@ from torch.testing import assert_close
 import rannc_fx
 from examples.models import gpt_example
 from rannc_fx.capture.capture import capture_pass
-from rannc_fx.plan.config import Config
 from rannc_fx.plan.plan import Plan
 from rannc_fx.plan.values import SAMPLES, ValueSpec, evaluate, formula_text
 from rannc_fx.progress import Progress
 from rannc_fx.shapes.dynamic import dynamic_pass
 from rannc_fx.shapes.infer import _fake_input, _FakeProp, shapes_pass
 from rannc_fx.split.split import run_stages
-
-CFG = dict(profile_cache_dir=None, profile_repeats=1)
+from tests.harness import test_config
 
 
 def test_a_formula_is_evaluated_and_printed_as_written():
@@ -117,7 +115,7 @@ def test_the_dimensions_a_config_keeps_and_names_it_does_not_know():
 def test_batch_only_capture_has_no_dynamic_dimension():
     model, args, kwargs = gpt_example(batch=4)
     partitioned = rannc_fx.partition(model, args, kwargs, world_size=2,
-                                     config=Config(**CFG, stages=2, dynamic_dims="batch"))
+                                     config=test_config(stages=2, dynamic_dims="batch"))
     assert partitioned.plan.dynamic_dims == ()
     assert not any(s.formulas for s in partitioned.plan.inputs)
 
@@ -131,7 +129,7 @@ def test_the_stages_run_every_length_up_to_the_plan_s_like_the_model(stages):
     model, args, kwargs = gpt_example(batch=4, layers=3)
     ref = copy.deepcopy(model)
     part = rannc_fx.partition(model, args, kwargs, world_size=stages,
-                              config=Config(**CFG, stages=stages))
+                              config=test_config(stages=stages))
     plan = part.plan
     assert {d.name: d.size for d in plan.dynamic_dims} == {"input_ids.1": 32, "labels.1": 32}
     assert Plan.from_json(plan.to_json()) == plan
@@ -172,7 +170,7 @@ def test_the_log_says_which_dimensions_are_dynamic_and_which_the_code_fixes(capl
     model = _Fixed()
     with caplog.at_level("INFO", logger="rannc_fx"):
         part = rannc_fx.partition(model, (ids, feats), world_size=1,
-                                  config=Config(**CFG, tracer="export"))
+                                  config=test_config(tracer="export"))
     assert [d.name for d in part.plan.dynamic_dims] == ["ids.1"]
     line = next(r.getMessage() for r in caplog.records if "dynamic dimension" in r.getMessage())
     assert line.endswith("dynamic dimension(s) ids.1 <= 10; static (the model's code fixes "

@@ -175,8 +175,8 @@ def test_the_search_keeps_parameters_on_the_host_only_where_nothing_else_fits():
 
     def plan(memory: int) -> Plan:
         return rannc_fx.partition(model, (ids,), {"labels": ids}, world_size=2, device=spec,
-                                  config=Config(device_memory=memory, replicas=(1, 1),
-                                                profile_cache_dir=None)).plan
+                                  config=test_config(device_memory=memory,
+                                                     replicas=(1, 1))).plan
 
     roomy = plan(32 * 2**30)
     assert not any(st.host_params for st in roomy.stages), roomy.summary()

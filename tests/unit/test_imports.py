@@ -9,6 +9,7 @@ would otherwise close a circle with every module inside it.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import rannc_fx
@@ -26,13 +27,24 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once a session (several tests read every module)."""
+    return ast.parse(path.read_text())
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the rannc_fx modules it imports (the deepest that exists of each target)."""
+    return {name: set(deps) for name, deps in _import_graph().items()}
+
+
+@functools.cache
+def _import_graph() -> dict[str, set[str]]:
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for name, (path, is_pkg) in mods.items():
         here = name.split(".") if is_pkg else name.split(".")[:-1]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -99,7 +111,7 @@ def _external(name: str) -> set[str]:
     """The modules outside rannc_fx that ``name`` imports, anywhere in its source."""
     path, _ = _modules()[name]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:

@@ -20,8 +20,9 @@ from rannc_fx.planner.analyze import analyze
 from rannc_fx.search import NoFeasiblePlan
 from rannc_fx.search.segments import _range_max
 from tests import hf_models
+from tests.harness import test_config
 
-CFG = Config(profile_cache_dir=None, cost_model="analytic", zero=0, offload=False)
+CFG = test_config(cost_model="analytic", zero=0, offload=False)
 
 
 def _analysis(model: nn.Module, args: tuple, kwargs: dict):

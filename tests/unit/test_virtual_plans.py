@@ -18,13 +18,14 @@ from rannc_fx.plan.config import Config
 from rannc_fx.planner.virtual import balanced_stages
 from rannc_fx.search.problem import CostTable, SearchSpace, StageChoice
 from rannc_fx.search.terms import stage_terms
+from tests.harness import test_config
 
 WIDE = dict(d_model=512, layers=8, seq=512)  # analytic V100 costs: the same plan every run
 
 
 def _plan(world: int = 4, **cfg: Any) -> rannc_fx.Plan:
     model, args, kwargs = gpt_example(batch=16, **WIDE)
-    config = Config(profile_cache_dir=None, **cfg)
+    config = test_config(**cfg)
     return rannc_fx.partition(model, args, kwargs, world_size=world, device="v100-32gb",
                               config=config).plan
 
@@ -140,8 +141,8 @@ def test_the_bounds_that_skip_lanes_hold_and_skip_no_better_plan():
 
     tight = _tight(8)
     model, args, kwargs = gpt_example(batch=16, **WIDE)
-    a = analyze(model, args, kwargs, world_size=8, device="v100-32gb", config=Config(
-        profile_cache_dir=None, device_memory=tight["device_memory"], memory_margin=0.0))
+    a = analyze(model, args, kwargs, world_size=8, device="v100-32gb", config=test_config(
+        device_memory=tight["device_memory"], memory_margin=0.0))
     result = run_search(a.table, a.space)
     choices = lane_choices(a, result)
     assert len(choices) > 8 and choices[0].replicas == (1,) * 8

@@ -25,7 +25,7 @@ def _example(small: bool = False) -> Any:
 
 def _plan(world: int = 4, small: bool = False, **cfg: Any) -> rannc_fx.Plan:
     model, args, kwargs = _example(small)
-    config = Config(profile_cache_dir=None, **cfg)
+    config = test_config(**cfg)
     return rannc_fx.partition(model, args, kwargs, world_size=world, device="v100-32gb",
                               config=config).plan
 
@@ -87,8 +87,8 @@ def test_a_named_zbh1_that_does_not_fit_says_so():
     budget = max(s.memory.total for s in base.stages)
     with pytest.raises(ValueError, match=r"schedule='zbh1' holds on each stage the micro-batches "
                                          r"its 1F1B order keeps in flight"):
-        rannc_fx.partition(model, args, kwargs, world_size=4, device="v100-32gb", config=Config(
-            profile_cache_dir=None, stages=4, micro_batches=8,
+        rannc_fx.partition(model, args, kwargs, world_size=4, device="v100-32gb", config=test_config(
+            stages=4, micro_batches=8,
             schedule="zbh1", recompute=False, device_memory=budget, memory_margin=0.0))
 
 
@@ -105,7 +105,7 @@ def test_a_named_zbh1_is_searched_where_the_searched_stages_do_not_fit_it():
     model, args, kwargs = _example()
 
     def config(**kw: Any) -> Config:
-        return Config(profile_cache_dir=None, micro_batches=8, **kw)
+        return test_config(micro_batches=8, **kw)
 
     base = rannc_fx.partition(model, args, kwargs, world_size=8, device="v100-32gb",
                               config=config(schedule="1f1b", zero=False)).plan
@@ -134,7 +134,7 @@ def test_a_named_zbh1_is_the_shorter_of_the_searched_and_the_searched_stages():
 
     model, args, kwargs = _example()
     a = analyze(model, args, kwargs, world_size=6, device="v100-32gb",
-                config=Config(profile_cache_dir=None))
+                config=test_config())
     result = search_pass(a.table, a.space)
 
     def build(r: Any) -> rannc_fx.Plan:
