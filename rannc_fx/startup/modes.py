@@ -12,9 +12,14 @@ are then this rank's own (the running statistics eval reads are the ones trainin
 its constants the copy's. ``CompiledModel.train(mode)`` only picks the graph: it does not
 touch the modes the graphs were captured in.
 
-Every rank captures the same graph from the same code and example, so every rank derives the
-same plan for it without a message; the executors then check that they agree
-(``check_same_plan``).
+Every rank holds rank 0's example and the same model, so one capture serves them all: where
+there are several ranks (and each took rank 0's example, ``planned.same_example``), rank 0
+alone captures the other mode's graph, infers its values' specs and dtypes and restages the
+plan, and sends them with the graph (``planned.broadcast_planning``), which the others bind to
+their own copy (``capture/portable``), as at the first call. A mode's first call is collective
+already (every call's agreement, ``runtime/agreement``, checks that every rank runs in the
+same mode). Where the graph cannot travel each rank captures it, with rank 0's specs; the
+executors then check that the ranks agree (``check_same_plan``).
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..capture.capture import CapturedGraph, retarget_device_pass
+from ..capture.portable import NotPortable, unpack
 from ..plan.config import Config
 from ..plan.plan import Plan
-from ..planner import capture_model, split_stages
+from ..planner import Captured, capture_model, shape_model, split_stages, trace_model
 from ..progress import note
 from ..runtime.lane import LaneModules, graph_modules
 from ..split.restage import restage
 from .amp import AmpSpecs, autocast_as
+from .planned import Planning, broadcast_planning, packed
 
 __all__ = ["ModeGraph", "Modes"]
 
@@ -59,8 +66,13 @@ class Modes:
 
     def __init__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                  config: Config, device: torch.device, rank: int, amp_type: str,
-                 planned_amp: str | None, home: torch.device) -> None:
+                 planned_amp: str | None, home: torch.device, world: int = 1,
+                 alike: bool = True) -> None:
+        """``args``/``kwargs``: the first call's example (rank 0's, where ``alike``: every
+        rank holds it, and rank 0 captures the other mode for all ``world`` ranks)."""
         self.config, self.device, self.rank = config, device, rank
+        self.shared = world > 1 and alike  # rank 0 captures, the others receive
+        self.world = world
         self.amp_type, self.planned_amp, self.home = amp_type, planned_amp, home
         self.planned_mode = model.training
         self._made: dict[bool, ModeGraph] = {}
@@ -102,17 +114,22 @@ class Modes:
             )
         copy_ = self._copy.train(training)
         cfg = self.config.model_copy(update={"tracer": base.captured.tracer})
-        args, kwargs = self._example
-        # capture runs the model's code: the user's random stream must not move
-        with torch.random.fork_rng(devices=[]), autocast_as(self.amp_type, self.planned_amp):
-            other = capture_model(copy_, args, kwargs, cfg, opaque=base.captured.opaque,
-                                  pieces=base.captured.pieces)
-        plan = restage(base.plan, base.captured, other, mode=mode)
-        retype = base.retype
-        if self.home.type != "meta":  # the other autocast states' dtypes, as the planned's
-            amp = AmpSpecs.of(other.graph, other.inputs, plan, device_type=self.amp_type,
-                              planned=self.planned_amp, batch_dim=cfg.batch_dim)
-            retype = amp.retype
+        if not self.shared:
+            other, plan, amp = self._found(copy_, cfg, base, mode)
+        elif self.rank == 0:
+            try:
+                other, plan, amp = self._found(copy_, cfg, base, mode)
+                found = Planning(plan, other.values, other.graph.tail, amp,
+                                 packed(other.graph, copy_), "meta")
+            except Exception as e:  # the others raise it too
+                broadcast_planning(e, self.rank, self.world, what=f"capture the {mode} graph")
+                raise
+            broadcast_planning(found, self.rank, self.world)
+        else:
+            found = broadcast_planning(None, self.rank, self.world,
+                                       what=f"capture the {mode} graph")
+            other, plan, amp = self._received(found, copy_, cfg, base)
+        retype = amp.retype if amp is not None else base.retype
         own = frozenset(n for n, _ in (*copy_.named_parameters(remove_duplicate=False),
                                         *copy_.named_buffers(remove_duplicate=False)))
         _take_state(other.graph, base.captured, own)
@@ -127,6 +144,41 @@ class Modes:
         note("captured the model's %s graph (%d nodes) for the plan's stages", mode,
              other.graph.num_nodes)
         return ModeGraph(training, other.graph, plan, module, retype)
+
+    def _found(self, copy_: nn.Module, cfg: Config, base: ModeGraph,
+               mode: str) -> tuple[Captured, Plan, AmpSpecs | None]:
+        """The other mode's graph with its values' specs, the plan on it and (for a model
+        not built on the meta device) its dtypes under the other autocast states, found here."""
+        args, kwargs = self._example
+        # capture runs the model's code: the user's random stream must not move
+        with torch.random.fork_rng(devices=[]), autocast_as(self.amp_type, self.planned_amp):
+            other = capture_model(copy_, args, kwargs, cfg, opaque=base.captured.opaque,
+                                  pieces=base.captured.pieces)
+        plan = restage(base.plan, base.captured, other, mode=mode)
+        amp = None
+        if self.home.type != "meta":  # the other autocast states' dtypes, as the planned's
+            amp = AmpSpecs.of(other.graph, other.inputs, plan, device_type=self.amp_type,
+                              planned=self.planned_amp, batch_dim=cfg.batch_dim)
+        return other, plan, amp
+
+    def _received(self, found: Planning, copy_: nn.Module, cfg: Config,
+                  base: ModeGraph) -> tuple[Captured, Plan, AmpSpecs | None]:
+        """What rank 0 found, on this rank's copy: its graph bound to the copy's tensors, or
+        where it could not travel the graph captured here, with rank 0's specs and tail."""
+        args, kwargs = self._example
+        if found.graph is not None:
+            try:
+                graph = unpack(found.graph, copy_)  # both copies on the meta device
+            except NotPortable as e:
+                note("rank 0's graph does not fit this rank's copy (%s): capturing it here", e)
+            else:
+                return Captured(graph, graph.flatten_inputs(args, kwargs), found.values), \
+                    found.plan, found.amp
+        with torch.random.fork_rng(devices=[]), autocast_as(self.amp_type, self.planned_amp):
+            traced = trace_model(copy_, args, kwargs, cfg, opaque=base.captured.opaque,
+                                 pieces=base.captured.pieces)
+        other = shape_model(traced, cfg, given=(found.values, found.tail))
+        return other, found.plan, found.amp
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

@@ -19,15 +19,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import TypeAdapter
+from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..capture.capture import CapturedGraph
 from ..capture.graph import TailNodes
+from ..capture.portable import NotPortable, pack
 from ..plan.plan import Plan
 from ..plan.values import ValueSpec
+from ..progress import note
 from ..runtime.comm import CommError
 from .amp import AmpSpecs
 
-__all__ = ["Planning", "broadcast_planning", "same_example"]
+__all__ = ["Planning", "broadcast_planning", "packed", "same_example"]
 
 _VALUES: TypeAdapter[dict[str, ValueSpec]] = TypeAdapter(dict[str, ValueSpec])
 
@@ -70,8 +74,19 @@ class Planning:
         )  # fmt: skip
 
 
-def broadcast_planning(found: Planning | Exception | None, rank: int, world: int) -> Planning:
-    """Rank 0's ``Planning`` (or its error, raised on every rank) to every rank."""
+def packed(captured: CapturedGraph, model: nn.Module) -> bytes | None:
+    """Rank 0's graph for the others, or None where it cannot travel (they capture it)."""
+    try:
+        return pack(captured, model)
+    except NotPortable as e:
+        note("the captured graph stays on rank 0 (%s): every rank captures the model", e)
+        return None
+
+
+def broadcast_planning(found: Planning | Exception | None, rank: int, world: int, *,
+                       what: str = "plan the model") -> Planning:
+    """Rank 0's ``Planning`` (or its error, raised on every rank) to every rank; ``what``:
+    what rank 0 did to find it, as an error names it."""
     if world == 1:
         if isinstance(found, Exception):
             raise found
@@ -89,14 +104,14 @@ def broadcast_planning(found: Planning | Exception | None, rank: int, world: int
         why = (
             "another rank died (see its log)"
             if rank == 0
-            else "planning on rank 0 took longer than Config.timeout_s, or rank 0 died (see its log)"
+            else f"rank 0 took longer to {what} than Config.timeout_s, or it died (see its log)"
         )
-        raise CommError(f"rank {rank}: broadcasting the plan from rank 0 failed: {e}; {why}") from e
+        raise CommError(f"rank {rank}: waiting for rank 0 to {what} failed: {e}; {why}") from e
     kind, body, graph = payload
     if kind == "error":
         if isinstance(found, Exception):
             raise found
-        raise RuntimeError(f"rank 0 could not plan the model: {body}")
+        raise RuntimeError(f"rank 0 could not {what}: {body}")
     if isinstance(found, Planning):
         return found
     return Planning.from_json(list(body), graph)

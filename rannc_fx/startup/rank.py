@@ -29,7 +29,7 @@ from torch import fx, nn
 
 from ..capture.capture import CapturedGraph, batch_size_of, retarget_device_pass
 from ..capture.graph import untouched
-from ..capture.portable import NotPortable, pack, unpack
+from ..capture.portable import NotPortable, unpack
 from ..plan.config import Config
 from ..plan.device import DeviceSpec, device_of
 from ..plan.plan import Plan
@@ -58,7 +58,7 @@ from .amp import AmpSpecs, amp_state, autocast_as
 from .given import check_given, load_given
 from .modes import Modes
 from .placement import InitFn, Placement, free_others, place_stage
-from .planned import Planning, broadcast_planning, same_example
+from .planned import Planning, broadcast_planning, packed, same_example
 from .probe import measure_link
 from .sync import Layout, check_alike, sync_stages
 
@@ -114,7 +114,8 @@ def set_up_rank(
     amp_type = home.type if home.type != "meta" else device.type
     planned_amp = cfg.autocast_dtype or amp_state(amp_type)
     modes = Modes(model, args, kwargs, config=cfg, device=device, rank=rank, amp_type=amp_type,
-                  planned_amp=planned_amp, home=home)  # before any tensor moves or is freed
+                  planned_amp=planned_amp, home=home, world=world,
+                  alike=alike)  # before any tensor moves or is freed
 
     def amp_specs(captured: CapturedGraph, plan: Plan) -> AmpSpecs | None:
         """The other autocast states' dtypes, while the model is whole."""
@@ -132,7 +133,7 @@ def set_up_rank(
                 here = _plan_here(model, optimizer, args, kwargs, world, cfg, target, param_costs)
                 plan, captured, values = here.plan, here.captured, here.values
                 found = Planning(plan, values, captured.tail, amp_specs(captured, plan),
-                                 _packed(captured, model) if world > 1 else None, str(home))
+                                 packed(captured, model) if world > 1 else None, str(home))
             except Exception as e:
                 broadcast_planning(e, rank, world)  # the others must hear of it, not time out
                 raise
@@ -203,15 +204,6 @@ def set_up_rank(
     note("compiled %s for %d rank(s) in %.2f s total (plan, split, placement)",
          captured.model_name, world, time.perf_counter() - started)
     return Ready(captured, stage, plan, placement, names, batches, modes)
-
-
-def _packed(captured: CapturedGraph, model: nn.Module) -> bytes | None:
-    """Rank 0's graph for the others, or None where it cannot travel (they capture it)."""
-    try:
-        return pack(captured, model)
-    except NotPortable as e:
-        note("the captured graph stays on rank 0 (%s): every rank captures the model", e)
-        return None
 
 
 def _rank0_graph(

@@ -15,6 +15,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import rannc_fx
+from tests.captures import COUNTED, PASSES
 from tests.dist_utils import run_ranks
 from tests.harness import LINK, test_config
 
@@ -146,6 +147,23 @@ def test_eval_runs_the_eval_function_of_the_trained_model(tracer: str, case: str
     _check(run_ranks(_run, world, tracer, cfg, timeout_s=60.0, wall_s=240.0))
 
 
+def _passes(rank: int, world: int, tracer: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``_run`` and the capture and inference passes the rank ran in it."""
+    return {**_run(rank, world, tracer, cfg), "passes": list(PASSES)}
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_rank_0_alone_captures_the_eval_graph_and_every_rank_runs_it(tracer: str) -> None:
+    """The eval graph's capture, its values' shapes and dtypes are found on rank 0 (at the
+    first eval call, as the planned graph's at the first call) and sent with the graph: the
+    others evaluate and train on what it sent, as one process does."""
+    cfg = dict(replicas=(1, 2), micro_batches=2, schedule="gpipe")
+    results = run_ranks(_passes, 3, tracer, cfg, timeout_s=60.0, wall_s=240.0, patches=COUNTED)
+    _check(results)
+    assert results[0]["passes"] == ["capture", "shapes", "dtypes"] * 2  # train, then eval
+    assert all(r["passes"] == [] for r in results[1:]), [r["passes"] for r in results]
+
+
 def _run_hf(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     from tests import hf_models
 
@@ -206,3 +224,37 @@ def _modes_differ(rank: int, world: int) -> str:
 def test_ranks_in_different_modes_are_refused_on_every_rank() -> None:
     said = run_ranks(_modes_differ, 2, timeout_s=30.0, wall_s=120.0)
     assert all("rank 0: training, rank 1: eval" in s for s in said), said
+
+
+class EvalBranches(Net):
+    """A forward whose eval mode branches on a tensor's value: it cannot be captured."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.training and float(x.sum()) > 0:
+            x = -x
+        return super().forward(x, y)
+
+
+def _eval_fails(rank: int, world: int, tracer: str) -> tuple[str, float]:
+    torch.manual_seed(0)
+    model = EvalBranches(depth=1)
+    x, y = _data(0, world)
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    cm = rannc_fx.compile(model, None, test_config(**LINK, timeout_s=30.0, replicas=(1, 1),
+                                                   micro_batches=2, tracer=tracer))
+    cm(x[mine], y[mine]).backward()
+    cm.eval()
+    with torch.no_grad(), pytest.raises(Exception) as e:
+        cm(x[mine], y[mine])
+    cm.train()
+    return f"{type(e.value).__name__}: {e.value}", float(cm(x[mine], y[mine]))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_an_eval_graph_rank_0_cannot_capture_fails_the_call_on_every_rank(tracer: str) -> None:
+    """Rank 0's capture error, raised on rank 0 and named on the others, which wait for its
+    graph; the model trains on after it."""
+    said = run_ranks(_eval_fails, 2, tracer, timeout_s=30.0, wall_s=120.0)
+    assert "rank 0 could not capture the eval graph: " in said[1][0], said
+    assert "CaptureError" in said[0][0] and said[0][0].split(": ", 1)[1] in said[1][0], said
+    assert said[0][1] == said[1][1]
