@@ -31,13 +31,15 @@ __all__ = ["evaluate", "held_once", "lane_memory", "plan_step"]
 
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
-           m: int, n: int, zb: int = 0, split: bool = False, queue: bool = True
+           m: int, n: int, zb: int = 0, split: bool = False, queue: bool = True, *,
+           memo: dict[Any, Any] | None = None,
            ) -> tuple[StageCost, float, float, float,
                       tuple[float, float, float, float, float, float]]:
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
     micro-batch's held parts as ``lane_memory`` reads them; ``split``: t and u under ZB-H1
     (``StageTerms.zbh1_times``); ``zb``: its memory too, holding that many micro-batches from
-    F to W, n = min(zb, d) (``StageTerms.memory_zbh1``)."""
+    F to W, n = min(zb, d) (``StageTerms.memory_zbh1``). ``memo``: ``evaluate``'s, where the
+    blocks' terms are kept too (the same for every variant of the stage)."""
     i, j, r, rho = st.start, st.end, st.replicas, st.level
     zeta, omega = st.zero and r > 1, st.offload
     q = samples_per_replica(space.global_batch, m, r)
@@ -45,7 +47,13 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         raise ValueError(f"the cost table has no costs for {q} samples per replica; "
                          "build it for needed_sizes(space)")
     k, ii, jj = kidx[q], np.array([i]), np.array([j])
-    terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]), m)
+    key = ("terms", k, i, j, m)
+    terms = None if memo is None else memo.get(key)
+    if terms is None:
+        terms = stage_terms(table, space, k, ii, jj, np.array([table.workspace[k, i:j].max()]),
+                            m)
+        if memo is not None:
+            memo[key] = terms
     hp = st.host
     t = float(terms.time(rho, hp)[0])
     grad = float(table.grad_bytes[i, j])
@@ -186,7 +194,7 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
         if memo is None:
             return _stage(table, space, kidx, *args)
         if args not in memo:
-            memo[args] = _stage(table, space, kidx, *args)
+            memo[args] = _stage(table, space, kidx, *args, memo=memo)
         return memo[args]
 
     got = [cost(st, counts[s]) for s, st in enumerate(stages)]
