@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import inspect
 import logging
+import re
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -182,7 +183,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     try:
         ep, gm, copied = _export(model, flat, tensors, spec(dynamic), repeated, opaque)
     except Exception as e:
-        if not dynamic:
+        if not dynamic or _output_not_tensors(e):  # other sizes dynamic or not, it fails
             raise
         ep, gm, copied = _export(model, flat, tensors, spec(False), repeated, opaque)
         note("capture: torch.export with the inputs' other dimensions dynamic failed "
@@ -343,8 +344,9 @@ def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ..
                 log.debug("capture: %s; exporting again", e)
                 keep |= {kind.members[0] for kind in rep.kinds}  # rep.unshell among them
                 continue
-            if not rep.kinds and not isinstance(e, RepeatError):
-                raise  # nothing was stood in for: the model does not export
+            if not rep.kinds and not isinstance(e, RepeatError) or _output_not_tensors(e):
+                raise  # nothing was stood in for, or its outputs are not made of tensors
+                # (a cache object): the model does not export, however its layers are traced
             log.debug("capture: tracing repeated modules once failed (%s: %s); exporting each",
                       type(e).__name__, e)
             break
@@ -354,6 +356,12 @@ def _export(model: nn.Module, flat: _FlatInputs, tensors: tuple[torch.Tensor, ..
         if opaque:
             export_opaque_pass(gm, model, seen, opaque)
     return ep, gm, 0
+
+
+def _output_not_tensors(e: BaseException) -> bool:
+    """Whether torch.export failed on the model's outputs: a class it does not know in them."""
+    return isinstance(e, RuntimeError) and re.search(r"Found <class '[\w.]+'> in output",
+                                                     str(e)) is not None
 
 
 def _run_export(flat: nn.Module, tensors: tuple[torch.Tensor, ...],
