@@ -26,12 +26,12 @@ lint: $(STAMP)
 	$(PYTHON) -m mypy
 
 # the whole suite (CI's command, .ci/run): lint, then both tiers on two pytest-xdist workers:
-# the distributed tier's cases one after another on one worker (conftest.py makes them one
-# xdist group; their ranks keep 1.35 cores busy on average), the unit tier on the other and
-# beside it: 15.3 min here (919 s), against 18.0 with the tiers one after the other
+# the forked ranks' cases one after another (xdist group "ranks"), the whole-process scripts
+# one after another (group "scripts"), the unit tier around them (tests/README.md): 6.1 min
+# here (364 s, load average 3.2)
 test: lint
 	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
 
-# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 6.1 min here
+# the unit tier alone (tests/unit: no ranks) on two pytest-xdist workers: 1.7 min here
 test-quick: $(STAMP)
 	$(PYTHON) -m pytest -q -n 2 tests/unit
