@@ -96,7 +96,7 @@ def capture_pass(
             notes.insert(0, cut_note)
             warn = True
         captured.model_name = type(model).__name__
-        captured.autocast = autocast_state()
+        captured.autocast = autocast_state(_device_type(model, args, kwargs))
         if captured.copied_calls:
             notes.insert(0, f"{captured.copied_calls} calls of repeated modules copied from "
                             "the first of their kind")
@@ -300,3 +300,12 @@ def retarget_device_pass(gm: fx.GraphModule, device: torch.device | str, *,
         sub.graph.lint()
         sub.recompile()
     return gm
+
+
+def _device_type(model: nn.Module, args: Any, kwargs: Any) -> str:
+    """The type of device the capture computed on: meta where any of its tensors is, else
+    that of the model's state, else of its first input."""
+    types = [t.device.type for t in (*model.parameters(), *model.buffers(),
+                                     *pytree.tree_leaves((args, kwargs)))
+             if isinstance(t, torch.Tensor)]
+    return "meta" if "meta" in types else types[0] if types else "cpu"

@@ -14,7 +14,7 @@ from torch.fx.node import _get_qualified_name
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "CaptureError", "CapturedGraph", "autocast_state", "batch_size_of", "build_captured",
+    "CaptureError", "CapturedGraph", "amp_state", "autocast_as", "autocast_state", "batch_size_of", "build_captured",
     "inputs_for_samples", "is_batched", "same_constant", "untouched",
 ]
 
@@ -79,7 +79,8 @@ class CapturedGraph:
     pieces: tuple[int, int] | None = None
     # where samples mix: the tail that runs on the whole batch (``shapes.tail``), if any
     tail: TailNodes | None = None
-    # the autocast state the capture ran under: torch.export's values hold its dtypes
+    # the autocast state that applied to the captured tensors (none on meta): torch.export's
+    # values hold its dtypes
     autocast: tuple[tuple[str, str], ...] = ()
     copied_calls: int = 0  # calls of repeated submodules copied from a first one (export)
     # submodules kept whole and run eagerly, by name: their calls as on the example
@@ -153,10 +154,34 @@ class CapturedGraph:
         return len(self.gm.graph.nodes)
 
 
-def autocast_state() -> tuple[tuple[str, str], ...]:
-    """(device type, dtype) of every autocast now in force: ``(("cpu", "bfloat16"),)``."""
+_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def amp_state(device_type: str) -> str | None:
+    """The autocast dtype now in force for ``device_type`` ('bfloat16', 'float16'), or None."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@contextlib.contextmanager
+def autocast_as(device_type: str, state: str | None) -> Iterator[None]:
+    """Run under the autocast ``state`` (None: autocast off), whatever is in force outside."""
+    if state is None:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    else:
+        with torch.autocast(device_type, dtype=getattr(torch, state)):
+            yield
+
+
+def autocast_state(device_type: str | None = None) -> tuple[tuple[str, str], ...]:
+    """(device type, dtype) of every autocast now in force: ``(("cpu", "bfloat16"),)``; with
+    ``device_type``, of the one that applies to its tensors (none to meta's)."""
     return tuple((d, str(torch.get_autocast_dtype(d)).removeprefix("torch."))
-                 for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+                 for d in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(d) and device_type in (None, d))
 
 
 def batch_size_of(flat_inputs: list[Any], batch_dim: int = 0) -> int:

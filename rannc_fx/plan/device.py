@@ -3,7 +3,7 @@ module's tensors are."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -74,6 +74,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # about 0.6 GB/s between two processes here, with ~50-100 us per message; compile()
     # measures the real link when it has more than one rank.
     "cpu": dict(
+        device_type="cpu",
         memory_bytes=16 * GiB,
         peak_flops={"float32": 100e9, "float16": 10e9, "bfloat16": 50e9},
         memory_bandwidth=20e9,
@@ -93,12 +94,15 @@ class DeviceSpec(BaseModel):
     otherwise) and ``interconnect_latency`` the seconds one message costs whatever its size.
     ``host_bandwidth`` is the bytes/s between the device and its host's memory, each way, and
     ``host_memory_bytes`` the host memory one device may fill with offloaded optimizer state
-    (a node's, over its devices); None: no offloading.
+    (a node's, over its devices); None: no offloading. ``device_type`` is the kind of torch
+    device it is: the analytic cost model runs the ops as that kind runs them (its autocast
+    policy, its fused kernels).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
+    device_type: Literal["cuda", "cpu"] = "cuda"
     memory_bytes: int = Field(gt=0)
     peak_flops: dict[str, float]
     memory_bandwidth: float = Field(gt=0)

@@ -19,6 +19,7 @@ in the spec. ``Config``'s link figures, where set, win over both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -30,11 +31,13 @@ import torch
 from torch import nn
 
 from ..capture.capture import CapturedGraph
+from ..capture.graph import autocast_as
 from ..group.group import BlockGraph, group_pass
 from ..plan.config import Config
 from ..plan.device import DeviceSpec, device_of
 from ..plan.plan import loss_output
 from ..plan.values import ValueSpec, dtype_itemsize
+from ..profile.fakes import fake_device
 from ..profile.optimizer import ParameterCosts, parameter_costs
 from ..profile.profile import Profile, profile_pass
 from ..runtime.comm import BUCKET_BYTES
@@ -43,7 +46,7 @@ from ..search import SCHEDULES, CostTable, SearchSpace, needed_sizes, run_sizes
 from ..search.table import build_cost_table
 from ..shapes.symbolic import SymbolicValues
 from ..shapes.tail import TailCost, tail_cost
-from .captured import capture_model
+from .captured import Captured, capture_model
 
 __all__ = ["Analysis", "Target", "analyze", "pick_target"]
 
@@ -92,11 +95,30 @@ def analyze(
         raise ValueError(f"world_size={world_size}: need at least one device")
     cfg = Config.from_env(config)
     t0 = time.perf_counter()
-    cap = capture_model(model, example_args, example_kwargs or {}, cfg)
-    captured, flat, values = cap.graph, cap.inputs, cap.values
-    batch = global_batch or _batch_size(captured, values, flat, cfg.batch_dim)
-
     target = device if isinstance(device, Target) else pick_target(device_of(model), device, cfg)
+    # the ops run as the plan's kind of device runs them, under the autocast it plans for
+    fakes = fake_device(target.spec.device_type)
+    with _planned_autocast(fakes.type, cfg):
+        cap = capture_model(model, example_args, example_kwargs or {}, cfg, device=fakes)
+        captured, flat, values = cap.graph, cap.inputs, cap.values
+        batch = global_batch or _batch_size(captured, values, flat, cfg.batch_dim)
+        return _analyzed(cap, batch, target, cfg, t0, world_size=world_size,
+                         optimizer=optimizer, param_costs=param_costs)
+
+
+def _planned_autocast(device_type: str, cfg: Config) -> contextlib.AbstractContextManager[None]:
+    """``Config.autocast_dtype`` in force for ``device_type`` (where unset: the caller's
+    state)."""
+    if cfg.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return autocast_as(device_type, cfg.autocast_dtype)
+
+
+def _analyzed(cap: Captured, batch: int, target: Target, cfg: Config,
+              t0: float, *, world_size: int, optimizer: torch.optim.Optimizer | None,
+              param_costs: ParameterCosts | None) -> Analysis:
+    """Profile, group and costs on the captured graph."""
+    captured, flat, values = cap.graph, cap.inputs, cap.values
     spec, run_device, cost_model = target.spec, target.measure_on, target.cost_model
     budget = int((cfg.device_memory or spec.memory_bytes) * (1 - cfg.memory_margin))
     loss = loss_output([values[n] for n in captured.output_names])

@@ -46,12 +46,14 @@ class Captured:
 def capture_model(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config, *,
     opaque: dict[str, Any] | None = None, pieces: tuple[int, int] | None = None,
+    device: torch.device | None = None,
 ) -> Captured:
     """``capture_pass`` then ``shapes_pass`` on one example batch, as ``config`` says
     (``opaque``: the modules kept whole and their recorded calls, ``capture/opaque``;
-    ``pieces``: where the forward is cut, ``capture/pieces``)."""
+    ``pieces``: where the forward is cut, ``capture/pieces``; ``device``: the device the
+    shape pass's fakes carry, ``profile.fakes``)."""
     return shape_model(trace_model(model, args, kwargs, config, opaque=opaque, pieces=pieces),
-                       config)
+                       config, device=device)
 
 
 def trace_model(
@@ -72,7 +74,8 @@ def trace_model(
 
 
 def shape_model(traced: Captured, config: Config, *,
-                given: tuple[dict[str, ValueSpec], TailNodes | None] | None = None) -> Captured:
+                given: tuple[dict[str, ValueSpec], TailNodes | None] | None = None,
+                device: torch.device | None = None) -> Captured:
     """``traced`` with every value's spec and its tail: from ``shapes_pass`` and
     ``find_tail``, or ``given`` by the rank that planned the same graph (``compile()``'s
     other ranks: the specs and tail rank 0 found, so that they need not find them again)."""
@@ -84,12 +87,13 @@ def shape_model(traced: Captured, config: Config, *,
             graph.tail = tail
         return Captured(graph, inputs, values)
     dynamic = config.dynamic_dims != "batch"
-    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
+    shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic, device=device)
     tail = find_tail(graph, shapes.specs, loss_reduction=config.loss_reduction)
     if tail is not None:  # its inputs get nodes of their own: the shapes again, with them
         insert_tail_inputs(graph, tail)
         graph.tail = tail
-        shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic)
+        shapes = shapes_pass(graph, inputs, batch_dim=config.batch_dim, dynamic=dynamic,
+                             device=device)
         note("capture: samples mix at %s; %d node(s) from there run once a step on the "
              "whole batch, on the last stage's ranks", ", ".join(tail.mixing),
              len(tail.nodes))

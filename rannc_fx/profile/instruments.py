@@ -16,9 +16,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from ..plan import selective
+from . import flops
 
 __all__ = ["CudaPeak", "OpTracker", "SavedLog", "differentiable", "first_positions",
            "storage_id", "tensors"]
@@ -108,8 +108,7 @@ class OpTracker(TorchDispatchMode):
         self.moved += moved
         if selective.kept(func):
             self.kept_moved += moved
-            count = flop_registry.get(func.overloadpacket)
-            self.kept_flops += count(*args, **(kwargs or {}), out_val=out) if count else 0
+            self.kept_flops += flops.count(func, args, kwargs or {}, out)
             for t in outs:
                 sid = storage_id(t)
                 if sid not in self.known:

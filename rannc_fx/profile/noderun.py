@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.graph import inputs_for_samples
 from .cache import device_name, qualname
+from .fakes import computes_as, retarget
 from .instruments import differentiable, storage_id
 from .opcost import OpCall, OpCost, count_op, measure_op, run_op
 from .opcost_bw import weight_held
@@ -88,11 +89,11 @@ def measure_device(
 
 
 def home_device(gm: fx.GraphModule, flat_inputs: list[Any]) -> torch.device:
-    """The one device every fake tensor of an analytic profile carries.
+    """Where the graph was captured: the device its constants name.
 
     ``meta`` when any parameter or buffer is on meta (the model was captured on meta: its
     example inputs went there too), else the device of the model's state, else that of its
-    first input tensor, else the CPU.
+    first input tensor, else the CPU. Fakes carry another (``fakes``).
     """
     devs = [t.device for t in [*gm.parameters(), *gm.buffers()]]
     devs += [t.device for t in flat_inputs if isinstance(t, torch.Tensor)]
@@ -109,13 +110,16 @@ class NodeRunner:
 
     def __init__(
         self, gm: fx.GraphModule, cost_model: str, device: torch.device | None, repeats: int,
-        *, home: torch.device | None = None,
+        *, home: torch.device | None = None, source: torch.device | None = None,
     ) -> None:
         self.gm, self.device, self.repeats = gm, device, repeats
         self.analytic = cost_model == "analytic"
-        # the device fakes carry (see home_device); measured runs put real tensors on `device`
-        self.home = home if home is not None else home_device(gm, [])
-        self.device_name = device_name(device)
+        # the device fakes carry (``fakes``), the graph's constants name ``source``; measured
+        # runs put real tensors on `device`
+        self.source = source if source is not None else home_device(gm, [])
+        self.home = computes_as(self.source, home)
+        # analytic costs depend on the kernels the fakes' device type dispatches to
+        self.device_name = f"fake {self.home.type}" if self.analytic else device_name(device)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.analytic else None
         self._fakes: dict[int, torch.Tensor] = {}
         self.module_memo: dict[int, str] = {}
@@ -206,6 +210,8 @@ class NodeRunner:
             mutates = _mutates_fn(node.target, kwargs)
             op = qualname(fn)
             _check_batch_norm(fn, args, kwargs)
+        if self.analytic:
+            args, kwargs = retarget(args, kwargs, self.source, self.home)
         return OpCall(fn, args, kwargs, params, mutates, self.excluded, f"node {node.name} ({op})")
 
     def _module_fn(self, mod: nn.Module) -> tuple[Any, tuple[torch.Tensor, ...]]:

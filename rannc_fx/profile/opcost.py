@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..plan import selective
 from ..plan.device import DeviceSpec
+from .flops import Flops
 from .instruments import (
     CudaPeak,
     OpTracker,
@@ -258,23 +258,23 @@ def _rerun(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 def count_op(call: OpCall) -> tuple[Any, OpCost]:
     """Count the op's forward and backward FLOPs and bytes on fake tensors."""
-    with FlopCounterMode(display=False) as fwd_fc:
+    with Flops() as fwd_fc:
         first = _instrumented(call, None)
     bwd = _backward(call, first.out)
     bwd_flops, bwd_bytes = 0, 0
     if bwd is not None:
         tracker = OpTracker(set())
         try:
-            with FlopCounterMode(display=False) as bwd_fc, tracker:
+            with Flops() as bwd_fc, tracker:
                 bwd()
-            bwd_flops, bwd_bytes = bwd_fc.get_total_flops(), tracker.moved
+            bwd_flops, bwd_bytes = bwd_fc.total, tracker.moved
         except RuntimeError as e:
             log.debug("%s has no backward (%s); costing it 0", call.name, e)
     internal, ins, outs = first.saved
     kept, kept_flops, kept_moved = first.kept
     return first.out, OpCost(
-        fwd_flops=fwd_fc.get_total_flops(), bwd_flops=bwd_flops,
-        fwd_bytes=first.moved, bwd_bytes=bwd_bytes, dtype=_dtype(call, first.out),
+        fwd_flops=fwd_fc.total, bwd_flops=bwd_flops,
+        fwd_bytes=first.moved, bwd_bytes=bwd_bytes, dtype=fwd_fc.dtype or _dtype(call, first.out),
         workspace=first.workspace,
         saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
         kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,

@@ -38,6 +38,7 @@ from ..plan.values import ValueSpec
 from ..progress import Progress
 from ..shapes.symbolic import Leaf, SymbolicValues
 from .cache import CostCache
+from .fakes import fake_device
 from .noderun import NodeRunner, home_device, measure_device
 from .opcost import OpCost
 from .walk import Failed, Row, WalkStats, walk_formulas, walk_run
@@ -165,7 +166,7 @@ def profile_pass(
     the placeholders' ValueSpecs in ``values`` (else ``batch_dim`` and the first input's size).
     ``cost_model="measured"`` times each op on ``device`` (default: where the parameters are);
     ``"analytic"`` counts FLOPs and bytes on fake tensors and prices them with ``device_spec``,
-    so a meta-device model works; with ``formulas`` (``shapes_pass``) it counts each distinct
+    so a meta-device model works, on fakes of ``device_spec``'s kind of device (``fakes``); with ``formulas`` (``shapes_pass``) it counts each distinct
     op signature once per size instead of running the graph. The graph and the model's state
     are left as they were.
     """
@@ -176,7 +177,8 @@ def profile_pass(
     batch, bdim = _input_batch(gm, flat_inputs, values, batch_dim)
     runner = NodeRunner(
         gm, cost_model, measure_device(gm, device, cost_model), max(1, repeats),
-        home=home_device(gm, flat_inputs),
+        home=fake_device(device_spec.device_type) if cost_model == "analytic" else None,
+        source=home_device(gm, flat_inputs),
     )
     cache = CostCache(cache_dir, device=runner.device_name, cost_model=cost_model)
     calls = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))

@@ -22,6 +22,7 @@ from ..capture import fake_values
 from ..capture.capture import CapturedGraph, batch_size_of
 from ..capture.graph import autocast_state, inputs_for_samples, is_batched
 from ..plan.values import ValueSpec, dtype_itemsize
+from ..profile.fakes import computes_as, fake_of, retarget
 from ..profile.noderun import NodeRunner, home_device
 from ..progress import Progress
 from .fit import _spec
@@ -49,21 +50,24 @@ class Shapes:
 
 
 def infer_values_pass(
-    captured: CapturedGraph, flat_inputs: list[torch.Tensor], *, batch_dim: int = 0
+    captured: CapturedGraph, flat_inputs: list[torch.Tensor], *, batch_dim: int = 0,
+    device: torch.device | None = None,
 ) -> dict[str, ValueSpec]:
     """ValueSpec of every placeholder and call node (``shapes_pass(...).specs``)."""
-    return shapes_pass(captured, flat_inputs, batch_dim=batch_dim).specs
+    return shapes_pass(captured, flat_inputs, batch_dim=batch_dim, device=device).specs
 
 
 def shapes_pass(
     captured: CapturedGraph, flat_inputs: list[torch.Tensor], *, batch_dim: int = 0,
-    dynamic: bool = True,
+    dynamic: bool = True, device: torch.device | None = None,
 ) -> Shapes:
     """ValueSpec of every placeholder and call node, from the sizes as formulas in the sample
     count: torch.export's symbolic values where the capture has them, else one FakeTensor run
     with a symbolic batch dimension.
 
-    No real compute runs (FakeTensorMode), so a meta-device model works. Where the sizes are
+    No real compute runs (FakeTensorMode), so a meta-device model works: its fakes carry
+    ``device`` (``profile.fakes``: the kind of device the plan is for; by default where the
+    model is, a meta model's the CPU's), whose autocast policy and kernels set the dtypes. Where the sizes are
     not formulas in the sample count alone (a leaf module whose Python branches on tensor
     values, a size tied to the example's batch), the graph runs at each of ``SAMPLE_COUNTS``
     instead, on fake tensors (a leaf that reads tensor values runs on zeros with copies of its
@@ -78,9 +82,10 @@ def shapes_pass(
     """
     gm = captured.gm
     p = Progress("shapes", total=len(gm.graph.nodes) * len(SAMPLE_COUNTS))
+    fakes = computes_as(home_device(gm, flat_inputs), device)
     formulas: SymbolicValues | None
     try:
-        formulas = _formulas(captured, flat_inputs, batch_dim, dynamic, p)
+        formulas = _formulas(captured, flat_inputs, batch_dim, dynamic, fakes, p)
         specs = {name: _spec(name, [formulas.value_at(name, s) for s in SAMPLE_COUNTS], SAMPLE_COUNTS)
                  for name in _valued(gm)}
         how = f"as formulas in the sample count ({formulas.source})"
@@ -88,7 +93,7 @@ def shapes_pass(
         log.debug("shapes: no formulas in the sample count (%s: %s); propagating at %s samples",
                   type(e).__name__, e, ", ".join(map(str, SAMPLE_COUNTS)))
         formulas = None
-        specs = _propagated(captured, flat_inputs, batch_dim, p)
+        specs = _propagated(captured, flat_inputs, batch_dim, p, fakes)
         how = f"at {', '.join(map(str, SAMPLE_COUNTS))} samples"
     for n in gm.graph.nodes:
         inter, blocks = _interleaves(n, specs, gm)
@@ -103,17 +108,20 @@ def shapes_pass(
 
 
 def infer_dtypes_pass(captured: CapturedGraph, flat_inputs: list[torch.Tensor], *,
-                      batch_dim: int = 0) -> dict[str, str | None]:
+                      batch_dim: int = 0, device: torch.device | None = None
+                      ) -> dict[str, str | None]:
     """The dtype of every placeholder and call node under the autocast state in force (None
     for a value that is not a tensor): one FakeTensor run at the example's own sizes. What
     ``compile()`` needs of the autocast states it did not plan under (``startup.amp``), at a
-    fraction of the shape pass's cost: no symbols, no formulas, no layouts."""
+    fraction of the shape pass's cost: no symbols, no formulas, no layouts (fakes on
+    ``device`` as in ``shapes_pass``)."""
     gm = captured.gm
-    on_meta = any(t.device.type == "meta" for t in _state(gm))
+    source = home_device(gm, flat_inputs)
+    on = computes_as(source, device)
     mode = FakeTensorMode()
-    fakes = [_fake_input(mode, t, t, on_meta) for t in flat_inputs]
+    fakes = [_fake_input(mode, t, t, on) for t in flat_inputs]
     p = Progress("dtypes", total=len(gm.graph.nodes))
-    vals = _FakeProp(gm, mode, p).values_at(batch_size_of(flat_inputs, batch_dim), fakes)
+    vals = _FakeProp(gm, mode, p, source, on).values_at(batch_size_of(flat_inputs, batch_dim), fakes)
     return {name: _dtype_of(vals[name]) for name in _valued(gm)}
 
 
@@ -127,7 +135,7 @@ def _valued(gm: fx.GraphModule) -> list[str]:
 
 
 def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
-              dynamic: bool, p: Progress) -> SymbolicValues:
+              dynamic: bool, fakes: torch.device, p: Progress) -> SymbolicValues:
     """torch.export's symbolic values where they hold for this autocast state, else one run
     (with the inputs' other dimensions symbolic too where ``dynamic`` and that run works)."""
     gm = captured.gm
@@ -135,37 +143,57 @@ def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_di
     fake_values.made(captured)  # a received graph's: written down until now
     names = set(_valued(gm))
     meta = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.name in names}
-    if captured.tracer == "export" and captured.autocast == autocast_state() and all(
-        v is not None for v in meta.values()
-    ):
+    if captured.tracer == "export" and all(v is not None for v in meta.values()):
+        # export's sizes hold on any device; its dtypes where autocast did to the captured
+        # tensors what it does to the fakes (nothing to either, or one device type's
+        # policy), else each value takes the dtype one run at the example's sizes gives it
         vals, source, hint = meta, "torch.export's", batch
+        if captured.autocast != autocast_state(fakes.type):
+            vals = _retyped(meta, _dtypes(captured, flat_inputs, batch_dim, fakes))
+            source = "torch.export's, in this autocast state's dtypes"
     else:
         hint = max(batch, 2)
         try:
-            vals = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, dynamic, p)
+            vals = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, dynamic, fakes, p)
         except Exception as e:
             if not dynamic:
                 raise
             log.debug("shapes: the run with the inputs' other dimensions symbolic failed (%s: "
                       "%s); only the batch dimension is", type(e).__name__, e)
-            vals = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, False, p)
+            vals = _symbolic_run(captured, flat_inputs, batch_dim, batch, hint, False, fakes, p)
         source = "one run"
     placeholders = [vals[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
     syms = batch_symbols(placeholders, batch_dim, [is_batched(t, batch, batch_dim) for t in flat_inputs])
     sizes = size_symbols(placeholders, flat_inputs, syms) if dynamic else {}
-    runner = NodeRunner(gm, "analytic", None, 1, home=home_device(gm, flat_inputs))
+    runner = NodeRunner(gm, "analytic", None, 1, home=fakes, source=home_device(gm, flat_inputs))
     return SymbolicValues(gm, vals, syms, hint=hint, flat_inputs=flat_inputs, runner=runner,
                           source=source, sizes=sizes)
 
 
+def _dtypes(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
+            fakes: torch.device) -> dict[str, str | None]:
+    return infer_dtypes_pass(captured, flat_inputs, batch_dim=batch_dim, device=fakes)
+
+
+def _retyped(vals: dict[str, Any], dtypes: dict[str, str | None]) -> dict[str, Any]:
+    """``vals`` with each tensor in ``dtypes``' dtype (its sizes and strides kept)."""
+    def retype(name: str, v: Any) -> Any:
+        want = dtypes.get(name)
+        if not isinstance(v, torch.Tensor) or want is None or _dtype_of(v) == want:
+            return v
+        return v.to(getattr(torch, want))
+
+    return {name: retype(name, v) for name, v in vals.items()}
+
+
 def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
-                  batch: int, hint: int, dynamic: bool, p: Progress) -> dict[str, Any]:
+                  batch: int, hint: int, dynamic: bool, fakes: torch.device,
+                  p: Progress) -> dict[str, Any]:
     """Every node's value from one FakeTensor run whose batch dimension is a symbol (and,
     with ``dynamic``, every other input dimension of size 2 or more: each its own symbol)."""
     from torch._dynamo.source import ConstantSource  # here: importing torch._dynamo takes 2 s
 
     gm = captured.gm
-    on_meta = any(t.device.type == "meta" for t in _state(gm))
     env = ShapeEnv(duck_shape=False)  # equal sizes are not the same dimension
     mode = FakeTensorMode(shape_env=env)
 
@@ -174,7 +202,7 @@ def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batc
         return env.create_symintnode(sym, hint=size)
 
     samples = symbol(hint, "samples")
-    fakes = []
+    inputs = []
     for i, t in enumerate(flat_inputs):
         if isinstance(t, torch.Tensor) and (dynamic or is_batched(t, batch, batch_dim)):
             shape: list[Any] = [
@@ -184,11 +212,11 @@ def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batc
             if is_batched(t, batch, batch_dim):
                 shape[batch_dim] = samples
             with mode:
-                f = torch.empty(shape, dtype=t.dtype, device="meta" if on_meta else t.device)
-            fakes.append(f.requires_grad_(t.requires_grad))
+                f = torch.empty(shape, dtype=t.dtype, device=fakes)
+            inputs.append(f.requires_grad_(t.requires_grad))
         else:
-            fakes.append(_fake_input(mode, t, t, on_meta))
-    vals = _FakeProp(gm, mode, p).values_at(hint, fakes)
+            inputs.append(_fake_input(mode, t, t, fakes))
+    vals = _FakeProp(gm, mode, p, home_device(gm, flat_inputs), fakes).values_at(hint, inputs)
     fixed = env.replacements.get(samples.node.expr)
     if fixed is not None and not fixed.free_symbols:
         raise NoFormulas(f"the graph fixes the sample count at {fixed}")
@@ -196,18 +224,20 @@ def _symbolic_run(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batc
 
 
 def _propagated(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
-                p: Progress) -> dict[str, ValueSpec]:
-    """The specs fitted to runs at each of ``SAMPLE_COUNTS`` (with concrete fake tensors)."""
+                p: Progress, fakes: torch.device | None = None) -> dict[str, ValueSpec]:
+    """The specs fitted to runs at each of ``SAMPLE_COUNTS`` (with concrete fake tensors on
+    ``fakes``, by default where the model computes: ``computes_as``)."""
     gm = captured.gm
+    fakes = computes_as(home_device(gm, flat_inputs), fakes)
     batch = batch_size_of(flat_inputs, batch_dim)
     on_meta = any(t.device.type == "meta" for t in _state(gm))
     mode = FakeTensorMode()
-    prop = _FakeProp(gm, mode, p)
+    prop = _FakeProp(gm, mode, p, home_device(gm, flat_inputs), fakes)
 
     def values_at(samples: int) -> dict[str, Any]:
         resized = inputs_for_samples(flat_inputs, batch, samples, batch_dim=batch_dim, fake=True)
-        fakes = [_fake_input(mode, r, orig, on_meta) for r, orig in zip(resized, flat_inputs, strict=True)]
-        return prop.values_at(samples, fakes)
+        inputs = [_fake_input(mode, r, orig, fakes) for r, orig in zip(resized, flat_inputs, strict=True)]
+        return prop.values_at(samples, inputs)
 
     runs: list[dict[str, Any]] = []
     for s in SAMPLE_COUNTS:
@@ -234,10 +264,9 @@ def _state(gm: nn.Module) -> list[torch.Tensor]:
     return [*gm.parameters(), *gm.buffers()]
 
 
-def _fake_input(mode: FakeTensorMode, t: Any, orig: Any, on_meta: bool) -> Any:
+def _fake_input(mode: FakeTensorMode, t: Any, orig: Any, device: torch.device) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
-    device = torch.device("meta") if on_meta else orig.device
     with mode:
         fake = torch.empty(t.shape, dtype=t.dtype, device=device)
     return fake.requires_grad_(orig.requires_grad)
@@ -282,10 +311,14 @@ def _why_failed(e: _NodeFailed, values_at: Callable[[int], Any], batch: int,
 class _FakeProp(fx.Interpreter):
     """Runs the graph on fake tensors; parameters and buffers become fakes, never touched."""
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, progress: Progress):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, progress: Progress,
+                 source: torch.device | None = None, device: torch.device | None = None):
         super().__init__(gm, garbage_collect_values=True)
         self.extra_traceback = False  # our errors name the node already
         self.mode = mode
+        # the capture's device (its graph's constants name it), the fakes'
+        self.source = source if source is not None else home_device(gm, [])
+        self.device = computes_as(self.source, device)
         self.progress, self.propagated = progress, 0
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._values: dict[str, Any] = {}
@@ -301,8 +334,14 @@ class _FakeProp(fx.Interpreter):
         if not isinstance(t, torch.Tensor):
             return t
         if id(t) not in self._fakes:
-            self._fakes[id(t)] = (t, self.mode.from_tensor(t, static_shapes=True))
+            self._fakes[id(t)] = (t, fake_of(self.mode, t, self.device))
         return self._fakes[id(t)][1]
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return super().call_function(target, *retarget(args, kwargs, self.source, self.device))
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return super().call_method(target, *retarget(args, kwargs, self.source, self.device))
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -345,6 +384,4 @@ class _FakeProp(fx.Interpreter):
                 mod, state, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
             )
         return pytree.tree_map(
-            lambda t: self.mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t,
-            out,
-        )
+            lambda t: fake_of(self.mode, t, self.device) if isinstance(t, torch.Tensor) else t, out)

@@ -144,6 +144,7 @@ def _drop_unused(g: fx.Graph, removable: Callable[[fx.Node], bool]) -> None:
 
 def _values_from_plan(captured: CapturedGraph, plan: Plan) -> dict[str, ValueSpec]:
     """ValueSpecs by shape propagation on inputs shaped as the plan's input specs say."""
+    from ..profile.fakes import fake_device
     from ..shapes.infer import infer_values_pass
 
     state = [*captured.gm.parameters(), *captured.gm.buffers()]
@@ -154,7 +155,8 @@ def _values_from_plan(captured: CapturedGraph, plan: Plan) -> dict[str, ValueSpe
         for v in plan.inputs
     ]
     bd = next((v.batch_dim for v in plan.inputs if v.batch_dim is not None), 0)
-    return infer_values_pass(captured, flat, batch_dim=bd)
+    return infer_values_pass(captured, flat, batch_dim=bd,
+                             device=fake_device(plan.device.device_type))
 
 
 def split_pass(

@@ -15,8 +15,6 @@ the bytes of float32 for bfloat16.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,32 +22,12 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ..capture.capture import CapturedGraph
+from ..capture.graph import amp_state, autocast_as
 from ..plan.plan import Plan
+from ..profile.fakes import fake_device
 from ..shapes.infer import infer_dtypes_pass
 
 __all__ = ["AmpSpecs", "GradScaler", "amp_state", "autocast_as"]
-
-_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def amp_state(device_type: str) -> str | None:
-    """The autocast dtype now in force for ``device_type`` ('bfloat16', 'float16'), or None."""
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    dtype = torch.get_autocast_dtype(device_type)
-    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-@contextlib.contextmanager
-def autocast_as(device_type: str, state: str | None) -> Iterator[None]:
-    """Run under the autocast ``state`` (None: autocast off), whatever is in force outside."""
-    if state is None:
-        with torch.autocast(device_type, enabled=False):
-            yield
-    else:
-        with torch.autocast(device_type, dtype=getattr(torch, state)):
-            yield
-
 
 @dataclass
 class AmpSpecs:
@@ -72,7 +50,8 @@ class AmpSpecs:
             if state == planned:
                 continue
             with autocast_as(device_type, state):
-                values = infer_dtypes_pass(captured, flat_inputs, batch_dim=batch_dim)
+                values = infer_dtypes_pass(captured, flat_inputs, batch_dim=batch_dim,
+                                           device=fake_device(device_type))
             dtypes[state] = {n: values[n] for n in names if n in values}
         return cls(device_type, planned, dtypes)
 

@@ -39,6 +39,7 @@ from ..capture.portable import NotPortable, unpack
 from ..plan.config import Config
 from ..plan.plan import Plan
 from ..planner import Captured, capture_model, shape_model, split_stages, trace_model
+from ..profile.fakes import fake_device
 from ..progress import note
 from ..runtime.lane import LaneModules, graph_modules
 from ..split.restage import restage
@@ -153,7 +154,8 @@ class Modes:
         # capture runs the model's code: the user's random stream must not move
         with torch.random.fork_rng(devices=[]), autocast_as(self.amp_type, self.planned_amp):
             other = capture_model(copy_, args, kwargs, cfg, opaque=base.captured.opaque,
-                                  pieces=base.captured.pieces)
+                                  pieces=base.captured.pieces,
+                                  device=fake_device(self.device.type))
         plan = restage(base.plan, base.captured, other, mode=mode)
         amp = None
         if self.home.type != "meta":  # the other autocast states' dtypes, as the planned's

@@ -45,6 +45,7 @@ from ..planner import (
     split_stages,
     trace_model,
 )
+from ..profile.fakes import fake_device
 from ..profile.optimizer import ParameterCosts, parameter_costs
 from ..progress import note
 from ..runtime import BatchSizes, StageExecutor
@@ -140,7 +141,7 @@ def set_up_rank(
         elif given is None and not alike:  # its own batch: its own graph, while rank 0 plans
             traced = trace_model(model, args, kwargs, cfg)
         elif given is not None:
-            cap = capture_model(model, args, kwargs, cfg)
+            cap = capture_model(model, args, kwargs, cfg, device=fake_device(device.type))
             captured, values = cap.graph, cap.values
     if given is None:
         found = broadcast_planning(found if planned else None, rank, world)

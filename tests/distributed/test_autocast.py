@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.testing import assert_close
 
 from examples.models import gpt_example, mlp_example
 from tests.dist_utils import assert_moved_alike_in_norm, snapshot
+from tests.distributed.test_sync import Net, _every_step, _init, _materialized
 from tests.harness import Run, optimizer, train_against_reference
 
 EXACT = dict(rtol=1e-5, atol=1e-5)
@@ -120,3 +122,37 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(inf_on):
         loop=functools.partial(_inf_on_one_rank, inf_on), check=_final_scale,
         timeout_s=30.0, wall_s=60.0)]
     assert scales[0] == scales[1] == ([2.0**10] if inf_on is None else [2.0**9])
+
+
+def _meta_under_autocast(run: Run) -> list[str]:
+    """3 Adam steps under bfloat16 autocast; the plan's cut values' dtypes."""
+    for step in range(1, 4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, want = run.forward(run.batch(step))
+        assert loss.dtype == want.dtype
+        run.compare(loss, want, **BF16)
+        run.backward(loss, want)
+        run.step()
+    return sorted({str(cv.spec.dtype) for cv in run.cm.plan.cut_values})
+
+
+def _meta_net() -> nn.Module:
+    torch.manual_seed(torch.distributed.get_rank())  # rank 0's draws are the ones trained
+    with torch.device("meta"):
+        return Net()
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_meta_built_model_planned_under_bfloat16_trains_like_one_process(tracer):
+    """Its shapes and dtypes found on fakes of the ranks' kind of device, which autocast
+    lowers (meta's are float32 under any autocast: the cut values' bfloat16 did not match)."""
+    world = 2
+    got = train_against_reference(
+        _meta_net,
+        dict(replicas=(1, 1), micro_batches=2, tracer=tracer, autocast_dtype="bfloat16",
+             cost_model="analytic"),
+        world, data=functools.partial(_every_step, world),
+        reference=functools.partial(_materialized, seed=0),
+        optimizer=optimizer(torch.optim.Adam, lr=0.01), params=False,
+        compile_kw=dict(init=_init), loop=_meta_under_autocast, timeout_s=30.0)
+    assert [t.extra for t in got] == [["bfloat16"]] * world

@@ -20,6 +20,8 @@ from examples.models import gpt_example
 from rannc_fx.capture.capture import capture_pass
 from rannc_fx.plan.plan import Plan
 from rannc_fx.plan.values import SAMPLES, ValueSpec, evaluate, formula_text
+from rannc_fx.profile.fakes import computes_as
+from rannc_fx.profile.noderun import home_device
 from rannc_fx.progress import Progress
 from rannc_fx.shapes.dynamic import dynamic_pass
 from rannc_fx.shapes.infer import _fake_input, _FakeProp, shapes_pass
@@ -67,12 +69,12 @@ MODELS = {
 def _concrete(cg, flat, specs: list[ValueSpec], sizes: dict[str, int], samples: int):
     """Every node's value from a run on concrete fake inputs shaped as ``specs`` say."""
     mode = FakeTensorMode()
-    on_meta = any(t.device.type == "meta" for t in cg.gm.parameters())
+    device = computes_as(home_device(cg.gm, flat))
     fakes = []
     for t, spec in zip(flat, specs, strict=True):
         shape = spec.at_sizes(sizes).shape_for(samples) if spec.batch_dim is not None else (
             spec.at_sizes(sizes).shape)
-        fakes.append(_fake_input(mode, torch.empty(shape, dtype=t.dtype), t, on_meta))
+        fakes.append(_fake_input(mode, torch.empty(shape, dtype=t.dtype), t, device))
     return _FakeProp(cg.gm, mode, Progress("test")).values_at(samples, fakes)
 
 

@@ -20,6 +20,8 @@ from rannc_fx.capture.capture import capture_pass
 from rannc_fx.capture.graph import batch_size_of, inputs_for_samples
 from rannc_fx.plan.device import DeviceSpec
 from rannc_fx.profile import profile as profile_module
+from rannc_fx.profile.fakes import computes_as
+from rannc_fx.profile.noderun import home_device
 from rannc_fx.profile.profile import profile_pass
 from rannc_fx.progress import Progress
 from rannc_fx.shapes.infer import _fake_input, _FakeProp, _propagated, shapes_pass
@@ -39,9 +41,9 @@ def _concrete(cg, flat, samples: int) -> dict[str, object]:
     """Every node's value from a run on concrete fake tensors of ``samples`` samples."""
     mode = FakeTensorMode()
     batch = batch_size_of(flat)
-    on_meta = any(t.device.type == "meta" for t in cg.gm.parameters())
+    device = computes_as(home_device(cg.gm, flat))
     resized = inputs_for_samples(flat, batch, samples, fake=True)
-    fakes = [_fake_input(mode, r, o, on_meta) for r, o in zip(resized, flat, strict=True)]
+    fakes = [_fake_input(mode, r, o, device) for r, o in zip(resized, flat, strict=True)]
     return _FakeProp(cg.gm, mode, Progress("test")).values_at(samples, fakes)
 
 
@@ -125,17 +127,17 @@ def test_identical_layers_share_their_signatures():
 
 
 @pytest.mark.parametrize("name", ["gpt2", "mlp"])
-def test_under_another_autocast_state_export_values_are_not_read(captured, name):
+def test_under_another_autocast_state_export_values_take_its_dtypes(captured, name):
+    """Export's sizes (its dynamic dimensions too) hold in any autocast state; its dtypes
+    are the capture's: each value takes the one a run under this state gives it."""
     _, cg, flat = captured(name)
     assert cg.autocast == ()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         shapes = shapes_pass(cg, flat)
         want = _propagated(cg, flat, 0, Progress("test"))
-    # gpt2's labels go through aten.pad, which fixes a symbolic batch on plain fake tensors:
-    # its specs come from the fit at several sizes, mlp's from one symbolic run
-    assert (shapes.formulas is None) == (name == "gpt2")
-    if shapes.formulas is not None:
-        assert shapes.formulas.source == "one run"
+    assert shapes.formulas is not None
+    assert shapes.formulas.source == ("torch.export's, in this autocast state's dtypes"
+                                      if cg.tracer == "export" else "one run")
     assert {k: v.dtype for k, v in shapes.specs.items()} == {k: v.dtype for k, v in want.items()}
     assert "bfloat16" in {v.dtype for v in shapes.specs.values()}
 
