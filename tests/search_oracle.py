@@ -148,6 +148,10 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     q = -(-G // (m * r))
     k = [int(x) for x in table.sizes].index(q)
     F, Bw, A, keep, redo, rebuilt, ws = _block_sums(table, k, i, j)
+    # autocast's weight copies, of A: held once by a stage that does not recompute (its
+    # micro-batches share them), part of each micro-batch's activations where it does
+    C = _casts(table, k, i, j) if rho == 0 else 0.0
+    A -= C
     again = 0.0  # layer by layer, the backward runs every layer's forward but the last again
     if rho == 2:  # one micro-batch's activations: its layers' inputs and one layer's
         A = layer_transient(table, k, i, j, A)
@@ -229,9 +233,13 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         copy = max(copy, min(kept_host, space.reduce_bucket * space.optimizer_state_factor))
     ws = max(ws, grad + copy - peak)
     return Figures(q, F, Bw, again_s, comm, ar, opt, acc, device_params, grad, state,
-                   activations, buffers, ws, outputs, overlap, n, recompute, zero, ag, offload,
-                   moved, kept_host, t, u, device_params + state + peak + ws + outputs, rho == 2,
-                   selective, host)
+                   activations + C, buffers, ws, outputs, overlap, n, recompute, zero, ag,
+                   offload, moved, kept_host, t, u,
+                   device_params + state + C + peak + ws + outputs, rho == 2, selective, host)
+
+
+def _casts(table: CostTable, k: int, i: int, j: int) -> float:
+    return 0.0 if table.casts is None else sum(float(table.casts[k][b]) for b in range(i, j))
 
 
 # (recompute, zero, offload, host): the policy's order, the parameters in host memory last
@@ -340,6 +348,8 @@ def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
               else float(table.wheld[k][b]))
     if table.wheld is None:
         w += 1.5 * c
+    C = _casts(table, k, i, j)  # shared by the micro-batches: held once
+    A -= C
     if i == 0:  # a first stage's B makes nothing: its micro-batches stay whole until W
         w = A + c
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
@@ -347,7 +357,7 @@ def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
     copy = min(grad, space.reduce_bucket) if r > 1 else 0.0
     if offload:
         copy = max(copy, min(f.host_state, space.reduce_bucket * space.optimizer_state_factor))
-    memory = f.params + f.optimizer_state + f.outputs + max(peak + ws, grad + copy)
+    memory = f.params + f.optimizer_state + f.outputs + C + max(peak + ws, grad + copy)
     share = 0.5 if param <= 0 else 0.5 * min(1.0, grad / param)
     W = share * f.bwd_s * (1 + OVERHEAD)
     t = f.t + OVERHEAD * f.bwd_s

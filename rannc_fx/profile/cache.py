@@ -38,8 +38,9 @@ __all__ = ["CostCache", "device_name", "op_key", "qualname"]
 
 log = logging.getLogger("rannc_fx")
 
-CACHE_FORMAT = 6  # 3: OpCost.views; 4: OpCost.kept_bytes, kept_flops, kept_moved;
-# 5: policy_s, kept_outputs, kept_saved; 6: w_inputs, w_outputs, w_internal, w_grads
+CACHE_FORMAT = 7  # 3: OpCost.views; 4: OpCost.kept_bytes, kept_flops, kept_moved;
+# 5: policy_s, kept_outputs, kept_saved; 6: w_inputs, w_outputs, w_internal, w_grads;
+# 7: cast_bytes, FLOPs by kernel dtype, fused attention counted
 
 
 def qualname(obj: Any) -> str:

@@ -82,14 +82,21 @@ _NO_DATA = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.defaul
             "aten._assert_tensor_metadata.default", "prim.device.default"}
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
 class OpTracker(TorchDispatchMode):
     """Sums the bytes every aten op reads and writes, and the peak of storages allocated;
     and, of the ops selective recomputation keeps (``selective.kept``), their outputs'
     bytes, FLOPs and bytes moved."""
 
-    def __init__(self, known: set[int]) -> None:
+    def __init__(self, known: set[int], params: Container[int] = ()) -> None:
         super().__init__()
         self.known = known
+        # autocast's copies of ``params`` (storages of parameters needing a gradient) in
+        # another dtype: storage -> bytes (the cache keeps one a step, whatever the calls)
+        self.params = params
+        self.casts: dict[int, int] = {}
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = 0
         self.moved = 0
@@ -106,6 +113,8 @@ class OpTracker(TorchDispatchMode):
         outs = tensors(out)
         moved = sum(t.numel() * t.element_size() for t in [*tensors((args, kwargs)), *outs])
         self.moved += moved
+        if func is _TO_COPY and self._cast_of_param(args[0], outs):
+            self.casts[storage_id(outs[0])] = outs[0].untyped_storage().nbytes()
         if selective.kept(func):
             self.kept_moved += moved
             self.kept_flops += flops.count(func, args, kwargs or {}, out)
@@ -121,6 +130,12 @@ class OpTracker(TorchDispatchMode):
                 self.current += st.nbytes()
         self.peak = max(self.peak, self.current)
         return out
+
+    def _cast_of_param(self, x: Any, outs: list[torch.Tensor]) -> bool:
+        """Whether a copy made ``outs`` from a parameter needing a gradient, in another
+        dtype (autocast's cast of a weight before a matrix product)."""
+        return (isinstance(x, torch.Tensor) and x.requires_grad and len(outs) == 1
+                and outs[0].dtype != x.dtype and storage_id(x) in self.params)
 
     def _sweep(self) -> None:
         for sid in [s for s, (ref, _) in self.live.items() if ref.expired()]:

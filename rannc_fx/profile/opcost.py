@@ -13,6 +13,8 @@ pass can charge every saved storage to the node that made it exactly once::
                      the rest of the forward is what it runs again (``OpCost.again``);
                      measured, ``policy_s``: what the forward under the policy and its
                      rerun take beyond the plain forward
+    cast_bytes       of the saved internal bytes, autocast's copies of parameters that need a
+                     gradient (its cache makes each once a step, not once a call)
     kept_outputs     positions of output tensors whose storage a kept op made
     kept_saved       bytes of storages made and saved inside the op that a kept op made
                      (with ``kept_outputs``, what of the saved bytes selective recomputation
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -110,6 +112,7 @@ class OpCost:
     policy_s: float = 0.0
     kept_outputs: tuple[int, ...] = ()
     kept_saved: int = 0
+    cast_bytes: int = 0
     # held between a split backward's B and W (``opcost_bw.WeightHeld``)
     w_inputs: tuple[int, ...] = ()
     w_outputs: tuple[int, ...] = ()
@@ -168,17 +171,19 @@ class _Run:
     kept: tuple[int, float, float]  # selective.kept ops: output bytes, FLOPs, bytes moved
     kept_outputs: tuple[int, ...]  # outputs a kept op made
     kept_saved: int  # internal saved storages a kept op made
+    cast_bytes: int  # saved copies of parameters in another dtype (autocast's)
 
 
 def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
-    """One forward run that logs saved tensors, allocations and bytes moved."""
+    """One forward run that logs saved tensors, allocations and bytes moved (autocast's
+    cache off: each run casts its weights itself, as the first call of a step does)."""
     run, bound = call.bind()
     log = SavedLog()
     known = set(call.excluded) | {storage_id(t) for t in bound}
-    tracker = OpTracker(known)
+    tracker = OpTracker(known, params=call.excluded)
     cuda = CudaPeak(device) if device is not None and device.type == "cuda" else None
     hooks = torch.autograd.graph.saved_tensors_hooks(log.pack, log.unpack)
-    with torch.enable_grad(), hooks, cuda or contextlib.nullcontext(), tracker:
+    with torch.enable_grad(), hooks, cuda or contextlib.nullcontext(), _uncached(), tracker:
         out = run()
     outs = tensors(out)
     out_bytes = sum(t.numel() * t.element_size() for t in outs)
@@ -192,8 +197,20 @@ def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
     kept_saved = sum(n for sid, n in log.storages.items()
                      if sid in tracker.kept and sid not in mine and sid not in call.excluded)
     kept_outputs = first_positions([storage_id(t) for t in outs], tracker.kept)
+    casts = sum(n for sid, n in tracker.casts.items() if sid in log.storages)
     return _Run(out, workspace, tracker.moved, log.classify(bound, outs, call.excluded), views,
-                kept, kept_outputs, kept_saved)
+                kept, kept_outputs, kept_saved, casts)
+
+
+@contextlib.contextmanager
+def _uncached() -> Iterator[None]:
+    """Autocast's cache of cast weights off (a cast made by an earlier op would hide)."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
 
 
 def run_op(call: OpCall, *, grad: bool = True) -> Any:
@@ -240,7 +257,8 @@ def measure_op(call: OpCall, *, device: torch.device, repeats: int = 3) -> tuple
         fwd_s=fwd_s, bwd_s=bwd_s, fwd_bytes=first.moved, workspace=first.workspace,
         saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
         kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
-        kept_outputs=first.kept_outputs, kept_saved=first.kept_saved, policy_s=policy_s,
+        kept_outputs=first.kept_outputs, kept_saved=first.kept_saved,
+        cast_bytes=first.cast_bytes, policy_s=policy_s,
     )
 
 
@@ -279,5 +297,6 @@ def count_op(call: OpCall) -> tuple[Any, OpCost]:
         saved_internal=internal, saved_inputs=ins, saved_outputs=outs, views=first.views,
         kept_bytes=kept, kept_flops=kept_flops, kept_moved=kept_moved,
         kept_outputs=first.kept_outputs, kept_saved=first.kept_saved,
+        cast_bytes=first.cast_bytes,
     )
 

@@ -46,11 +46,11 @@ from .walk import Failed, Row, WalkStats, walk_formulas, walk_run
 __all__ = ["NodeCost", "OpFailure", "Profile", "first_line", "profile_pass"]
 
 _FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s",
-           "rebuilt_bytes", "wheld_bytes")
+           "rebuilt_bytes", "wheld_bytes", "cast_bytes")
 # a NodeCost built without selective recomputation's costs (by hand): it keeps all, reruns
 # all and rebuilds all; without a split backward's, its W reads all it saved
 _STAND_IN = {"kept_bytes": "saved_bytes", "again_s": "fwd_s", "rebuilt_bytes": "saved_bytes",
-             "wheld_bytes": "saved_bytes"}
+             "wheld_bytes": "saved_bytes", "cast_bytes": None}
 
 
 class NodeCost(BaseModel):
@@ -69,10 +69,15 @@ class NodeCost(BaseModel):
     # held between a split backward's B and W: what the weight GEMMs read and the gradients
     # kept for them (``opcost_bw``)
     wheld_bytes: tuple[int, ...] = ()
+    # of saved_bytes, autocast's copies of weights that need a gradient: its cache makes one a
+    # step, which every micro-batch's backward reads (empty: none)
+    cast_bytes: tuple[int, ...] = ()
 
     def series(self, field: str) -> tuple[float, ...]:
         """``field`` at each profiled size (a field this profile lacks: its stand-in)."""
-        return getattr(self, field) or getattr(self, _STAND_IN.get(field, field))
+        stand_in = _STAND_IN.get(field, field)
+        return getattr(self, field) or (getattr(self, stand_in) if stand_in is not None
+                                        else (0,) * len(self.fwd_s))
 
 
 class OpFailure(BaseModel):
@@ -329,4 +334,5 @@ def _node_cost(rows: list[Row], spec: DeviceSpec | None) -> NodeCost:
         again_s=tuple(c.again(spec) for c, _, _, _ in rows),
         rebuilt_bytes=tuple(saved - both for _, saved, both, _ in rows),
         wheld_bytes=tuple(w for _, _, _, w in rows),
+        cast_bytes=casts if any(casts := tuple(c.cast_bytes for c, _, _, _ in rows)) else (),
     )

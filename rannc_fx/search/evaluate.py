@@ -82,6 +82,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     # activations: one micro-batch's (recomputing), or n micro-batches' (what selective
     # recomputation keeps of each, and one micro-batch's rebuilt in its backward)
     acts = act if rerun else n * float(terms.keep[0]) + act if selective else n * act
+    casts = float(terms.shared_casts(rho)[0])  # weight copies the micro-batches share
     # the largest transient: an op's workspace, or the all-reduce's copy beyond what the
     # backwards held (memory = fixed + max(held + ws, G + tr))
     ws = max(float(terms.ws[0]), grads + float(tr[0]) - held)
@@ -97,7 +98,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         window=round(window) if hp else 0,
         memory=MemoryEstimate(
             params=round(params), grads=round(grads), optimizer_state=round(state),
-            activations=round(acts), comm_buffers=round(kept), workspace=round(ws),
+            activations=round(acts + casts), comm_buffers=round(kept), workspace=round(ws),
             outputs=round(float(outputs_held(table, space, k, ii, jj, m)[0])),
             overlap=round(grads + acts + kept - held)),
         recompute=rerun, selective=selective, in_flight=n,
@@ -112,7 +113,7 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         acts = nw * act + (zb - nw) * w
         mem = float((terms.memory_zbh1(n, zb, tr) - saved)[0])
         cost = replace(cost, in_flight=zb, memory=cost.memory.model_copy(update=dict(
-            activations=round(acts), comm_buffers=round(nw * cuts), overlap=0,
+            activations=round(acts + casts), comm_buffers=round(nw * cuts), overlap=0,
             workspace=round(max(float(terms.ws[0]), float(tr[0]) - acts - nw * cuts)))))
     if split:
         tz, uz = terms.zbh1_times(rho, np.array([acc]), up, queue)

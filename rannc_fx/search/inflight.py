@@ -35,7 +35,7 @@ def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
         return terms.memory(n, recompute, transient, host) - saved
 
     per = (terms.cuts - terms.cout if reruns(recompute) else terms.keep + terms.cuts
-           if recompute == SELECTIVE else terms.act + terms.cuts)
+           if recompute == SELECTIVE else terms.held(0) + terms.cuts)
     one = mem(1)
     with np.errstate(divide="ignore", invalid="ignore"):
         est = np.floor(1 + (budget - one) / per)

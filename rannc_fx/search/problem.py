@@ -49,7 +49,10 @@ class CostTable:
     and what of ``act`` its backward rebuilds (None: it keeps all, ``act``, runs all again,
     ``fwd``, and rebuilds all, ``act``); wheld (Q, B) what a micro-batch holds between a split
     backward's ``B`` and its ``W`` (``profile/opcost_bw.py``; None: its activations and cut
-    values, and ``terms.HELD`` of them more for the gradients ``W`` reads). ``excluded``
+    values, and ``terms.HELD`` of them more for the gradients ``W`` reads); casts (Q, B) of
+    ``act``, autocast's copies of the block's weights (None: none), which a stage holds once
+    whatever its micro-batches in flight, unless it recomputes (then each backward's
+    forward makes them again, one micro-batch's worth). ``excluded``
     maps a per-replica sample count to the blocks that cannot run it (a node of theirs
     raised there when profiled): a stage holding one never runs a micro-batch of that size
     on any replica (``blocked``).
@@ -71,6 +74,7 @@ class CostTable:
     redo: np.ndarray | None = None  # (Q, B): forward seconds it runs again
     rebuilt: np.ndarray | None = None  # (Q, B): of act, what its backward rebuilds
     wheld: np.ndarray | None = None  # (Q, B): held between a split backward's B and W
+    casts: np.ndarray | None = None  # (Q, B): of act, autocast's weight copies (once a stage)
     # the tensors several blocks use (a tied embedding and LM head): (the blocks, parameter
     # bytes, gradient bytes, optimizer step seconds) each; a lane holding two stages that
     # both use one holds it, reduces its gradient and steps it once

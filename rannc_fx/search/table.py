@@ -22,7 +22,7 @@ from . import CostTable
 __all__ = ["build_cost_table", "interpolation_weights", "range_sums"]
 
 _FIELDS = ("fwd_s", "bwd_s", "saved_bytes", "workspace_bytes", "kept_bytes", "again_s",
-           "rebuilt_bytes", "wheld_bytes")
+           "rebuilt_bytes", "wheld_bytes", "cast_bytes")
 
 
 def interpolation_weights(batch_sizes: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
@@ -189,6 +189,7 @@ def build_cost_table(
         redo=per_block["again_s"],
         rebuilt=per_block["rebuilt_bytes"],
         wheld=per_block["wheld_bytes"],
+        casts=per_block["cast_bytes"] if per_block["cast_bytes"].any() else None,
         workspace=per_block["workspace_bytes"],
         cut=cut,
         param_bytes=range_sums(nb, _shared_once(uses, nbytes)),

@@ -55,6 +55,7 @@ class StageTerms:
     fixed: np.ndarray  # params + grads * optimizer_state_factor + m out + output_bytes
     grads: np.ndarray  # G
     act: np.ndarray  # A
+    casts: np.ndarray  # C, of A: autocast's weight copies, held once (not recomputing)
     seg: np.ndarray  # K + a_max: what recomputing layer by layer holds instead of A
     keep: np.ndarray  # what selective recomputation keeps of a micro-batch's activations
     redo: np.ndarray  # the forward it runs again inside the backward
@@ -92,10 +93,12 @@ class StageTerms:
                 else self.redo if rho == SELECTIVE else self.fwd + self.again)
 
     def held(self, rho: int) -> np.ndarray:
-        """One micro-batch's activations at level rho: A, layer by layer K + a_max, or
+        """One micro-batch's activations at level rho: A less the weight copies every
+        micro-batch shares (C, ``shared_casts``), recomputing A, layer by layer K + a_max, or
         selectively what its backward rebuilds (every micro-batch in flight keeps ``keep``
         besides)."""
-        return self.seg if rho == 2 else self.rebuilt if rho == SELECTIVE else self.act
+        return (self.seg if rho == 2 else self.rebuilt if rho == SELECTIVE
+                else self.act if rho else self.act - self.casts)
 
     def memory(self, n: int | np.ndarray, rho: int,
                transient: np.ndarray | float = 0.0, host: bool = False) -> np.ndarray:
@@ -104,9 +107,16 @@ class StageTerms:
         fetched ahead) and a window of gradients on their way back."""
         fixed, grads = (self.outs + 2 * self.window, self.window) if host else (
             self.fixed, self.grads)
+        fixed = fixed + self.shared_casts(rho)
         return stage_memory(fixed, grads, self.held(rho), self.cuts, self.cout,
                             self.ws, n, self.m, reruns(rho), transient,
                             self.keep if rho == SELECTIVE else None)
+
+    def shared_casts(self, rho: int) -> np.ndarray:
+        """The weight copies the stage holds once at level rho: C without recomputation (the
+        micro-batches in flight share autocast's), else none (each backward's forward makes
+        its own: part of one micro-batch's activations)."""
+        return self.casts if not rho else 0.0 * self.casts
 
     def memory_zbh1(self, x: int | np.ndarray, held: int,
                     transient: np.ndarray | float = 0.0) -> np.ndarray:
@@ -118,13 +128,13 @@ class StageTerms:
         B and W. The gradients meet all of it (forwards follow the first backward), the
         all-reduce's transient after the backwards as under 1F1B."""
         n = self.zbh1_whole(x)
-        peak = self.grads + n * (self.act + self.cuts) + (held - n) * self.wheld
-        return self.fixed + np.maximum(peak + self.ws, self.grads + transient)
+        peak = self.grads + n * (self.held(0) + self.cuts) + (held - n) * self.wheld
+        return self.fixed + self.casts + np.maximum(peak + self.ws, self.grads + transient)
 
     def zbh1_whole(self, x: int | np.ndarray) -> np.ndarray:
         """How many micro-batches a ZB-H1 stage holds whole at its peak (``memory_zbh1``):
         x, or x - 1 where one between B and W weighs more than one whole."""
-        return np.where(self.act + self.cuts >= self.wheld, x, np.asarray(x) - 1)
+        return np.where(self.held(0) + self.cuts >= self.wheld, x, np.asarray(x) - 1)
 
     def zbh1_times(self, rho: int, acc: np.ndarray, up: np.ndarray, queue: bool = True
                    ) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +171,7 @@ class StageTerms:
                           m=self.m, host_bw=self.host_bw, host_overlap=self.host_overlap)
 
 
-TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "seg", "keep", "redo",
+TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "casts", "seg", "keep", "redo",
          "rebuilt", "wheld", "cuts", "cout", "ws", "params", "window", "outs")
 
 
@@ -220,16 +230,17 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     again = F if sg is None else sg.again(k, i, j, F)
     params = np.asarray(table.param_bytes, float)[i, j]
     outs = outputs_held(table, space, k, i, j, m)
+    casts = 0.0 * A if table.casts is None else _range(table.casts[k], i, j)
     return StageTerms(
         fb=_range(table.fwd[k] + table.bwd[k], i, j), fwd=F, again=again,
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
         fixed=params + grad * space.optimizer_state_factor + outs,
-        grads=grad, act=A, seg=seg,
+        grads=grad, act=A, casts=casts, seg=seg,
         keep=A if table.kept is None else _range(table.kept[k], i, j),
         redo=F if table.redo is None else _range(table.redo[k], i, j),
         rebuilt=A if table.rebuilt is None else _range(table.rebuilt[k], i, j),
         # a first stage's B makes nothing (its inputs need no gradient): whole until its W
-        wheld=np.where(i == 0, A + both, (1 + HELD) * (A + both) if table.wheld is None
+        wheld=np.where(i == 0, A - casts + both, (1 + HELD) * (A + both) if table.wheld is None
                        else _range(table.wheld[k], i, j)),
         cuts=both, cout=cut[j], ws=np.asarray(ws, float),
         params=params, window=block_params(table)[i, j], outs=outs, m=m,

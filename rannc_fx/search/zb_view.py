@@ -114,7 +114,7 @@ class ZeroBubble:
             cols = np.flatnonzero(np.array(ks) == k)
             terms = self.cands.terms(k, m).take(rows)
             wide, acc = terms.column(), self.cands.acc[rows][:, None]
-            UP[:, cols] = (terms.act + terms.cuts >= terms.wheld)[:, None]
+            UP[:, cols] = (terms.held(0) + terms.cuts >= terms.wheld)[:, None]
             for c, v in enumerate(kinds):
                 up = self.cands.fixed_u(v)[rows[:, None], reps[cols] - 1]
                 T[:, cols, c], U[:, cols, c] = wide.zbh1_times(0, acc, up, queue)

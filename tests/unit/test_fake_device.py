@@ -17,6 +17,7 @@ from rannc_fx.planner.analyze import analyze
 from rannc_fx.planner.driver import plan_model
 from rannc_fx.profile.fakes import fake_device, fake_of, retarget
 from rannc_fx.profile.flops import Flops, causal_fraction
+from rannc_fx.profile.instruments import storage_id
 from rannc_fx.profile.opcost import OpCall, count_op
 from tests.harness import test_config
 
@@ -154,3 +155,22 @@ def test_the_capture_s_device_in_a_node_s_arguments_becomes_the_fakes():
     args, kwargs = retarget((3, meta, [meta]), {"device": "meta", "dtype": torch.int64}, meta, cpu)
     assert args == (3, cpu, [cpu]) and kwargs == {"device": cpu, "dtype": torch.int64}
     assert retarget((cpu,), {"device": "cpu"}, cpu, cpu) == ((cpu,), {"device": "cpu"})
+
+
+@pytest.mark.parametrize("trains", [True, False])
+def test_autocast_s_copy_of_a_weight_that_trains_is_counted_apart(trains):
+    """Its cache makes one a step (every micro-batch's backward reads it): ``cast_bytes``,
+    which the search holds once a stage; a frozen weight's copy is made per call."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cpu = fake_device("cpu")
+    x = fake_of(mode, torch.empty(8, 64, device="meta", requires_grad=True), cpu)
+    w = fake_of(mode, torch.empty(32, 64, device="meta", requires_grad=trains), cpu)
+    call = OpCall(F.linear, (x, w), {}, excluded=frozenset({storage_id(w)}))
+    with mode:
+        _, plain = count_op(call)
+        with torch.autocast("cpu", torch.bfloat16):
+            _, amp = count_op(call)
+            _, again = count_op(call)  # the cache would hide a second call's cast
+    assert plain.cast_bytes == 0
+    assert amp.cast_bytes == again.cast_bytes == (32 * 64 * 2 if trains else 0)
+    assert amp.saved_internal >= amp.cast_bytes

@@ -836,6 +836,45 @@ def test_zbh1_matches_brute_force(seed: int) -> None:
     assert min(seen.values()) >= 2, seen
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_weight_copies_held_once_match_brute_force(seed: int) -> None:
+    """Autocast's weight copies (``CostTable.casts``, a share of each block's activations):
+    a stage that does not recompute holds them once however many micro-batches are in
+    flight, one that recomputes holds one micro-batch's; the search's optimum is the
+    oracle's under GPipe, 1F1B and ZB-H1, and plans that fit only because the copies are
+    held once are found."""
+    rng = np.random.default_rng(500 + seed)
+    fits_only_shared = 0
+    for it in range(40):
+        table, space = random_case(rng, 6, 5, tight=0.5)
+        space = dataclasses.replace(space, schedules=[("gpipe",), ("1f1b",), ("1f1b", "zbh1")][it % 3])
+        shared = dataclasses.replace(table, casts=table.act * rng.uniform(0.0, 0.9, table.act.shape))
+        got, want = outcome(search_pass, shared, space), brute_force(shared, space)
+        if got is None:
+            assert want.strict is None, (space, want.strict)
+            continue
+        assert want.loose is not None, (space, got)
+        step = got.evaluation.step_s
+        assert step >= want.loose.step * (1 - 1e-9) - 1e-12, (space, want.loose, got)
+        if want.strict is not None:
+            assert step <= want.strict.step * (1 + 1e-9) + 1e-12, (space, want.strict, got)
+        assert got.evaluation.fits
+        assert evaluate(shared, space, got.stages, got.micro_batches, got.schedule) == \
+            got.evaluation
+        # the same plan with every copy counted per micro-batch: the plain stages with
+        # several micro-batches in flight hold (n - 1) copies more
+        apart = evaluate(table, space, got.stages, got.micro_batches, got.schedule)
+        for st, choice, each in zip(got.evaluation.stages, got.stages, apart.stages, strict=True):
+            c = float(shared.casts[[int(x) for x in shared.sizes].index(st.samples)][
+                choice.start:choice.end].sum())
+            if not st.recompute and not st.selective and got.schedule != "zbh1":
+                # (MemoryEstimate rounds each part to a byte)
+                assert each.memory.total - st.memory.total == pytest.approx(
+                    (st.in_flight - 1) * c, rel=1e-6, abs=8), (st, each)
+                fits_only_shared += st.in_flight > 1 and c > 0
+    assert fits_only_shared >= 3
+
+
 def test_evaluate_with_a_memo_costs_as_without() -> None:
     """``evaluate(memo=)``, which the lanes' trials share: a stage met again at another
     position (another count of micro-batches in flight) costs as it does without the memo."""
