@@ -5,7 +5,7 @@ it does not say, which the analytic cost model needs, ``Flops`` adds:
 
 - **Fused attention** (the ``_scaled_dot_product_*`` kernels: flash, memory-efficient and cuDNN
   on CUDA, flash on the CPU) is counted by one formula whichever device's kernel ran (torch
-  2.13 and 2.14 count the CPU's kernel as nothing, 2.15 as the others), and under a causal
+  2.13 has no formula for the CPU's kernel: it counted as nothing), and under a causal
   mask only the score matrix's unmasked part: the flash kernels skip the blocks above the
   diagonal, so a causal call does about half the work of an unmasked one.
 - **The compute dtype.** Under autocast a linear's matmul runs in bfloat16 though its inputs

@@ -149,7 +149,8 @@ def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_di
         # policy), else each value takes the dtype one run at the example's sizes gives it
         vals, source, hint = meta, "torch.export's", batch
         if captured.autocast != autocast_state(fakes.type):
-            vals = _retyped(meta, _dtypes(captured, flat_inputs, batch_dim, fakes))
+            vals = _retyped(meta, infer_dtypes_pass(captured, flat_inputs, batch_dim=batch_dim,
+                                                    device=fakes))
             source = "torch.export's, in this autocast state's dtypes"
     else:
         hint = max(batch, 2)
@@ -168,11 +169,6 @@ def _formulas(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_di
     runner = NodeRunner(gm, "analytic", None, 1, home=fakes, source=home_device(gm, flat_inputs))
     return SymbolicValues(gm, vals, syms, hint=hint, flat_inputs=flat_inputs, runner=runner,
                           source=source, sizes=sizes)
-
-
-def _dtypes(captured: CapturedGraph, flat_inputs: list[torch.Tensor], batch_dim: int,
-            fakes: torch.device) -> dict[str, str | None]:
-    return infer_dtypes_pass(captured, flat_inputs, batch_dim=batch_dim, device=fakes)
 
 
 def _retyped(vals: dict[str, Any], dtypes: dict[str, str | None]) -> dict[str, Any]:

@@ -801,6 +801,23 @@ def test_deterministic_and_reports_progress() -> None:
     assert calls[-1][3] == pytest.approx(first.evaluation.step_s)
 
 
+def _search_matches_oracle(table: CostTable, space: SearchSpace) -> SearchResult | None:
+    """The search's result, checked against the oracle's optimum (None: nothing fits, as the
+    oracle finds too) and against ``evaluate`` of its own plan."""
+    got, want = outcome(search_pass, table, space), brute_force(table, space)
+    if got is None:
+        assert want.strict is None, (space, want.strict)
+        return None
+    assert want.loose is not None, (space, got)
+    step = got.evaluation.step_s
+    assert step >= want.loose.step * (1 - 1e-9) - 1e-12, (space, want.loose, got)
+    if want.strict is not None:
+        assert step <= want.strict.step * (1 + 1e-9) + 1e-12, (space, want.strict, got)
+    assert got.evaluation.fits
+    assert evaluate(table, space, got.stages, got.micro_batches, got.schedule) == got.evaluation
+    return got
+
+
 # -- ZB-H1 costed by the search ------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(3))
 def test_zbh1_matches_brute_force(seed: int) -> None:
@@ -817,18 +834,9 @@ def test_zbh1_matches_brute_force(seed: int) -> None:
         if it % 2:
             table = dataclasses.replace(
                 table, wheld=table.act * rng.uniform(0.2, 2.0, table.act.shape))
-        got, want = outcome(search_pass, table, space), brute_force(table, space)
+        got = _search_matches_oracle(table, space)
         if got is None:
-            assert want.strict is None, (space, want.strict)
             continue
-        assert want.loose is not None, (space, got)
-        step = got.evaluation.step_s
-        assert step >= want.loose.step * (1 - 1e-9) - 1e-12, (space, want.loose, got)
-        if want.strict is not None:
-            assert step <= want.strict.step * (1 + 1e-9) + 1e-12, (space, want.strict, got)
-        assert got.evaluation.fits
-        assert evaluate(table, space, got.stages, got.micro_batches, got.schedule) == \
-            got.evaluation
         if got.schedule == "zbh1":
             seen["zbh1"] += 1
             seen["fewer stages than micro-batches"] += len(got.stages) < got.micro_batches
@@ -841,26 +849,17 @@ def test_weight_copies_held_once_match_brute_force(seed: int) -> None:
     """Autocast's weight copies (``CostTable.casts``, a share of each block's activations):
     a stage that does not recompute holds them once however many micro-batches are in
     flight, one that recomputes holds one micro-batch's; the search's optimum is the
-    oracle's under GPipe, 1F1B and ZB-H1, and plans that fit only because the copies are
-    held once are found."""
+    oracle's under GPipe, 1F1B and ZB-H1, and the same plan with the copies counted per
+    micro-batch holds (n - 1) copies more on each stage that keeps n in flight."""
     rng = np.random.default_rng(500 + seed)
-    fits_only_shared = 0
+    shared_held = 0
     for it in range(40):
         table, space = random_case(rng, 6, 5, tight=0.5)
         space = dataclasses.replace(space, schedules=[("gpipe",), ("1f1b",), ("1f1b", "zbh1")][it % 3])
         shared = dataclasses.replace(table, casts=table.act * rng.uniform(0.0, 0.9, table.act.shape))
-        got, want = outcome(search_pass, shared, space), brute_force(shared, space)
+        got = _search_matches_oracle(shared, space)
         if got is None:
-            assert want.strict is None, (space, want.strict)
             continue
-        assert want.loose is not None, (space, got)
-        step = got.evaluation.step_s
-        assert step >= want.loose.step * (1 - 1e-9) - 1e-12, (space, want.loose, got)
-        if want.strict is not None:
-            assert step <= want.strict.step * (1 + 1e-9) + 1e-12, (space, want.strict, got)
-        assert got.evaluation.fits
-        assert evaluate(shared, space, got.stages, got.micro_batches, got.schedule) == \
-            got.evaluation
         # the same plan with every copy counted per micro-batch: the plain stages with
         # several micro-batches in flight hold (n - 1) copies more
         apart = evaluate(table, space, got.stages, got.micro_batches, got.schedule)
@@ -871,8 +870,8 @@ def test_weight_copies_held_once_match_brute_force(seed: int) -> None:
                 # (MemoryEstimate rounds each part to a byte)
                 assert each.memory.total - st.memory.total == pytest.approx(
                     (st.in_flight - 1) * c, rel=1e-6, abs=8), (st, each)
-                fits_only_shared += st.in_flight > 1 and c > 0
-    assert fits_only_shared >= 3
+                shared_held += st.in_flight > 1 and c > 0
+    assert shared_held >= 3
 
 
 def test_evaluate_with_a_memo_costs_as_without() -> None:
