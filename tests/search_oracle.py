@@ -129,9 +129,41 @@ def _block_sums(table: CostTable, k: int, i: int, j: int
     return F, Bw, A, keep, redo, rebuilt, ws
 
 
+def across_nodes(space: SearchSpace) -> bool:
+    """Whether the space's ranks fill more than one node (ranks k N .. k N + N - 1 node k)."""
+    return bool(space.devices_per_node) and space.world_size > space.devices_per_node
+
+
+def placeable(space: SearchSpace, first: int, r: int) -> bool:
+    """Whether r replicas from rank ``first`` lie inside one node or over whole nodes."""
+    N = space.devices_per_node
+    if not across_nodes(space):
+        return True
+    return first // N == (first + r - 1) // N or (first % N == 0 and r % N == 0)
+
+
+def layouts_ok(space: SearchSpace, reps: tuple[int, ...]) -> bool:
+    return all(placeable(space, sum(reps[:s]), r) for s, r in enumerate(reps))
+
+
+def _ring(space: SearchSpace, nbytes: float, r: int) -> float:
+    """One pass (a reduce-scatter or an all-gather) of ``nbytes`` over r replicas: a ring on
+    the node's links, or over whole nodes, within each node then each device's share across
+    the nodes on the network (a message there costs at least the node's latency)."""
+    bw = space.allreduce_bandwidth or space.link_bandwidth
+    N = space.devices_per_node
+    if not across_nodes(space) or r <= N:
+        return (r - 1) / r * nbytes / bw + (r - 1) * space.link_latency
+    g = r // N
+    assert space.network_bandwidth is not None
+    return ((N - 1) / N * nbytes / bw + (N - 1) * space.link_latency
+            + (g - 1) / g * nbytes / N / space.network_bandwidth
+            + (g - 1) * max(space.network_latency, space.link_latency))
+
+
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
                   recompute: int, zero: bool = False, offload: bool = False,
-                  host: bool = False) -> Figures:
+                  host: bool = False, *, first: int = 0) -> Figures:
     """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``recompute``: 0,
     1 (the forward again before each backward), 2 (layer by layer: the backward runs each
     layer's forward once more) or 3 (selectively: every micro-batch in flight keeps what the
@@ -140,7 +172,8 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     device and back each step; ``host``: its parameters, gradients and state in host memory,
     each parameter fetched to the device at each use (F, B, and each forward run again), the
     gradients sent back, the step on the host; the device holds two of its largest block's
-    parameters (in use, fetched ahead) and one of gradients."""
+    parameters (in use, fetched ahead) and one of gradients. ``first``: its first rank; a
+    boundary to a stage on another node sends on the network."""
     rho = int(recompute)
     recompute, selective = rho in (1, 2), rho == 3
     zero = zero and r > 1
@@ -160,8 +193,16 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         if int(sg.first[i]) != int(sg.last[j]):
             again = F - float(sg.tail_fwd[k][j])
     cin, cout = float(table.cut[k][i]), float(table.cut[k][j])
-    messages = (1 if i > 0 else 0) + (1 if j < B else 0)
-    comm = 2 * (cin + cout) / space.link_bandwidth + 2 * space.link_latency * messages
+    N, comm = space.devices_per_node, 0.0
+    for here, there, cut in ((first, first - 1, cin), (first + r - 1, first + r, cout)):
+        if cut is cin and i == 0 or cut is cout and j == B:
+            continue  # no stage on that side
+        if across_nodes(space) and here // N != there // N:
+            assert space.network_bandwidth is not None
+            slowest = min(space.network_bandwidth, space.link_bandwidth)  # never faster
+            comm += 2 * cut / slowest + 2 * max(space.network_latency, space.link_latency)
+        else:
+            comm += 2 * cut / space.link_bandwidth + 2 * space.link_latency
     again_s = redo if selective else (F if rho else 0.0) + again
     grad, param = float(table.grad_bytes[i][j]), float(table.param_bytes[i][j])
     t = F + Bw + again_s + comm
@@ -171,16 +212,15 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         moving = (times * param + grad) / space.host_bandwidth
         compute = F + Bw + again_s
         t = (max(compute, moving) if space.host_overlap else compute + moving) + comm
-    ar_bw = space.allreduce_bandwidth or space.link_bandwidth
-    ar = 2 * (r - 1) / r * grad / ar_bw + 2 * (r - 1) * space.link_latency
+    ar = 2 * _ring(space, grad, r)
     opt = 0.0 if table.optimizer_s is None else float(table.optimizer_s[i][j])
     acc = 0.0 if table.accumulate_s is None else float(table.accumulate_s[i][j])
     ag = 0.0
     if zero:  # each replica steps 1 / r of the parameters, then they all-gather them
         opt = opt / r
-        ag = (r - 1) / r * grad / ar_bw + (r - 1) * space.link_latency
+        ag = _ring(space, grad, r)
         if space.grad_shards:  # ZeRO-2: a reduce-scatter, the all-reduce's first half
-            ar = (r - 1) / r * grad / ar_bw + (r - 1) * space.link_latency
+            ar = _ring(space, grad, r)
     share = grad * space.optimizer_state_factor / (r if zero else 1)
     kept_host = share if offload else 0.0
     moved = 2 * kept_host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
@@ -274,7 +314,7 @@ def cannot_run(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: 
 
 
 def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
-            budget: float | None = None) -> Figures | None:
+            budget: float | None = None, first: int = 0) -> Figures | None:
     """The stage as the policy runs it: its first allowed variant that fits (``budget``, the
     space's if None), passing over an unsharded one whose sharded twin is allowed and has a
     smaller u; None if none fits, or if it cannot run its size (``cannot_run``)."""
@@ -286,7 +326,7 @@ def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int
 
     def of(v: tuple[int, bool, bool, bool]) -> Figures:
         if v not in figs:
-            figs[v] = stage_figures(table, space, i, j, r, m, n, *v)
+            figs[v] = stage_figures(table, space, i, j, r, m, n, *v, first=first)
         return figs[v]
 
     for rho, zeta, omega, h in ok:
@@ -323,7 +363,7 @@ OVERHEAD = 0.04  # what splitting a backward in two adds to it (the simulator's 
 
 
 def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, s: int,
-                 S: int, zero: bool = False, offload: bool = False
+                 S: int, zero: bool = False, offload: bool = False, first: int = 0
                  ) -> tuple[float, float, float]:
     """t, u and memory of stage s of S under ZB-H1, without recomputation (its only kind):
     the stage holds at its peak one of ``zbh1_held``'s corners, each micro-batch whole as
@@ -335,7 +375,7 @@ def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
     on equal stages the step is S (F + B - W) less one B - W, plus m (F + B + W), plus
     S - 1 times what W exceeds F by, plus with three stages or more the least of F and
     2 W - F where that is positive (how the simulator runs ZB-H1's lists when F <= B)."""
-    f = stage_figures(table, space, i, j, r, m, 1, 0, zero, offload)
+    f = stage_figures(table, space, i, j, r, m, 1, 0, zero, offload, first=first)
     k = [int(x) for x in table.sizes].index(f.samples)
     A = w = 0.0
     ws = -math.inf
@@ -369,7 +409,8 @@ def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
 
 
 def zbh1_variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, s: int,
-                 S: int, budget: float) -> tuple[float, float, StageChoice] | None:
+                 S: int, budget: float, first: int = 0
+                 ) -> tuple[float, float, StageChoice] | None:
     """The stage as the policy runs it under ZB-H1: its first allowed variant without
     recomputation or parameters on the host that fits (an unsharded one passed over where
     its sharded twin's u is smaller); None if none fits."""
@@ -377,11 +418,12 @@ def zbh1_variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
     if cannot_run(table, space, i, j, r, m):
         return None
     for zeta, omega in ok:
-        t, u, mem = zbh1_figures(table, space, i, j, r, m, s, S, zeta, omega)
+        t, u, mem = zbh1_figures(table, space, i, j, r, m, s, S, zeta, omega, first)
         if not zeta and (True, omega) in ok and \
-                zbh1_figures(table, space, i, j, r, m, s, S, True, omega)[1] < u:
+                zbh1_figures(table, space, i, j, r, m, s, S, True, omega, first)[1] < u:
             continue
-        host = stage_figures(table, space, i, j, r, m, 1, 0, zeta, omega).host_state
+        host = stage_figures(table, space, i, j, r, m, 1, 0, zeta, omega,
+                             first=first).host_state
         if mem <= budget and host <= space.host_budget:
             return t, u, StageChoice(i, j, r, False, zeta and r > 1, omega)
     return None
@@ -393,7 +435,7 @@ def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice
     S = len(stages)
     figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
                           in_flight(schedule, m, S - s), st.level, st.zero, st.offload,
-                          st.host)
+                          st.host, first=sum(x.replicas for x in stages[:s]))
             for s, st in enumerate(stages)]
     return sum(f.t for f in figs) + max(f.u for f in figs), figs
 
@@ -435,7 +477,7 @@ def plans(table: CostTable, space: SearchSpace
                       for c in itertools.combinations(range(1, W), S - 1)])
             for cuts in itertools.combinations(range(1, B), S - 1):
                 for reps in comps:
-                    if max(reps) * m <= G:
+                    if max(reps) * m <= G and layouts_ok(space, reps):
                         yield m, (0, *cuts, B), reps
 
 
@@ -449,18 +491,18 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
         S = len(reps)
         # plain GPipe, to tell whether one fits
         plain = [stage_figures(table, plain_space, bounds[s], bounds[s + 1], reps[s], m, m,
-                               False) for s in range(S)]
+                               False, first=sum(reps[:s])) for s in range(S)]
         out.plain_fits |= max(f.memory for f in plain) <= space.memory_budget * (1 + SLACK)
     for side in ("strict", "loose"):
         budget = space.memory_budget * (1 - SLACK if side == "strict" else 1 + SLACK)
-        memo: dict[tuple[int, int, int, int, int], Figures | None] = {}
+        memo: dict[tuple[int, int, int, int, int, int], Figures | None] = {}
         best: Best | None = None
         for m, bounds, reps in plans(table, space):
             S = len(reps)
             for schedule in space.schedules:
                 if schedule == "zbh1":
                     zb = [zbh1_variant(table, space, bounds[s], bounds[s + 1], reps[s], m, s,
-                                       S, budget) for s in range(S)]
+                                       S, budget, sum(reps[:s])) for s in range(S)]
                     if all(x is not None for x in zb):
                         step = sum(x[0] for x in zb if x) + max(x[1] for x in zb if x)
                         if best is None or step < best.step:
@@ -468,9 +510,10 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
                     continue
                 got = []
                 for s in range(S):
-                    key = (bounds[s], bounds[s + 1], reps[s], m, in_flight(schedule, m, S - s))
+                    key = (bounds[s], bounds[s + 1], reps[s], m, in_flight(schedule, m, S - s),
+                           sum(reps[:s]))
                     if key not in memo:
-                        memo[key] = variant(table, space, *key, budget)
+                        memo[key] = variant(table, space, *key[:5], budget, key[5])
                     got.append(memo[key])
                 figs = [f for f in got if f is not None]
                 if len(figs) < S:
@@ -521,6 +564,8 @@ def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
                 out = math.inf
                 for j in range(i + 1, B - d + 2):
                     for r in reps:
+                        if not placeable(space, W - w, r):  # over part of a node
+                            continue
                         if r * m <= G and (then := after(j, w - r, d - 1)) < out:
                             out = min(out, max(least(i, j, r, m, n), then))
                 rest[i, w, d] = out
@@ -557,7 +602,7 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
     dominance."""
     table = _lists(table)
     B, W, G = table.num_blocks, space.world_size, space.global_batch
-    memo: dict[tuple[int, int, int, int, int], Figures | None] = {}
+    memo: dict[tuple[int, int, int, int, int, int], Figures | None] = {}
     best: Best | None = None
 
     def extend(labels: dict[tuple[int, int, int], list[Label]], j: int, used: int, s: int,
@@ -570,11 +615,11 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
         for i in range(j):
             for r in allowed:
                 prev = labels.get((i, used - r, before))
-                if not prev:
+                if not prev or not placeable(space, used - r, r):
                     continue
-                key = (i, j, r, m, n)
+                key = (i, j, r, m, n, used - r)
                 if key not in memo:
-                    memo[key] = variant(table, space, i, j, r, m, n)
+                    memo[key] = variant(table, space, i, j, r, m, n, first=used - r)
                 f = memo[key]
                 if f is not None:
                     st = StageChoice(i, j, r, f.recompute, f.zero, f.offload, f.layers,

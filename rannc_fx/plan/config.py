@@ -160,6 +160,24 @@ class Config(BaseModel):
         description="bytes/s of a ring all-reduce's traffic (reduction included); None = "
         "measured or the spec's",
     )
+    devices_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description="devices (ranks) a node holds: a stage lies inside one node or over "
+        "whole nodes, and what crosses nodes goes at network_bandwidth; None = torchrun's "
+        "LOCAL_WORLD_SIZE where it is below the world size, else the device spec's (every "
+        "rank in one node if it has none)",
+    )
+    network_bandwidth: float | None = Field(
+        default=None,
+        gt=0,
+        description="bytes/s one device sends between nodes; None = the device spec's",
+    )
+    network_latency: float | None = Field(
+        default=None,
+        ge=0,
+        description="seconds per message between nodes; None = the device spec's",
+    )
 
     # -- capture and profile ---------------------------------------------------------------
     tracer: Literal["auto", "fx", "export"] = Field(

@@ -25,6 +25,9 @@ __all__ = ["add_config_flags", "config_from_flags", "explain", "flag_of", "name_
 _NONE = "none"  # how a field that may be None is set to None: --profile-cache-dir none
 _SCALARS: dict[Any, str] = {int: "INT", float: "FLOAT", str: "TEXT", Path: "PATH"}
 
+# short spellings some flags also take: what the issue tracker and users write
+ALIASES: dict[str, tuple[str, ...]] = {"autocast_dtype": ("--autocast",)}
+
 GROUP_HELP = (
     "each flag sets the rannc_fx.Config field of its name (--max-micro-batches sets "
     "max_micro_batches); a flag not given leaves Config's default. A field that may be None "
@@ -53,11 +56,12 @@ def add_config_flags(
         help_ = f"{info.description or ''}{note}{shown}".replace("%", "%%")
         # SUPPRESS, not None: a flag not given is absent, so '--trace-dir none' can still
         # mean None where Config's default is something else
+        names = (flag_of(name), *ALIASES.get(name, ()))
         if parse is None:
-            group.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction,
+            group.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_)
         else:
-            group.add_argument(flag_of(name), dest=name, type=parse, metavar=metavar,
+            group.add_argument(*names, dest=name, type=parse, metavar=metavar,
                                default=argparse.SUPPRESS, help=help_)
         flags[name] = flag_of(name)
     return flags

@@ -18,7 +18,11 @@ GiB = 1024**3
 # link moves in practice (gen3 x16 about 12 GB/s, gen4 24, gen5 50), and its share of the
 # host's memory bandwidth (an optimizer step on the host streams through it): DGX-1's two
 # Xeon E5-2698 v4 about 154 GB/s over 8 GPUs, DGX A100's two EPYC 7742 410 GB/s, DGX H100's
-# two Xeon 8480C 614 GB/s (the channels' peak; a step reaches less).
+# two Xeon 8480C 614 GB/s (the channels' peak; a step reaches less). The network between
+# nodes is the DGX systems' per GPU: DGX-1, 4 x 100 Gb/s EDR InfiniBand for 8 V100s (6.25
+# GB/s a GPU); DGX A100, 8 x 200 Gb/s HDR (25 GB/s); DGX H100 and H200, 8 x 400 Gb/s NDR (50
+# GB/s). Its latency, 15 us a message against 10 us inside a node, is an estimate, not a
+# measurement: an InfiniBand hop adds a few microseconds to NCCL's time per message.
 _PRESETS: dict[str, dict[str, Any]] = {
     "v100-32gb": dict(
         memory_bytes=32 * GiB,
@@ -29,6 +33,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
         host_bandwidth=12e9,
         host_memory_bytes=64 * GiB,
         host_step_bandwidth=19e9,
+        devices_per_node=8,
+        network_bandwidth=6.25e9,
+        network_latency=15e-6,
     ),
     "a100-40gb": dict(
         memory_bytes=40 * GiB,
@@ -39,6 +46,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
         host_bandwidth=24e9,
         host_memory_bytes=128 * GiB,
         host_step_bandwidth=51e9,
+        devices_per_node=8,
+        network_bandwidth=25e9,
+        network_latency=15e-6,
     ),
     "a100-80gb": dict(
         memory_bytes=80 * GiB,
@@ -49,6 +59,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
         host_bandwidth=24e9,
         host_memory_bytes=256 * GiB,
         host_step_bandwidth=51e9,
+        devices_per_node=8,
+        network_bandwidth=25e9,
+        network_latency=15e-6,
     ),
     "h100-80gb": dict(
         memory_bytes=80 * GiB,
@@ -59,6 +72,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
         host_bandwidth=50e9,
         host_memory_bytes=256 * GiB,
         host_step_bandwidth=77e9,
+        devices_per_node=8,
+        network_bandwidth=50e9,
+        network_latency=15e-6,
     ),
     "h200-141gb": dict(
         memory_bytes=141 * GiB,
@@ -69,6 +85,9 @@ _PRESETS: dict[str, dict[str, Any]] = {
         host_bandwidth=50e9,
         host_memory_bytes=256 * GiB,
         host_step_bandwidth=77e9,
+        devices_per_node=8,
+        network_bandwidth=50e9,
+        network_latency=15e-6,
     ),
     # A commodity CPU host running gloo over loopback: a few cores, tens of GB. gloo moves
     # about 0.6 GB/s between two processes here, with ~50-100 us per message; compile()
@@ -96,7 +115,9 @@ class DeviceSpec(BaseModel):
     ``host_memory_bytes`` the host memory one device may fill with offloaded optimizer state
     (a node's, over its devices); None: no offloading. ``device_type`` is the kind of torch
     device it is: the analytic cost model runs the ops as that kind runs them (its autocast
-    policy, its fused kernels).
+    policy, its fused kernels). A cluster is nodes of ``devices_per_node`` devices (None:
+    one node, however many ranks) on ``interconnect_bandwidth``, and a network between nodes
+    at ``network_bandwidth`` bytes/s per device and ``network_latency`` seconds a message.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -115,6 +136,10 @@ class DeviceSpec(BaseModel):
     # bytes/s of host memory one device's share of an optimizer step on the host streams
     # (parameters in host memory); None: host_bandwidth
     host_step_bandwidth: float | None = Field(default=None, gt=0)
+    # the cluster's nodes: devices a node (None: one node), the network between them
+    devices_per_node: int | None = Field(default=None, ge=1)
+    network_bandwidth: float | None = Field(default=None, gt=0)
+    network_latency: float = Field(default=0.0, ge=0)
     # Fraction of peak that real kernels reach; the analytic cost model divides by it.
     efficiency: float = Field(default=0.5, gt=0, le=1)
 

@@ -1,9 +1,10 @@
 """The plan as people read it: ``Plan.summary``'s table, one row a stage, and the lines after.
 
 The head says how the plan runs (stages on ranks, micro-batches, schedule, device and cost
-model); each row is one stage: its blocks, nodes and parameters, replicas and samples, its
-predicted times, its recomputation, sharding and offloading, the micro-batches it holds, and
-its memory against the budget; the lines after give the predicted (and simulated) step, each
+model, and the cluster's nodes where it spans several); each row is one stage: its blocks,
+nodes and parameters, replicas and samples, its predicted times, its recomputation, sharding
+and offloading, the micro-batches it holds, its memory against the budget, and over several
+nodes its ranks and the node(s) they lie on; the lines after give the predicted (and simulated) step, each
 lane's memory, the dynamic dimensions, the tail, the shared parameters and planning's notes.
 """
 
@@ -57,12 +58,20 @@ def plan_table(plan: Tabled) -> str:
            if plan.virtual_stages > 1 else "")
         + f", device {plan.device.name} ({plan.cost_model} costs)"
     )
+    N = plan.device.devices_per_node
+    machines = N is not None and plan.world_size > N
+    if machines:
+        assert N is not None
+        head += (f", {plan.world_size // N} nodes of {N} devices (network "
+                 f"{plan.device.network_bandwidth or 0:.3g} B/s a device)")
     cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
             "recompute", "zero", "offload", "in flight", "comm ms", "accum ms",
-            "allred ms", "optim ms", "memory", "of budget")
+            "allred ms", "optim ms", "memory", "of budget") + (
+        ("ranks", "on node") if machines else ())
     rows = []
     for st in plan.stages:
         nparam = st.memory.params
+        where = _at_ranks(st.ranks, N) if machines else ()
         rows.append((
             str(st.index),
             f"{st.first_block}-{st.end_block - 1}",
@@ -86,7 +95,7 @@ def plan_table(plan: Tabled) -> str:
                 st.host_params and st.host_ms) else ""),
             _human_bytes(st.memory.total),
             f"{100 * st.memory.total / plan.memory_budget:.0f}%",
-        ))
+        ) + where)
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
     body = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
@@ -116,6 +125,16 @@ def plan_table(plan: Tabled) -> str:
         tail.append(f"shared parameter {sp.name} used by stages {list(sp.stages)}")
     tail += [f"note: {n}" for n in plan.notes]
     return "\n".join([head, line, "-" * len(line), *body, *tail])
+
+
+def _at_ranks(ranks: tuple[int, ...], node: int | None) -> tuple[str, str]:
+    """A stage's ranks and the nodes (of ``node`` ranks each) they lie on, as ranges."""
+    assert node is not None
+    return _span(ranks[0], ranks[-1]), _span(ranks[0] // node, ranks[-1] // node)
+
+
+def _span(a: int, b: int) -> str:
+    return str(a) if a == b else f"{a}-{b}"
 
 
 def _human_bytes(n: int) -> str:

@@ -16,7 +16,7 @@ The passes themselves live in their folders (capture, shapes, profile, group, se
 package runs them in order.
 """
 
-from .analyze import Analysis, Target, analyze, pick_target
+from .analyze import Analysis, Target, analyze, launched_node_size, pick_target
 from .build import build_plan
 from .captured import Captured, capture_model, shape_model, trace_model
 from .driver import Planned, plan_model, run_search, split_stages
@@ -29,6 +29,7 @@ __all__ = [
     "analyze",
     "build_plan",
     "capture_model",
+    "launched_node_size",
     "pick_target",
     "plan_model",
     "run_search",

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -230,6 +231,9 @@ def pick_target(
         "interconnect_bandwidth": config.link_bandwidth,
         "interconnect_latency": config.link_latency,
         "allreduce_bandwidth": config.allreduce_bandwidth,
+        "devices_per_node": config.devices_per_node or launched_node_size(),
+        "network_bandwidth": config.network_bandwidth,
+        "network_latency": config.network_latency,
     }
     spec = spec.model_copy(update={k: v for k, v in links.items() if v is not None})
     elsewhere = run is None or _indexed(home) != run  # a meta home is always elsewhere
@@ -246,6 +250,19 @@ def pick_target(
         )
     measured = config.cost_model != "analytic" and not elsewhere
     return Target(spec, run if measured else None)
+
+
+def launched_node_size(world: int | None = None) -> int | None:
+    """The ranks a node holds under torchrun (``LOCAL_WORLD_SIZE``) where they are fewer
+    than the world's (``world``, else ``WORLD_SIZE``): a launch over several nodes; else
+    None."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if world is None:
+        text = os.environ.get("WORLD_SIZE", "")
+        world = int(text) if text.isdigit() else None
+    if not local.isdigit() or world is None:
+        return None
+    return int(local) if 0 < int(local) < world else None
 
 
 def _indexed(dev: torch.device) -> torch.device:
@@ -316,6 +333,9 @@ def _search_space(
         link_bandwidth=spec.interconnect_bandwidth,
         link_latency=spec.interconnect_latency,
         allreduce_bandwidth=spec.allreduce_bandwidth,
+        devices_per_node=spec.devices_per_node or 0,
+        network_bandwidth=spec.network_bandwidth,
+        network_latency=spec.network_latency,
         optimizer_state_factor=cfg.optimizer_state_factor,
         micro_batches=candidates,
         stages=cfg.forced_stages,

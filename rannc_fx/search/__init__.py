@@ -7,6 +7,8 @@ The search imports numpy only (no torch); its modules, in the order a search use
                 stages chosen and costed, the result
     table       the per-node profiles as the per-block cost arrays the search reads
     cost_model  the cost model (its docstring has the formulas)
+    nodes       the cluster's nodes: where a stage's ranks may lie, which messages cross the
+                network, the hierarchical all-reduce over whole nodes
     segments    recomputation layer by layer: what a stage holds while its backward
                 recomputes its layers
     terms       the formulas: one stage's time and memory terms

@@ -21,11 +21,14 @@ for offloaded state the host cannot hold, so every path above drops it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .cost_model import blocked, bottleneck_s, range_max, range_sum, samples_per_replica, size_index
 from .dp_chain import Edges, States
 from .inflight import Positioned, max_in_flight
+from .nodes import crossing_s, moves
 from .problem import CostTable, SearchSpace
 from .terms import StageTerms, block_params, stage_terms
 from .variants import (
@@ -77,6 +80,7 @@ class Candidates:
         self._fixed: dict[tuple[bool, bool, bool], np.ndarray] = {}
         self._saved: dict[tuple[bool, bool], np.ndarray] = {}
         self._blocked: dict[tuple[int, int], np.ndarray] = {}
+        self.moves = moves(space)
         self.live = self._live()
 
     def _live(self) -> np.ndarray:
@@ -219,6 +223,52 @@ class Candidates:
                      reps.astype(small)[col], t.ravel()[keep], u.ravel()[keep],
                      mem.ravel()[keep], kind.ravel()[keep].astype(np.int8))
 
+    def placed(self, e: Edges, m: int) -> tuple[Edges, np.ndarray, np.ndarray]:
+        """Across nodes, each stage once per class of its replica count (``nodes.Moves``)
+        that a plan can place it at, its t and u with what its messages take longer where
+        its boundaries cross nodes (t + x, u + (m - 1) x: every schedule's t and u hold t
+        so); the edges, which stage each one is, and its x. In one node: ``e`` as it is."""
+        mv, B = self.moves, self.table.num_blocks
+        if mv is None:
+            return e, np.arange(len(e.t)), np.zeros(len(e.t))
+        src, move = mv.of(e.reps)
+        start, end = e.start[src].astype(np.int64), e.end[src].astype(np.int64)
+        # the first stage starts a node and the last ends one: their other classes never fit
+        keep = (mv.cin[move] | (start > 0)) & (mv.cout[move] | (end < B))
+        src, move, start, end = src[keep], move[keep], start[keep], end[keep]
+        reps = e.reps[src].astype(np.int64)
+        cut = np.zeros((len(src), 2))
+        for r in np.unique(reps).tolist():
+            at = reps == r
+            row = np.asarray(self.table.cut[self.size(m, r)], float)
+            cut[at, 0], cut[at, 1] = row[start[at]], row[end[at]]
+        x = (np.where(mv.cin[move] & (start > 0), crossing_s(self.space, cut[:, 0]), 0.0)
+             + np.where(mv.cout[move] & (end < B), crossing_s(self.space, cut[:, 1]), 0.0))
+        out = Edges(e.start[src], e.end[src], e.reps[src], e.t[src] + x,
+                    e.u[src] + (m - 1) * x, e.mem[src], e.kind[src], move.astype(np.int32))
+        return out, src, x
+
+    def positioned(self, m: int, e: Edges, t: np.ndarray, u: np.ndarray, fit: np.ndarray,
+                   first: np.ndarray | None = None, **kw: object) -> Positioned:
+        """``Positioned`` of the edges (their variants' t, u, fit and lo by row), each stage
+        once per class across nodes (``placed``)."""
+        e, src, x = self.placed(e, m)
+        if self.moves is not None:
+            t, u, fit = t[src] + x[:, None], u[src] + (m - 1) * x[:, None], fit[src]
+            first = None if first is None else first[src]
+        return Positioned(m, e, t, u, fit, first=first, **kw)  # type: ignore[arg-type]
+
+    def crossing(self, i: int, j: int, r: int, m: int, first: int) -> float:
+        """What the messages of the stage [i, j) on ranks [first, first + r) take longer
+        where its boundaries cross nodes (0 in one node)."""
+        if self.moves is None:
+            return 0.0
+        N, B, w = self.space.devices_per_node, self.table.num_blocks, first + r
+        cut = np.asarray(self.table.cut[self.size(m, r)], float)
+        cin = i > 0 and first % N == 0
+        cout = j < B and w % N == 0
+        return float(cin * crossing_s(self.space, cut[i]) + cout * crossing_s(self.space, cut[j]))
+
     def gpipe(self, m: int) -> Edges | None:
         """Stages under GPipe (n = m) that fit, each at its first variant that fits. None when
         no replica count is allowed."""
@@ -252,7 +302,7 @@ class Candidates:
                 unset &= ~take
             T[:, cols], U[:, cols], M[:, cols], KIND[:, cols] = t, u, mem_, kind
         keep = np.flatnonzero(M.ravel() <= sp.memory_budget)
-        return self.edges(keep, reps, T, U, M, KIND, rows)
+        return self.placed(self.edges(keep, reps, T, U, M, KIND, rows), m)[0]
 
     def least_memory(self, m: int, n: int) -> Edges | None:
         """Every stage with its least memory (over the allowed variants) at n in flight."""
@@ -264,15 +314,19 @@ class Candidates:
             terms = self.terms(self.size(m, r), m)
             M[:, c] = np.min([self.memory(terms, n, v, r) for v in self.kinds], axis=0)
         zero = np.zeros(M.shape)
-        return self.edges(np.arange(M.size), reps, zero, zero, M, zero.astype(np.int64))
+        e = self.placed(self.edges(np.arange(M.size), reps, zero, zero, M,
+                                   zero.astype(np.int64)), m)[0]
+        return dataclasses.replace(e, t=np.zeros(len(e.t)), u=np.zeros(len(e.u)))
 
-    def stage(self, i: int, j: int, r: int, m: int, n: int) -> tuple[float, float, int] | None:
-        """t, u and variant of the stage [i, j) on r replicas with n in flight, its first
-        variant that fits; None if none does."""
+    def stage(self, i: int, j: int, r: int, m: int, n: int, first: int = 0
+              ) -> tuple[float, float, int] | None:
+        """t, u and variant of the stage [i, j) on r replicas (ranks from ``first``) with n
+        in flight, its first variant that fits; None if none does."""
         pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r), m)
         ts, us = np.zeros(len(VARIANTS)), np.zeros(len(VARIANTS))
+        x = self.crossing(i, j, r, m, first)
         for v in self.kinds:
-            t = terms.time(*_rh(v))[pair]
+            t = terms.time(*_rh(v))[pair] + x
             ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, v)[0, 0]
         skip = dominated(us, self.kinds)
         one = terms.take(pair)
@@ -325,8 +379,8 @@ class Candidates:
         if not len(keep):
             return None
         edges = self.edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
-        return Positioned(m, edges, T.reshape(-1, V)[keep], U.reshape(-1, V)[keep],
-                        FIT.reshape(-1, V)[keep])
+        return self.positioned(m, edges, T.reshape(-1, V)[keep], U.reshape(-1, V)[keep],
+                               FIT.reshape(-1, V)[keep])
 
     def fixed_u(self, kind: int) -> np.ndarray:
         """up_s of every stage (rows) at every replica count (columns) as variant ``kind``."""

@@ -90,9 +90,10 @@ class Run:
     def offer_1f1b(self, stages: tuple[StageChoice, ...], m: int) -> None:
         """Offer a GPipe plan at its 1F1B cost (only 1F1B searched): each stage at its
         position, with its first variant that fits (it fits as under GPipe, or better)."""
-        ts, us, out, S = [], [], [], len(stages)
+        ts, us, out, S, first = [], [], [], len(stages), 0
         for s, st in enumerate(stages):
-            got = self.cands.stage(st.start, st.end, st.replicas, m, min(m, S - s))
+            got = self.cands.stage(st.start, st.end, st.replicas, m, min(m, S - s), first)
+            first += st.replicas
             assert got is not None  # fewer in flight than under GPipe
             ts.append(got[0])
             us.append(got[1])

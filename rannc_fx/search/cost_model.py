@@ -141,6 +141,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..schedules.kinds import kind_of
+from .nodes import layout_problem
 from .problem import SEARCHED, CostTable, SearchSpace
 
 __all__ = [
@@ -267,6 +268,8 @@ def _check(table: CostTable, space: SearchSpace) -> None:
                              f"{space.host_budget:g} bytes): describe it in the DeviceSpec "
                              f"(host_bandwidth, host_memory_bytes), or leave {name} to the "
                              "search")
+    if (problem := layout_problem(space)) is not None:
+        raise ValueError(problem)
     missing = sorted(set(needed_sizes(space)) - set(size_index(table)))
     if missing:
         raise ValueError(f"the cost table has no costs for {missing} samples per replica; "

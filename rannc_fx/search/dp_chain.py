@@ -17,6 +17,10 @@ With nothing forced, the state before a stage of r replicas that ends in state z
 the rows an edge reads, ``D[i][src[r]]``, are then D's row i shifted right by r, read through
 a strided view of a left-padded D instead of a (blocks x replicas x states) copy that at 1024
 ranks would take 1.6 GB and most of the search's time to fill.
+
+Over several nodes an edge's ``move`` (``nodes.Moves``: its replica count and which of its
+boundaries cross nodes) stands for its replica count in the states: ``src[move, z]`` is the
+state before it where z is of its class, none elsewhere, so no state shifts.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .nodes import Moves, moves, usable_replicas
 from .problem import SearchSpace
 from .windows import RangeMin, Runs, runs_and_tables
 
@@ -58,6 +63,9 @@ class States:
 
 def build_states(space: SearchSpace) -> States:
     W = space.world_size
+    mv = moves(space)
+    if mv is not None:
+        return _node_states(space, mv)
     if space.replicas is not None:
         R = space.replicas
         Z, final, reps = len(R) + 1, len(R), tuple(sorted(set(R)))
@@ -83,6 +91,41 @@ def build_states(space: SearchSpace) -> States:
     # block s: s stages so far (forced count), reading block s - 1; or the one block
     prev = np.arange(-1, Z // (W + 1) - 1) if space.stages else np.zeros(1, np.int64)
     return States(Z, final, src, dst, reps, shift=not space.stages, prev=prev, width=W + 1)
+
+
+def _node_states(space: SearchSpace, mv: Moves) -> States:
+    """The states of a multi-node space: as without nodes, with a move (``nodes.Moves``: a
+    replica count and whether its boundaries cross nodes) in place of a replica count, each
+    only into the states of its class; none shift (each move reads its own rows)."""
+    W, nm = space.world_size, len(mv.r)
+    if space.replicas is not None:
+        R = space.replicas
+        Z, final = len(R) + 1, len(R)
+        src = np.full((nm, Z), Z)
+        ends = np.cumsum(R)
+        for s, r in enumerate(R):
+            _, ms = mv.of(np.array([r]))
+            for k in ms[mv.ok(ms, ends[s])]:
+                src[k, s + 1] = s
+        return States(Z, final, src, _dst(src, Z), tuple(sorted(set(R))))
+    S = space.stages or 0
+    Z = (S + 1) * (W + 1) if S else W + 1
+    z = np.arange(Z)
+    n = z % (W + 1)
+    src = np.full((nm, Z), Z)
+    for k in range(nm):
+        back = z - mv.r[k] - (W + 1 if S else 0)
+        src[k] = np.where(mv.ok(np.array(k), n) & (back >= 0), back, Z)
+    return States(Z, Z - 1, src, _dst(src, Z), usable_replicas(space))
+
+
+def _dst(src: np.ndarray, Z: int) -> np.ndarray:
+    """``dst[k, z]``: the state after a move k that starts in z (Z: none)."""
+    dst = np.full(src.shape, Z)
+    for k in range(src.shape[0]):
+        ok = src[k] < Z
+        dst[k, src[k][ok]] = np.flatnonzero(ok)
+    return dst
 
 
 class _Rows:
@@ -138,10 +181,19 @@ class Edges:
     u: np.ndarray
     mem: np.ndarray
     kind: np.ndarray
+    # across nodes, each stage's move (``nodes.Moves``: its replicas and which of its
+    # boundaries cross nodes), what the states read; None: its replica count
+    move: np.ndarray | None = None
+
+    @property
+    def via(self) -> np.ndarray:
+        """What indexes the states' ``src`` and ``dst``: the move, else the replica count."""
+        return self.reps if self.move is None else self.move
 
     def take(self, idx: np.ndarray) -> Edges:
         return Edges(self.start[idx], self.end[idx], self.reps[idx], self.t[idx], self.u[idx],
-                     self.mem[idx], self.kind[idx])
+                     self.mem[idx], self.kind[idx],
+                     None if self.move is None else self.move[idx])
 
 
 def groups(key: np.ndarray, num_blocks: int) -> np.ndarray:
@@ -189,7 +241,7 @@ def forward(e: Edges, w: np.ndarray, states: States, num_blocks: int, *,
     for j in range(1, B + 1):
         a, b = lo[j], hi[j]
         if a < b:
-            rows.set(j, _min_rows(rows, e.start[a:b], e.reps[a:b], w[a:b], buf,
+            rows.set(j, _min_rows(rows, e.start[a:b], e.via[a:b], w[a:b], buf,
                                   bottleneck=bottleneck))
     return rows.D, rows.rows
 
@@ -235,10 +287,10 @@ def backtrack(e: Edges, w: np.ndarray, shifted: np.ndarray, states: States,
     j, z, path = num_blocks, states.final, []
     while j > 0:
         a, b = int(lo[j]), int(hi[j])
-        prev = shifted[e.start[a:b], e.reps[a:b], z]
+        prev = shifted[e.start[a:b], e.via[a:b], z]
         k = a + int(np.argmin(np.maximum(prev, w[a:b]) if bottleneck else prev + w[a:b]))
         path.append(k)
-        z, j = int(states.src[e.reps[k], z]), int(e.start[k])
+        z, j = int(states.src[e.via[k], z]), int(e.start[k])
     return path[::-1]
 
 
@@ -252,7 +304,7 @@ def backward(e: Edges, states: States, num_blocks: int) -> np.ndarray:
     last[states.final] = 0.0
     rows.set(B, last)
     buf = _scratch(states)
-    ends, reps, t = e.end[order], e.reps[order], e.t[order]
+    ends, reps, t = e.end[order], e.via[order], e.t[order]
     for i in range(B - 1, -1, -1):
         a, b = lo[i], lo[i + 1]
         if a < b:
@@ -273,7 +325,7 @@ def through_bound(e: Edges, pre: np.ndarray, post: np.ndarray, states: States,
     for j in range(1, B + 1):
         for a in range(lo[j], lo[j + 1], len(buf)):
             b = min(a + len(buf), lo[j + 1])
-            c = before.gather(e.start[a:b], e.reps[a:b], buf)
+            c = before.gather(e.start[a:b], e.via[a:b], buf)
             np.add(c, post[j, :Z], out=c)
             out[a:b] = c.min(axis=1)
     return out

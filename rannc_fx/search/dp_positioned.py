@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dp_chain import groups
+from .nodes import Moves, moves
 from .problem import SearchSpace
 from .windows import RangeMin, Runs, runs_and_tables
 
@@ -64,12 +65,16 @@ class Layers:
     depth: np.ndarray
     init: np.ndarray
     final: int
-    replica_rows: int  # W + 1: replica counts 0..W
+    replica_rows: int  # W + 1: replica counts 0..W (across nodes: the moves)
     prev: np.ndarray | None = None
     table: np.ndarray | None = None  # forced replicas: source as a (W + 1, size) table
+    # across nodes, what an entry's ``via`` names: a move (``nodes.Moves``), valid only
+    # into the states of its class
+    moves: Moves | None = None
 
     def source(self, r: np.ndarray, z: np.ndarray | int) -> np.ndarray:
-        """The states before stages of ``r`` replicas (rows) ending in states ``z``."""
+        """The states before stages of ``r`` replicas (rows; across nodes, moves) ending in
+        states ``z``."""
         r = np.asarray(r)
         if np.ndim(z):
             r = r[:, None]
@@ -78,7 +83,11 @@ class Layers:
             return self.table[r, z]
         b, n = np.divmod(z, self.width)
         p = self.prev[b]
-        return np.where((n >= r) & (p >= 0), p * self.width + n - r, self.size)
+        if self.moves is None:
+            return np.where((n >= r) & (p >= 0), p * self.width + n - r, self.size)
+        reps = self.moves.r[r]
+        ok = (n >= reps) & (p >= 0) & self.moves.ok(r, n)
+        return np.where(ok, p * self.width + n - reps, self.size)
 
 
 def max_depth(space: SearchSpace, num_blocks: int) -> int:
@@ -90,23 +99,30 @@ def max_depth(space: SearchSpace, num_blocks: int) -> int:
 
 def build_layers(space: SearchSpace, cap: int) -> Layers:
     """States for positions from the end capped at ``cap`` (the D above)."""
-    W = space.world_size
+    W, mv = space.world_size, moves(space)
+    rows = W + 1 if mv is None else len(mv.r)
     if space.replicas is not None:  # block s: s stages so far, the last S - s + 1 from the end
         S = len(space.replicas)
         depth = np.minimum(S + 1 - np.arange(S + 1), cap)
-        table = np.full((W + 1, S + 1), S + 1)
+        table = np.full((rows, S + 1), S + 1)
+        end = 0
         for k, r in enumerate(space.replicas):
-            table[r, k + 1] = k
-        return Layers(S + 1, 1, depth, np.array([0]), S, W + 1, table=table)
+            end += r
+            if mv is None:
+                table[r, k + 1] = k
+            else:
+                _, ms = mv.of(np.array([r]))
+                table[ms[mv.ok(ms, end)], k + 1] = k
+        return Layers(S + 1, 1, depth, np.array([0]), S, rows, table=table)
     if space.stages:  # as above, by ranks used too; block s reads block s - 1
         S, width = int(space.stages), W + 1
         depth = np.minimum(S + 1 - np.arange(S + 1), cap)
-        return Layers((S + 1) * width, width, depth, np.array([0]), S * width + W, W + 1,
-                      prev=np.arange(-1, S))
+        return Layers((S + 1) * width, width, depth, np.array([0]), S * width + W, rows,
+                      prev=np.arange(-1, S), moves=mv)
     # block b: stages b + 1 from the end; the one before sits in block b + 1 (capped)
     width, nb = W + 1, cap
-    return Layers(nb * width, width, np.arange(1, nb + 1), np.arange(nb) * width, W, W + 1,
-                  prev=np.minimum(np.arange(1, nb + 1), nb - 1))
+    return Layers(nb * width, width, np.arange(1, nb + 1), np.arange(nb) * width, W, rows,
+                  prev=np.minimum(np.arange(1, nb + 1), nb - 1), moves=mv)
 
 
 @dataclass(frozen=True)
@@ -124,15 +140,23 @@ class Entries:
     lo: np.ndarray
     fit: np.ndarray
     edge: np.ndarray
+    move: np.ndarray | None = None  # across nodes, as ``dp_chain.Edges.move``
+
+    @property
+    def via(self) -> np.ndarray:
+        """What ``Layers.source`` reads: the move, else the replica count."""
+        return self.reps if self.move is None else self.move
 
     @classmethod
-    def chain(cls, start: np.ndarray, end: np.ndarray, reps: np.ndarray) -> Entries:
+    def chain(cls, start: np.ndarray, end: np.ndarray, reps: np.ndarray,
+              move: np.ndarray | None = None) -> Entries:
         """Stages with no costs of their own, for a DP whose weights come from elsewhere."""
         none = np.zeros(0)
-        return cls(start, end, reps, none, none, none, none, none, none)
+        return cls(start, end, reps, none, none, none, none, none, none, move)
 
     def take(self, idx: np.ndarray) -> Entries:
-        return Entries(*(getattr(self, f)[idx] for f in _FIELDS))
+        fields = {f: getattr(self, f)[idx] for f in _FIELDS}
+        return Entries(**fields, move=None if self.move is None else self.move[idx])
 
     def valid(self, idx: np.ndarray, n: np.ndarray) -> np.ndarray:
         """(len(idx), len(n)): whether entries ``idx`` are valid at in-flight counts ``n``."""
@@ -148,7 +172,7 @@ class _Rows:
     def __init__(self, e: Entries, V: np.ndarray, L: Layers) -> None:
         self.e, self.V, self.L = e, V, L
         self.z = np.arange(L.size)
-        key = e.start.astype(np.int64) * L.replica_rows + e.reps
+        key = e.start.astype(np.int64) * L.replica_rows + e.via
         self.pairs, self.row = np.unique(key, return_inverse=True)
         self.kept = len(self.pairs) * L.size <= _ROWS
         if self.kept:  # one row per (start, r) pair, filled as each start block is done
@@ -167,7 +191,7 @@ class _Rows:
             return np.take(self.table, self.row[a:b], axis=0)
         e, stride = self.e, self.V.shape[1]
         return np.take(self.V, (e.start[a:b].astype(np.int64) * stride)[:, None]
-                       + self.L.source(e.reps[a:b], self.z))
+                       + self.L.source(e.via[a:b], self.z))
 
 
 def forward(e: Entries, weights: Weights, L: Layers, num_blocks: int, *,
@@ -182,7 +206,7 @@ def forward(e: Entries, weights: Weights, L: Layers, num_blocks: int, *,
     V = np.full((B + 1, Z + 1), np.inf)
     V[0, L.init] = -np.inf if bottleneck else 0.0
     op = np.maximum if bottleneck else np.add
-    windows = None if keys is None or L.prev is None else runs_and_tables(
+    windows = None if keys is None or L.prev is None or L.moves is not None else runs_and_tables(
         np.arange(len(e.start)), e.end, e.start, e.reps, keys, B, L.prev, L.width,
         kind=e.kind if len(e.kind) else None)  # a chain's entries have no variants
     if windows is not None:
@@ -226,7 +250,7 @@ def backtrack(e: Entries, weights: Weights, V: np.ndarray, L: Layers, num_blocks
     j, z, path = num_blocks, L.final, []
     while j > 0:
         a, b = int(lo[j]), int(lo[j + 1])
-        col = L.source(e.reps[a:b], z)
+        col = L.source(e.via[a:b], z)
         w = weights(np.arange(a, b))[:, z // L.width]
         prev = V[e.start[a:b], col]
         k = int(np.argmin(np.maximum(prev, w) if bottleneck else prev + w))

@@ -15,6 +15,7 @@ import numpy as np
 from ..plan.parts import MemoryEstimate
 from ..schedules.kinds import GPIPE, ZBH1, kind_of
 from .cost_model import blocked, bottleneck_s, in_flight, range_sum, samples_per_replica, size_index
+from .nodes import crossing_s, legal, multi_node
 from .problem import CostTable, Evaluation, SearchSpace, StageChoice, StageCost
 from .terms import SELECTIVE, held_bytes, kept_cuts, outputs_held, reruns, stage_terms
 from .variants import (
@@ -31,15 +32,17 @@ __all__ = ["evaluate", "held_once", "lane_memory", "plan_step"]
 
 
 def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: StageChoice,
-           m: int, n: int, zb: int = 0, split: bool = False, queue: bool = True, *,
-           memo: dict[Any, Any] | None = None,
+           m: int, n: int, zb: int = 0, split: bool = False, queue: bool = True,
+           cross: tuple[bool, bool] = (False, False), *, memo: dict[Any, Any] | None = None,
            ) -> tuple[StageCost, float, float, float,
                       tuple[float, float, float, float, float, float]]:
     """The stage's costs, its t, its u and its memory as the kernel computes them, and one
     micro-batch's held parts as ``lane_memory`` reads them; ``split``: t and u under ZB-H1
     (``StageTerms.zbh1_times``); ``zb``: its memory too, holding that many micro-batches from
-    F to W, n = min(zb, d) (``StageTerms.memory_zbh1``). ``memo``: ``evaluate``'s, where the
-    blocks' terms are kept too (the same for every variant of the stage)."""
+    F to W, n = min(zb, d) (``StageTerms.memory_zbh1``); ``cross``: whether its in- and
+    out-boundary cross nodes (their messages on the network, ``nodes.crossing_s``).
+    ``memo``: ``evaluate``'s, where the blocks' terms are kept too (the same for every
+    variant of the stage)."""
     i, j, r, rho = st.start, st.end, st.replicas, st.level
     zeta, omega = st.zero and r > 1, st.offload
     q = samples_per_replica(space.global_batch, m, r)
@@ -54,6 +57,10 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
                             m)
         if memo is not None:
             memo[key] = terms
+    if any(cross):
+        x = (cross[0] * crossing_s(space, terms.cuts - terms.cout)
+             + cross[1] * crossing_s(space, terms.cout))
+        terms = replace(terms, comm=terms.comm + x)
     hp = st.host
     t = float(terms.time(rho, hp)[0])
     grad = float(table.grad_bytes[i, j])
@@ -186,19 +193,20 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
                          f"replicas sum to the world size {space.world_size} (a lane's counted "
                          "once, the same on each of its stages)")
     kidx, S = size_index(table), len(stages)
+    cross = crossings(space, stages, lanes)
     zb = min(m, S) if closed else 0
     counts = (list(in_flight_counts) if in_flight_counts is not None
               else [min(zb, S - s) if zb else in_flight(schedule, m, S - s)
                     for s in range(S)])
-    def cost(st: StageChoice, n: int) -> Any:
-        args = (st, m, n, zb, kind is ZBH1, S > 2)
+    def cost(st: StageChoice, n: int, x: tuple[bool, bool]) -> Any:
+        args = (st, m, n, zb, kind is ZBH1, S > 2, x)
         if memo is None:
             return _stage(table, space, kidx, *args)
         if args not in memo:
             memo[args] = _stage(table, space, kidx, *args, memo=memo)
         return memo[args]
 
-    got = [cost(st, counts[s]) for s, st in enumerate(stages)]
+    got = [cost(st, counts[s], cross[s]) for s, st in enumerate(stages)]
     step = plan_step([g[1] for g in got], [g[2] for g in got])
     costs = [g[0] for g in got]
     if lane_units is None:
@@ -214,6 +222,32 @@ def evaluate(table: CostTable, space: SearchSpace, stages: tuple[StageChoice, ..
         fits = fits and sum(c.memory.total for c in shares) <= space.memory_budget and \
             sum(c.host_state for c in shares) <= space.host_budget
     return Evaluation(step, tuple(costs), fits)
+
+
+def crossings(space: SearchSpace, stages: Sequence[StageChoice],
+              lanes: Sequence[Sequence[int]]) -> list[tuple[bool, bool]]:
+    """Per stage, whether its in- and out-boundary cross nodes: the ranks of the stages on
+    both sides (each lane's, lanes laid out in order) do not all lie in one node. ValueError
+    where a lane's ranks lie over part of a node (``nodes.legal``)."""
+    S = len(stages)
+    if not multi_node(space):
+        return [(False, False)] * S
+    N, first, ranks = space.devices_per_node, 0, [(0, 0)] * S
+    for lane in lanes:
+        r = stages[lane[0]].replicas
+        if not legal(space, first, r):
+            raise ValueError(f"stages {list(lane)} on ranks {first}..{first + r - 1} lie over "
+                             f"part of a node of {N} devices: a stage lies inside one node or "
+                             "over whole nodes")
+        for s in lane:
+            ranks[s] = (first, first + r)
+        first += r
+
+    def apart(a: tuple[int, int], b: tuple[int, int]) -> bool:  # not both in one node
+        return min(a[0], b[0]) // N != (max(a[1], b[1]) - 1) // N
+
+    return [(s > 0 and apart(ranks[s - 1], ranks[s]),
+             s < S - 1 and apart(ranks[s], ranks[s + 1])) for s in range(S)]
 
 
 def held_once(table: CostTable, space: SearchSpace, stages: Sequence[StageChoice],

@@ -103,9 +103,10 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
         return np.min([variant(k) for k in cands.kinds], axis=0)
 
     sharded = any(VARIANTS[v].zero or VARIANTS[v].offload for v in cands.kinds)
-    V = dp_positioned.forward(dp_positioned.Entries.chain(e.start, e.end, e.reps), weights, L, B,
-                       bottleneck=True,  # a stage's weights: its size (and replicas, sharded)
-                       keys=(where[0], e.reps) if sharded else (where[0],))
+    chain = dp_positioned.Entries.chain(e.start, e.end, e.reps, e.move)
+    V = dp_positioned.forward(chain, weights, L, B,
+                              bottleneck=True,  # a stage's weights: its size (and replicas)
+                              keys=(where[0], e.reps) if sharded else (where[0],))
     return float(V[B, L.final])
 
 

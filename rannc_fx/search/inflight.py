@@ -121,19 +121,23 @@ class Positioned:
         """The variants in ``mask`` (edges, variants), sorted by (end, reps, start, variant)."""
         e, lo = self.edges, self.lo
         x, v = np.nonzero(mask & self.exists)
-        order = np.lexsort((v, e.start[x], e.reps[x], e.end[x]))
+        order = np.lexsort((v, e.start[x], e.via[x], e.end[x]))
         x, v = x[order], v[order]
         return Entries(e.start[x], e.end[x], e.reps[x], self.t[x, v], self.u[x, v],
-                       self.kind(v), lo[x, v], self.fit[x, v], x)
+                       self.kind(v), lo[x, v], self.fit[x, v], x,
+                       None if e.move is None else e.move[x])
 
     def exact(self, path: list[int]) -> tuple[list[float], list[float], list[int],
                                                bool] | None:
         """t, u and variant of the stages of ``path`` at their true positions, and whether
         every one fits at n = m (so GPipe runs them alike: 1F1B only); None if one does not
-        fit."""
+        fit, or if the view is of plans of another stage count (``stages``: ZB-H1's queue of
+        W is there or not by it)."""
         ts, us, kinds, alike = [], [], [], self.schedule == ONE_F_ONE_B.name
         if self.schedule != ONE_F_ONE_B.name and min(self.m, len(path)) > self.limit:
             return None  # holds more than the view counts
+        if self.stages and len(path) != self.stages:
+            return None  # the view's t and u are those of plans of its stage count alone
         lo = self.lo
         for s, x in enumerate(path):
             n = min(self.limit, len(path) - s)

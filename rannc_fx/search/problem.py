@@ -122,6 +122,11 @@ class SearchSpace:
     host_budget: float = 0.0  # host bytes a device may fill with offloaded state
     output_bytes: float = 0.0  # batched model outputs of one rank's local batch (every rank)
     reduce_bucket: float = 64 * 2**20  # bytes the gradient all-reduce copies at a time
+    # the cluster's nodes (``nodes``): devices a node (0: every rank in one node), and the
+    # network between nodes, bytes/s per device and seconds per message
+    devices_per_node: int = 0
+    network_bandwidth: float | None = None
+    network_latency: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .nodes import collective_s
 from .problem import SearchSpace, StageChoice
 
 __all__ = ["VARIANTS", "Variant", "after_transient", "allreduce_s", "choice", "host_bytes",
@@ -37,11 +38,10 @@ def after_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
 def allreduce_s(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
                 zero: bool | np.ndarray = False) -> np.ndarray:
     """ar_s of stages with ``grad`` gradient bytes on ``reps`` replicas (broadcasting): a
-    ring all-reduce, or where the stage is sharded (``zero``) and the space shards the
+    ring all-reduce (hierarchical over whole nodes, ``nodes.collective_s``), or where the stage is sharded (``zero``) and the space shards the
     gradients too (ZeRO-2), a reduce-scatter, half of it."""
     r = np.asarray(reps, float)
-    bw = space.allreduce_bandwidth or space.link_bandwidth
-    whole = 2 * (r - 1) / r * grad / bw + 2 * (r - 1) * space.link_latency
+    whole = collective_s(space, grad, r)
     if not space.grad_shards:
         return whole
     return np.where(np.asarray(zero) & (r > 1), whole / 2, whole)
@@ -60,8 +60,7 @@ def update_s(space: SearchSpace, grad: np.ndarray, opt: np.ndarray, reps: np.nda
         bounce = np.where(r > 1, 2 * grad / (space.host_bandwidth or np.inf), 0.0)
         return ar + bounce + host_step_s(space, grad)
     r = np.asarray(reps, float)
-    bw = space.allreduce_bandwidth or space.link_bandwidth
-    sharded = ar + ((r - 1) / r * grad / bw + (r - 1) * space.link_latency + opt / r)
+    sharded = ar + (collective_s(space, grad, r, 1.0) + opt / r)
     up = np.where(np.asarray(zero) & (r > 1), sharded, ar + opt)  # ar: ZeRO-2's is halved
     if space.host_bandwidth is None or not np.any(offload):
         return up

@@ -80,8 +80,8 @@ class ZeroBubble:
         kind = np.asarray(kinds)[first]
         edges = self.cands.edges(keep, reps, t, u, np.zeros(t.shape), kind, rows)
         t_, u_, hi_, lo_ = (x.reshape(-1, K)[keep] for x in (T, U, HI, LO))
-        return Positioned(m, edges, t_, u_, hi_, held=held, schedule=ZBH1.name, first=lo_,
-                          stages=stages, kinds=tuple(kinds))
+        return self.cands.positioned(m, edges, t_, u_, hi_, first=lo_, held=held,
+                                     schedule=ZBH1.name, stages=stages, kinds=tuple(kinds))
 
     def _costs(self, m: int, reps: np.ndarray, ks: list[int], kinds: list[int],
                below: float, queue: bool

@@ -39,6 +39,7 @@ from ..planner import (
     Planned,
     Target,
     capture_model,
+    launched_node_size,
     pick_target,
     plan_model,
     shape_model,
@@ -247,9 +248,14 @@ def _plan_here(
 def _target(home: torch.device, device: torch.device, cfg: Config, world: int) -> Target:
     """What rank 0 plans for: this rank's device, with the link measured between the ranks
     (every rank takes part) unless ``Config`` gives every figure."""
-    spec = DeviceSpec.of(device)
-    if world > 1 and None in (cfg.link_bandwidth, cfg.link_latency, cfg.allreduce_bandwidth):
-        link = measure_link(device)
+    # the nodes of this launch (torchrun's LOCAL_WORLD_SIZE), not the preset's guess
+    node = cfg.devices_per_node or launched_node_size(world)
+    spec = DeviceSpec.of(device).model_copy(update={"devices_per_node": node})
+    measured = (cfg.link_bandwidth, cfg.link_latency, cfg.allreduce_bandwidth) + (
+        (cfg.network_bandwidth, cfg.network_latency) if node is not None and node < world
+        else ())
+    if world > 1 and None in measured:
+        link = measure_link(device, node=node)
         if link is not None:
             spec = link.applied_to(spec)  # Config's figures, where set, still win
     return pick_target(home, device, cfg, spec=spec)

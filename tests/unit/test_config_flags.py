@@ -35,7 +35,8 @@ def test_the_flags_are_the_config_fields() -> None:
     plan = _plan_parser()
     actions = _config_actions(plan)
     flags = {s for a in actions for s in a.option_strings if not s.startswith("--no-")}
-    assert flags == {"--" + name.replace("_", "-") for name in Config.model_fields}
+    assert flags == {"--" + name.replace("_", "-") for name in Config.model_fields} | {
+        "--autocast"}  # the one alias: autocast_dtype's short spelling
     assert {a.dest for a in actions} == set(Config.model_fields)
     own = {s for a in plan._actions if a not in actions for s in a.option_strings}
     assert {"--world-size", "--out", "--meta", "--global-batch", "--arg"} <= own
@@ -63,6 +64,10 @@ def test_flags_give_the_config_they_spell() -> None:
                          trace_dir=Path("trace"), device_memory=2**30)
     assert _config("--no-recompute", "--debug", "--dynamic-dims", "batch", "--stages", "none") == \
         Config(recompute=False, debug=True, dynamic_dims="batch", stages=None)
+    assert _config("--autocast", "float16", "--devices-per-node", "8", "--network-bandwidth",
+                   "5e10", "--network-latency", "1.5e-5") == Config(
+        autocast_dtype="float16", devices_per_node=8, network_bandwidth=5e10,
+        network_latency=1.5e-5)
 
 
 @pytest.mark.parametrize("flags, says", [
