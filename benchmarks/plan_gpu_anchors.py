@@ -37,6 +37,7 @@ GiB = 1024**3
 
 LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
 LLAMA3_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+LLAMA3_405B = dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
 # the H100s torchtitan's published runs used: 96 GB of HBM2e at 2.4 TB/s
 H100_96GB = dict(base="h100-80gb", name="h100-96gb-hbm2e", memory_bytes=96 * 10**9,
                  memory_bandwidth=2.4e12)
@@ -56,6 +57,13 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                            global_batch=1024, world=1024, device=dict(base="a100-80gb")),
     "bert-large-256-32": dict(model="bert", layers=256, hidden=1024, heads=16, seq=512,
                               global_batch=256, world=32, device=dict(base="v100-32gb")),
+    # planning at cluster scale: a GPT-2-style 18 B on 256 A100s, the Llama 3 405B shape on
+    # 256 to 8,192 H100s (the Llama 3 paper's global batch of 2,048 sequences of 8,192)
+    "gpt-18b-2k-256": dict(model="gpt2", layers=40, hidden=6144, heads=48, seq=2048,
+                           global_batch=1024, world=256, device=dict(base="a100-80gb")),
+    **{f"llama3-405b-8k-{w}": dict(model="llama", **LLAMA3_405B, seq=8192, global_batch=2048,
+                                   world=w, device=dict(base="h100-80gb"))
+       for w in (256, 1024, 2048, 4096, 8192)},
 }
 
 
@@ -79,6 +87,12 @@ def _model(w: dict[str, Any]) -> tuple[torch.nn.Module, int]:
                 max_position_embeddings=w["seq"], attn_implementation="sdpa", use_cache=False)
             model = transformers.LlamaForCausalLM(cfg)
             embedding = model.model.embed_tokens.weight.numel()
+        elif w["model"] == "gpt2":
+            cfg = transformers.GPT2Config(
+                n_embd=w["hidden"], n_layer=w["layers"], n_head=w["heads"],
+                n_positions=w["seq"], attn_implementation="sdpa", use_cache=False)
+            model = transformers.GPT2LMHeadModel(cfg)
+            embedding = model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel()
         else:
             cfg = transformers.BertConfig(
                 hidden_size=w["hidden"], num_hidden_layers=w["layers"],

@@ -142,8 +142,25 @@ def placeable(space: SearchSpace, first: int, r: int) -> bool:
     return first // N == (first + r - 1) // N or (first % N == 0 and r % N == 0)
 
 
+def count_placed(space: SearchSpace, r: int) -> bool:
+    """Whether the search places a stage of r replicas at all: on a cluster of more than
+    ``nodes.FINE_RANKS`` ranks, only a divisor of a node's devices or k whole nodes (k a
+    power of two or a divisor of the node count), and past ``nodes.FINE_NODES`` nodes only
+    the whole nodes (read from the module, so that a test may lower them)."""
+    from rannc_fx.search import nodes
+
+    N, W = space.devices_per_node, space.world_size
+    if space.replicas is not None or not across_nodes(space) or W <= nodes.FINE_RANKS:
+        return True
+    if r % N:
+        return W // N <= nodes.FINE_NODES and N % r == 0
+    k, count = r // N, W // N
+    return k & (k - 1) == 0 or count % k == 0
+
+
 def layouts_ok(space: SearchSpace, reps: tuple[int, ...]) -> bool:
-    return all(placeable(space, sum(reps[:s]), r) for s, r in enumerate(reps))
+    return all(placeable(space, sum(reps[:s]), r) and count_placed(space, r)
+               for s, r in enumerate(reps))
 
 
 def _ring(space: SearchSpace, nbytes: float, r: int) -> float:
@@ -564,8 +581,8 @@ def least_largest_stage(table: CostTable, space: SearchSpace) -> float:
                 out = math.inf
                 for j in range(i + 1, B - d + 2):
                     for r in reps:
-                        if not placeable(space, W - w, r):  # over part of a node
-                            continue
+                        if not placeable(space, W - w, r) or not count_placed(space, r):
+                            continue  # over part of a node, or a count not placed
                         if r * m <= G and (then := after(j, w - r, d - 1)) < out:
                             out = min(out, max(least(i, j, r, m, n), then))
                 rest[i, w, d] = out
@@ -615,7 +632,7 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
         for i in range(j):
             for r in allowed:
                 prev = labels.get((i, used - r, before))
-                if not prev or not placeable(space, used - r, r):
+                if not prev or not placeable(space, used - r, r) or not count_placed(space, r):
                     continue
                 key = (i, j, r, m, n, used - r)
                 if key not in memo:

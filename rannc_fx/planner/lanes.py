@@ -35,6 +35,7 @@ import numpy as np
 
 from ..search import SearchResult
 from ..search.cost_model import samples_per_replica, size_index
+from ..search.nodes import legal, usable_replicas
 from ..search.problem import Evaluation
 from .analyze import Analysis
 
@@ -50,7 +51,8 @@ class Lanes(NamedTuple):
 
 def lane_choices(a: Analysis, result: SearchResult) -> list[Lanes]:
     """The searched plan's lanes, then every equal split of the ranks into lanes of at
-    least two blocks each, by ``work_s`` (ties: fewer lanes, fewer micro-batches)."""
+    least two blocks each that the cluster's nodes allow (``search.nodes``), by ``work_s``
+    (ties: fewer lanes, fewer micro-batches)."""
     searched = Lanes(tuple(st.replicas for st in result.stages), result.micro_batches)
     sp = a.space
     if sp.replicas is not None or sp.stages is not None:
@@ -61,6 +63,8 @@ def lane_choices(a: Analysis, result: SearchResult) -> list[Lanes]:
         r = sp.world_size // P
         if sp.world_size % P or 2 * P > a.table.num_blocks:
             continue
+        if r not in usable_replicas(sp) or not legal(sp, np.arange(P) * r, r).all():
+            continue  # lanes over part of a node, or of a count the search does not place
         for m in sorted(set(sp.micro_batches)):
             lanes = Lanes((r,) * P, m)
             if m * r <= sp.global_batch and lanes != searched and \

@@ -81,6 +81,10 @@ class Candidates:
         self._saved: dict[tuple[bool, bool], np.ndarray] = {}
         self._blocked: dict[tuple[int, int], np.ndarray] = {}
         self.moves = moves(space)
+        # the replica counts stages may have, and each one's column in the tables by count
+        self.counts = np.array(states.replicas, np.int64)
+        self.col = np.full(space.world_size + 1, -1, np.int64)
+        self.col[self.counts] = np.arange(len(self.counts))
         self.live = self._live()
 
     def _live(self) -> np.ndarray:
@@ -180,17 +184,16 @@ class Candidates:
         or one per row)."""
         key = (zero, offload)
         if key not in self._saved:  # every replica count (rows) for every stage, once
-            every = np.arange(1, self.space.world_size + 1)
-            self._saved[key] = state_saved(self.space, self.grad[None, :], every[:, None],
-                                           zero, offload)
+            self._saved[key] = state_saved(self.space, self.grad[None, :],
+                                           self.counts[:, None], zero, offload)
         table = self._saved[key]  # (replica counts, stages)
         if np.ndim(r) == 2:  # (1, columns)
-            picked = table[np.asarray(r)[0] - 1]  # (columns, stages)
+            picked = table[self.col[np.asarray(r)[0]]]  # (columns, stages)
             return (picked if rows is None else picked[:, rows]).T
         if np.ndim(r):
             assert rows is not None
-            return table[np.asarray(r) - 1, rows]
-        row = table[int(r) - 1]
+            return table[self.col[np.asarray(r)], rows]
+        row = table[self.col[int(r)]]
         return row if rows is None else row[rows]
 
     def replicas(self, m: int) -> np.ndarray:
@@ -208,7 +211,7 @@ class Candidates:
         """u of the stages (rows; all if None) at each replica count (columns) given t, as
         variant ``kind`` (its sharding and offloading)."""
         f = self.fixed_u(kind)  # up_s of every stage at every replica count, once
-        up = f[:, reps - 1] if rows is None else f[rows[:, None], reps - 1]
+        up = f[:, self.col[reps]] if rows is None else f[rows[:, None], self.col[reps]]
         acc = self.acc if rows is None else self.acc[rows]
         return bottleneck_s(m, t, acc[:, None], up)
 
@@ -383,13 +386,13 @@ class Candidates:
                                FIT.reshape(-1, V)[keep])
 
     def fixed_u(self, kind: int) -> np.ndarray:
-        """up_s of every stage (rows) at every replica count (columns) as variant ``kind``."""
+        """up_s of every stage (rows) at every replica count a stage may have (columns:
+        ``col`` of the count) as variant ``kind``."""
         v = VARIANTS[kind]
         key = (v.zero, v.offload, v.host)
         if key not in self._fixed:
-            every = np.arange(1, self.space.world_size + 1)
             self._fixed[key] = update_s(self.space, self.grad[:, None], self.opt[:, None],
-                                        every[None, :], v.zero, v.offload, v.host)
+                                        self.counts[None, :], v.zero, v.offload, v.host)
         return self._fixed[key]
 
 

@@ -141,7 +141,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..schedules.kinds import kind_of
-from .nodes import layout_problem
+from .nodes import layout_problem, usable_replicas
 from .problem import SEARCHED, CostTable, SearchSpace
 
 __all__ = [
@@ -174,7 +174,7 @@ def sizes_run(global_batch: int, micro_batches: int, replicas: int) -> tuple[int
 def run_sizes(space: SearchSpace) -> tuple[int, ...]:
     """Every per-replica micro-batch size a plan of the space may run (``needed_sizes`` and
     the smaller of uneven splits), ascending."""
-    reps = sorted(set(space.replicas)) if space.replicas else range(1, space.world_size + 1)
+    reps = usable_replicas(space)
     return tuple(sorted({
         q for m in set(space.micro_batches) for r in reps if m * r <= space.global_batch
         for q in sizes_run(space.global_batch, m, r)
@@ -196,7 +196,7 @@ def blocked(table: CostTable, global_batch: int, micro_batches: int, replicas: i
 
 def needed_sizes(space: SearchSpace) -> tuple[int, ...]:
     """Every per-replica micro-batch size the search may look up, ascending."""
-    reps = sorted(set(space.replicas)) if space.replicas else range(1, space.world_size + 1)
+    reps = usable_replicas(space)
     return tuple(sorted({
         samples_per_replica(space.global_batch, m, r)
         for m in set(space.micro_batches) for r in reps if m * r <= space.global_batch

@@ -108,13 +108,13 @@ def _node_states(space: SearchSpace, mv: Moves) -> States:
             for k in ms[mv.ok(ms, ends[s])]:
                 src[k, s + 1] = s
         return States(Z, final, src, _dst(src, Z), tuple(sorted(set(R))))
-    S = space.stages or 0
-    Z = (S + 1) * (W + 1) if S else W + 1
+    S, Wu = space.stages or 0, W // mv.unit  # states count ranks in units (nodes.unit)
+    Z = (S + 1) * (Wu + 1) if S else Wu + 1
     z = np.arange(Z)
-    n = z % (W + 1)
+    n = z % (Wu + 1)
     src = np.full((nm, Z), Z)
     for k in range(nm):
-        back = z - mv.r[k] - (W + 1 if S else 0)
+        back = z - mv.step[k] - (Wu + 1 if S else 0)
         src[k] = np.where(mv.ok(np.array(k), n) & (back >= 0), back, Z)
     return States(Z, Z - 1, src, _dst(src, Z), usable_replicas(space))
 

@@ -29,6 +29,7 @@ past that (slower per element, but memory stays blocks x states).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,9 +86,9 @@ class Layers:
         p = self.prev[b]
         if self.moves is None:
             return np.where((n >= r) & (p >= 0), p * self.width + n - r, self.size)
-        reps = self.moves.r[r]
-        ok = (n >= reps) & (p >= 0) & self.moves.ok(r, n)
-        return np.where(ok, p * self.width + n - reps, self.size)
+        step = self.moves.step[r]
+        ok = (n >= step) & (p >= 0) & self.moves.ok(r, n)
+        return np.where(ok, p * self.width + n - step, self.size)
 
 
 def max_depth(space: SearchSpace, num_blocks: int) -> int:
@@ -101,6 +102,7 @@ def build_layers(space: SearchSpace, cap: int) -> Layers:
     """States for positions from the end capped at ``cap`` (the D above)."""
     W, mv = space.world_size, moves(space)
     rows = W + 1 if mv is None else len(mv.r)
+    Wu = W if mv is None else W // mv.unit  # ranks in the states' units (``nodes.unit``)
     if space.replicas is not None:  # block s: s stages so far, the last S - s + 1 from the end
         S = len(space.replicas)
         depth = np.minimum(S + 1 - np.arange(S + 1), cap)
@@ -115,14 +117,23 @@ def build_layers(space: SearchSpace, cap: int) -> Layers:
                 table[ms[mv.ok(ms, end)], k + 1] = k
         return Layers(S + 1, 1, depth, np.array([0]), S, rows, table=table)
     if space.stages:  # as above, by ranks used too; block s reads block s - 1
-        S, width = int(space.stages), W + 1
+        S, width = int(space.stages), Wu + 1
         depth = np.minimum(S + 1 - np.arange(S + 1), cap)
-        return Layers((S + 1) * width, width, depth, np.array([0]), S * width + W, rows,
-                      prev=np.arange(-1, S), moves=mv)
+        return _tabled(Layers((S + 1) * width, width, depth, np.array([0]), S * width + Wu,
+                              rows, prev=np.arange(-1, S), moves=mv))
     # block b: stages b + 1 from the end; the one before sits in block b + 1 (capped)
-    width, nb = W + 1, cap
-    return Layers(nb * width, width, np.arange(1, nb + 1), np.arange(nb) * width, W, rows,
-                  prev=np.minimum(np.arange(1, nb + 1), nb - 1), moves=mv)
+    width, nb = Wu + 1, cap
+    return _tabled(Layers(nb * width, width, np.arange(1, nb + 1), np.arange(nb) * width, Wu,
+                          rows, prev=np.minimum(np.arange(1, nb + 1), nb - 1), moves=mv))
+
+
+def _tabled(L: Layers) -> Layers:
+    """Across nodes, ``source`` of every move at every state as a table, made once: a few
+    dozen moves (``nodes.Moves``) make it small, and the DPs read it for every entry."""
+    if L.moves is None:
+        return L
+    table = L.source(np.arange(len(L.moves.r)), np.arange(L.size))
+    return dataclasses.replace(L, table=table, prev=None)
 
 
 @dataclass(frozen=True)

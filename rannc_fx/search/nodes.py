@@ -28,18 +28,27 @@ latency, at least the node's own). The DP's states count ranks used, so a stage'
 state it ends in: each class of a stage is an edge of its own, with its own t and u, that
 only a state of that class takes (``Moves.ok``). One node (W <= N): one class, no crossing,
 the search as without nodes.
+
+Past ``FINE_RANKS`` ranks a stage's replicas are a divisor of a node's devices or k whole
+nodes, k a power of two or a divisor of the node count (what clusters are cut into): at 256
+devices in nodes of 8, 9 replica counts where every count below a node and every multiple
+of one would make 39. On clusters of more than ``FINE_NODES`` nodes (thousands of devices)
+the stages take whole nodes only and the states count nodes: at 8,192 devices, 1,025 states
+and 11 replica counts where every count of ranks would make 8,193 and 8,192 (``coarse``,
+``unit``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from .problem import SearchSpace
 
-__all__ = ["Moves", "collective_s", "crossing_s", "layout_problem", "legal", "moves",
-           "multi_node", "network_latency", "usable_replicas"]
+__all__ = ["FINE_NODES", "FINE_RANKS", "Moves", "coarse", "collective_s", "crossing_s", "layout_problem",
+           "legal", "moves", "multi_node", "network_latency", "unit", "usable_replicas"]
 
 
 def multi_node(space: SearchSpace) -> bool:
@@ -59,13 +68,42 @@ def legal(space: SearchSpace, first: np.ndarray | int, r: np.ndarray | int) -> n
     return inside | ((first % N == 0) & (r % N == 0))
 
 
+# Up to FINE_RANKS ranks the search places stages anywhere a node allows (every count below a
+# node's, every multiple of it); past it, in the counts a cluster is cut into (a divisor of
+# the node's devices, or k whole nodes, k a power of two or a divisor of the node count);
+# past FINE_NODES nodes (thousands of devices) on whole nodes only
+FINE_RANKS = 64
+FINE_NODES = 16
+
+
+def coarse(space: SearchSpace) -> bool:
+    """Whether the space has more nodes than ``FINE_NODES`` (and no forced replicas): its
+    stages take whole nodes, k of them with k a power of two or a divisor of the node count,
+    and the DP counts nodes, not ranks (``unit``)."""
+    return (multi_node(space) and space.replicas is None
+            and space.world_size // space.devices_per_node > FINE_NODES)
+
+
+def unit(space: SearchSpace) -> int:
+    """The ranks one step of the DP's states counts: a node's where ``coarse``, else 1."""
+    return space.devices_per_node if coarse(space) else 1
+
+
 def usable_replicas(space: SearchSpace) -> tuple[int, ...]:
-    """The replica counts a stage may have: any in one node; across nodes, fewer than a
-    node's devices or a multiple of them."""
+    """The replica counts a stage may have: the forced ones; any in one node; across nodes up
+    to ``FINE_RANKS`` ranks, fewer than a node's devices or a multiple of them; past it, a
+    divisor of the node's devices or k whole nodes, k a power of two or a divisor of the node
+    count, and past ``FINE_NODES`` nodes the whole nodes alone (``coarse``)."""
     W, N = space.world_size, space.devices_per_node
+    if space.replicas is not None:
+        return tuple(sorted(set(space.replicas)))
     if not multi_node(space):
         return tuple(range(1, W + 1))
-    return tuple(r for r in range(1, W + 1) if r < N or r % N == 0)
+    if W <= FINE_RANKS:
+        return tuple(r for r in range(1, W + 1) if r < N or r % N == 0)
+    nodes = W // N
+    whole = tuple(N * k for k in range(1, nodes + 1) if k & (k - 1) == 0 or nodes % k == 0)
+    return whole if coarse(space) else tuple(d for d in range(1, N) if N % d == 0) + whole
 
 
 def layout_problem(space: SearchSpace) -> str | None:
@@ -136,7 +174,8 @@ class Moves:
     in-boundary crosses nodes iff ``cin[k]`` (its first rank a node's first) and whose
     out-boundary iff ``cout[k]`` (the rank after its last a node's first). Fewer replicas
     than a node have three classes (first, inside, last in their node), whole nodes one.
-    ``first[r]`` and ``count[r]`` are the moves of r replicas."""
+    ``first[r]`` and ``count[r]`` are the moves of r replicas. The DP's states count ranks
+    in steps of ``unit`` (``nodes.unit``): move k advances them by ``step[k]``."""
 
     node: int
     r: np.ndarray
@@ -144,17 +183,28 @@ class Moves:
     cout: np.ndarray
     first: np.ndarray  # (W + 1,): the first move of each replica count
     count: np.ndarray  # (W + 1,): how many moves it has (0: none)
+    unit: int = 1
+
+    @property
+    def step(self) -> np.ndarray:
+        return self.r // self.unit
 
     def ok(self, move: np.ndarray, end: np.ndarray | int) -> np.ndarray:
-        """Whether a stage of ``move`` may end at rank count ``end`` (broadcasting): its
-        ranks [end - r, end) lie inside one node or over whole nodes, of its class."""
-        N, r = self.node, self.r[move]
-        end = np.asarray(end)
+        """Whether a stage of ``move`` may end at state ``end`` (ranks used, in units;
+        broadcasting): its ranks lie inside one node or over whole nodes, of its class."""
+        return self.table[move, end]
+
+    @functools.cached_property
+    def table(self) -> np.ndarray:
+        """``ok`` of every move (rows) at every state (columns), once: the DPs read it for
+        every stage they try."""
+        N, r = self.node, self.r[:, None]
+        end = np.arange((len(self.first) - 1) // self.unit + 1)[None, :] * self.unit
         first = end - r
         inside = first // N == (end - 1) // N
         whole = (first % N == 0) & (r % N == 0)
-        return ((first >= 0) & (inside | whole) & ((first % N == 0) == self.cin[move])
-                & ((end % N == 0) == self.cout[move]))
+        return ((first >= 0) & (inside | whole) & ((first % N == 0) == self.cin[:, None])
+                & ((end % N == 0) == self.cout[:, None]))
 
     def of(self, reps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every move of each replica count in ``reps``: (index into reps, move), in order."""
@@ -183,4 +233,5 @@ def moves(space: SearchSpace) -> Moves | None:
             cin.append(a)
             cout.append(b)
         count[reps] = len(classes)
-    return Moves(N, np.array(r, np.int64), np.array(cin), np.array(cout), first, count)
+    return Moves(N, np.array(r, np.int64), np.array(cin), np.array(cout), first, count,
+                 unit(space))

@@ -103,7 +103,7 @@ class ZeroBubble:
             cols = np.flatnonzero(np.array(ks) == k)
             wide, acc = self.cands.terms(k, m).take(rows).column(), self.cands.acc[rows][:, None]
             for v in kinds:
-                up = self.cands.fixed_u(v)[rows[:, None], reps[cols] - 1]
+                up = self.cands.fixed_u(v)[rows[:, None], self.cands.col[reps[cols]]]
                 t, u = wide.zbh1_times(0, acc, up, queue)
                 win |= (t + u < below).any(axis=1)
         rows = rows[win]
@@ -116,7 +116,7 @@ class ZeroBubble:
             wide, acc = terms.column(), self.cands.acc[rows][:, None]
             UP[:, cols] = (terms.held(0) + terms.cuts >= terms.wheld)[:, None]
             for c, v in enumerate(kinds):
-                up = self.cands.fixed_u(v)[rows[:, None], reps[cols] - 1]
+                up = self.cands.fixed_u(v)[rows[:, None], self.cands.col[reps[cols]]]
                 T[:, cols, c], U[:, cols, c] = wide.zbh1_times(0, acc, up, queue)
         self._kept = (key, below, rows, T, U, UP)
         return rows, T, U, UP

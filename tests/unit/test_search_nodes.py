@@ -94,6 +94,35 @@ def test_matches_pareto_across_nodes_larger() -> None:
             assert compare_pareto(table, sp) is not None
 
 
+@pytest.mark.parametrize("fine_ranks, fine_nodes", [(4, 8), (4, 2)],
+                         ids=["cluster counts", "whole nodes"])
+def test_large_clusters_place_stages_in_cluster_counts_as_the_oracle_does(
+        monkeypatch: pytest.MonkeyPatch, fine_ranks: int, fine_nodes: int) -> None:
+    """Past ``FINE_RANKS`` ranks a stage's replicas are a divisor of a node or k whole nodes
+    (k a power of two or divisor of the node count), past ``FINE_NODES`` nodes whole nodes
+    only and the states count nodes: lowered here so that the oracle can enumerate such
+    clusters, the search's optimum over those counts is the oracle's."""
+    from rannc_fx.search import nodes
+
+    monkeypatch.setattr(nodes, "FINE_RANKS", fine_ranks)
+    monkeypatch.setattr(nodes, "FINE_NODES", fine_nodes)
+    rng = np.random.default_rng(17)
+    for B, W, N in ((8, 8, 2), (9, 12, 2), (8, 12, 4), (10, 12, 3), (8, 16, 4)):
+        space = SearchSpace(world_size=W, global_batch=2 * W, memory_budget=0.0,
+                            link_bandwidth=2.0, link_latency=0.01, micro_batches=(1, 2, 4),
+                            devices_per_node=N, network_bandwidth=0.4, network_latency=0.05)
+        assert nodes.coarse(space) == (W // N > fine_nodes)
+        table = random_table(rng, B, tuple(range(1, 2 * W + 1)), monotone=True)
+        table = dataclasses.replace(table, act=table.act * 4, cut=table.cut * 3)
+        with pytest.raises(NoFeasiblePlan) as info:
+            search_pass(table, space)
+        for slack in (1.1, 3.0):
+            sp = dataclasses.replace(space, memory_budget=slack * info.value.largest_stage_bytes)
+            got = compare_pareto(table, sp)
+            assert got is not None
+            assert all(s.replicas in nodes.usable_replicas(sp) for s in got.stages)
+
+
 def _uniform(W: int) -> tuple[CostTable, SearchSpace]:
     space = SearchSpace(world_size=W, global_batch=4 * W, memory_budget=1e9,
                         link_bandwidth=300e9, link_latency=10e-6, micro_batches=(1,))
