@@ -28,7 +28,7 @@ import numpy as np
 from .cost_model import blocked, bottleneck_s, range_max, range_sum, samples_per_replica, size_index
 from .dp_chain import Edges, States
 from .inflight import Positioned, max_in_flight
-from .nodes import crossing_s, moves
+from .nodes import classes, moves
 from .problem import CostTable, SearchSpace
 from .terms import StageTerms, block_params, stage_terms
 from .variants import (
@@ -227,26 +227,14 @@ class Candidates:
                      mem.ravel()[keep], kind.ravel()[keep].astype(np.int8))
 
     def placed(self, e: Edges, m: int) -> tuple[Edges, np.ndarray, np.ndarray]:
-        """Across nodes, each stage once per class of its replica count (``nodes.Moves``)
-        that a plan can place it at, its t and u with what its messages take longer where
-        its boundaries cross nodes (t + x, u + (m - 1) x: every schedule's t and u hold t
-        so); the edges, which stage each one is, and its x. In one node: ``e`` as it is."""
-        mv, B = self.moves, self.table.num_blocks
-        if mv is None:
+        """Across nodes, each stage once per class (``nodes.classes``), its t and u with
+        what its messages take longer where its boundaries cross nodes (t + x, u + (m - 1)
+        x: every schedule's t and u hold t so); the edges, which stage each one is, and its
+        x. In one node: ``e`` as it is."""
+        if self.moves is None:
             return e, np.arange(len(e.t)), np.zeros(len(e.t))
-        src, move = mv.of(e.reps)
-        start, end = e.start[src].astype(np.int64), e.end[src].astype(np.int64)
-        # the first stage starts a node and the last ends one: their other classes never fit
-        keep = (mv.cin[move] | (start > 0)) & (mv.cout[move] | (end < B))
-        src, move, start, end = src[keep], move[keep], start[keep], end[keep]
-        reps = e.reps[src].astype(np.int64)
-        cut = np.zeros((len(src), 2))
-        for r in np.unique(reps).tolist():
-            at = reps == r
-            row = np.asarray(self.table.cut[self.size(m, r)], float)
-            cut[at, 0], cut[at, 1] = row[start[at]], row[end[at]]
-        x = (np.where(mv.cin[move] & (start > 0), crossing_s(self.space, cut[:, 0]), 0.0)
-             + np.where(mv.cout[move] & (end < B), crossing_s(self.space, cut[:, 1]), 0.0))
+        src, move, x = classes(self.moves, self.space, e.reps, e.start, e.end,
+                               lambda r: self.table.cut[self.size(m, r)], self.table.num_blocks)
         out = Edges(e.start[src], e.end[src], e.reps[src], e.t[src] + x,
                     e.u[src] + (m - 1) * x, e.mem[src], e.kind[src], move.astype(np.int32))
         return out, src, x
@@ -260,17 +248,6 @@ class Candidates:
             t, u, fit = t[src] + x[:, None], u[src] + (m - 1) * x[:, None], fit[src]
             first = None if first is None else first[src]
         return Positioned(m, e, t, u, fit, first=first, **kw)  # type: ignore[arg-type]
-
-    def crossing(self, i: int, j: int, r: int, m: int, first: int) -> float:
-        """What the messages of the stage [i, j) on ranks [first, first + r) take longer
-        where its boundaries cross nodes (0 in one node)."""
-        if self.moves is None:
-            return 0.0
-        N, B, w = self.space.devices_per_node, self.table.num_blocks, first + r
-        cut = np.asarray(self.table.cut[self.size(m, r)], float)
-        cin = i > 0 and first % N == 0
-        cout = j < B and w % N == 0
-        return float(cin * crossing_s(self.space, cut[i]) + cout * crossing_s(self.space, cut[j]))
 
     def gpipe(self, m: int) -> Edges | None:
         """Stages under GPipe (n = m) that fit, each at its first variant that fits. None when
@@ -327,7 +304,14 @@ class Candidates:
         in flight, its first variant that fits; None if none does."""
         pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r), m)
         ts, us = np.zeros(len(VARIANTS)), np.zeros(len(VARIANTS))
-        x = self.crossing(i, j, r, m, first)
+        x = 0.0
+        if self.moves is not None:  # its one class at that rank (none: it lies over nodes)
+            got = classes(self.moves, self.space, np.array([r]), np.array([i]), np.array([j]),
+                          lambda _: self.table.cut[self.size(m, r)], self.table.num_blocks,
+                          first)[2]
+            if not len(got):
+                return None
+            x = float(got[0])
         for v in self.kinds:
             t = terms.time(*_rh(v))[pair] + x
             ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, v)[0, 0]

@@ -41,13 +41,14 @@ and 11 replica counts where every count of ranks would make 8,193 and 8,192 (``c
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from .problem import SearchSpace
 
-__all__ = ["FINE_NODES", "FINE_RANKS", "Moves", "coarse", "collective_s", "crossing_s", "layout_problem",
+__all__ = ["FINE_NODES", "FINE_RANKS", "Moves", "classes", "coarse", "collective_s", "crossing_s", "layout_problem",
            "legal", "moves", "multi_node", "network_latency", "unit", "usable_replicas"]
 
 
@@ -166,6 +167,31 @@ def network_latency(space: SearchSpace) -> float:
     """Seconds a message between nodes costs whatever its size: the network's, at least the
     node's own links' (a message never crosses nodes faster than it crosses a node)."""
     return max(space.network_latency, space.link_latency)
+
+
+def classes(mv: Moves, space: SearchSpace, reps: np.ndarray, start: np.ndarray,
+            end: np.ndarray, cut_of: Callable[[int], np.ndarray], num_blocks: int,
+            first: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The classes of stages [start, end) on ``reps`` replicas: (which stage each one is,
+    its move, the seconds its crossing boundaries add, ``crossing_s``), ``cut_of(r)`` the
+    cut bytes at each block boundary for r replicas. A first stage starts a node and a last
+    ends one: their other classes are left out. ``first``: one stage at that first rank, its
+    one class."""
+    reps = np.asarray(reps, np.int64)
+    src, move = mv.of(reps)
+    lo, hi = np.asarray(start, np.int64)[src], np.asarray(end, np.int64)[src]
+    keep = (mv.cin[move] | (lo > 0)) & (mv.cout[move] | (hi < num_blocks))
+    if first is not None:  # the one class of a stage at that rank
+        keep &= mv.ok(move, (first + reps[src]) // mv.unit)
+    src, move, lo, hi = src[keep], move[keep], lo[keep], hi[keep]
+    cut = np.zeros((len(src), 2))
+    for r in np.unique(reps[src]).tolist():
+        at = reps[src] == r
+        row = np.asarray(cut_of(r), float)
+        cut[at, 0], cut[at, 1] = row[lo[at]], row[hi[at]]
+    x = (np.where(mv.cin[move] & (lo > 0), crossing_s(space, cut[:, 0]), 0.0)
+         + np.where(mv.cout[move] & (hi < num_blocks), crossing_s(space, cut[:, 1]), 0.0))
+    return src, move, x
 
 
 @dataclass(frozen=True)
