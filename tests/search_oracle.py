@@ -137,8 +137,8 @@ def across_nodes(space: SearchSpace) -> bool:
 def placeable(space: SearchSpace, first: int, r: int) -> bool:
     """Whether r replicas from rank ``first`` lie inside one node or over whole nodes."""
     N = space.devices_per_node
-    if not across_nodes(space):
-        return True
+    if not across_nodes(space) or space.rank_order == "pipelines":
+        return True  # by pipelines: whole pipelines a node, or whole nodes a pipeline
     return first // N == (first + r - 1) // N or (first % N == 0 and r % N == 0)
 
 
@@ -163,24 +163,36 @@ def layouts_ok(space: SearchSpace, reps: tuple[int, ...]) -> bool:
                for s, r in enumerate(reps))
 
 
-def _ring(space: SearchSpace, nbytes: float, r: int) -> float:
-    """One pass (a reduce-scatter or an all-gather) of ``nbytes`` over r replicas: a ring on
-    the node's links, or over whole nodes, within each node then each device's share across
-    the nodes on the network (a message there costs at least the node's latency)."""
+def _ring(space: SearchSpace, nbytes: float, group: list[int]) -> float:
+    """One pass (a reduce-scatter or an all-gather) of ``nbytes`` over the replicas on the
+    ranks ``group``: a ring on the node's links where they share one node; else within each
+    node (l of them a node) then each device's 1 / l across the g nodes on the network (a
+    message there costs at least the node's latency)."""
     bw = space.allreduce_bandwidth or space.link_bandwidth
-    N = space.devices_per_node
-    if not across_nodes(space) or r <= N:
+    r, N = len(group), space.devices_per_node
+    nodes = {x // N for x in group} if across_nodes(space) else {0}
+    if len(nodes) == 1:
         return (r - 1) / r * nbytes / bw + (r - 1) * space.link_latency
-    g = r // N
+    g = len(nodes)
+    local = sum(1 for x in group if x // N == group[0] // N)
     assert space.network_bandwidth is not None
-    return ((N - 1) / N * nbytes / bw + (N - 1) * space.link_latency
-            + (g - 1) / g * nbytes / N / space.network_bandwidth
+    return ((local - 1) / local * nbytes / bw + (local - 1) * space.link_latency
+            + (g - 1) / g * nbytes / local / space.network_bandwidth
             + (g - 1) * max(space.network_latency, space.link_latency))
+
+
+def _group(space: SearchSpace, first: int, r: int, stage: int, stages: int) -> list[int]:
+    """The ranks of a stage's replicas: consecutive from ``first`` (stage by stage), or
+    replica k's at k * stages + stage (by pipelines)."""
+    if space.rank_order == "pipelines":
+        return [k * stages + stage for k in range(r)]
+    return list(range(first, first + r))
 
 
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
                   recompute: int, zero: bool = False, offload: bool = False,
-                  host: bool = False, *, first: int = 0) -> Figures:
+                  host: bool = False, *, first: int = 0, stage: int = 0,
+                  stages: int = 1) -> Figures:
     """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``recompute``: 0,
     1 (the forward again before each backward), 2 (layer by layer: the backward runs each
     layer's forward once more) or 3 (selectively: every micro-batch in flight keeps what the
@@ -189,8 +201,9 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     device and back each step; ``host``: its parameters, gradients and state in host memory,
     each parameter fetched to the device at each use (F, B, and each forward run again), the
     gradients sent back, the step on the host; the device holds two of its largest block's
-    parameters (in use, fetched ahead) and one of gradients. ``first``: its first rank; a
-    boundary to a stage on another node sends on the network."""
+    parameters (in use, fetched ahead) and one of gradients. ``first``: its first rank,
+    ``stage`` of ``stages`` its place (ranks by ``_group``); a boundary to a stage on another
+    node sends on the network."""
     rho = int(recompute)
     recompute, selective = rho in (1, 2), rho == 3
     zero = zero and r > 1
@@ -211,8 +224,11 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
             again = F - float(sg.tail_fwd[k][j])
     cin, cout = float(table.cut[k][i]), float(table.cut[k][j])
     N, comm = space.devices_per_node, 0.0
-    for here, there, cut in ((first, first - 1, cin), (first + r - 1, first + r, cout)):
-        if cut is cin and i == 0 or cut is cout and j == B:
+    ends = ((first, first - 1), (first + r - 1, first + r))  # stage by stage: the ranks
+    if space.rank_order == "pipelines":  # replica 0's pipeline: stage s on rank s
+        ends = ((stage, stage - 1), (stage, stage + 1))
+    for (here, there), cut, side in zip(ends, (cin, cout), (i > 0, j < B), strict=True):
+        if not side:
             continue  # no stage on that side
         if across_nodes(space) and here // N != there // N:
             assert space.network_bandwidth is not None
@@ -229,15 +245,16 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         moving = (times * param + grad) / space.host_bandwidth
         compute = F + Bw + again_s
         t = (max(compute, moving) if space.host_overlap else compute + moving) + comm
-    ar = 2 * _ring(space, grad, r)
+    group = _group(space, first, r, stage, stages)
+    ar = 2 * _ring(space, grad, group)
     opt = 0.0 if table.optimizer_s is None else float(table.optimizer_s[i][j])
     acc = 0.0 if table.accumulate_s is None else float(table.accumulate_s[i][j])
     ag = 0.0
     if zero:  # each replica steps 1 / r of the parameters, then they all-gather them
         opt = opt / r
-        ag = _ring(space, grad, r)
+        ag = _ring(space, grad, group)
         if space.grad_shards:  # ZeRO-2: a reduce-scatter, the all-reduce's first half
-            ar = _ring(space, grad, r)
+            ar = _ring(space, grad, group)
     share = grad * space.optimizer_state_factor / (r if zero else 1)
     kept_host = share if offload else 0.0
     moved = 2 * kept_host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
@@ -331,7 +348,8 @@ def cannot_run(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: 
 
 
 def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
-            budget: float | None = None, first: int = 0) -> Figures | None:
+            budget: float | None = None, first: int = 0, stage: int = 0,
+            stages: int = 1) -> Figures | None:
     """The stage as the policy runs it: its first allowed variant that fits (``budget``, the
     space's if None), passing over an unsharded one whose sharded twin is allowed and has a
     smaller u; None if none fits, or if it cannot run its size (``cannot_run``)."""
@@ -343,7 +361,8 @@ def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int
 
     def of(v: tuple[int, bool, bool, bool]) -> Figures:
         if v not in figs:
-            figs[v] = stage_figures(table, space, i, j, r, m, n, *v, first=first)
+            figs[v] = stage_figures(table, space, i, j, r, m, n, *v, first=first, stage=stage,
+                                    stages=stages)
         return figs[v]
 
     for rho, zeta, omega, h in ok:
@@ -392,7 +411,8 @@ def zbh1_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
     on equal stages the step is S (F + B - W) less one B - W, plus m (F + B + W), plus
     S - 1 times what W exceeds F by, plus with three stages or more the least of F and
     2 W - F where that is positive (how the simulator runs ZB-H1's lists when F <= B)."""
-    f = stage_figures(table, space, i, j, r, m, 1, 0, zero, offload, first=first)
+    f = stage_figures(table, space, i, j, r, m, 1, 0, zero, offload, first=first, stage=s,
+                      stages=S)
     k = [int(x) for x in table.sizes].index(f.samples)
     A = w = 0.0
     ws = -math.inf
@@ -440,7 +460,7 @@ def zbh1_variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
                 zbh1_figures(table, space, i, j, r, m, s, S, True, omega, first)[1] < u:
             continue
         host = stage_figures(table, space, i, j, r, m, 1, 0, zeta, omega,
-                             first=first).host_state
+                             first=first, stage=s, stages=S).host_state
         if mem <= budget and host <= space.host_budget:
             return t, u, StageChoice(i, j, r, False, zeta and r > 1, omega)
     return None
@@ -452,7 +472,8 @@ def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice
     S = len(stages)
     figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
                           in_flight(schedule, m, S - s), st.level, st.zero, st.offload,
-                          st.host, first=sum(x.replicas for x in stages[:s]))
+                          st.host, first=sum(x.replicas for x in stages[:s]), stage=s,
+                          stages=S)
             for s, st in enumerate(stages)]
     return sum(f.t for f in figs) + max(f.u for f in figs), figs
 
@@ -508,11 +529,12 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
         S = len(reps)
         # plain GPipe, to tell whether one fits
         plain = [stage_figures(table, plain_space, bounds[s], bounds[s + 1], reps[s], m, m,
-                               False, first=sum(reps[:s])) for s in range(S)]
+                               False, first=sum(reps[:s]), stage=s, stages=S)
+                 for s in range(S)]
         out.plain_fits |= max(f.memory for f in plain) <= space.memory_budget * (1 + SLACK)
     for side in ("strict", "loose"):
         budget = space.memory_budget * (1 - SLACK if side == "strict" else 1 + SLACK)
-        memo: dict[tuple[int, int, int, int, int, int], Figures | None] = {}
+        memo: dict[tuple[int, ...], Figures | None] = {}
         best: Best | None = None
         for m, bounds, reps in plans(table, space):
             S = len(reps)
@@ -528,9 +550,9 @@ def brute_force(table: CostTable, space: SearchSpace) -> Verdict:
                 got = []
                 for s in range(S):
                     key = (bounds[s], bounds[s + 1], reps[s], m, in_flight(schedule, m, S - s),
-                           sum(reps[:s]))
+                           sum(reps[:s]), s, S)
                     if key not in memo:
-                        memo[key] = variant(table, space, *key[:5], budget, key[5])
+                        memo[key] = variant(table, space, *key[:5], budget, *key[5:])
                     got.append(memo[key])
                 figs = [f for f in got if f is not None]
                 if len(figs) < S:
@@ -619,7 +641,7 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
     dominance."""
     table = _lists(table)
     B, W, G = table.num_blocks, space.world_size, space.global_batch
-    memo: dict[tuple[int, int, int, int, int, int], Figures | None] = {}
+    memo: dict[tuple[int, ...], Figures | None] = {}
     best: Best | None = None
 
     def extend(labels: dict[tuple[int, int, int], list[Label]], j: int, used: int, s: int,
@@ -634,9 +656,11 @@ def pareto(table: CostTable, space: SearchSpace) -> Best | None:
                 prev = labels.get((i, used - r, before))
                 if not prev or not placeable(space, used - r, r) or not count_placed(space, r):
                     continue
-                key = (i, j, r, m, n, used - r)
-                if key not in memo:
-                    memo[key] = variant(table, space, i, j, r, m, n, first=used - r)
+                key = (i, j, r, m, n, used - r, s)
+                if key not in memo:  # forced replicas: stage s - 1 of their count
+                    memo[key] = variant(table, space, i, j, r, m, n, first=used - r,
+                                        stage=max(s - 1, 0),
+                                        stages=len(space.replicas or (1,)))
                 f = memo[key]
                 if f is not None:
                     st = StageChoice(i, j, r, f.recompute, f.zero, f.offload, f.layers,

@@ -178,6 +178,13 @@ class Config(BaseModel):
         ge=0,
         description="seconds per message between nodes; None = the device spec's",
     )
+    rank_order: Literal["stages", "pipelines"] | None = Field(
+        default=None,
+        description="how ranks are laid out over several nodes: 'stages', stage by stage (a "
+        "stage's replicas on consecutive ranks), or 'pipelines', each replica's whole pipeline "
+        "on consecutive ranks (every stage the same replicas; the stage count divides the "
+        "node's devices or is a multiple of them); None = the faster, searched",
+    )
 
     # -- capture and profile ---------------------------------------------------------------
     tracer: Literal["auto", "fx", "export"] = Field(

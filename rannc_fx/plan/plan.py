@@ -99,6 +99,9 @@ class Plan(BaseModel):
     micro_batches: int = Field(ge=1)
     schedule: ScheduleName = GPIPE.name
     virtual_stages: int = Field(default=1, ge=1, description="stages a lane (interleaved, zbv)")
+    # "stages": stage s's replicas on consecutive ranks, stages in order; "pipelines": replica
+    # k of every stage on rank k * stages + s (each replica's pipeline on consecutive ranks)
+    rank_order: Literal["stages", "pipelines"] = "stages"
     # how the slices' floating outputs without a batch dimension (the loss) combine:
     # "mean" weights each by its share of the global batch, "sum" adds them (Config)
     loss_reduction: Literal["mean", "sum"] = "mean"
@@ -145,6 +148,21 @@ class Plan(BaseModel):
             )
         return data
 
+    def _check_pipelines(self, lanes: tuple[tuple[int, ...], ...]) -> int:
+        """Laid out by pipelines: one stage a lane, the same replicas on each, replica k of
+        stage s on rank k * S + s; returns the ranks they cover."""
+        S = len(self.stages)
+        if any(len(lane) > 1 for lane in lanes) or len({st.replicas for st in self.stages}) > 1:
+            raise ValueError(
+                f"rank_order='pipelines' needs one stage a lane and the same replicas on every "
+                f"stage, not {[st.replicas for st in self.stages]} under {self.schedule!r}")
+        for st in self.stages:
+            want = tuple(k * S + st.index for k in range(st.replicas))
+            if st.ranks != want:
+                raise ValueError(f"stage {st.index} has ranks {list(st.ranks)}; laid out by "
+                                 f"pipelines it must have ranks {list(want)}")
+        return S * self.stages[0].replicas
+
     @model_validator(mode="after")
     def _check(self) -> Plan:
         if [b.index for b in self.blocks] != list(range(len(self.blocks))):
@@ -162,8 +180,8 @@ class Plan(BaseModel):
                 )
             expect_block = st.end_block
         lanes = lane_layout(self.schedule, len(self.stages), self.virtual_stages)
-        next_rank = 0
-        for lane in lanes:
+        next_rank = self._check_pipelines(lanes) if self.rank_order == "pipelines" else 0
+        for lane in lanes if self.rank_order == "stages" else ():
             first = self.stages[lane[0]]
             for i in lane:
                 st = self.stages[i]

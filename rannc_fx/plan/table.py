@@ -29,6 +29,7 @@ class Tabled(Protocol):
     micro_batches: int
     schedule: ScheduleName
     virtual_stages: int
+    rank_order: Literal["stages", "pipelines"]
     device: DeviceSpec
     cost_model: Literal["measured", "analytic"]
     memory_budget: int
@@ -63,7 +64,8 @@ def plan_table(plan: Tabled) -> str:
     if machines:
         assert N is not None
         head += (f", {plan.world_size // N} nodes of {N} devices (network "
-                 f"{plan.device.network_bandwidth or 0:.3g} B/s a device)")
+                 f"{plan.device.network_bandwidth or 0:.3g} B/s a device)"
+                 + (", ranks by pipelines" if plan.rank_order == "pipelines" else ""))
     cols = ("stage", "blocks", "nodes", "params", "replicas", "samples", "fwd ms", "bwd ms",
             "recompute", "zero", "offload", "in flight", "comm ms", "accum ms",
             "allred ms", "optim ms", "memory", "of budget") + (
@@ -128,13 +130,16 @@ def plan_table(plan: Tabled) -> str:
 
 
 def _at_ranks(ranks: tuple[int, ...], node: int | None) -> tuple[str, str]:
-    """A stage's ranks and the nodes (of ``node`` ranks each) they lie on, as ranges."""
+    """A stage's ranks and the nodes (of ``node`` ranks each) they lie on: ``0-7`` where
+    consecutive, ``0,8,16`` where not (laid out by pipelines)."""
     assert node is not None
-    return _span(ranks[0], ranks[-1]), _span(ranks[0] // node, ranks[-1] // node)
+    return _span(list(ranks)), _span(sorted({r // node for r in ranks}))
 
 
-def _span(a: int, b: int) -> str:
-    return str(a) if a == b else f"{a}-{b}"
+def _span(xs: list[int]) -> str:
+    if xs == list(range(xs[0], xs[-1] + 1)):
+        return str(xs[0]) if len(xs) == 1 else f"{xs[0]}-{xs[-1]}"
+    return ",".join(map(str, xs))
 
 
 def _human_bytes(n: int) -> str:

@@ -22,6 +22,7 @@ from ..progress import note
 from ..schedules.kinds import name_of
 from ..schedules.program import keep, program_of
 from ..search import SearchResult, StageChoice
+from ..search.nodes import PIPELINES
 from ..shapes.dynamic import Dynamic, dynamic_pass
 from ..split.interface import StageInterface, dimension_source
 from ..split.split import stage_interfaces
@@ -83,6 +84,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
     for lane in lane_layout(result.schedule, len(result.stages), result.virtual_stages):
         first_rank.update(dict.fromkeys(lane, rank))
         rank += result.stages[lane[0]].replicas
+    pipelines = space.rank_order == PIPELINES  # replica k's pipeline on ranks kS .. kS + S - 1
     for s, (choice, cost) in enumerate(zip(result.stages, result.evaluation.stages, strict=True)):
         names = sorted(stage_params[s])
         checkpoints = _checkpoints(a, choice)
@@ -91,7 +93,8 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             first_block=choice.start,
             end_block=choice.end,
             replicas=choice.replicas,
-            ranks=tuple(range(first_rank[s], first_rank[s] + choice.replicas)),
+            ranks=tuple(k * num + s for k in range(choice.replicas)) if pipelines
+            else tuple(range(first_rank[s], first_rank[s] + choice.replicas)),
             samples=cost.samples,
             num_nodes=sum(len(blocks.blocks[b]) for b in range(choice.start, choice.end)),
             param_names=tuple(n for n in names if n in params_set),
@@ -145,6 +148,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
         micro_batches=result.micro_batches,
         schedule=name_of(result.schedule),
         virtual_stages=result.virtual_stages,
+        rank_order="pipelines" if pipelines else "stages",
         loss_reduction=a.config.loss_reduction,
         batch_norm=a.config.batch_norm,
         device=a.spec,

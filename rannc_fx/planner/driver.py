@@ -5,6 +5,7 @@ through ``plan_model``; every rank splits through ``split_stages``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -20,14 +21,16 @@ from ..plan.device import DeviceSpec
 from ..plan.plan import Plan
 from ..plan.values import ValueSpec
 from ..profile.optimizer import ParameterCosts
-from ..progress import Progress
+from ..progress import Progress, note
 from ..search import (
     CostTable,
     NoFeasiblePlan,
     SearchResult,
     SearchSpace,
+    needed_sizes,
     search_pass,
 )
+from ..search.nodes import PIPELINES, layout_problem, multi_node
 from ..split.split import split_pass
 from .analyze import Analysis, Target, analyze
 from .build import build_plan
@@ -67,10 +70,21 @@ def plan_model(
         config=config, global_batch=global_batch, optimizer=optimizer, param_costs=param_costs,
     )  # fmt: skip
     t0 = time.perf_counter()
+    result: SearchResult | None = None
+    failed: NoFeasiblePlan | None = None
     try:
-        result = run_search(a.table, a.space)
+        if a.config.rank_order != PIPELINES:
+            result = run_search(a.table, a.space)
     except NoFeasiblePlan as e:
-        raise _explained(a, e) from None
+        failed = e  # laid out by pipelines, a plan may still fit
+    found, a = by_pipelines(a, result)
+    if found is None:
+        raise _explained(a, failed or NoFeasiblePlan(
+            f"no plan laid out by pipelines (Config.rank_order) fits {a.space.world_size} "
+            f"ranks in nodes of {a.space.devices_per_node}: the stage count must divide the "
+            "node's devices or be a multiple of them, every stage with world / stages "
+            "replicas")) from None
+    result = found
     p = Progress("plan")
     seconds = time.perf_counter() - t0
     plan = choose(a, result, seconds)
@@ -81,6 +95,49 @@ def plan_model(
         plan.simulated_step_ms or plan.predicted_step_ms,
     )  # fmt: skip
     return Planned(plan, a.captured, a.values, a.started)
+
+
+def by_pipelines(a: Analysis, result: SearchResult | None
+                 ) -> tuple[SearchResult | None, Analysis]:
+    """``result`` (laid out stage by stage), or a plan laid out by pipelines where its step is
+    shorter (``Config.rank_order`` None) or asked for (``"pipelines"``; ``result`` None):
+    over several nodes, for every stage count S that divides a node's devices or is a
+    multiple of them (the replicas W / S forced on each), the search with replica k's
+    pipeline on ranks kS .. kS + S - 1 (``search.nodes``), bounded by ``result``'s step. The
+    Analysis comes back with the space of the plan chosen (None: no plan at all)."""
+    sp, cfg = a.space, a.config
+    W, N = sp.world_size, sp.devices_per_node
+    if cfg.rank_order == "stages" or not multi_node(sp) or (
+            sp.replicas is not None and len(set(sp.replicas)) > 1):
+        if cfg.rank_order == PIPELINES:
+            raise ValueError(
+                "rank_order='pipelines' lays out each replica's pipeline on its own ranks: it "
+                f"needs ranks over several nodes (world {W}, nodes of {N or W}) and the same "
+                f"replicas on every stage (replicas={sp.replicas}); use rank_order=None")
+        return result, a
+    counts = ([len(sp.replicas)] if sp.replicas is not None
+              else [S for S in range(1, min(W, a.table.num_blocks) + 1)
+                    if W % S == 0 and (N % S == 0 or S % N == 0)
+                    and (sp.stages is None or sp.stages == S)])
+    best, best_a = result, a
+    for S in counts:
+        space = dataclasses.replace(sp, replicas=(W // S,) * S, stages=None,
+                                    rank_order=PIPELINES)
+        if layout_problem(space) is not None or \
+                not set(needed_sizes(space)) <= set(a.table.sizes.tolist()):
+            continue
+        below = best.evaluation.step_s if best is not None else math.inf
+        try:
+            got = search_pass(a.table, space, below=below)
+        except NoFeasiblePlan:
+            continue
+        best, best_a = got, dataclasses.replace(a, space=space)
+    if best is not result and best is not None:
+        note("search: by pipelines (each replica's %d stages on consecutive ranks, %d "
+             "replicas a stage), predicted %.1f ms%s", len(best.stages), best.stages[0].replicas,
+             1e3 * best.evaluation.step_s, "" if result is None else
+             f" against {1e3 * result.evaluation.step_s:.1f} ms stage by stage")
+    return best, best_a
 
 
 def _explained(a: Analysis, e: NoFeasiblePlan) -> NoFeasiblePlan:

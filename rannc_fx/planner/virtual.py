@@ -54,6 +54,7 @@ from ..schedules.simulate import ScheduleError
 from ..search import SearchResult
 from ..search.cost_model import blocked, range_max, samples_per_replica, size_index
 from ..search.evaluate import evaluate
+from ..search.nodes import PIPELINES
 from ..search.problem import Evaluation, StageChoice
 from ..search.terms import SELECTIVE, stage_terms
 from .analyze import Analysis
@@ -74,6 +75,11 @@ def virtual_variants(a: Analysis, result: SearchResult, plan: Plan,
     ``lanes.lane_choices``, bounded (``lanes.work_s``, ``lanes.step_bound``)."""
     named = None if a.config.schedule is None else kind_of(a.config.schedule)
     forced = named is not None and named.several_a_lane
+    if a.space.rank_order == PIPELINES:  # one stage a lane, each pipeline on its own ranks
+        if forced:
+            raise ValueError(f"schedule={a.config.schedule!r} puts several stages on a lane; "
+                             "laid out by pipelines a lane holds one: use rank_order='stages'")
+        return plan
     if named is not None and not forced:
         return plan
     if ONE_F_ONE_B.name not in a.space.schedules and not forced:

@@ -28,7 +28,7 @@ import numpy as np
 from .cost_model import blocked, bottleneck_s, range_max, range_sum, samples_per_replica, size_index
 from .dp_chain import Edges, States
 from .inflight import Positioned, max_in_flight
-from .nodes import classes, moves
+from .nodes import classes, crossing_s, moves
 from .problem import CostTable, SearchSpace
 from .terms import StageTerms, block_params, stage_terms
 from .variants import (
@@ -298,20 +298,15 @@ class Candidates:
                                    zero.astype(np.int64)), m)[0]
         return dataclasses.replace(e, t=np.zeros(len(e.t)), u=np.zeros(len(e.u)))
 
-    def stage(self, i: int, j: int, r: int, m: int, n: int, first: int = 0
-              ) -> tuple[float, float, int] | None:
-        """t, u and variant of the stage [i, j) on r replicas (ranks from ``first``) with n
-        in flight, its first variant that fits; None if none does."""
+    def stage(self, i: int, j: int, r: int, m: int, n: int,
+              at: tuple[bool, bool] = (False, False)) -> tuple[float, float, int] | None:
+        """t, u and variant of the stage [i, j) on r replicas with n in flight, its first
+        variant that fits; None if none does. ``at``: whether its in- and out-boundary
+        cross nodes (``nodes.crossing_at``)."""
         pair, terms = np.array([j * (j - 1) // 2 + i]), self.terms(self.size(m, r), m)
         ts, us = np.zeros(len(VARIANTS)), np.zeros(len(VARIANTS))
-        x = 0.0
-        if self.moves is not None:  # its one class at that rank (none: it lies over nodes)
-            got = classes(self.moves, self.space, np.array([r]), np.array([i]), np.array([j]),
-                          lambda _: self.table.cut[self.size(m, r)], self.table.num_blocks,
-                          first)[2]
-            if not len(got):
-                return None
-            x = float(got[0])
+        cut = np.asarray(self.table.cut[self.size(m, r)], float)
+        x = float(at[0] * crossing_s(self.space, cut[i]) + at[1] * crossing_s(self.space, cut[j]))
         for v in self.kinds:
             t = terms.time(*_rh(v))[pair] + x
             ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, v)[0, 0]

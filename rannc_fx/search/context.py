@@ -19,6 +19,7 @@ from . import dp_chain, dp_positioned
 from .candidates import Candidates
 from .evaluate import plan_step
 from .inflight import Positioned
+from .nodes import crossing_at
 from .problem import SEARCHED, CostTable, SearchSpace, StageChoice
 from .variants import choice
 
@@ -92,7 +93,8 @@ class Run:
         position, with its first variant that fits (it fits as under GPipe, or better)."""
         ts, us, out, S, first = [], [], [], len(stages), 0
         for s, st in enumerate(stages):
-            got = self.cands.stage(st.start, st.end, st.replicas, m, min(m, S - s), first)
+            at = crossing_at(self.space, s, first, st.replicas, S)
+            got = self.cands.stage(st.start, st.end, st.replicas, m, min(m, S - s), at)
             first += st.replicas
             assert got is not None  # fewer in flight than under GPipe
             ts.append(got[0])

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .nodes import Moves, moves, usable_replicas
+from .nodes import Moves, moves, stage_moves, usable_replicas
 from .problem import SearchSpace
 from .windows import RangeMin, Runs, runs_and_tables
 
@@ -102,10 +102,8 @@ def _node_states(space: SearchSpace, mv: Moves) -> States:
         R = space.replicas
         Z, final = len(R) + 1, len(R)
         src = np.full((nm, Z), Z)
-        ends = np.cumsum(R)
-        for s, r in enumerate(R):
-            _, ms = mv.of(np.array([r]))
-            for k in ms[mv.ok(ms, ends[s])]:
+        for s, k in enumerate(stage_moves(space, mv)):
+            if k >= 0:
                 src[k, s + 1] = s
         return States(Z, final, src, _dst(src, Z), tuple(sorted(set(R))))
     S, Wu = space.stages or 0, W // mv.unit  # states count ranks in units (nodes.unit)

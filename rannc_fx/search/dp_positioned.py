@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dp_chain import groups
-from .nodes import Moves, moves
+from .nodes import Moves, moves, stage_moves
 from .problem import SearchSpace
 from .windows import RangeMin, Runs, runs_and_tables
 
@@ -107,14 +107,12 @@ def build_layers(space: SearchSpace, cap: int) -> Layers:
         S = len(space.replicas)
         depth = np.minimum(S + 1 - np.arange(S + 1), cap)
         table = np.full((rows, S + 1), S + 1)
-        end = 0
         for k, r in enumerate(space.replicas):
-            end += r
             if mv is None:
                 table[r, k + 1] = k
-            else:
-                _, ms = mv.of(np.array([r]))
-                table[ms[mv.ok(ms, end)], k + 1] = k
+        for k, move in enumerate(stage_moves(space, mv) if mv is not None else ()):
+            if move >= 0:
+                table[move, k + 1] = k
         return Layers(S + 1, 1, depth, np.array([0]), S, rows, table=table)
     if space.stages:  # as above, by ranks used too; block s reads block s - 1
         S, width = int(space.stages), Wu + 1

@@ -15,7 +15,7 @@ import numpy as np
 from ..plan.parts import MemoryEstimate
 from ..schedules.kinds import GPIPE, ZBH1, kind_of
 from .cost_model import blocked, bottleneck_s, in_flight, range_sum, samples_per_replica, size_index
-from .nodes import crossing_s, legal, multi_node
+from .nodes import PIPELINES, crossing_at, crossing_s, legal, multi_node
 from .problem import CostTable, Evaluation, SearchSpace, StageChoice, StageCost
 from .terms import SELECTIVE, held_bytes, kept_cuts, outputs_held, reruns, stage_terms
 from .variants import (
@@ -232,6 +232,10 @@ def crossings(space: SearchSpace, stages: Sequence[StageChoice],
     S = len(stages)
     if not multi_node(space):
         return [(False, False)] * S
+    if space.rank_order == PIPELINES:  # replica k's pipeline on ranks kS .. kS + S - 1
+        if any(len(lane) > 1 for lane in lanes):
+            raise ValueError("rank_order='pipelines' lays out one stage a lane")
+        return [crossing_at(space, s, 0, st.replicas, S) for s, st in enumerate(stages)]
     N, first, ranks = space.devices_per_node, 0, [(0, 0)] * S
     for lane in lanes:
         r = stages[lane[0]].replicas

@@ -48,8 +48,9 @@ import numpy as np
 
 from .problem import SearchSpace
 
-__all__ = ["FINE_NODES", "FINE_RANKS", "Moves", "classes", "coarse", "collective_s", "crossing_s", "layout_problem",
-           "legal", "moves", "multi_node", "network_latency", "unit", "usable_replicas"]
+__all__ = ["FINE_NODES", "FINE_RANKS", "PIPELINES", "Moves", "classes", "coarse", "crossing_at", "collective_s", "crossing_s", "layout_problem",
+           "legal", "moves", "multi_node", "network_latency", "stage_moves", "unit",
+           "usable_replicas"]
 
 
 def multi_node(space: SearchSpace) -> bool:
@@ -68,6 +69,8 @@ def legal(space: SearchSpace, first: np.ndarray | int, r: np.ndarray | int) -> n
     inside = first // N == (first + r - 1) // N
     return inside | ((first % N == 0) & (r % N == 0))
 
+
+PIPELINES = "pipelines"  # ``SearchSpace.rank_order``: replica k's pipeline on ranks kS .. kS + S - 1
 
 # Up to FINE_RANKS ranks the search places stages anywhere a node allows (every count below a
 # node's, every multiple of it); past it, in the counts a cluster is cut into (a divisor of
@@ -120,7 +123,18 @@ def layout_problem(space: SearchSpace) -> str | None:
     if net is None or net <= 0:
         return (f"{W} ranks on nodes of {N} devices need the network's bandwidth between "
                 "nodes (network_bandwidth, bytes/s per device)")
-    if space.replicas is not None:
+    if space.rank_order == PIPELINES:
+        R = space.replicas or ()
+        S = len(R)
+        if not R or len(set(R)) != 1:
+            return ("rank_order='pipelines' lays each replica's whole pipeline on consecutive "
+                    "ranks: it needs forced replicas, the same on every stage "
+                    f"(replicas={list(R)})")
+        if N % S and S % N:
+            return (f"rank_order='pipelines' with {S} stages on nodes of {N} devices puts a "
+                    "pipeline over part of a node: the stage count must divide the node's "
+                    "devices or be a multiple of them")
+    elif space.replicas is not None:
         first = 0
         for s, r in enumerate(space.replicas):
             if not legal(space, first, r):
@@ -142,8 +156,12 @@ def collective_s(space: SearchSpace, nbytes: np.ndarray, reps: np.ndarray,
     if not multi_node(space):
         return passes * ((r - 1) / r * nbytes / bw + (r - 1) * space.link_latency)
     N = float(space.devices_per_node)
-    local = np.minimum(r, N)
-    g = np.maximum(r / N, 1.0)
+    if space.rank_order == PIPELINES:  # a node holds N / S replicas of each stage (or one)
+        S = len(space.replicas or (1,))
+        local = np.minimum(r, max(1.0, N // S)) if S <= N else np.ones_like(r)
+    else:
+        local = np.minimum(r, N)
+    g = np.maximum(r / local, 1.0)
     net = space.network_bandwidth or bw
     inside = (local - 1) / local * nbytes / bw + (local - 1) * space.link_latency
     across = (g - 1) / g * nbytes / local / net + (g - 1) * network_latency(space)
@@ -161,6 +179,39 @@ def crossing_s(space: SearchSpace, nbytes: np.ndarray) -> np.ndarray:
     net = min(space.network_bandwidth or space.link_bandwidth, space.link_bandwidth)
     return (2 * np.asarray(nbytes, float) * (1 / net - 1 / space.link_bandwidth)
             + 2 * (network_latency(space) - space.link_latency))
+
+
+def crossing_at(space: SearchSpace, s: int, first: int, r: int, stages: int
+                ) -> tuple[bool, bool]:
+    """Whether the in- and out-boundary of stage s (of ``stages``, on r replicas from rank
+    ``first`` stage by stage) cross nodes: stage by stage, where its first rank starts a node
+    and where the rank after its last does; by pipelines, where a pipeline over several
+    nodes passes from one to the next (after every N stages), never where it lies in one."""
+    if not multi_node(space):
+        return False, False
+    N = space.devices_per_node
+    if space.rank_order == PIPELINES:
+        over = stages > N
+        return (s > 0 and over and s % N == 0), (s < stages - 1 and over and (s + 1) % N == 0)
+    return (s > 0 and first % N == 0), (s < stages - 1 and (first + r) % N == 0)
+
+
+def stage_moves(space: SearchSpace, mv: Moves) -> list[int]:
+    """With forced replicas, the move each stage takes (its class where it lies)."""
+    assert space.replicas is not None
+    R, out, first = space.replicas, [], 0
+    for s, r in enumerate(R):
+        cin, cout = crossing_at(space, s, first, r, len(R))
+        # the first stage's missing boundary is the class that crosses there, as is the
+        # last's (``classes`` keeps only those: the first starts a node, the last ends one)
+        cin, cout = cin or s == 0, cout or s == len(R) - 1
+        _, ms = mv.of(np.array([r]))
+        want = [k for k in ms.tolist() if mv.cin[k] == cin and mv.cout[k] == cout]
+        if space.rank_order != PIPELINES:
+            want = [k for k in want if mv.ok(np.array(k), (first + r) // mv.unit)]
+        out.append(want[0] if want else -1)
+        first += r
+    return out
 
 
 def network_latency(space: SearchSpace) -> float:
@@ -253,11 +304,14 @@ def moves(space: SearchSpace) -> Moves | None:
     first, count = np.zeros(W + 1, np.int64), np.zeros(W + 1, np.int64)
     for reps in usable_replicas(space):
         first[reps] = len(r)
-        classes = ((True, False), (False, False), (False, True)) if reps < N else ((True, True),)
-        for a, b in classes:
+        kinds: tuple[tuple[bool, bool], ...] = (
+            ((True, False), (False, False), (False, True)) if reps < N else ((True, True),))
+        if space.rank_order == PIPELINES:  # by stage position, any of the four
+            kinds = ((True, False), (False, False), (False, True), (True, True))
+        for a, b in kinds:
             r.append(reps)
             cin.append(a)
             cout.append(b)
-        count[reps] = len(classes)
+        count[reps] = len(kinds)
     return Moves(N, np.array(r, np.int64), np.array(cin), np.array(cout), first, count,
                  unit(space))

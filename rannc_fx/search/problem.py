@@ -127,6 +127,10 @@ class SearchSpace:
     devices_per_node: int = 0
     network_bandwidth: float | None = None
     network_latency: float = 0.0
+    # how ranks are laid out (``nodes``): "stages", stage by stage (a stage's replicas on
+    # consecutive ranks), or "pipelines", replica k's whole pipeline on ranks kS .. kS + S - 1
+    # (forced replicas, all alike)
+    rank_order: str = "stages"
 
 
 @dataclass(frozen=True)

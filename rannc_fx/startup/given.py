@@ -5,7 +5,7 @@ decides how the model trains must agree with what the model and the Config say, 
 training would silently differ from the one the user configured: the parameters several
 stages share (a tied embedding, whose copies would drift apart), the loss reduction, the
 BatchNorm statistics' mode, and, where the Config sets them, the schedule, micro-batches,
-stages and replicas. Every rank loads the same file for the same model, so every rank
+stages, replicas and rank order. Every rank loads the same file for the same model, so every rank
 refuses a disagreement alike, naming each field and both values.
 """
 
@@ -59,7 +59,8 @@ def check_given(plan: Plan, captured: CapturedGraph, stages: list[fx.GraphModule
     # stages and replicas count lanes (one stage a lane but under interleaved 1F1B and ZBV)
     forced = {"schedule": plan.schedule, "micro_batches": plan.micro_batches,
               "stages": len(plan.lanes),
-              "replicas": tuple(plan.stages[lane[0]].replicas for lane in plan.lanes)}
+              "replicas": tuple(plan.stages[lane[0]].replicas for lane in plan.lanes),
+              "rank_order": plan.rank_order}
     for field, value in forced.items():
         asked = getattr(cfg, field)
         if asked is not None and asked != value:

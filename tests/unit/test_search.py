@@ -268,13 +268,14 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
             # 0, 3, 1, 2; the parameters in host memory after all of those)
             mine = (s.host, _CHAIN_RANK[s.level])
             for rho, zeta, omega, h in allowed(space, table):
-                g = stage_figures(*args, rho, zeta, omega, h, first=first)
+                g = stage_figures(*args, rho, zeta, omega, h, first=first, stage=k, stages=len(st))
                 assert (h, _CHAIN_RANK[rho]) >= mine or g.memory > space.memory_budget * (1 - SLACK) or \
                     g.host_state > space.host_budget or (  # or its sharded twin is faster
                         not zeta and not h and (rho, True, omega, False) in allowed(space, table)
-                        and stage_figures(*args, rho, True, omega, first=first).u < g.u)
+                        and stage_figures(*args, rho, True, omega, first=first, stage=k,
+                                          stages=len(st)).u < g.u)
         if s.zero and space.zero is None and not s.offload:  # its twin: no fit, or more u
-            twin = stage_figures(*args, s.level, False, first=first)
+            twin = stage_figures(*args, s.level, False, first=first, stage=k, stages=len(st))
             assert twin.memory > space.memory_budget * (1 - SLACK) or twin.u > f.u
     assert evaluate(table, space, st, m, res.schedule) == res.evaluation
 
