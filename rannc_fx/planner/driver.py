@@ -30,7 +30,7 @@ from ..search import (
     needed_sizes,
     search_pass,
 )
-from ..search.nodes import PIPELINES, layout_problem, multi_node
+from ..search.nodes import PIPELINES, layout_problem, multi_node, usable_replicas
 from ..split.split import split_pass
 from .analyze import Analysis, Target, analyze
 from .build import build_plan
@@ -106,9 +106,14 @@ def by_pipelines(a: Analysis, result: SearchResult | None
     pipeline on ranks kS .. kS + S - 1 (``search.nodes``), bounded by ``result``'s step. The
     Analysis comes back with the space of the plan chosen (None: no plan at all)."""
     sp, cfg = a.space, a.config
-    W, N = sp.world_size, sp.devices_per_node
+    W, N, usable = sp.world_size, sp.devices_per_node, set(usable_replicas(sp))
+    # a stage's memory is the same in either order and the pipelines' replica counts are
+    # among those searched stage by stage, so where nothing fits stage by stage only a
+    # layout that stage by stage would put over part of a node could: not searched then
+    # (Config.rank_order='pipelines' searches it)
     if cfg.rank_order == "stages" or not multi_node(sp) or (
-            sp.replicas is not None and len(set(sp.replicas)) > 1):
+            sp.replicas is not None and len(set(sp.replicas)) > 1) or (
+            result is None and cfg.rank_order is None):
         if cfg.rank_order == PIPELINES:
             raise ValueError(
                 "rank_order='pipelines' lays out each replica's pipeline on its own ranks: it "
@@ -116,8 +121,8 @@ def by_pipelines(a: Analysis, result: SearchResult | None
                 f"replicas on every stage (replicas={sp.replicas}); use rank_order=None")
         return result, a
     counts = ([len(sp.replicas)] if sp.replicas is not None
-              else [S for S in range(1, min(W, a.table.num_blocks) + 1)
-                    if W % S == 0 and (N % S == 0 or S % N == 0)
+              else [S for S in range(2, min(W, a.table.num_blocks) + 1)  # 1: as by stages
+                    if W % S == 0 and (N % S == 0 or S % N == 0) and W // S in usable
                     and (sp.stages is None or sp.stages == S)])
     best, best_a = result, a
     for S in counts:
