@@ -12,6 +12,7 @@ import pytest
 from rannc_fx.search import (
     CostTable,
     NoFeasiblePlan,
+    SearchResult,
     SearchSpace,
     StageChoice,
     evaluate,
@@ -79,6 +80,17 @@ def test_matches_brute_force_across_nodes(seed: int) -> None:
     assert seen["plans"] > 20 and min(seen.values()) > 3, seen
 
 
+def _pareto_above_the_least(table: CostTable, space: SearchSpace, slacks: tuple[float, ...]
+                            ) -> list[tuple[SearchSpace, SearchResult | None]]:
+    """The space (its budget 0: nothing fits) at each slack times the least largest stage
+    the search reports, and the search's result there, held to the Pareto oracle's."""
+    with pytest.raises(NoFeasiblePlan) as info:
+        search_pass(table, space)
+    spaces = [dataclasses.replace(space, memory_budget=k * info.value.largest_stage_bytes)
+              for k in slacks]
+    return [(sp, compare_pareto(table, sp)) for sp in spaces]
+
+
 def test_matches_pareto_across_nodes_larger() -> None:
     """Tables too big to enumerate, on 8 and 12 ranks in nodes of 2, 3, 4 and 6."""
     rng = np.random.default_rng(11)
@@ -88,11 +100,8 @@ def test_matches_pareto_across_nodes_larger() -> None:
                             devices_per_node=N, network_bandwidth=0.3, network_latency=0.05)
         table = random_table(rng, B, tuple(range(1, 4 * W + 1)), monotone=True)
         table = dataclasses.replace(table, act=table.act * 4, cut=table.cut * 3)
-        with pytest.raises(NoFeasiblePlan) as info:
-            search_pass(table, space)
-        for slack in (1.05, 4.0):
-            sp = dataclasses.replace(space, memory_budget=slack * info.value.largest_stage_bytes)
-            assert compare_pareto(table, sp) is not None
+        for _, got in _pareto_above_the_least(table, space, (1.05, 4.0)):
+            assert got is not None
 
 
 @pytest.mark.parametrize("fine_ranks, fine_nodes", [(4, 8), (4, 2)],
@@ -115,11 +124,7 @@ def test_large_clusters_place_stages_in_cluster_counts_as_the_oracle_does(
         assert nodes.coarse(space) == (W // N > fine_nodes)
         table = random_table(rng, B, tuple(range(1, 2 * W + 1)), monotone=True)
         table = dataclasses.replace(table, act=table.act * 4, cut=table.cut * 3)
-        with pytest.raises(NoFeasiblePlan) as info:
-            search_pass(table, space)
-        for slack in (1.1, 3.0):
-            sp = dataclasses.replace(space, memory_budget=slack * info.value.largest_stage_bytes)
-            got = compare_pareto(table, sp)
+        for sp, got in _pareto_above_the_least(table, space, (1.1, 3.0)):
             assert got is not None
             assert all(s.replicas in nodes.usable_replicas(sp) for s in got.stages)
 
@@ -241,7 +246,8 @@ def test_the_search_lays_ranks_out_by_pipelines_where_that_is_faster() -> None:
     outweigh its parameters: stage by stage, the boundary in the middle crosses the network;
     by pipelines (each replica's 8 stages in one node) none does, and the replica groups'
     small all-reduce crosses instead. The search takes the pipelines, at a shorter step than
-    the same stages laid out stage by stage; forced, each order gets its own layout."""
+    the same stages laid out stage by stage; forced, each order gets its own layout. A model
+    whose parameters outweigh its values keeps the layout stage by stage."""
     import torch
 
     from rannc_fx import Config, partition
@@ -261,6 +267,12 @@ def test_the_search_lays_ranks_out_by_pipelines_where_that_is_faster() -> None:
     assert free.rank_order == "pipelines"
     assert free.predicted_step_ms == pipelines.predicted_step_ms
     assert max(st.comm_ms for st in pipelines.stages) < max(st.comm_ms for st in stages.stages)
+    with torch.device("meta"):  # the other way round: parameters outweigh the values
+        heavy = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(8)))
+    cfg = Config(replicas=(2,) * 8, micro_batches=4, schedule="gpipe")
+    kept = partition(heavy, (torch.randn(32, 2048, device="meta"),), world_size=16,
+                     device="h100-80gb", config=cfg).plan
+    assert kept.rank_order == "stages"  # its replica groups all-reduce inside a node
     with pytest.raises(ValueError, match="the same replicas on every stage"):
         partition(model, args, world_size=16, device="h100-80gb",
                   config=Config(replicas=(4, 4, 2, 2, 2, 2), rank_order="pipelines"))
