@@ -273,6 +273,18 @@ def _worker(
             dist.destroy_process_group()
 
 
+def held_of(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """What of ``whole`` (the one process's parameter, or its gradient) the compiled model's
+    ``p`` holds: all of it, or the rows of a fully sharded (ZeRO-3) parameter."""
+    from rannc_fx.runtime.full_shard import rows_of
+
+    rows = rows_of(p)
+    if rows is None or whole is None:
+        return whole
+    a, b = rows.span
+    return whole[a:b]
+
+
 def assert_moved_alike(
     module: torch.nn.Module,
     ref: torch.nn.Module,
@@ -287,11 +299,12 @@ def assert_moved_alike(
     that did not move would fail it. Returns the largest move in units of the tolerance."""
     moved = 0.0
     for name, p in module.named_parameters():
-        want = ref.get_parameter(name)
+        want = held_of(p, ref.get_parameter(name))
         torch.testing.assert_close(p, want, rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{name}: {m}")
         slack = atol + rtol * want.detach().abs()
-        moved = max(moved, float(((want.detach() - before[name]).abs() / slack).max()))
+        was = held_of(p, before[name])
+        moved = max(moved, float(((want.detach() - was).abs() / slack).max()))
     assert moved > 1, (
         f"the parameters moved by at most {moved:.2f} times the tolerance (rtol={rtol}, "
         f"atol={atol}): the comparison would pass parameters that never moved"

@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 import rannc_fx
 from rannc_fx.plan.config import Config
 from tests import captures
-from tests.dist_utils import assert_moved_alike, local_part, run_ranks, snapshot
+from tests.dist_utils import assert_moved_alike, held_of, local_part, run_ranks, snapshot
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -300,7 +300,7 @@ class Run:
         tol = self.spec.param_tol
         for stage in self.cm.stages:  # one, or a lane's several
             for name, p in stage.named_parameters():
-                assert_close(p, self.ref.get_parameter(name), **tol,
+                assert_close(p, held_of(p, self.ref.get_parameter(name)), **tol,
                              msg=lambda m, n=name: f"{n}: {m}")
             if self.spec.moved and any(p.requires_grad for p in stage.parameters()):
                 assert_moved_alike(stage, self.ref, self.before, **tol)
@@ -317,7 +317,7 @@ def assert_grads_like_reference(stages: Any, ref: nn.Module, **tol: float) -> No
     gradient counted twice: it is scale-invariant)."""
     for stage in stages:
         for name, p in stage.named_parameters():
-            assert_close(p.grad, ref.get_parameter(name).grad, **tol,
+            assert_close(p.grad, held_of(p, ref.get_parameter(name).grad), **tol,
                          msg=lambda m, n=name: f"{n}.grad: {m}")
 
 

@@ -84,6 +84,8 @@ class Figures:
     layers: bool = False
     selective: bool = False
     host: bool = False
+    full: bool = False
+    scatter_s: float = 0.0
 
 
 def layer_transient(table: CostTable, k: int, i: int, j: int, A: float) -> float:
@@ -191,7 +193,7 @@ def _group(space: SearchSpace, first: int, r: int, stage: int, stages: int) -> l
 
 def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int, n: int,
                   recompute: int, zero: bool = False, offload: bool = False,
-                  host: bool = False, *, first: int = 0, stage: int = 0,
+                  host: bool = False, full: bool = False, *, first: int = 0, stage: int = 0,
                   stages: int = 1) -> Figures:
     """Blocks [i, j) on r replicas, m micro-batches, n of them in flight; ``recompute``: 0,
     1 (the forward again before each backward), 2 (layer by layer: the backward runs each
@@ -201,12 +203,18 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     device and back each step; ``host``: its parameters, gradients and state in host memory,
     each parameter fetched to the device at each use (F, B, and each forward run again), the
     gradients sent back, the step on the host; the device holds two of its largest block's
-    parameters (in use, fetched ahead) and one of gradients. ``first``: its first rank,
+    parameters (in use, fetched ahead) and one of gradients; ``full`` (with ``zero``, ZeRO-3):
+    1 / r of its parameters, gradients and state on each replica, every parameter
+    all-gathered at each use (as often as ``host`` fetches it) and its gradient
+    reduce-scattered in each backward, the device holding the same two blocks' parameters
+    and one block's whole gradients beside its shares, nothing to all-reduce or gather after
+    the backwards. ``first``: its first rank,
     ``stage`` of ``stages`` its place (ranks by ``_group``); a boundary to a stage on another
     node sends on the network."""
     rho = int(recompute)
     recompute, selective = rho in (1, 2), rho == 3
     zero = zero and r > 1
+    full = full and zero
     B, G = table.num_blocks, space.global_batch
     q = -(-G // (m * r))
     k = [int(x) for x in table.sizes].index(q)
@@ -246,6 +254,15 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         compute = F + Bw + again_s
         t = (max(compute, moving) if space.host_overlap else compute + moving) + comm
     group = _group(space, first, r, stage, stages)
+    scatter = 0.0
+    if full:  # the all-gathers fetched ahead beside the compute (or after it), then the
+        # reduce-scatter of the gradients
+        times = 2 + (2 if rho == 2 else 1 if rho else 0)
+        gathers = times * _ring(space, param, group)
+        scatter = _ring(space, grad, group)
+        compute = F + Bw + again_s
+        t = (max(compute, gathers) if space.host_overlap else compute + gathers) \
+            + scatter + comm
     ar = 2 * _ring(space, grad, group)
     opt = 0.0 if table.optimizer_s is None else float(table.optimizer_s[i][j])
     acc = 0.0 if table.accumulate_s is None else float(table.accumulate_s[i][j])
@@ -255,7 +272,17 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         ag = _ring(space, grad, group)
         if space.grad_shards:  # ZeRO-2: a reduce-scatter, the all-reduce's first half
             ar = _ring(space, grad, group)
+        if full:  # nothing after the backwards: each replica steps the rows it holds
+            ar = ag = 0.0
     share = grad * space.optimizer_state_factor / (r if zero else 1)
+    # fully sharded, a tensor shared with a block outside the stage stays whole, with its
+    # gradient and state (its holders sum the gradient whole)
+    apart_p = apart_g = 0.0
+    for blocks, pb, gb, _ in (table.shared if full else ()):
+        inside = sum(i <= b < j for b in blocks)
+        if 0 < inside < len(blocks):
+            apart_p, apart_g = apart_p + pb, apart_g + gb
+    share += (1 - 1 / r) * apart_g * space.optimizer_state_factor if full else 0.0
     kept_host = share if offload else 0.0
     moved = 2 * kept_host / space.host_bandwidth if offload and space.host_bandwidth else 0.0
     if host:  # the all-reduce through the device, the step on the host
@@ -271,9 +298,12 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
     buffers = n * cin + cout if recompute else n * (cin + cout)
     state = 0.0 if offload or host else share
     device_params = param
+    window = max([float(table.param_bytes[b][b + 1]) for b in range(i, j)] + [0.0])
     if host:
-        window = max([float(table.param_bytes[b][b + 1]) for b in range(i, j)] + [0.0])
         device_params, grad_here = 2 * window, window
+    elif full:
+        device_params = param / r + (1 - 1 / r) * apart_p + 2 * window
+        grad_here = grad / r + (1 - 1 / r) * apart_g + window
     else:
         grad_here = grad
     grad_all, grad = grad, grad_here  # the peak meets the gradients the device holds
@@ -302,35 +332,39 @@ def stage_figures(table: CostTable, space: SearchSpace, i: int, j: int, r: int, 
         peak = max(m * cin + cout + max(A, grad), (m - 1) * cin + cout + A + grad)
     overlap = grad + activations + buffers - peak
     # after the backwards the all-reduce copies a bucket of the gradients beside them
-    copy = min(grad_all, space.reduce_bucket) if r > 1 else 0.0
+    copy = min(grad_all, space.reduce_bucket) if r > 1 and not full else 0.0
     if offload:  # or a bucket's state brought in for its step
         copy = max(copy, min(kept_host, space.reduce_bucket * space.optimizer_state_factor))
     ws = max(ws, grad + copy - peak)
     return Figures(q, F, Bw, again_s, comm, ar, opt, acc, device_params, grad, state,
                    activations + C, buffers, ws, outputs, overlap, n, recompute, zero, ag,
                    offload, moved, kept_host, t, u,
-                   device_params + state + C + peak + ws + outputs, rho == 2, selective, host)
+                   device_params + state + C + peak + ws + outputs, rho == 2, selective, host,
+                   full, scatter)
 
 
 def _casts(table: CostTable, k: int, i: int, j: int) -> float:
     return 0.0 if table.casts is None else sum(float(table.casts[k][b]) for b in range(i, j))
 
 
-# (recompute, zero, offload, host): the policy's order, the parameters in host memory last
-CHAIN = tuple((rho, zeta, omega, False) for rho in (0, 3, 1, 2)
-              for zeta, omega in ((False, False), (True, False), (True, True), (False, True))
-              ) + tuple((rho, False, False, True) for rho in (0, 3, 1, 2))
+# (recompute, zero, offload, host, full): the policy's order, fully sharded after the other
+# ways to hold the state at each level, the parameters in host memory last
+CHAIN = tuple((rho, zeta, omega, False, phi) for rho in (0, 3, 1, 2)
+              for zeta, omega, phi in ((False, False, False), (True, False, False),
+                                       (True, True, False), (False, True, False),
+                                       (True, False, True))
+              ) + tuple((rho, False, False, True, False) for rho in (0, 3, 1, 2))
 
 
-def allowed(space: SearchSpace, table: CostTable) -> list[tuple[int, bool, bool, bool]]:
+def allowed(space: SearchSpace, table: CostTable) -> list[tuple[int, bool, bool, bool, bool]]:
     host = space.host_bandwidth is not None and space.host_budget > 0
     rhos = {None: (0, 1, 2, 3), False: (0,), True: (1, 2, 3)}[space.recompute]
     rhos = tuple(x for x in rhos if {None: True, False: x != 2, True: x in (0, 2)}[space.layers]
                  and {None: True, False: x != 3, True: x in (0, 3)}[space.selective]
                  and (table.segments is not None or x != 2)
                  and (table.kept is not None or x != 3))
-    return [(rho, zeta, omega, h) for rho, zeta, omega, h in CHAIN
-            if rho in rhos and space.zero in (None, zeta)
+    return [(rho, zeta, omega, h, phi) for rho, zeta, omega, h, phi in CHAIN
+            if rho in rhos and space.zero in (None, zeta) and space.full_shard in (None, phi)
             and space.offload in (None, omega) and space.host_params in (None, h)
             and (host or not (omega or h))]
 
@@ -357,18 +391,18 @@ def variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m: int
     if cannot_run(table, space, i, j, r, m):
         return None
     ok = allowed(space, table)
-    figs: dict[tuple[int, bool, bool, bool], Figures] = {}
+    figs: dict[tuple[int, bool, bool, bool, bool], Figures] = {}
 
-    def of(v: tuple[int, bool, bool, bool]) -> Figures:
+    def of(v: tuple[int, bool, bool, bool, bool]) -> Figures:
         if v not in figs:
             figs[v] = stage_figures(table, space, i, j, r, m, n, *v, first=first, stage=stage,
                                     stages=stages)
         return figs[v]
 
-    for rho, zeta, omega, h in ok:
-        f = of((rho, zeta, omega, h))
-        if not zeta and not h and (rho, True, omega, False) in ok and \
-                of((rho, True, omega, False)).u < f.u:
+    for rho, zeta, omega, h, phi in ok:
+        f = of((rho, zeta, omega, h, phi))
+        if not zeta and not h and (rho, True, omega, False, False) in ok and \
+                of((rho, True, omega, False, False)).u < f.u:
             continue
         if f.memory <= budget and f.host_state <= space.host_budget:
             return f
@@ -451,7 +485,8 @@ def zbh1_variant(table: CostTable, space: SearchSpace, i: int, j: int, r: int, m
     """The stage as the policy runs it under ZB-H1: its first allowed variant without
     recomputation or parameters on the host that fits (an unsharded one passed over where
     its sharded twin's u is smaller); None if none fits."""
-    ok = [(zeta, omega) for rho, zeta, omega, h in allowed(space, table) if not rho and not h]
+    ok = [(zeta, omega) for rho, zeta, omega, h, phi in allowed(space, table)
+          if not rho and not h and not phi]
     if cannot_run(table, space, i, j, r, m):
         return None
     for zeta, omega in ok:
@@ -472,7 +507,7 @@ def plan_figures(table: CostTable, space: SearchSpace, stages: tuple[StageChoice
     S = len(stages)
     figs = [stage_figures(table, space, st.start, st.end, st.replicas, m,
                           in_flight(schedule, m, S - s), st.level, st.zero, st.offload,
-                          st.host, first=sum(x.replicas for x in stages[:s]), stage=s,
+                          st.host, st.full, first=sum(x.replicas for x in stages[:s]), stage=s,
                           stages=S)
             for s, st in enumerate(stages)]
     return sum(f.t for f in figs) + max(f.u for f in figs), figs

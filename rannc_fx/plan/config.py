@@ -97,17 +97,23 @@ class Config(BaseModel):
         "host_memory_bytes); True = every stage (refused with zero or offload set, or a "
         "schedule other than 'gpipe' or '1f1b'); False = none",
     )
-    zero: Literal[0, 1, 2] | None = Field(
+    zero: Literal[0, 1, 2, 3] | None = Field(
         default=None,
         description="ZeRO level inside each stage's replicas: None = searched per stage "
-        "between 0 and 1 (1 only where a stage does not fit without it, or where it shortens "
-        "the step); 0 = none; 1 = every stage with more than one replica shards its "
+        "among 0, 1 and 3 (1 only where a stage does not fit without it, or where it shortens "
+        "the step; 3 where nothing else fits without recomputation, or where every stage "
+        "fully sharded makes the faster plan, plain FSDP among them); 0 = none; 1 = every stage with more than one replica shards its "
         "optimizer state over them, every gradient kept on every replica (runtime/zero.py); "
         "2 = and reduce-scatters its gradients, each replica keeping those of the "
         "parameters it steps, .grad None on the others (runtime/grad_shards.py): a step "
         "then moves one all-reduce's bytes, not one and a half, and never takes longer or "
         "more memory than level 0 or 1, but .grad no longer holds every gradient, so it is "
-        "asked for, not searched",
+        "asked for, not searched; 3 = every stage with more than one replica shards its "
+        "parameters, gradients and optimizer state over them along their first dimension, "
+        "all-gathers each parameter where the stage's graph uses it and reduce-scatters its "
+        "gradient in each backward (runtime/full_shard.py, ZeRO-3 / FSDP): each parameter "
+        "and its .grad hold the replica's rows, the optimizer steps those (GPipe and 1F1B "
+        "only; with host_params refused)",
     )
 
     # -- placement -------------------------------------------------------------------------
@@ -320,6 +326,12 @@ class Config(BaseModel):
                 f"host_params=True with zero={self.zero} and offload={self.offload}: a stage "
                 "whose parameters are in host memory keeps its whole optimizer state there and "
                 "steps it there; leave zero and offload to the search (None) or set them off"
+            )
+        if self.zero == 3 and kind is not None and not kind.plain:
+            raise ValueError(
+                f"zero=3 with schedule={self.schedule!r}: fully sharded stages gather their "
+                "parameters at each use and run under the searched schedules only ('gpipe', "
+                "'1f1b'); use zero=None, 1 or 2, or one of those schedules"
             )
         if self.host_params and kind is not None and not kind.plain:
             raise ValueError(

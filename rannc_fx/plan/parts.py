@@ -100,8 +100,12 @@ class Stage(BaseModel):
     # rest of the forward (again_ms)
     selective: bool = False
     # 1: the optimizer state sharded over the replicas (ZeRO-1); 2: and the gradients,
-    # reduce-scattered to their owners (ZeRO-2; allreduce_ms is then the reduce-scatter's)
-    zero: int = Field(default=0, ge=0, le=2)
+    # reduce-scattered to their owners (ZeRO-2; allreduce_ms is then the reduce-scatter's);
+    # 3: the parameters and gradients too, each replica holding its rows of every parameter,
+    # all-gathered at each use (window_bytes of them ahead, fetch_ms a micro-batch's) and
+    # their gradients reduce-scattered in each backward (scatter_ms; ZeRO-3,
+    # ``runtime/full_shard.py``)
+    zero: int = Field(default=0, ge=0, le=3)
     gather_ms: float = 0.0  # zero >= 1: all-gathering the stepped parameters after the step
     offload: bool = False  # the (share of the) optimizer state in host memory
     host_ms: float = 0.0  # offload: its state to the device and back, each step
@@ -111,7 +115,8 @@ class Stage(BaseModel):
     # optimizer steps on the host; never with zero or offload (the state is on the host)
     host_params: bool = False
     window_bytes: int = Field(default=0, ge=0)
-    fetch_ms: float = 0.0  # host_params: the transfers of one micro-batch (not overlapped)
+    fetch_ms: float = 0.0  # host_params, zero 3: one micro-batch's transfers (or all-gathers)
+    scatter_ms: float = 0.0  # zero 3: one micro-batch's reduce-scatter of its gradients
     memory: MemoryEstimate
 
     @property

@@ -214,6 +214,12 @@ class Plan(BaseModel):
             if st.selective and st.recompute:
                 raise ValueError(f"stage {st.index} recomputes both selectively and whole: "
                                  "selective recomputation has no R; make the plan again")
+            if st.zero == 3 and (st.offload or st.replicas < 2 or not self.kind.plain):
+                raise ValueError(
+                    f"stage {st.index} is fully sharded (zero=3) on {st.replicas} replica(s) "
+                    f"with offload={st.offload} under schedule {self.schedule!r}: such a stage "
+                    "has two replicas or more, keeps its state on the device and runs under "
+                    "GPipe or 1F1B only; make the plan again")
             if st.host_params and (st.zero or st.offload or not self.kind.plain):
                 raise ValueError(
                     f"stage {st.index} keeps its parameters in host memory with zero="

@@ -348,6 +348,8 @@ def _search_space(
         zero=None if cfg.zero is None else bool(cfg.zero),
         # ZeRO-2 only where asked for: it changes what .grad holds (the owners' share)
         grad_shards=cfg.zero == 2,
+        # ZeRO-3 under GPipe and 1F1B only (parameters gathered per use, as host_params')
+        full_shard=(cfg.zero == 3 if cfg.zero is not None else None) if inside else False,
         offload=cfg.offload,
         # parameters in host memory run under GPipe and 1F1B (not a lane's several stages,
         # nor a split backward)

@@ -112,7 +112,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             again_ms=ms * (cost.recompute_s if choice.selective else
                            cost.recompute_s - cost.fwd_s if checkpoints else 0.0),
             selective=choice.selective,
-            zero=(2 if space.grad_shards else 1) if cost.zero else 0,
+            zero=3 if cost.full else (2 if space.grad_shards else 1) if cost.zero else 0,
             gather_ms=ms * cost.gather_s,
             offload=cost.offload,
             host_ms=ms * cost.host_s,
@@ -120,6 +120,7 @@ def build_plan(a: Analysis, result: SearchResult, *, search_seconds: float = 0.0
             host_params=cost.host,
             window_bytes=cost.window,
             fetch_ms=ms * cost.fetch_s,
+            scatter_ms=ms * cost.scatter_s,
             memory=cost.memory,
         ))
 

@@ -78,6 +78,7 @@ def plan_model(
     except NoFeasiblePlan as e:
         failed = e  # laid out by pipelines, a plan may still fit
     found, a = by_pipelines(a, result)
+    found, a = fully_sharded(a, found)
     if found is None:
         raise _explained(a, failed or NoFeasiblePlan(
             f"no plan laid out by pipelines (Config.rank_order) fits {a.space.world_size} "
@@ -143,6 +144,33 @@ def by_pipelines(a: Analysis, result: SearchResult | None
              1e3 * best.evaluation.step_s, "" if result is None else
              f" against {1e3 * result.evaluation.step_s:.1f} ms stage by stage")
     return best, best_a
+
+
+def fully_sharded(a: Analysis, result: SearchResult | None
+                  ) -> tuple[SearchResult | None, Analysis]:
+    """``result``, or the plan with every stage of several replicas fully sharded (ZeRO-3,
+    plain FSDP where it is one stage) where its step is shorter. The search's chain takes a
+    fully sharded stage only where nothing else fits at its recomputation level, as a stage
+    takes offloading only where sharding the state does not fit: per micro-batch traffic
+    against a once-a-step cost is the plan's trade, not a stage's, so the planner searches
+    it whole, bounded by ``result``'s step. Searched only where ``Config.zero`` and
+    ``host_params`` leave it open and something fits (where nothing does, nothing fully
+    sharded does either: the chain holds those variants)."""
+    sp = a.space
+    if result is None or sp.full_shard is not None or sp.zero is False or sp.offload or \
+            sp.host_params or sp.world_size < 2:
+        return result, a
+    space = dataclasses.replace(sp, zero=True, full_shard=True, offload=False,
+                                host_params=False)
+    try:
+        got = search_pass(a.table, space, below=result.evaluation.step_s)
+    except NoFeasiblePlan:
+        return result, a
+    if not any(st.full for st in got.stages):  # no stage with replicas: the same plan
+        return result, a
+    note("search: every stage with replicas fully sharded (ZeRO-3), predicted %.1f ms "
+         "against %.1f ms", 1e3 * got.evaluation.step_s, 1e3 * result.evaluation.step_s)
+    return got, dataclasses.replace(a, space=space)
 
 
 def _explained(a: Analysis, e: NoFeasiblePlan) -> NoFeasiblePlan:

@@ -162,7 +162,7 @@ def _ineligible(lanes: int, v: int, blocks: int) -> str | None:
 
 def _variant(a: Analysis, result: SearchResult, schedule: str, v: int) -> SearchResult | None:
     lanes = len(result.stages)
-    if any(st.host for st in result.stages):  # parameters in host memory: one stage a lane
+    if any(st.host or st.full for st in result.stages):  # fetched per use: one stage a lane
         return None
     layout = lane_layout(schedule, v * lanes, v)
     lane_of = {s: p for p, held in enumerate(layout) for s in held}

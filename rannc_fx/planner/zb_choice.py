@@ -109,7 +109,7 @@ def _on_stages(a: Analysis, result: SearchResult, build: Callable[[SearchResult]
     """``result``'s stages (recomputing as the search chose) as ZB-H1, built where they fit;
     else None, with the reason in ``why``."""
     stages, m = result.stages, result.micro_batches
-    if any(st.host for st in stages):  # parameters in host memory: GPipe and 1F1B only
+    if any(st.host or st.full for st in stages):  # fetched per use: GPipe and 1F1B only
         return None
     if any(st.layers or st.selective for st in stages):  # recomputing inside one backward
         why.append(

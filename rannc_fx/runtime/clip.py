@@ -12,7 +12,8 @@ rank of every stage that uses a shared parameter (``grads.GradSync``). Each para
 counted by the lowest rank that holds it, decided from the plan alone so that every rank
 agrees: replica 0 of its stage, and for a shared parameter replica 0 of the first stage that
 uses it; a parameter whose gradient is sharded (ZeRO-2, ``grad_shards``) by its owner, the one
-replica that holds it. Here with replicas (2, 1, 1) and an embedding E tied between stages 0 and 2:
+replica that holds it; a fully sharded one (ZeRO-3, ``full_shard``) by every replica, each
+holding its own rows. Here with replicas (2, 1, 1) and an embedding E tied between stages 0 and 2:
 
     rank                 0        1        2        3
     stage (replica)      0 (0)    0 (1)    1 (0)    2 (0)
@@ -152,6 +153,8 @@ def _parameters(
     mine = [q for j, group in grads.shared if j in counts.shared for q in group]
     shards = grads.shards
     sharded = {id(q) for q in shards.params} if shards is not None else set()
+    rows = {id(q) for q in grads.rows}  # ZeRO-3: each replica's rows its own
     mine.extend(q for q in grads.own
-                if (shards.owns(q) if shards is not None and id(q) in sharded else counts.own))
+                if (shards.owns(q) if shards is not None and id(q) in sharded else
+                    id(q) in rows or counts.own))
     return grads.every, mine

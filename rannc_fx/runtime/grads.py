@@ -29,6 +29,7 @@ from torch import nn
 from ..plan.plan import Plan
 from . import comm
 from .comm import Groups, all_reduce_flat, buckets
+from .full_shard import sharded_ids
 from .grad_shards import GradShards
 from .lane import graph_modules
 from .zero import Owners, sharded_params
@@ -66,7 +67,10 @@ class GradSync:
         self.own = [p for i, p in unique.items() if i not in taken]
         self.shards = _grad_shards(plan, stages, module, taken, owners)
         sharded = {id(p) for p in self.shards.params} if self.shards is not None else set()
-        self.whole = [p for p in self.own if id(p) not in sharded]  # the replicas' all-reduce
+        # ZeRO-3's rows: reduce-scattered by each backward already (``full_shard``)
+        rows = sharded_ids(plan, dict(zip(sorted(stages), graph_modules(module), strict=True)))
+        self.rows = [p for p in self.own if id(p) in rows]
+        self.whole = [p for p in self.own if id(p) not in sharded | rows]  # the all-reduce
         self._stash: dict[int, torch.Tensor] = {}
         self._held: dict[int, torch.Tensor] = {}
         self._begun = False  # a step's gradients are in .grad, the earlier ones aside
@@ -221,12 +225,12 @@ def _grad_shards(plan: Plan, stages: tuple[int, ...], module: nn.Module, shared:
     """The reduce-scatter of this rank's ZeRO-2 stages' own gradients (a shared parameter's
     is all-reduced over its holders instead), owned as ``zero.OptimizerShard`` owns them."""
     st = plan.stages[stages[0]]
-    if st.replicas < 2 or not any(plan.stages[s].zero >= 2 for s in stages):
+    if st.replicas < 2 or not any(plan.stages[s].zero == 2 for s in stages):
         return None
     gms = dict(zip(sorted(stages), graph_modules(module), strict=True))
     every = sharded_params(plan, gms)
     owner = (owners if owners is not None else Owners(st.replicas)).assign(every)
-    level2 = {id(p) for s in stages if plan.stages[s].zero >= 2 for p in gms[s].parameters()}
+    level2 = {id(p) for s in stages if plan.stages[s].zero == 2 for p in gms[s].parameters()}
     mine = [p for p in every if id(p) in level2 and id(p) not in shared]
     return GradShards(mine, owner, st.ranks.index(dist.get_rank()), st.replicas, st.index)
 

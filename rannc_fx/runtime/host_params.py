@@ -46,6 +46,7 @@ import torch
 from torch import fx, nn
 from torch.func import functional_call
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["HostParams", "fetching", "host_of", "saving"]
 
@@ -73,7 +74,7 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.to(ctx.where), None
+        return ctx.host.returned(ctx.param, grad), None
 
 
 class _FetchOne(nn.Module):
@@ -140,6 +141,11 @@ class HostParams:
     def install(self) -> fx.GraphModule:
         """Rewrite the stage's graph so every parameter is fetched where it is used."""
         gm = self.module
+        if host_of(gm) is not None:  # installed by an earlier executor: fetch here now
+            for sub in gm.modules():
+                if isinstance(sub, (_FetchOne, _FetchCall)):
+                    object.__setattr__(sub, "_host", self)
+            return gm
         gm.add_submodule(FETCH, _FetchOne(self))
         wrapped = 0
         for node in list(gm.graph.nodes):
@@ -169,8 +175,19 @@ class HostParams:
             return _Fetch.apply(p, self)
         return self.copy_of(p, forward=True)
 
+    def returned(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of ``p`` from that of a fetched copy: on ``p``'s device (the host)."""
+        return grad.to(p.device)
+
     def copy_of(self, p: torch.Tensor, *, forward: bool) -> torch.Tensor:
-        """``p`` on the device, fetched ahead or now; starts the next ones ahead."""
+        """``p`` on the device, fetched ahead or now; starts the next ones ahead. Outside
+        any dispatch mode: selective recomputation's policy (``plan.selective``) counts the
+        stage's ops by their order, and whether a copy was fetched ahead differs between a
+        forward and its rerun."""
+        with _disable_current_modes():
+            return self._copy_of(p, forward=forward)
+
+    def _copy_of(self, p: torch.Tensor, *, forward: bool) -> torch.Tensor:
         if self._recording and forward:
             if id(p) not in self._pos:
                 self._pos[id(p)] = len(self._order)
@@ -261,8 +278,12 @@ class HostParams:
         if getattr(prev, "host", None) is not self:
             return None
         p = prev.param  # type: ignore[union-attr]
-        return p if base.shape == p.shape and base.is_contiguous() == p.is_contiguous() \
-            else None
+        return p if base.shape == self.whole_shape(p) and \
+            base.is_contiguous() == p.is_contiguous() else None
+
+    def whole_shape(self, p: torch.Tensor) -> torch.Size:
+        """The shape of ``p``'s fetched copies."""
+        return p.shape
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):

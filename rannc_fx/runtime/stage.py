@@ -45,6 +45,7 @@ from .backward_split import SavedBoxes, backward_inputs, backward_weights, keepi
 from .buffers import BufferSync
 from .checks import check_stage_outputs
 from .comm import Groups
+from .full_shard import FullShard
 from .host_params import HostParams, fetching, saving
 from .outputs import Outputs
 from .p2p import Message, Pending, post
@@ -101,9 +102,14 @@ class StageRunner:
         # forward updates (BufferSync restores it before the next micro-batch)
         self._written = {b.untyped_storage().data_ptr() for b in module.buffers()}
         self._params = list(module.parameters())
-        # parameters in host memory: each use in the graph fetches its parameter
+        # parameters in host memory (or fully sharded): each use in the graph fetches its
+        # parameter
         self.host = HostParams(module, device, window=stage.window_bytes) \
             if stage.host_params else None
+        if stage.zero == 3 and stage.replicas > 1:  # fully sharded: gathered at each use
+            assert groups is not None
+            self.host = FullShard(module, device, window=stage.window_bytes, groups=groups,
+                                  stage=stage.index)
         if self.host is not None:
             self.host.install()
         # recomputation layer by layer: what R runs (``recompute.py``); F runs ``module``

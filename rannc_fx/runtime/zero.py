@@ -60,9 +60,10 @@ def owned_by(params: Sequence[nn.Parameter], replicas: int) -> dict[int, int]:
 def sharded_params(plan: Plan, modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
     """The trained parameters of the stages among ``modules`` (this rank's, by index) that
     the plan shards over more than one replica, each once, in stage order: the one order
-    every replica of them shares."""
+    every replica of them shares. ZeRO-3's stages are not among them: each replica steps
+    its rows, and the tensors it keeps whole (``full_shard``) on every replica alike."""
     return list({id(p): p for s in sorted(modules) for p in modules[s].parameters()
-                 if p.requires_grad and plan.stages[s].zero >= 1
+                 if p.requires_grad and plan.stages[s].zero in (1, 2)
                  and plan.stages[s].replicas > 1}.values())
 
 
@@ -233,7 +234,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer | None, plan: Plan, rank: i
     modules by index); None where none does either. A lane's stages share their ranks, so
     one share and one group serve all of them (``owners``: the map the gradient shards
     read)."""
-    zero = [s for s in modules if plan.stages[s].zero >= 1 and plan.stages[s].replicas > 1]
+    zero = [s for s in modules if plan.stages[s].zero in (1, 2) and plan.stages[s].replicas > 1]
     off = [s for s in modules if plan.stages[s].offload]
     if optimizer is None or not (zero or off):
         return None

@@ -36,6 +36,7 @@ from .variants import (
     after_transient,
     host_bytes,
     host_state,
+    shard_s,
     state_saved,
     update_s,
     variants,
@@ -46,7 +47,7 @@ __all__ = ["TWIN", "Candidates", "dominated"]
 # each unsharded variant's sharded twin: the same recomputation and offloading
 TWIN = {k: next(j for j, w in enumerate(VARIANTS)
                  if w.zero and (w.recompute, w.offload) == (v.recompute, v.offload))
-         for k, v in enumerate(VARIANTS) if not (v.zero or v.host)}
+         for k, v in enumerate(VARIANTS) if not (v.zero or v.host or v.full)}
 
 
 def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
@@ -77,7 +78,7 @@ class Candidates:
                              "one by one (children of an nn.ModuleList or nn.Sequential of alike modules): "
                              "use recompute_layers=None or False")
         self._terms: dict[tuple[int, int], StageTerms] = {}
-        self._fixed: dict[tuple[bool, bool, bool], np.ndarray] = {}
+        self._fixed: dict[tuple[bool, bool, bool, bool], np.ndarray] = {}
         self._saved: dict[tuple[bool, bool], np.ndarray] = {}
         self._blocked: dict[tuple[int, int], np.ndarray] = {}
         self.moves = moves(space)
@@ -95,7 +96,9 @@ class Candidates:
         gradients are held at its peak, and rounding is monotone; ZeRO-1 on every rank keeps
         1 / world_size of the state (a relative 1e-9 below that for its rounding); with its
         parameters in host memory, where the host holds them, three of its largest block's
-        parameter bytes. A stage above the budget by that alone fits nowhere; at 1024 ranks
+        parameter bytes; fully sharded over every rank, 1 / world_size of its parameters,
+        gradients and state and three of its largest block's parameter bytes. A stage above
+        the budget by that alone fits nowhere; at 1024 ranks
         most long stages are such, and the (stages x replica counts) arrays below then skip
         them.
         """
@@ -113,9 +116,13 @@ class Candidates:
                      + self.grad) * (1 - 1e-9)
         else:
             least = params + self.grad * sp.optimizer_state_factor + self.grad
+        window = block_params(t)[self.iu, self.ju]
+        if any(VARIANTS[v].full for v in self.kinds) and sp.world_size > 1:
+            W = sp.world_size
+            least = np.minimum(least, ((params + self.grad * (1 + sp.optimizer_state_factor))
+                                       / W + 3 * window) * (1 - 1e-9))
         if any(VARIANTS[v].host for v in self.kinds):
             # two windows and the gradients' one, where the host holds the stage
-            window = block_params(t)[self.iu, self.ju]
             held = host_bytes(sp, params, self.grad) <= sp.host_budget
             least = np.where(held, np.minimum(least, 3 * window * (1 - 1e-9)), least)
         return every[~(least > sp.memory_budget)]
@@ -133,7 +140,7 @@ class Candidates:
         with n in flight, as variant ``kind`` (infinite where its host share does not fit)."""
         saved, tr = self.offsets(kind, r, rows, terms.m)
         v = VARIANTS[kind]
-        return terms.memory(n, v.recompute, tr, v.host) - saved
+        return terms.memory(n, v.recompute, tr, v.host, r if v.full else None) - saved
 
     def offsets(self, kind: int, r: int | np.ndarray, rows: np.ndarray | None = None,
                 m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +164,7 @@ class Candidates:
             saved = np.where(over, -np.inf, saved)
         if m is not None and self.table.excluded:
             saved = np.where(self.blocked(m, r, rows), -np.inf, saved)
-        return saved, after_transient(sp, grad, np.array(r), v.zero, v.offload)
+        return saved, after_transient(sp, grad, np.array(r), v.zero, v.offload, v.full)
 
     def blocked(self, m: int, r: int | np.ndarray, rows: np.ndarray | None = None
                 ) -> np.ndarray:
@@ -264,9 +271,7 @@ class Candidates:
             cols = np.flatnonzero(ks == k)
             terms = self.terms(k, m).take(rows)
             wide, rr = terms.column(), reps[cols]
-            times = {(rho, h): np.broadcast_to(terms.time(rho, h)[:, None], (P, len(cols)))
-                     for rho, h in {(VARIANTS[v].recompute, VARIANTS[v].host)
-                                    for v in self.kinds}}
+            times = {_rh(v): self.times(terms, v, rr) for v in self.kinds}
             us = np.zeros((P, len(cols), len(VARIANTS)))
             for v in self.kinds:
                 us[:, :, v] = self._u(m, times[_rh(v)], rr, rows, v)
@@ -308,7 +313,7 @@ class Candidates:
         cut = np.asarray(self.table.cut[self.size(m, r)], float)
         x = float(at[0] * crossing_s(self.space, cut[i]) + at[1] * crossing_s(self.space, cut[j]))
         for v in self.kinds:
-            t = terms.time(*_rh(v))[pair] + x
+            t = self.times(terms.take(pair), v, np.array([r]))[:, 0] + x
             ts[v], us[v] = t[0], self._u(m, t[:, None], np.array([r]), pair, v)[0, 0]
         skip = dominated(us, self.kinds)
         one = terms.take(pair)
@@ -330,7 +335,8 @@ class Candidates:
         live = self.live  # the others fit nowhere: they never make an edge
         by_k = {k: self.terms(k, m).take(live) for k in dict.fromkeys(ks)}
         # no variant beats the first allowed one's t + u: only stages that can still win
-        t_first = np.stack([by_k[k].time(*_rh(first)) for k in ks], axis=1)
+        t_first = np.concatenate([self.times(by_k[k], first, reps[c : c + 1])
+                                  for c, k in enumerate(ks)], axis=1)
         can_win = t_first + self._u(m, t_first, reps, live, first) < below
         if gains_only:
             full = np.stack([self.memory(by_k[k], m, self.kinds[0], r, live)
@@ -344,11 +350,12 @@ class Candidates:
             terms = self.terms(k, m).take(rows)
             wide = terms.column()
             for v in self.kinds:
-                rho, host = _rh(v)
-                T[:, cols, v] = terms.time(rho, host)[:, None]
+                rho, host, sharded = _rh(v)
+                T[:, cols, v] = self.times(terms, v, reps[cols])
                 FIT[:, cols, v] = max_in_flight(wide, rho, m, sp.memory_budget,
                                                 *self.offsets(v, reps[cols][None, :], rows, m),
-                                                host=host)
+                                                host=host,
+                                                full=reps[cols][None, :] if sharded else None)
         U = np.stack([self._u(m, T[:, :, v], reps, rows, v) for v in range(V)], axis=2)
         FIT[dominated(U, self.kinds)] = -1
         # a stage's first variant that fits somewhere (at n = 1) stands for it
@@ -368,15 +375,27 @@ class Candidates:
         """up_s of every stage (rows) at every replica count a stage may have (columns:
         ``col`` of the count) as variant ``kind``."""
         v = VARIANTS[kind]
-        key = (v.zero, v.offload, v.host)
+        key = (v.zero, v.offload, v.host, v.full)
         if key not in self._fixed:
             self._fixed[key] = update_s(self.space, self.grad[:, None], self.opt[:, None],
-                                        self.counts[None, :], v.zero, v.offload, v.host)
+                                        self.counts[None, :], v.zero, v.offload, v.host,
+                                        v.full)
         return self._fixed[key]
 
+    def times(self, terms: StageTerms, kind: int, reps: np.ndarray) -> np.ndarray:
+        """(stages of ``terms``, replica counts ``reps``): t as variant ``kind``; only a
+        fully sharded stage's depends on its replica count (its collectives span them)."""
+        v = VARIANTS[kind]
+        if not v.full:
+            return np.broadcast_to(terms.time(v.recompute, v.host)[:, None],
+                                   (len(terms.fb), len(reps)))
+        shard = shard_s(self.space, terms.params[:, None], terms.grads[:, None],
+                        np.asarray(reps)[None, :], v.recompute)
+        return terms.column().time(v.recompute, shard=shard)
 
-def _rh(kind: int) -> tuple[int, bool]:
-    """Variant ``kind``'s recomputation level and whether its parameters are on the host:
-    what its t depends on."""
+
+def _rh(kind: int) -> tuple[int, bool, bool]:
+    """Variant ``kind``'s recomputation level, whether its parameters are on the host and
+    whether they are fully sharded: what its t depends on."""
     v = VARIANTS[kind]
-    return v.recompute, v.host
+    return v.recompute, v.host, v.full

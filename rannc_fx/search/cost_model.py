@@ -261,6 +261,11 @@ def _check(table: CostTable, space: SearchSpace) -> None:
         raise ValueError("host_params=True with zero or offload forced: a stage whose "
                          "parameters are in host memory keeps its optimizer state there and "
                          "steps it there, whole; force at most one of them")
+    if space.full_shard and (space.zero is False or space.offload or space.host_params):
+        raise ValueError(f"full_shard=True with zero={space.zero}, offload={space.offload}, "
+                         f"host_params={space.host_params}: a fully sharded stage shards its "
+                         "state over its replicas (zero) and keeps it, with its parameters, on "
+                         "the device; leave those to the search (None) or set zero=True")
     for name in ("host_params", "offload"):
         if getattr(space, name) and (space.host_bandwidth is None or space.host_budget <= 0):
             raise ValueError(f"{name}=True but the device has no host memory to use "

@@ -24,6 +24,7 @@ from .variants import (
     host_bytes,
     host_state,
     host_step_s,
+    shard_s,
     state_saved,
     update_s,
 )
@@ -61,23 +62,29 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         x = (cross[0] * crossing_s(space, terms.cuts - terms.cout)
              + cross[1] * crossing_s(space, terms.cout))
         terms = replace(terms, comm=terms.comm + x)
-    hp = st.host
-    t = float(terms.time(rho, hp)[0])
+    hp, full = st.host, st.full and r > 1
     grad = float(table.grad_bytes[i, j])
     g, rr = np.array([grad]), np.array([r])
+    gather, scatter = shard_s(space, terms.params, g, rr, rho) if full else (0.0 * g, 0.0 * g)
+    t = float(terms.time(rho, hp, (gather, scatter) if full else None)[0])
     ar = float(allreduce_s(space, g, rr, zeta)[0])
     opt, acc = float(range_sum(table.optimizer_s, ii, jj)[0]), float(
         range_sum(table.accumulate_s, ii, jj)[0])
-    up = update_s(space, g, np.array([opt]), rr, zeta, omega, hp)
-    base = update_s(space, g, np.array([opt]), rr, zeta)  # without the host traffic
+    up = update_s(space, g, np.array([opt]), rr, zeta, omega, hp, full)
+    # without the host traffic
+    base = update_s(space, g, np.array([opt]), rr, zeta, full=full)
     u = float(bottleneck_s(m, np.array([t]), np.array([acc]), up)[0])
     saved = state_saved(space, g, rr, zeta, omega)
-    tr = after_transient(space, g, rr, zeta, omega)
+    tr = after_transient(space, g, rr, zeta, omega, full)
     host = float((host_bytes(space, terms.params, g) if hp
                   else host_state(space, g, rr, zeta, omega))[0])
     # host_params: the device holds two windows of parameters and one of gradients
     window = float(terms.window[0])
-    params, grads = (2 * window, window) if hp else (float(table.param_bytes[i, j]), grad)
+    whole = 1 - 1 / r  # fully sharded: the tensors shared with other stages stay whole
+    params, grads = (2 * window, window) if hp else (
+        float(table.param_bytes[i, j]) / r + whole * float(terms.apart_p[0]) + 2 * window,
+        grad / r + whole * float(terms.apart_g[0]) + window) if full else (
+        float(table.param_bytes[i, j]), grad)
     cuts = float(terms.cuts[0])
     act = float(terms.held(rho)[0])
     cout = float(terms.cout[0])
@@ -93,16 +100,19 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
     # the largest transient: an op's workspace, or the all-reduce's copy beyond what the
     # backwards held (memory = fixed + max(held + ws, G + tr))
     ws = max(float(terms.ws[0]), grads + float(tr[0]) - held)
-    state = 0.0 if hp else grad * space.optimizer_state_factor - float(saved[0])
-    fetch = float(terms.fetch_s(rho)[0]) if hp else 0.0
+    state = 0.0 if hp else grad * space.optimizer_state_factor - float(saved[0]) + (
+        whole * float(terms.apart_s[0]) if full else 0.0)
+    fetch = float(terms.fetch_s(rho)[0]) if hp else float(gather[0])
     step_s = float(host_step_s(space, g)[0])  # host_params: the optimizer step on the host
     cost = StageCost(
         samples=q, fwd_s=float(table.fwd[k, i:j].sum()), bwd_s=float(table.bwd[k, i:j].sum()), comm_s=float(terms.comm[0]),
-        allreduce_s=ar, optimizer_s=step_s if hp else opt / r if zeta else opt,
-        accumulate_s=acc, gather_s=float(base[0]) - ar - opt / r if zeta else 0.0, zero=zeta,
+        allreduce_s=0.0 if full else ar,
+        optimizer_s=step_s if hp else opt / r if zeta else opt,
+        accumulate_s=acc, gather_s=float(base[0]) - ar - opt / r if zeta and not full else 0.0,
+        zero=zeta, full=full, scatter_s=float(scatter[0]),
         offload=omega, host_s=float(up[0] - ar - step_s if hp else up[0] - base[0]),
         host_state=round(host), host=hp, fetch_s=fetch, fetch_overlap=space.host_overlap,
-        window=round(window) if hp else 0,
+        window=round(window) if hp or full else 0,
         memory=MemoryEstimate(
             params=round(params), grads=round(grads), optimizer_state=round(state),
             activations=round(acts + casts), comm_buffers=round(kept), workspace=round(ws),
@@ -111,9 +121,10 @@ def _stage(table: CostTable, space: SearchSpace, kidx: dict[int, int], st: Stage
         recompute=rerun, selective=selective, in_flight=n,
         recompute_s=float(terms.recomputed(rho)[0]),
     )
-    mem = float((terms.memory(n, rho, tr, hp) - (0.0 if hp else saved))[0])
+    mem = float((terms.memory(n, rho, tr, hp, rr if full else None)
+                 - (0.0 if hp else saved))[0])
     if zb:  # ZB-H1: its corner (``zb_view.ZeroBubble``)
-        if rho or hp:
+        if rho or hp or full:
             raise ValueError(f"stage {st} recomputes or keeps its parameters on the host: "
                              "ZB-H1 costs it off its lists (evaluate's lanes)")
         nw, w = int(terms.zbh1_whole(n)[0]), float(terms.wheld[0])
@@ -265,7 +276,7 @@ def held_once(table: CostTable, space: SearchSpace, stages: Sequence[StageChoice
         users = [k for k, st in enumerate(stages) if any(st.start <= b < st.end for b in blocks)]
         for k in users[1:]:
             st, c = stages[k], out[k]
-            if st.host:  # parameters on the host: fetched per use, counted as windows
+            if st.host or st.full:  # fetched per use, counted as windows
                 continue
             r = st.replicas
             zeta = st.zero and r > 1

@@ -97,8 +97,8 @@ def _layered_least(cands: Candidates, m: int, e: Edges) -> float:
 
         def variant(k: int) -> np.ndarray:
             saved, tr = cands.offsets(k, reps, rows, m)
-            return terms.memory(n, VARIANTS[k].recompute, tr[:, None],
-                                VARIANTS[k].host) - saved[:, None]
+            return terms.memory(n, VARIANTS[k].recompute, tr[:, None], VARIANTS[k].host,
+                                reps[:, None] if VARIANTS[k].full else None) - saved[:, None]
 
         return np.min([variant(k) for k in cands.kinds], axis=0)
 
@@ -142,9 +142,11 @@ def no_plan(table: CostTable, space: SearchSpace) -> NoFeasiblePlan:
     msg += (f" The smallest world size that fits is {grow}" if grow is not None else
             f" No world size up to {_GROW * W} fits")
     if grow is None and space.stages is not None:
+        split = "" if space.full_shard is not False and space.zero is not False else (
+            ", which do not split the parameters without zero=3")
         msg += (f" with the stage count forced to {space.stages} (more ranks only add "
-                "replicas, which do not split the parameters): force more stages, or let the "
-                "search choose (Config(stages=None))")
+                f"replicas{split}): force more stages, or let the search choose "
+                "(Config(stages=None))")
     more = next((m for m in _more_micro_batches(space)
                  if _smallest_world(table, space, m, W, W) is not None), None)
     if more is not None:
@@ -219,8 +221,10 @@ def _at(space: SearchSpace, terms: StageTerms, grad: np.ndarray, n: int, r: int,
     """The stages' memory as variant ``v`` on r replicas (infinite where its offloaded state
     is over the host budget)."""
     rr = np.array(r)
-    mem = terms.memory(n, v.recompute, after_transient(space, grad, rr, v.zero, v.offload),
-                       v.host) - state_saved(space, grad, rr, v.zero, v.offload)
+    mem = terms.memory(n, v.recompute, after_transient(space, grad, rr, v.zero, v.offload,
+                                                      v.full),
+                       v.host, rr if v.full else None) - state_saved(space, grad, rr, v.zero,
+                                                                     v.offload)
     host = host_bytes(space, terms.params, grad) if v.host else host_state(
         space, grad, rr, v.zero, v.offload)
     return np.where(host > space.host_budget, np.inf, mem)

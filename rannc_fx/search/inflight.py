@@ -23,7 +23,7 @@ __all__ = ["Positioned", "depth_limit", "max_in_flight"]
 
 def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
                   saved: np.ndarray | float = 0.0, transient: np.ndarray | float = 0.0,
-                  host: bool = False) -> np.ndarray:
+                  host: bool = False, full: np.ndarray | None = None) -> np.ndarray:
     """The largest n in [0, m] with ``terms.memory(n, recompute, transient) - saved <=
     budget`` (0: none; ``recompute``: rho, 0 to 3; ``saved``: ``variants.state_saved``,
     -inf where the variant cannot be; ``transient``: ``variants.after_transient``).
@@ -32,7 +32,7 @@ def max_in_flight(terms: StageTerms, recompute: int, m: int, budget: float,
     it: the limit agrees with ``evaluate`` to the last bit.
     """
     def mem(n: np.ndarray | int) -> np.ndarray:
-        return terms.memory(n, recompute, transient, host) - saved
+        return terms.memory(n, recompute, transient, host, full) - saved
 
     per = (terms.cuts - terms.cout if reruns(recompute) else terms.keep + terms.cuts
            if recompute == SELECTIVE else terms.held(0) + terms.cuts)

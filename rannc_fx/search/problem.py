@@ -108,6 +108,9 @@ class SearchSpace:
     # a sharded stage's gradients reduce-scattered to their owners (ZeRO-2) rather than
     # all-reduced (ZeRO-1, every gradient kept on every replica)
     grad_shards: bool = False
+    # a sharded stage's parameters and gradients sharded too (ZeRO-3: all-gathered at each
+    # use, reduce-scattered in each backward): None searched, True every sharded stage so
+    full_shard: bool | None = None
     offload: bool | None = None  # optimizer state in host memory: as ``recompute``
     # parameters, gradients and optimizer state in host memory, fetched at each use (the
     # optimizer steps on the host): as ``recompute``
@@ -147,6 +150,8 @@ class StageChoice:
     selective: bool = False
     # parameters, gradients and optimizer state in host memory (never with zero or offload)
     host: bool = False
+    # ZeRO-3 (with zero): parameters and gradients sharded over the replicas too
+    full: bool = False
 
     @property
     def level(self) -> int:
@@ -187,17 +192,20 @@ class StageCost:
     host: bool = False  # parameters in host memory (``params``: the fetched windows)
     fetch_s: float = 0.0  # host: one micro-batch's transfers
     fetch_overlap: bool = True  # host: the transfers overlap the compute (else they add)
-    window: int = 0  # host: the parameter bytes fetched ahead
+    window: int = 0  # host, full: the parameter bytes fetched ahead
+    full: bool = False  # ZeRO-3: fetch_s its all-gathers, scatter_s its reduce-scatter
+    scatter_s: float = 0.0  # full: one micro-batch's reduce-scatter (beside no compute)
 
     @property
     def time_s(self) -> float:
         """t: the stage's seconds per micro-batch, forward, backward and messages (with its
-        parameters in host memory, the compute or the transfers, the longer)."""
+        parameters in host memory, or fully sharded, the compute or the fetches, the longer,
+        where they overlap; fully sharded, its reduce-scatter after them)."""
         compute = self.fwd_s + self.bwd_s + self.recompute_s
-        if self.host:
+        if self.host or self.full:
             compute = max(compute, self.fetch_s) if self.fetch_overlap else (
                 compute + self.fetch_s)
-        return compute + self.comm_s
+        return compute + self.scatter_s + self.comm_s
 
 
 @dataclass(frozen=True)

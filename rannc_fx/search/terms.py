@@ -67,19 +67,32 @@ class StageTerms:
     params: np.ndarray  # P: parameter bytes
     window: np.ndarray  # W: the largest block's parameter bytes (host_params fetches ahead)
     outs: np.ndarray  # m out + output_bytes (part of ``fixed``)
+    # the parameter and gradient bytes of tensors shared with blocks outside the stage (a
+    # tied embedding and LM head in two stages): a fully sharded stage keeps them whole
+    apart_p: np.ndarray
+    apart_g: np.ndarray
+    apart_s: np.ndarray  # their optimizer state
     m: int  # micro-batches
     host_bw: float = np.inf  # bytes/s device <-> host (host_params' transfers)
     host_overlap: bool = True  # they overlap the compute (else add to it)
 
-    def time(self, rho: int, host: bool = False) -> np.ndarray:
+    def time(self, rho: int, host: bool = False,
+             shard: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """t at recomputation level rho (0 none, 1 the stage's forward again, 2 layer by
         layer, 3 selective: forwards run again before or inside a backward); ``host``:
         the parameters in host memory, their fetches and the gradients' way back overlapped
-        with the compute (the slower of the two), or added to it (``host_overlap`` False)."""
+        with the compute (the slower of the two), or added to it (``host_overlap`` False);
+        ``shard``: fully sharded (ZeRO-3), one micro-batch's all-gathers and reduce-scatter
+        (``variants.shard_s``), the all-gathers fetched ahead as host_params' transfers
+        are, the reduce-scatter after the backward that makes its gradients."""
         compute = self.fb + self.recomputed(rho)
         if host:
             compute = (np.maximum(compute, self.fetch_s(rho)) if self.host_overlap
                        else compute + self.fetch_s(rho))
+        if shard is not None:
+            gather, scatter = shard
+            compute = (np.maximum(compute, gather) if self.host_overlap
+                       else compute + gather) + scatter
         return compute + self.comm
 
     def fetch_s(self, rho: int) -> np.ndarray:
@@ -101,12 +114,28 @@ class StageTerms:
                 else self.act if rho else self.act - self.casts)
 
     def memory(self, n: int | np.ndarray, rho: int,
-               transient: np.ndarray | float = 0.0, host: bool = False) -> np.ndarray:
+               transient: np.ndarray | float = 0.0, host: bool = False,
+               full: np.ndarray | int | None = None) -> np.ndarray:
         """memory_s; ``host``: the parameters, gradients and optimizer state in host memory,
         the device holding two windows of fetched parameters (those in use and those
-        fetched ahead) and a window of gradients on their way back."""
+        fetched ahead) and a window of gradients on their way back; ``full``: the replica
+        counts of a fully sharded stage (ZeRO-3, r > 1), which holds 1 / r of its
+        parameters and gradients, the same two windows gathered and a window of whole
+        gradients before their reduce-scatter (its optimizer state is ZeRO-1's share: the
+        caller takes ``variants.state_saved`` off)."""
         fixed, grads = (self.outs + 2 * self.window, self.window) if host else (
             self.fixed, self.grads)
+        if full is not None:
+            r = np.maximum(np.asarray(full, float), 1.0)
+            sharded, whole = r > 1, 1 - 1 / r
+            # the tensors shared with other stages whole, and their state (the caller takes
+            # off ZeRO-1's saving over the whole state: 1 / r of it is left, and the
+            # shared tensors' state whole)
+            fixed = np.where(sharded, self.fixed - self.params + self.params / r
+                             + whole * self.apart_p + 2 * self.window
+                             + whole * self.apart_s, fixed)
+            grads = np.where(sharded, self.grads / r + whole * self.apart_g + self.window,
+                             grads)
         fixed = fixed + self.shared_casts(rho)
         return stage_memory(fixed, grads, self.held(rho), self.cuts, self.cout,
                             self.ws, n, self.m, reruns(rho), transient,
@@ -172,7 +201,8 @@ class StageTerms:
 
 
 TERMS = ("fb", "fwd", "again", "comm", "fixed", "grads", "act", "casts", "seg", "keep", "redo",
-         "rebuilt", "wheld", "cuts", "cout", "ws", "params", "window", "outs")
+         "rebuilt", "wheld", "cuts", "cout", "ws", "params", "window", "outs", "apart_p",
+         "apart_g", "apart_s")
 
 
 def kept_cuts(cuts: np.ndarray, cout: np.ndarray, n: int | np.ndarray,
@@ -231,6 +261,7 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
     params = np.asarray(table.param_bytes, float)[i, j]
     outs = outputs_held(table, space, k, i, j, m)
     casts = 0.0 * A if table.casts is None else _range(table.casts[k], i, j)
+    apart_p, apart_g = shared_apart(table)
     return StageTerms(
         fb=_range(table.fwd[k] + table.bwd[k], i, j), fwd=F, again=again,
         comm=2 * both / space.link_bandwidth + 2 * space.link_latency * edges,
@@ -243,7 +274,9 @@ def stage_terms(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: 
         wheld=np.where(i == 0, A - casts + both, (1 + HELD) * (A + both) if table.wheld is None
                        else _range(table.wheld[k], i, j)),
         cuts=both, cout=cut[j], ws=np.asarray(ws, float),
-        params=params, window=block_params(table)[i, j], outs=outs, m=m,
+        params=params, window=block_params(table)[i, j], outs=outs,
+        apart_p=apart_p[i, j], apart_g=apart_g[i, j],
+        apart_s=apart_g[i, j] * space.optimizer_state_factor, m=m,
         host_bw=space.host_bandwidth or np.inf, host_overlap=space.host_overlap)
 
 
@@ -269,6 +302,29 @@ def block_params(table: CostTable) -> np.ndarray:
 
 
 _WINDOWS: dict[int, tuple[weakref.ref[CostTable], np.ndarray]] = {}
+
+
+def shared_apart(table: CostTable) -> tuple[np.ndarray, np.ndarray]:
+    """(B + 1, B + 1) twice: [i, j] the parameter and gradient bytes of the tensors that
+    blocks in [i, j) share with blocks outside it (``CostTable.shared``); made once a table."""
+    got = _APART.get(id(table))
+    if got is not None and got[0]() is table:
+        return got[1]
+    B = table.num_blocks
+    ps, gs = np.zeros((B + 1, B + 1)), np.zeros((B + 1, B + 1))
+    edge = np.arange(B + 1)
+    for blocks, pb, gb, _ in table.shared:
+        at = np.searchsorted(np.asarray(sorted(blocks)), edge)  # users before each edge
+        inside = at[None, :] - at[:, None]  # [i, j]: users in [i, j)
+        apart = (inside > 0) & (inside < len(blocks))
+        ps += apart * pb
+        gs += apart * gb
+    _APART[id(table)] = (weakref.ref(table), (ps, gs))
+    weakref.finalize(table, _APART.pop, id(table), None)
+    return ps, gs
+
+
+_APART: dict[int, tuple[weakref.ref[CostTable], tuple[np.ndarray, np.ndarray]]] = {}
 
 
 def outputs_held(table: CostTable, space: SearchSpace, k: int, i: np.ndarray, j: np.ndarray,

@@ -43,7 +43,8 @@ class ZeroBubble:
         stage is left below ``below`` (its cheapest t + u); ``queue``: three stages or more
         (``zbh1_times``); ``stages``: the view is of plans of that many stages (0: any)."""
         reps = self.cands.replicas(m)
-        kinds = [v for v in self.cands.kinds if not VARIANTS[v].recompute and not VARIANTS[v].host]
+        kinds = [v for v in self.cands.kinds if not VARIANTS[v].recompute and not VARIANTS[v].host
+                 and not VARIANTS[v].full]
         if not len(reps) or not kinds:
             return None
         sp, R, K = self.cands.space, len(reps), len(kinds)

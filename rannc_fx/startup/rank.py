@@ -52,6 +52,7 @@ from ..progress import note
 from ..runtime import BatchSizes, StageExecutor
 from ..runtime.accumulation import Accumulation
 from ..runtime.comm import Groups, agree
+from ..runtime.full_shard import shard_stages
 from ..runtime.lane import LaneModules, graph_modules
 from ..runtime.trainable import Trainable
 from ..runtime.zero import shard_optimizer
@@ -198,6 +199,7 @@ def set_up_rank(
         _sync(stages, plan, layout, batches.default.groups, device)  # rank 0 holds them all
     free_others(model, stage, placement)
     trainable.own_groups()  # the optimizer keeps only the stage's parameters
+    shard_stages(plan, modules, rank, optimizer)  # ZeRO-3: each replica keeps its rows
     shard_optimizer(
         optimizer, plan, rank, dict(modules),
         lambda: batches.default.groups,  # type: ignore[union-attr]

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..plan.device import device_of
 from ..runtime.comm import agree
+from ..runtime.full_shard import rows_in, rows_of, saved, saved_whole
 from ..runtime.zero import paused, steps
 from .gather import gather_full
 
@@ -92,11 +93,30 @@ def get_state_dict(
     ranks get two empty dicts. Every rank must call it then.
     """
     names, device = _view(model)
-    msd = {k: t.detach() for k, t in names.local.items()}
-    osd = _optim_flat(optimizer, names) if optimizer is not None else {}
+    form = _whole if full else _sharded
+    msd = {k: form(t.detach(), t) for k, t in names.local.items()}
+    osd = _optim_flat(optimizer, names, form) if optimizer is not None else {}
     if full:
         return gather_full(msd, osd, device)
     return msd, osd
+
+
+def _sharded(t: torch.Tensor, param: torch.Tensor) -> Any:
+    """``t`` (``param`` or a tensor of its state) as a checkpoint holds it: where ``param``
+    holds rows of a fully sharded parameter (ZeRO-3) and ``t`` has their shape, the DTensor
+    of the whole tensor (``full_shard.saved``)."""
+    rows = rows_of(param)
+    if rows is None or not isinstance(t, torch.Tensor) or t.shape != param.shape or not t.dim():
+        return t
+    return saved(t, rows)
+
+
+def _whole(t: torch.Tensor, param: torch.Tensor) -> Any:
+    """As ``_sharded``, the whole tensor gathered (``full=True``; every replica calls it)."""
+    rows = rows_of(param)
+    if rows is None or not isinstance(t, torch.Tensor) or t.shape != param.shape or not t.dim():
+        return t
+    return saved_whole(t, rows)
 
 
 def set_state_dict(
@@ -128,7 +148,8 @@ def set_state_dict(
             loaded = []
             for t, keys in _tensors(names):
                 src = next(model_state_dict[k] for k in keys if k in model_state_dict)
-                t.copy_(src)
+                rows = rows_of(t)
+                t.copy_(src if rows is None else rows_in(src, rows))
                 loaded.append(t)
             _mark_loaded(model, loaded)
     if optimizer is not None and optim_state_dict is not None:
@@ -148,8 +169,9 @@ def load_local(model: nn.Module, sd: Mapping[str, Any], *, strict: bool = True) 
             key = next((k for k in keys if k in sd), None)
             if key is None:
                 missing.extend(keys)
-            elif tuple(sd[key].shape) == tuple(t.shape):
-                t.copy_(sd[key])
+            elif tuple(sd[key].shape) == names.shapes[key][0]:
+                rows = rows_of(t)
+                t.copy_(sd[key] if rows is None else rows_in(sd[key], rows))
                 loaded.append(t)
     _mark_loaded(model, loaded)
     unexpected = [k for k in sd if k not in names.shapes]
@@ -215,7 +237,8 @@ def _check_model(names: StateNames, sd: Mapping[str, Any]) -> list[str]:
 # -- the optimizer ---------------------------------------------------------------------------
 
 
-def _optim_flat(optimizer: torch.optim.Optimizer, names: StateNames) -> dict[str, Any]:
+def _optim_flat(optimizer: torch.optim.Optimizer, names: StateNames,
+                form: Any = None) -> dict[str, Any]:
     by_id = names.names_of()
     fresh = _fresh_state(optimizer)
     mine = steps(optimizer)  # ZeRO-1: the state of this replica's share only
@@ -231,6 +254,8 @@ def _optim_flat(optimizer: torch.optim.Optimizer, names: StateNames) -> dict[str
                     "over the model's parameters)"
                 )
             state = (optimizer.state.get(p) or fresh.get(p, {})) if mine(p) else {}
+            if form is not None:
+                state = {k: form(v, p) for k, v in state.items()}
             for name in keys:
                 out.update({f"state.{name}.{k}": v for k, v in state.items()})
                 out.update({f"param_groups.{name}.{k}": v for k, v in settings.items()})
@@ -377,7 +402,9 @@ def _load_optim(optimizer: torch.optim.Optimizer, names: StateNames,
             keys = by_id.get(id(p), [])
             _, given = flat.first("state", keys)
             if given and mine(p):
-                state[index] = dict(given)
+                rows = rows_of(p)  # ZeRO-3: the rows of what the checkpoint holds
+                state[index] = dict(given) if rows is None else {
+                    k: rows_in(v, rows) for k, v in given.items()}
             _, saved = flat.first("param_groups", keys)
             settings.update({k: v for k, v in saved.items() if k in settings})
             ids.append(index)

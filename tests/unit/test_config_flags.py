@@ -73,7 +73,7 @@ def test_flags_give_the_config_they_spell() -> None:
 @pytest.mark.parametrize("flags, says", [
     (("--stages", "0"), "--stages 0 (Config.stages): Input should be greater than or equal to 1"),
     (("--schedule", "gpipe2"), "--schedule gpipe2 (Config.schedule): Input should be 'gpipe', "),
-    (("--zero", "3"), "--zero 3 (Config.zero): Input should be 0, 1 or 2"),
+    (("--zero", "4"), "--zero 4 (Config.zero): Input should be 0, 1, 2 or 3"),
     (("--micro-batches", "64"), "micro_batches=64 exceeds max_micro_batches=32; raise "
      "max_micro_batches too (as flags: micro_batches is --micro-batches, max_micro_batches is "
      "--max-micro-batches)"),

@@ -210,7 +210,7 @@ def outcome(fn, table: CostTable, space: SearchSpace) -> SearchResult | None:
 
 
 _TIMES = ("fwd_s", "bwd_s", "recompute_s", "comm_s", "allreduce_s", "optimizer_s",
-          "accumulate_s", "gather_s", "host_s")
+          "accumulate_s", "gather_s", "host_s", "scatter_s")
 _BYTES = ("params", "grads", "optimizer_state", "activations", "comm_buffers", "workspace",
           "outputs", "overlap", "host_state")
 
@@ -242,6 +242,9 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
         assert all(s.selective == (space.selective and s.level > 0) for s in st)
     if space.host_params is not None:
         assert all(s.host == space.host_params for s in st)
+    if space.full_shard is not None:
+        assert all(s.full == (space.full_shard and s.replicas > 1) for s in st)
+    assert all(not s.full or (s.zero and not s.offload and not s.host) for s in st)
     assert all(not (s.host and (s.zero or s.offload)) for s in st)
     assert all(s.recompute or not s.layers for s in st)
     assert all(not (s.selective and s.recompute) for s in st)
@@ -252,8 +255,8 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
     assert res.evaluation.step_s == pytest.approx(step, rel=1e-9, abs=1e-12)
     for c, f in zip(res.evaluation.stages, figs, strict=True):
         assert (c.samples, c.in_flight, c.recompute, c.selective, c.zero, c.offload,
-                c.host) == (f.samples, f.in_flight, f.recompute, f.selective, f.zero,
-                            f.offload, f.host)
+                c.host, c.full) == (f.samples, f.in_flight, f.recompute, f.selective, f.zero,
+                                    f.offload, f.host, f.full)
         for name in _TIMES:
             assert getattr(c, name) == pytest.approx(getattr(f, name), rel=1e-9, abs=1e-12)
         for name in _BYTES:  # StageCost rounds each part to whole bytes
@@ -264,14 +267,17 @@ def check_result(table: CostTable, space: SearchSpace, res: SearchResult) -> Non
     for k, (s, f) in enumerate(zip(st, figs, strict=True)):  # the policy: a variant only
         first = sum(x.replicas for x in st[:k])  # where needed, at the stage's ranks
         args = (table, space, s.start, s.end, s.replicas, m, f.in_flight)
-        if s.level or s.host:  # no variant earlier in the chain fits (recomputation's order:
-            # 0, 3, 1, 2; the parameters in host memory after all of those)
-            mine = (s.host, _CHAIN_RANK[s.level])
-            for rho, zeta, omega, h in allowed(space, table):
-                g = stage_figures(*args, rho, zeta, omega, h, first=first, stage=k, stages=len(st))
-                assert (h, _CHAIN_RANK[rho]) >= mine or g.memory > space.memory_budget * (1 - SLACK) or \
+        if s.level or s.host or s.full:  # no variant earlier in the chain fits
+            # (recomputation's order: 0, 3, 1, 2, fully sharded after the others at each; the
+            # parameters in host memory after all of those)
+            mine = (s.host, _CHAIN_RANK[s.level], s.full)
+            for rho, zeta, omega, h, phi in allowed(space, table):
+                g = stage_figures(*args, rho, zeta, omega, h, phi, first=first, stage=k,
+                                  stages=len(st))
+                assert (h, _CHAIN_RANK[rho], phi) >= mine or g.memory > space.memory_budget * (1 - SLACK) or \
                     g.host_state > space.host_budget or (  # or its sharded twin is faster
-                        not zeta and not h and (rho, True, omega, False) in allowed(space, table)
+                        not zeta and not h and (rho, True, omega, False, False)
+                        in allowed(space, table)
                         and stage_figures(*args, rho, True, omega, first=first, stage=k,
                                           stages=len(st)).u < g.u)
         if s.zero and space.zero is None and not s.offload:  # its twin: no fit, or more u
@@ -309,7 +315,7 @@ def test_matches_brute_force_small(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seen = {"none fits": 0, "plain fits": 0, "needs recompute or 1f1b": 0, "1f1b": 0,
             "recompute": 0, "zero": 0, "zero and recompute": 0, "offload": 0, "layers": 0,
-            "selective": 0}
+            "selective": 0, "full": 0}
     for _ in range(200):
         got, want = compare(*random_case(rng, 6, 5, tight=0.5))
         if got is None:
@@ -323,12 +329,52 @@ def test_matches_brute_force_small(seed: int) -> None:
         seen["offload"] += any(s.offload for s in got.stages)
         seen["layers"] += any(s.layers for s in got.stages)
         seen["selective"] += any(s.selective for s in got.stages)
+        seen["full"] += any(s.full for s in got.stages)
     # every outcome is exercised, and plans that only recomputation or 1F1B make fit are many
     assert 20 < seen["none fits"] < 110 and seen["plain fits"] > 20, seen
     assert seen["needs recompute or 1f1b"] > 15, seen
     assert seen["1f1b"] > 15 and seen["recompute"] > 15, seen
     assert seen["zero"] > 15 and seen["zero and recompute"] > 2, seen
     assert seen["offload"] > 10 and seen["layers"] > 2 and seen["selective"] > 2, seen
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_brute_force_fully_sharded(seed: int) -> None:
+    """ZeRO-3 (parameters, gradients and state sharded, gathered at each use) as the policy
+    runs it: searched (after the other ways to hold the state at each recomputation level:
+    here without offloading, so right after ZeRO-1) or forced on every stage with replicas,
+    on one node and on nodes of 2, with a tensor the first and last blocks share (whole on a
+    fully sharded stage that holds one of them only), against the oracle's own statement of
+    its terms."""
+    rng = np.random.default_rng(100 + seed)
+    seen = {"full": 0, "full and recompute": 0, "none fits": 0, "forced": 0, "nodes": 0,
+            "shared": 0}
+    for _ in range(200):
+        table, space = random_case(rng, 5, 6, tight=0.5)
+        B = table.num_blocks
+        if B >= 2 and rng.uniform() < 0.5:  # a tensor the first and last blocks share
+            pb, gb = table.param_bytes, table.grad_bytes
+            table = dataclasses.replace(table, shared=((
+                (0, B - 1), 0.5 * float(min(pb[0, 1], pb[B - 1, B])),
+                0.5 * float(min(gb[0, 1], gb[B - 1, B])), 0.0),))
+            seen["shared"] += 1
+        forced = bool(rng.uniform() < 0.5)
+        space = dataclasses.replace(space, offload=False, full_shard=True if forced else None,
+                                    zero=True if forced else space.zero, host_params=False,
+                                    host_overlap=bool(rng.uniform() < 0.5))
+        if space.world_size in (4, 6) and space.replicas is None and rng.uniform() < 0.4:
+            space = dataclasses.replace(space, devices_per_node=2,
+                                        network_bandwidth=space.link_bandwidth / 4)
+            seen["nodes"] += 1
+        got, _ = compare(table, space)
+        if got is None:
+            seen["none fits"] += 1
+            continue
+        seen["full"] += any(s.full for s in got.stages)
+        seen["forced"] += forced and any(s.full for s in got.stages)
+        seen["full and recompute"] += any(s.full and s.level for s in got.stages)
+    assert seen["full"] > 15 and seen["forced"] > 8 and seen["full and recompute"] > 1, seen
+    assert seen["none fits"] < 120 and seen["nodes"] > 5 and seen["shared"] > 30, seen
 
 
 def host_case(rng: np.random.Generator) -> tuple[CostTable, SearchSpace]:

@@ -218,7 +218,8 @@ def test_bad_nodes_are_refused_with_the_way_out() -> None:
 
 def test_partition_over_two_nodes_shows_each_ranks_node_and_pays_the_network() -> None:
     """The same model on 16 h100s as one stage x 16: as 2 nodes of 8 (the preset's DGX
-    nodes) its all-reduce takes longer than in one node of 16, and the summary says which
+    nodes) its all-reduce takes longer than in one node of 16 (fully sharded, its gathers
+    and reduce-scatters), and the summary says which
     node each stage's ranks are on; planned for 8 ranks, the nodes change nothing."""
     import torch
 
@@ -228,10 +229,17 @@ def test_partition_over_two_nodes_shows_each_ranks_node_and_pays_the_network() -
         model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
     args = (torch.randn(32, 2048, device="meta"),)
     plans = {N: partition(model, args, world_size=16, device="h100-80gb",
-                          config=Config(replicas=(16,), devices_per_node=N)).plan
+                          config=Config(replicas=(16,), devices_per_node=N, zero=0)).plan
              for N in (8, 16)}
     two, one = plans[8], plans[16]
     assert two.stages[0].allreduce_ms > one.stages[0].allreduce_ms > 0
+    # fully sharded (ZeRO-3), its gathers and reduce-scatters cross the network too
+    full = {N: partition(model, args, world_size=16, device="h100-80gb",
+                         config=Config(replicas=(16,), devices_per_node=N, zero=3)).plan
+            for N in (8, 16)}
+    assert [p.stages[0].zero for p in full.values()] == [3, 3]
+    assert full[8].stages[0].scatter_ms > full[16].stages[0].scatter_ms > 0
+    assert full[8].stages[0].fetch_ms > full[16].stages[0].fetch_ms > 0
     assert "2 nodes of 8 devices" in two.summary() and "nodes of" not in one.summary()
     row = two.summary().splitlines()[3].split()
     assert row[-2:] == ["0-15", "0-1"], two.summary()

@@ -90,13 +90,15 @@ def test_zbv_with_recomputation_holds_what_r_rebuilt_until_w():
 
 @functools.cache
 def _whole() -> int:
-    """What the WIDE GPT's one-stage plan on 4 V100s needs of a device."""
-    return _plan(world=4).stages[0].memory.total
+    """What the WIDE GPT's one-stage plan on 4 V100s needs of a device, its optimizer state
+    sharded (ZeRO-1) and its parameters whole on each."""
+    return _plan(world=4, zero=1).stages[0].memory.total
 
 
 def _tight(world: int) -> dict[str, Any]:
     """A memory budget under which the search pipelines the WIDE GPT on ``world`` V100s: 0.3
-    of what its one-stage plan on 4 ranks needs."""
+    of what its one-stage plan on 4 ranks needs (fully sharded, ZeRO-3, a stage of several
+    ranks would fit it: ZeRO as the search chose it before it had that)."""
     return dict(world=world, device_memory=int(0.3 * _whole()), memory_margin=0.0)
 
 
@@ -107,7 +109,7 @@ def test_interleaving_is_tried_on_other_lanes_than_the_searched_ones(monkeypatch
     lanes of 2 ranks, on 2.15, which counts attention's FLOPs, plain 1F1B.)"""
     import rannc_fx.planner.virtual as virtual
 
-    tight = _tight(8)
+    tight = {**_tight(8), "zero": 0}  # fully sharded, one stage of 8 would win
     tried: list[tuple[int, ...]] = []
     variant = virtual._variant
 
@@ -143,6 +145,8 @@ def test_the_bounds_that_skip_lanes_hold_and_skip_no_better_plan():
     model, args, kwargs = gpt_example(batch=16, **WIDE)
     a = analyze(model, args, kwargs, world_size=8, device="v100-32gb", config=test_config(
         device_memory=tight["device_memory"], memory_margin=0.0))
+    # no stage fully sharded: a pipeline of eight stages of one rank, as the test needs
+    a = replace(a, space=replace(a.space, full_shard=False))
     result = run_search(a.table, a.space)
     choices = lane_choices(a, result)
     assert len(choices) > 8 and choices[0].replicas == (1,) * 8
