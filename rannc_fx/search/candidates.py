@@ -271,7 +271,7 @@ class Candidates:
             cols = np.flatnonzero(ks == k)
             terms = self.terms(k, m).take(rows)
             wide, rr = terms.column(), reps[cols]
-            times = {_rh(v): self.times(terms, v, rr) for v in self.kinds}
+            times = {_rh(v): self.times(terms, v, rr, wide) for v in self.kinds}
             us = np.zeros((P, len(cols), len(VARIANTS)))
             for v in self.kinds:
                 us[:, :, v] = self._u(m, times[_rh(v)], rr, rows, v)
@@ -351,7 +351,7 @@ class Candidates:
             wide = terms.column()
             for v in self.kinds:
                 rho, host, sharded = _rh(v)
-                T[:, cols, v] = self.times(terms, v, reps[cols])
+                T[:, cols, v] = self.times(terms, v, reps[cols], wide)
                 FIT[:, cols, v] = max_in_flight(wide, rho, m, sp.memory_budget,
                                                 *self.offsets(v, reps[cols][None, :], rows, m),
                                                 host=host,
@@ -382,16 +382,18 @@ class Candidates:
                                         v.full)
         return self._fixed[key]
 
-    def times(self, terms: StageTerms, kind: int, reps: np.ndarray) -> np.ndarray:
+    def times(self, terms: StageTerms, kind: int, reps: np.ndarray,
+              wide: StageTerms | None = None) -> np.ndarray:
         """(stages of ``terms``, replica counts ``reps``): t as variant ``kind``; only a
-        fully sharded stage's depends on its replica count (its collectives span them)."""
+        fully sharded stage's depends on its replica count (its collectives span them).
+        ``wide``: ``terms.column()``, where the caller has it."""
         v = VARIANTS[kind]
         if not v.full:
             return np.broadcast_to(terms.time(v.recompute, v.host)[:, None],
                                    (len(terms.fb), len(reps)))
         shard = shard_s(self.space, terms.params[:, None], terms.grads[:, None],
                         np.asarray(reps)[None, :], v.recompute)
-        return terms.column().time(v.recompute, shard=shard)
+        return (terms.column() if wide is None else wide).time(v.recompute, shard=shard)
 
 
 def _rh(kind: int) -> tuple[int, bool, bool]:
