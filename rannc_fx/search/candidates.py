@@ -34,6 +34,7 @@ from .terms import StageTerms, block_params, stage_terms
 from .variants import (
     VARIANTS,
     after_transient,
+    dominated,
     host_bytes,
     host_state,
     shard_s,
@@ -42,23 +43,7 @@ from .variants import (
     variants,
 )
 
-__all__ = ["TWIN", "Candidates", "dominated"]
-
-# each unsharded variant's sharded twin: the same recomputation and offloading
-TWIN = {k: next(j for j, w in enumerate(VARIANTS)
-                 if w.zero and (w.recompute, w.offload) == (v.recompute, v.offload))
-         for k, v in enumerate(VARIANTS) if not (v.zero or v.host or v.full)}
-
-
-def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
-    """(..., variants): an unsharded variant whose sharded twin is allowed and has a smaller u
-    (the twin's memory is never more and its t the same: the stage takes the twin)."""
-    out = np.zeros(u.shape, bool)
-    for v in kinds:
-        if v in TWIN and TWIN[v] in kinds:
-            out[..., v] = u[..., TWIN[v]] < u[..., v]
-    return out
-
+__all__ = ["Candidates"]
 
 class Candidates:
     """Every stage of a space, costed per micro-batch count."""

@@ -19,8 +19,9 @@ import numpy as np
 from .nodes import collective_s
 from .problem import SearchSpace, StageChoice
 
-__all__ = ["VARIANTS", "Variant", "after_transient", "allreduce_s", "choice", "host_bytes",
-           "host_state", "host_step_s", "shard_s", "state_saved", "update_s", "variants"]
+__all__ = ["TWIN", "VARIANTS", "Variant", "after_transient", "allreduce_s", "choice", "dominated",
+           "host_bytes", "host_state", "host_step_s", "shard_s", "state_saved", "update_s",
+           "variants"]
 
 
 def after_transient(space: SearchSpace, grad: np.ndarray, reps: np.ndarray,
@@ -153,6 +154,23 @@ VARIANTS: tuple[Variant, ...] = tuple(
                                 (True, True, False), (False, True, False),
                                 (True, False, True))) + tuple(
     Variant(rho, False, False, True) for rho in (0, 3, 1, 2))
+
+
+# each unsharded variant's sharded twin: the same recomputation and offloading
+TWIN = {k: next(j for j, w in enumerate(VARIANTS)
+                 if w.zero and (w.recompute, w.offload) == (v.recompute, v.offload))
+         for k, v in enumerate(VARIANTS) if not (v.zero or v.host or v.full)}
+
+
+def dominated(u: np.ndarray, kinds: list[int]) -> np.ndarray:
+    """(..., variants): an unsharded variant whose sharded twin is allowed and has a smaller u
+    (the twin's memory is never more and its t the same: the stage takes the twin)."""
+    out = np.zeros(u.shape, bool)
+    for v in kinds:
+        if v in TWIN and TWIN[v] in kinds:
+            out[..., v] = u[..., TWIN[v]] < u[..., v]
+    return out
+
 
 
 def choice(start: int, end: int, replicas: int, kind: int) -> StageChoice:

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from ..schedules.kinds import ZBH1
-from .candidates import TWIN, Candidates
+from .candidates import Candidates
 from .inflight import Positioned
 from .terms import StageTerms
-from .variants import VARIANTS
+from .variants import TWIN, VARIANTS
 
 __all__ = ["ZeroBubble", "fits"]
 

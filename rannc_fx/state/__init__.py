@@ -2,6 +2,7 @@
 world size.
 
     checkpoint  get_state_dict / set_state_dict: this rank's part, checked before loading
+    optim_state the optimizer's part, under the parameters' names
     gather      full=True: every rank's part on rank 0's CPU, one copy of each tensor
 """
 
