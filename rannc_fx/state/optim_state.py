@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..runtime.full_shard import rows_in, rows_of
 from ..runtime.zero import paused, steps
-
-if TYPE_CHECKING:
-    from .checkpoint import StateNames
+from .names import StateNames
 
 __all__ = ["check_optim", "load_optim", "optim_flat", "show"]
 
