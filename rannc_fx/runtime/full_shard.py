@@ -99,7 +99,7 @@ def sharded_in(plan: Plan, stage: int, module: nn.Module) -> list[nn.Parameter]:
     named = dict(module.named_parameters(remove_duplicate=False))
     skip = {id(p) for n, p in named.items() if n in shared}
     return list({id(p): p for p in named.values()
-                 if id(p) not in skip and (p.dim() >= 1 or id(p) in _ROWS)}.values())
+                 if id(p) not in skip and p.dim() >= 1}.values())
 
 
 def shard_stages(plan: Plan, modules: Mapping[int, nn.Module], rank: int,
@@ -143,13 +143,23 @@ def _settle(work: Any, rows: Rows, groups: Groups, what: str, device: torch.devi
                ranks=groups.stage_ranks[rows.stage], groups=groups, cpu=device.type == "cpu")
 
 
+def _gather(t: torch.Tensor, rows: Rows, groups: Groups, device: torch.device
+            ) -> tuple[torch.Tensor, Any]:
+    """Start the all-gather of every replica's rows of which ``t`` is this one's: the padded
+    whole on ``device`` (its first ``rows.shape[0]`` rows the tensor), and the work."""
+    out = torch.empty((rows.chunk * rows.replicas, *rows.shape[1:]), dtype=t.dtype,
+                      device=device)
+    with torch.no_grad():
+        mine = _padded(t.detach(), rows)
+        work = dist.all_gather_single(out, mine, group=groups.stage[rows.stage],
+                                      async_op=True)
+    return out, work
+
+
 def gather_whole(t: torch.Tensor, rows: Rows, groups: Groups) -> torch.Tensor:
     """The whole tensor of which every replica holds ``t``, its rows (a parameter, or a
     tensor of its optimizer state), on every replica; synchronous."""
-    out = torch.empty((rows.chunk * rows.replicas, *rows.shape[1:]), dtype=t.dtype,
-                      device=t.device)
-    mine = _padded(t.detach(), rows)
-    work = dist.all_gather_single(out, mine, group=groups.stage[rows.stage], async_op=True)
+    out, work = _gather(t, rows, groups, t.device)
     _settle(work, rows, groups, "all-gather", t.device)
     return out[: rows.shape[0]]
 
@@ -206,14 +216,8 @@ class FullShard(HostParams):
         return _ROWS[id(p)].shape
 
     def _copy(self, p: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
-        rows = _ROWS[id(p)]
-        out = torch.empty((rows.chunk * rows.replicas, *rows.shape[1:]), dtype=p.dtype,
-                          device=self.device)
+        out, work = _gather(p, _ROWS[id(p)], self.groups, self.device)
         self.fetched_bytes += out.nbytes
-        with torch.no_grad():
-            mine = _padded(p.detach(), rows)
-            work = dist.all_gather_single(out, mine, group=self.groups.stage[rows.stage],
-                                          async_op=True)
         return out, work
 
     def _take(self, p: torch.Tensor) -> torch.Tensor:

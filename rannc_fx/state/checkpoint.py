@@ -73,18 +73,22 @@ def _sharded(t: torch.Tensor, param: torch.Tensor) -> Any:
     """``t`` (``param`` or a tensor of its state) as a checkpoint holds it: where ``param``
     holds rows of a fully sharded parameter (ZeRO-3) and ``t`` has their shape, the DTensor
     of the whole tensor (``full_shard.saved``)."""
-    rows = rows_of(param)
-    if rows is None or not isinstance(t, torch.Tensor) or t.shape != param.shape or not t.dim():
-        return t
-    return saved(t, rows)
+    rows = _rows(t, param)
+    return t if rows is None else saved(t, rows)
 
 
 def _whole(t: torch.Tensor, param: torch.Tensor) -> Any:
     """As ``_sharded``, the whole tensor gathered (``full=True``; every replica calls it)."""
+    rows = _rows(t, param)
+    return t if rows is None else saved_whole(t, rows)
+
+
+def _rows(t: Any, param: torch.Tensor) -> Any:
+    """The rows ``param`` holds where ``t`` is a tensor of theirs (not a 0-d step count)."""
     rows = rows_of(param)
     if rows is None or not isinstance(t, torch.Tensor) or t.shape != param.shape or not t.dim():
-        return t
-    return saved_whole(t, rows)
+        return None
+    return rows
 
 
 def set_state_dict(

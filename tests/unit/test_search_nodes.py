@@ -240,6 +240,12 @@ def test_partition_over_two_nodes_shows_each_ranks_node_and_pays_the_network() -
     assert [p.stages[0].zero for p in full.values()] == [3, 3]
     assert full[8].stages[0].scatter_ms > full[16].stages[0].scatter_ms > 0
     assert full[8].stages[0].fetch_ms > full[16].stages[0].fetch_ms > 0
+    # ZeRO left to the search: the stage fits whole, so the chain alone keeps it whole; the
+    # planner's pass over every stage fully sharded finds that faster and keeps it
+    searched = partition(model, args, world_size=16, device="h100-80gb",
+                         config=Config(replicas=(16,), devices_per_node=8)).plan
+    assert searched.stages[0].zero == 3
+    assert searched.predicted_step_ms == full[8].predicted_step_ms < two.predicted_step_ms
     assert "2 nodes of 8 devices" in two.summary() and "nodes of" not in one.summary()
     row = two.summary().splitlines()[3].split()
     assert row[-2:] == ["0-15", "0-1"], two.summary()
