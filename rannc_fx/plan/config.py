@@ -206,9 +206,10 @@ class Config(BaseModel):
     )
     cost_model: Literal["auto", "measured", "analytic"] = Field(
         default="auto",
-        description="how op costs are found: 'measured' (timed on the device), 'analytic' "
-        "(from FLOPs and bytes), 'auto' = measured where the model's tensors are on the rank's "
-        "device, analytic for a meta-device model or one elsewhere",
+        description="how op costs are found: 'measured' (timed on the device; a meta-device "
+        "model, or one elsewhere, has each distinct op made real there, timed and freed), "
+        "'analytic' (from FLOPs and bytes), 'auto' = measured on a torch device (the rank's), "
+        "analytic for a DeviceSpec or preset",
     )
     batch_dim: int = Field(default=0, ge=0, description="batch dimension of the inputs")
     dynamic_dims: Literal["auto", "batch"] | tuple[str, ...] = Field(

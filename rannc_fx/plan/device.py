@@ -140,7 +140,9 @@ class DeviceSpec(BaseModel):
     devices_per_node: int | None = Field(default=None, ge=1)
     network_bandwidth: float | None = Field(default=None, gt=0)
     network_latency: float = Field(default=0.0, ge=0)
-    # Fraction of peak that real kernels reach; the analytic cost model divides by it.
+    # Fraction of peak that real kernels reach; the analytic cost model divides by it. 0.5 is
+    # an assumption, neither measured here nor taken from a published benchmark: plans for a
+    # torch device measure each op there instead (``profile/materialize`` for a meta model).
     efficiency: float = Field(default=0.5, gt=0, le=1)
 
     @property

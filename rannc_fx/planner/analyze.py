@@ -6,11 +6,12 @@ It starts from ``captured.capture_model`` (capture and shapes on the example bat
 The costs are for a ``Target``: the device's figures and the one rule that picks the cost
 model (``pick_target``), for ``partition()`` and ``compile()`` alike:
 
-    measured   the model's tensors are on the device the plan is for: each op is timed there
-    analytic   a meta-device model (nothing to time), a model elsewhere than that device (it
-               would be timed on the wrong hardware), a ``DeviceSpec`` or preset name (no
-               device at all), or ``Config.cost_model="analytic"``: FLOPs and bytes priced
-               with the spec
+    measured   the plan is for a torch device: each op is timed there; a model whose tensors
+               are elsewhere (built on the meta device, or on another device) runs on fakes
+               and each op it profiles is made real on that device, timed and freed
+               (``profile/materialize``), so a model of any size is costed on its own kernels
+    analytic   a ``DeviceSpec`` or preset name (no device at all), or
+               ``Config.cost_model="analytic"``: FLOPs and bytes priced with the spec
 
 ``partition()`` picks for the ``device`` it is given (default: where the model is);
 ``compile()`` picks for the rank's device, with the link figures it measured between ranks
@@ -222,9 +223,10 @@ def pick_target(
         run = _indexed(torch.device(device) if device is not None else home)
         if run.type == "meta":
             raise ValueError(
-                "the model's parameters are on the meta device, so nothing can be measured; "
-                f"pass device=<a preset: {', '.join(DeviceSpec.presets())}> or a DeviceSpec "
-                "to plan it with the analytic cost model"
+                "the model's parameters are on the meta device, so there is nothing to measure "
+                "on: pass device=<a torch device, e.g. torch.device('cuda')> to measure its ops "
+                f"there, or a preset ({', '.join(DeviceSpec.presets())}) or a DeviceSpec to plan "
+                "it with the analytic cost model"
             )
         spec = spec or DeviceSpec.of(run)
     links = {
@@ -236,20 +238,13 @@ def pick_target(
         "network_latency": config.network_latency,
     }
     spec = spec.model_copy(update={k: v for k, v in links.items() if v is not None})
-    elsewhere = run is None or _indexed(home) != run  # a meta home is always elsewhere
-    if config.cost_model == "measured" and elsewhere:
-        why = (
-            "they are on the meta device" if home.type == "meta"
-            else f"device={spec.name!r} is a spec, not a device" if run is None
-            else f"they are on {home} and the plan is for {run}"
-        )  # fmt: skip
-        fix = f" or build the model on {run}" if run is not None else ""
+    if config.cost_model == "measured" and run is None:
         raise ValueError(
-            f"cost_model='measured' times the model's ops where its tensors are, but {why}: "
-            f"use cost_model='auto' (analytic here){fix}"
+            f"cost_model='measured' times the model's ops on a device, but device={spec.name!r} "
+            "is a spec, not a device: pass a torch device, or use cost_model='auto' (analytic "
+            "here)"
         )
-    measured = config.cost_model != "analytic" and not elsewhere
-    return Target(spec, run if measured else None)
+    return Target(spec, run if config.cost_model != "analytic" else None)
 
 
 def launched_node_size(world: int | None = None) -> int | None:

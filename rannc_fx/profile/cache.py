@@ -96,8 +96,12 @@ def module_sig(m: nn.Module, memo: dict[int, str] | None = None) -> str:
     return sig
 
 
-def op_key(node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any, memo: dict[int, str]) -> str:
-    """The cache key of ``node`` called with these (real or fake) arguments."""
+def op_key(node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any, memo: dict[int, str],
+           state: tuple[int, ...] = ()) -> str:
+    """The cache key of ``node`` called with these (real or fake) arguments, of which the
+    input tensors at ``state`` (positions in ``tensors((args, kwargs))``) are parameters,
+    buffers or views of them (what the op saves of them, and what its split backward holds
+    for their gradients, is not an activation's)."""
     if node.op == "call_module":
         op = "module:" + module_sig(gm.get_submodule(str(node.target)), memo)
     elif node.op == "call_method":
@@ -105,6 +109,8 @@ def op_key(node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any, memo: dict
     else:
         op = qualname(node.target)
     text = f"{op}|{arg_sig(args, memo)}|{arg_sig(kwargs, memo)}"
+    if state:
+        text += f"|state:{state}"
     return hashlib.sha1(text.encode()).hexdigest()
 
 

@@ -101,7 +101,9 @@ class OpTracker(TorchDispatchMode):
         self.current = self.peak = 0
         self.moved = 0
         self.kept: dict[int, int] = {}  # storage -> bytes
-        self.kept_flops = self.kept_moved = 0
+        # every storage a kept op made, once: a freed one's address comes back for the next
+        self._kept_refs: dict[int, StorageWeakRef] = {}
+        self.kept_bytes = self.kept_flops = self.kept_moved = 0
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
@@ -121,7 +123,12 @@ class OpTracker(TorchDispatchMode):
             for t in outs:
                 sid = storage_id(t)
                 if sid not in self.known:
-                    self.kept[sid] = t.untyped_storage().nbytes()
+                    st = t.untyped_storage()
+                    ref = self._kept_refs.get(sid)
+                    if ref is None or ref.expired():
+                        self._kept_refs[sid] = StorageWeakRef(st)
+                        self.kept_bytes += st.nbytes()
+                    self.kept[sid] = st.nbytes()
         for t in outs:
             sid = storage_id(t)
             if sid not in self.known and sid not in self.live:

@@ -5,7 +5,9 @@ A :class:`NodeRunner` turns a node and its input values into an ``OpCall`` and p
 the next nodes' inputs as leaves (detached, ``requires_grad`` kept), so each node's backward
 covers that node alone. The runner's ``session`` keeps the model as it was: analytic runs see
 fake twins of the parameters and buffers; measured runs restore buffers (BatchNorm running
-statistics) and the RNG state afterwards.
+statistics) and the RNG state afterwards. A model whose tensors are not on the device it is
+measured on (a meta-device model, or one built elsewhere) runs on fakes as an analytic one
+does, and each op it profiles is made real on the device and timed there (``materialize``).
 
 Fake tensors all carry one device, the graph's *home* device (:func:`home_device`): the
 model's, or ``meta`` for a meta model. The captured graph bakes that device into ops that make
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -30,13 +32,14 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
-from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.graph import inputs_for_samples
+from ..plan.device import DeviceSpec
 from .cache import device_name, qualname
-from .fakes import computes_as, retarget
+from .fakes import computes_as, fake_device, retarget
 from .instruments import differentiable, storage_id
+from .materialize import Materializer, ModuleCall, measure_real
 from .opcost import OpCall, OpCost, count_op, measure_op, run_op
 from .opcost_bw import weight_held
 
@@ -68,23 +71,20 @@ _T = TypeVar("_T")
 def measure_device(
     gm: fx.GraphModule, device: torch.device | None, cost_model: str
 ) -> torch.device | None:
-    """Where measured costs come from: ``device``, else where the parameters are."""
+    """Where measured costs come from: ``device``, else where the parameters are (a model
+    whose tensors are elsewhere, or on the meta device, has its ops made real there)."""
     if cost_model == "analytic":
         return None
     param_devs = {t.device for t in [*gm.parameters(), *gm.buffers()]}
-    if any(d.type == "meta" for d in param_devs):
-        raise ValueError(
-            "cost_model='measured' needs real weights but the model is on the meta device; "
-            "use cost_model='analytic' with a DeviceSpec preset"
-        )
     dev = torch.device(device) if device is not None else next(iter(param_devs), torch.device("cpu"))
+    if dev.type == "meta":
+        raise ValueError(
+            "cost_model='measured' needs a device to time the ops on, but the model is on the "
+            "meta device; pass device=<a torch device> to measure there, or use "
+            "cost_model='analytic' with a DeviceSpec preset"
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if param_devs - {dev}:
-        raise ValueError(
-            f"the model's tensors are on {sorted(map(str, param_devs))} but device={dev}; "
-            f"move the model there first (model.to({str(dev)!r})) or pass device={sorted(map(str, param_devs))[0]!r}"
-        )
     return dev
 
 
@@ -111,16 +111,24 @@ class NodeRunner:
     def __init__(
         self, gm: fx.GraphModule, cost_model: str, device: torch.device | None, repeats: int,
         *, home: torch.device | None = None, source: torch.device | None = None,
+        spec: DeviceSpec | None = None,
     ) -> None:
         self.gm, self.device, self.repeats = gm, device, repeats
         self.analytic = cost_model == "analytic"
         # the device fakes carry (``fakes``), the graph's constants name ``source``; measured
         # runs put real tensors on `device`
         self.source = source if source is not None else home_device(gm, [])
+        # measured elsewhere than the model's tensors are: fakes of the device's type, each
+        # profiled op made real on the device (``materialize``), else priced with ``spec``
+        self.materializer: Materializer | None = None
+        self.spec = spec or (DeviceSpec.of(device) if device is not None else None)
+        if not self.analytic and device is not None and _elsewhere(gm, device):
+            self.materializer, home = Materializer(device), fake_device(device.type)
+        self.fakes = self.analytic or self.materializer is not None
         self.home = computes_as(self.source, home)
         # analytic costs depend on the kernels the fakes' device type dispatches to
         self.device_name = f"fake {self.home.type}" if self.analytic else device_name(device)
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.analytic else None
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fakes else None
         self._fakes: dict[int, torch.Tensor] = {}
         self.module_memo: dict[int, str] = {}
         self.excluded: frozenset[int] = frozenset()
@@ -128,23 +136,34 @@ class NodeRunner:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        """Analytic: inside FakeTensorMode. Measured: restore buffers and RNG state afterwards."""
-        if self.fake_mode is not None:
-            with self.fake_mode:
-                self.excluded = self._persistent()
+        """On fakes: inside FakeTensorMode. Measured: the model's buffers (on fakes, never
+        written) and the RNG state as they were afterwards."""
+        with self._rng_kept(), self.fake_mode or contextlib.nullcontext():
+            self.excluded = self._persistent()
+            if self.fakes:
                 yield
+                return
+            buffers = {k: b.detach().clone()
+                       for k, b in self.gm.named_buffers(remove_duplicate=False)}
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for k, b in self.gm.named_buffers(remove_duplicate=False):
+                        b.copy_(buffers[k])
+
+    @contextlib.contextmanager
+    def _rng_kept(self) -> Iterator[None]:
+        """Measured ops draw from the RNG (dropout): leave it as it was."""
+        if self.analytic:
+            yield
             return
-        self.excluded = self._persistent()
-        buffers = {k: b.detach().clone() for k, b in self.gm.named_buffers(remove_duplicate=False)}
         rng = torch.random.get_rng_state()
         dev = self.device
         cuda_rng = torch.cuda.get_rng_state(dev) if dev is not None and dev.type == "cuda" else None
         try:
             yield
         finally:
-            with torch.no_grad():
-                for k, b in self.gm.named_buffers(remove_duplicate=False):
-                    b.copy_(buffers[k])
             torch.random.set_rng_state(rng)
             if cuda_rng is not None and dev is not None:
                 torch.cuda.set_rng_state(cuda_rng, dev)
@@ -154,7 +173,7 @@ class NodeRunner:
         held = list(_state(self.gm).values())
         held += [a for n in self.gm.graph.nodes if n.op == "get_attr"
                  for a in [attrgetter(str(n.target))(self.gm)] if isinstance(a, torch.Tensor)]
-        if self.analytic:
+        if self.fakes:
             held = [self.fake(t) for t in held]
         return frozenset(storage_id(t) for t in held)
 
@@ -178,12 +197,12 @@ class NodeRunner:
     def inputs(self, flat: list[Any], batch: int, samples: int, batch_dim: int) -> list[Any]:
         """The graph inputs for ``samples`` samples: fake, or real on the device."""
         with unset_fake_temporarily():
-            sized = inputs_for_samples(flat, batch, samples, batch_dim=batch_dim, fake=self.analytic)
+            sized = inputs_for_samples(flat, batch, samples, batch_dim=batch_dim, fake=self.fakes)
 
         def leaf(t: Any, orig: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
-            if self.analytic:
+            if self.fakes:
                 return _leaf(self._to_fake(t), orig.requires_grad)
             return _leaf(t.to(self.device), orig.requires_grad)
 
@@ -191,9 +210,12 @@ class NodeRunner:
 
     def attr(self, target: str) -> Any:
         obj = attrgetter(target)(self.gm)
-        return self.fake(obj) if self.analytic and isinstance(obj, torch.Tensor) else obj
+        return self.fake(obj) if self.fakes and isinstance(obj, torch.Tensor) else obj
 
-    def call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall:
+    def call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
+             state: Sequence[torch.Tensor] = ()) -> OpCall:
+        """``node``'s op on these inputs, of which ``state`` are the model's (fakes built
+        apart from the parameter they view: ``SymbolicValues.fake_args``)."""
         params: tuple[torch.Tensor, ...] = ()
         fn: Any
         if node.op == "call_module":
@@ -210,24 +232,30 @@ class NodeRunner:
             mutates = _mutates_fn(node.target, kwargs)
             op = qualname(fn)
             _check_batch_norm(fn, args, kwargs)
-        if self.analytic:
+        if self.fakes:
             args, kwargs = retarget(args, kwargs, self.source, self.home)
-        return OpCall(fn, args, kwargs, params, mutates, self.excluded, f"node {node.name} ({op})")
+        excluded = self.excluded | {storage_id(t) for t in state}
+        return OpCall(fn, args, kwargs, params, mutates, excluded, f"node {node.name} ({op})")
 
     def _module_fn(self, mod: nn.Module) -> tuple[Any, tuple[torch.Tensor, ...]]:
         real = [p for p in mod.parameters() if p.requires_grad]
-        if not self.analytic:
+        if not self.fakes:
             return mod, tuple(real)
         state = {k: self.fake(t) for k, t in _state(mod).items()}
-        return (lambda *a, **k: functional_call(mod, state, a, k, tie_weights=False)), tuple(
-            self.fake(p) for p in real
-        )
+        return ModuleCall(mod, state), tuple(self.fake(p) for p in real)
 
     def profile(self, call: OpCall) -> tuple[Any, OpCost]:
         """The op's outputs and costs, with what it holds between a split backward's B and
         W (``opcost_bw``)."""
         if self.analytic:
             out, cost = _robust(count_op, call, self._warn)
+        elif self.materializer is not None:
+            # the fakes first: an op that raises at this size (one value per channel) raises
+            # as the real one would; then its real twin, timed on the device
+            out = self.run(call)
+            assert self.spec is not None
+            cost = measure_real(call, self.materializer, repeats=self.repeats, spec=self.spec,
+                                warn=self._warn)
         else:
             dev, reps = self.device, self.repeats
             assert dev is not None
@@ -262,6 +290,11 @@ def _robust(fn: Callable[[OpCall], _T], call: OpCall, warn: Callable[[str], None
         if call.mutates or "in-place" not in str(e):
             raise
     return fn(dataclasses.replace(call, mutates=True))
+
+
+def _elsewhere(gm: fx.GraphModule, device: torch.device) -> bool:
+    """Whether a tensor of the model's state is not on ``device`` (on meta, or another)."""
+    return any(t.device != device for t in [*gm.parameters(), *gm.buffers()])
 
 
 def _check_batch_norm(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -192,7 +192,7 @@ def _instrumented(call: OpCall, device: torch.device | None) -> _Run:
     for i, t in enumerate(bound):
         first.setdefault(storage_id(t), i)
     views = tuple(first.get(storage_id(t)) for t in outs)
-    kept = (sum(tracker.kept.values()), float(tracker.kept_flops), float(tracker.kept_moved))
+    kept = (tracker.kept_bytes, float(tracker.kept_flops), float(tracker.kept_moved))
     mine = {storage_id(t) for t in bound} | {storage_id(t) for t in outs}
     kept_saved = sum(n for sid, n in log.storages.items()
                      if sid in tracker.kept and sid not in mine and sid not in call.excluded)

@@ -1,11 +1,13 @@
 """Per-node forward/backward time and memory, measured on the device or from an analytic model.
 
-With the analytic model and the shape pass's formulas (``shapes/symbolic``), nothing runs per
-node: each distinct op signature is counted once per profiled size on fake tensors built from
-the formulas, and a walk over the nodes looks costs up and charges saved storages. Otherwise
-(measured costs, or a graph whose sizes are no formulas) the pass runs the captured graph node
-by node at every profiled micro-batch size, so each node sees its real inputs (real tensors on
-the training device, or fake ones), and profiles each node alone (see ``opcost``). Either way
+With the analytic model, or measuring a model whose tensors are elsewhere (``materialize``),
+and the shape pass's formulas (``shapes/symbolic``), the graph does not run: each distinct op
+signature is profiled once per size on fake tensors built from the formulas (counted, or made
+real on the device and timed), and a walk over the nodes looks costs up and charges saved
+storages. Otherwise (a model on the device it is measured on, or a graph whose sizes are no
+formulas) the pass runs the captured graph node by node at every profiled micro-batch size,
+so each node sees its real inputs (real tensors on the training device, or fake ones), and
+profiles each node alone (see ``opcost``). Either way
 nodes with the same cost key (``opcache.op_key``) are profiled once, and costs persist on disk
 across plans.
 
@@ -169,11 +171,13 @@ def profile_pass(
 
     ``flat_inputs`` is one batch of the graph's inputs; the batch size and dimension come from
     the placeholders' ValueSpecs in ``values`` (else ``batch_dim`` and the first input's size).
-    ``cost_model="measured"`` times each op on ``device`` (default: where the parameters are);
-    ``"analytic"`` counts FLOPs and bytes on fake tensors and prices them with ``device_spec``,
-    so a meta-device model works, on fakes of ``device_spec``'s kind of device (``fakes``); with ``formulas`` (``shapes_pass``) it counts each distinct
-    op signature once per size instead of running the graph. The graph and the model's state
-    are left as they were.
+    ``cost_model="measured"`` times each op on ``device`` (default: where the parameters are;
+    a model whose tensors are elsewhere, on the meta device included, runs on fakes and each
+    op it profiles is made real on ``device``: ``materialize``); ``"analytic"`` counts FLOPs
+    and bytes on fake tensors and prices them with ``device_spec``, on fakes of
+    ``device_spec``'s kind of device (``fakes``). On fakes, with ``formulas``
+    (``shapes_pass``), each distinct op signature is profiled once per size instead of
+    running the graph. The graph and the model's state are left as they were.
     """
     gm = captured.gm
     sizes = tuple(sorted(set(batch_sizes)))
@@ -183,13 +187,13 @@ def profile_pass(
     runner = NodeRunner(
         gm, cost_model, measure_device(gm, device, cost_model), max(1, repeats),
         home=fake_device(device_spec.device_type) if cost_model == "analytic" else None,
-        source=home_device(gm, flat_inputs),
+        source=home_device(gm, flat_inputs), spec=device_spec,
     )
     cache = CostCache(cache_dir, device=runner.device_name, cost_model=cost_model)
     calls = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
     stats = WalkStats(progress=Progress("profile", total=calls * len(sizes)))
     walked: dict[int, tuple[dict[str, Row], Failed]] = {}
-    known: dict[tuple[str, int], OpCost | Exception] = {}
+    known: dict[tuple[str, tuple[int, ...], int], OpCost | Exception] = {}
 
     def stand_in(node: fx.Node, samples: int) -> Any:
         return _zeros(node, samples, values, formulas, runner)
@@ -198,7 +202,7 @@ def profile_pass(
         todo = list(sizes)
         while todo:
             for s in todo:
-                if formulas is not None and runner.analytic:
+                if formulas is not None and runner.fakes:
                     walked[s] = walk_formulas(gm, formulas, runner, cache, stats, s, known)
                 else:
                     inputs = runner.inputs(list(flat_inputs), batch, s, bdim)
@@ -215,7 +219,8 @@ def profile_pass(
         "profiled %d nodes at %d size(s) (%d measured, %d from cache, %d distinct ops; %s)%s "
         "in %.2f s", len(nodes), len(sizes), stats.measured, stats.hits, len(stats.keys),
         f"analytic costs for {device_spec.name}" if runner.analytic
-        else f"measured on {runner.device_name}",
+        else f"measured on {runner.device_name}" + (
+            ", each op made real there" if runner.materializer is not None else ""),
         "".join(f"; node {f.node} raised at {f.samples} sample(s): {f.error}"
                 for f in failures[:3]) + (f" (and {len(failures) - 3} more)"
                                           if len(failures) > 3 else ""),
@@ -285,7 +290,7 @@ def _zeros(node: fx.Node, samples: int, values: dict[str, ValueSpec],
     """Zeros in the shape of ``node``'s value at ``samples`` samples (for the nodes after
     one that raised): from the formulas, else from its spec where that is a tensor; None
     where neither says."""
-    device = runner.home if runner.analytic else runner.device
+    device = runner.home if runner.fakes else runner.device
 
     def zeros(leaf: Any) -> Any:
         if not isinstance(leaf, Leaf):

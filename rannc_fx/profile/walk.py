@@ -238,7 +238,7 @@ class _RefLedger:
 
 def walk_formulas(
     gm: fx.GraphModule, formulas: SymbolicValues, runner: NodeRunner, cache: CostCache,
-    stats: WalkStats, samples: int, known: dict[tuple[str, int], OpCost | Exception],
+    stats: WalkStats, samples: int, known: dict[tuple[str, tuple[int, ...], int], OpCost | Exception],
 ) -> tuple[dict[str, Row], Failed]:
     """Every call node's cost at ``samples`` samples, counting each distinct signature once
     (``known``: the costs, or what the signature raised, of the sizes so far)."""
@@ -250,16 +250,18 @@ def walk_formulas(
             ledger.made(node.name, len(formulas.requires_grad[node.name]), [], (), owned=False)
         elif node.op not in ("get_attr", "output"):
             sig = formulas.signatures[node.name]
-            got = known.get((sig, samples))
+            ins = [ledger.of(r) for r in formulas.inputs_of(node)]
+            # inputs in the model's state, views of it included (a slice of a position table)
+            state = tuple(i for i, r in enumerate(ins) if formulas.is_state(r))
+            got = known.get((sig, state, samples))
             if got is None:
                 try:
-                    got = _count_signature(node, formulas, runner, cache, stats, samples)
+                    got = _count_signature(node, formulas, runner, cache, stats, samples, state)
                 except Exception as e:  # every node of this signature raises it
                     got = e
-                known[(sig, samples)] = got
+                known[(sig, state, samples)] = got
             elif isinstance(got, OpCost):
                 stats.count(hit=True)
-            ins = [ledger.of(r) for r in formulas.inputs_of(node)]
             count = len(formulas.requires_grad[node.name])
             if isinstance(got, Exception):  # its outputs: storages of its own, as zeros
                 failed[node.name] = got
@@ -272,15 +274,19 @@ def walk_formulas(
 
 
 def _count_signature(node: fx.Node, formulas: SymbolicValues, runner: NodeRunner,
-                     cache: CostCache, stats: WalkStats, samples: int) -> OpCost:
-    """The cost of ``node``'s signature at ``samples`` samples: the cache's, else counted."""
+                     cache: CostCache, stats: WalkStats, samples: int,
+                     state: tuple[int, ...]) -> OpCost:
+    """The cost of ``node``'s signature at ``samples`` samples, its inputs at ``state`` the
+    model's state: the cache's, else profiled."""
     args, kwargs = formulas.fake_args(node, samples, runner)
-    key = op_key(node, runner.gm, args, kwargs, runner.module_memo)
+    key = op_key(node, runner.gm, args, kwargs, runner.module_memo, state)
     stats.keys.add(key)
     cost = cache.get(key)
     stats.count(hit=cost is not None)
     if cost is None:
-        _, cost = runner.profile(runner.call(node, args, kwargs))
+        ins = tensors((args, kwargs))
+        _, cost = runner.profile(runner.call(node, args, kwargs,
+                                             state=[ins[i] for i in state]))
         cache.put(key, cost)
     return cost
 
@@ -290,7 +296,8 @@ def _profile_node(
     cache: CostCache, stats: WalkStats, ledger: _SavedLedger,
 ) -> OpCost:
     call = runner.call(node, args, kwargs)
-    key = op_key(node, runner.gm, args, kwargs, runner.module_memo)
+    state = tuple(i for i, t in enumerate(call.inputs()) if storage_id(t) in call.excluded)
+    key = op_key(node, runner.gm, args, kwargs, runner.module_memo, state)
     stats.keys.add(key)
     cost = cache.get(key)
     hit = cost is not None
