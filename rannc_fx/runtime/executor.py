@@ -343,9 +343,10 @@ class StageExecutor:
                 for i, outs in part.model_outs.items():
                     step.model_outs.setdefault(i, {}).update(outs)
                 step.reduced.update(part.reduced)
-                part.model_outs, part.reduced = {}, {}
-        step.results = {**step.results, **self.outputs.gather(step.model_outs)}
-        step.model_outs = {}
+                step.assembled.update(part.assembled)
+                part.model_outs, part.reduced, part.assembled = {}, {}, {}
+        step.results = {**step.results, **self.outputs.gather(step.model_outs, step.assembled)}
+        step.model_outs, step.assembled = {}, {}
         received = self.outputs.share(step.reduced, step.results)
         self._finish_sends(step)
         for b in self._buffers:

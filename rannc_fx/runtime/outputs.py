@@ -2,7 +2,10 @@
 (every output without a batch dimension) to every rank.
 
     batched output   the producing replicas send each owner rank its samples' rows
-                     (``routing.output_transfers``), which it assembles for its local batch
+                     (``routing.output_transfers``), which it assembles for its local batch;
+                     the rows a replica keeps (its own local batch's) go into that batch as
+                     each micro-batch's forward ends (``home``): a micro-batch all of whose
+                     rows stay is not held besides the local batch until ``GATHER``
     the loss         the stage that computes it sums its replicas' share-weighted parts (an
                      all-reduce among them, if several) and sends the sum to every rank
                      outside the stage, spread round robin over its replicas
@@ -81,6 +84,14 @@ class Outputs:
             for a, b in spans
         ]
         self.sent: Pending | None = None  # sends of the last forward's loss, unfinished
+        # this rank's rows of each (micro-batch, value) it keeps, and those it sends away
+        self._kept_rows: dict[tuple[int, str], list[Transfer]] = {}
+        self._sent_rows: set[tuple[int, str]] = set()
+        for t in routes.outputs:
+            if t.src == rank and t.local:
+                self._kept_rows.setdefault((t.microbatch, t.value), []).append(t)
+            elif t.src == rank:
+                self._sent_rows.add((t.microbatch, t.value))
 
     @property
     def kept(self) -> set[int]:
@@ -100,9 +111,42 @@ class Outputs:
             elif i == 0 and self.stage.ranks.index(self.rank) == 0:
                 reduced[ref.index] = v.clone()  # not averageable: micro-batch 0's value
 
-    def gather(self, outputs: dict[int, dict[str, torch.Tensor]]) -> dict[int, Any]:
+    def home(self, i: int, outs: dict[str, torch.Tensor], assembled: dict[int, torch.Tensor]
+             ) -> dict[str, torch.Tensor]:
+        """Micro-batch ``i``'s batched model outputs (detached, by name): the rows this rank
+        keeps written into its local batch now (``assembled``: output index -> the local
+        batch, sample-major where the output interleaves); what is left for ``gather``,
+        the outputs some rows of which go to another rank."""
+        left = {}
+        for name, x in outs.items():
+            homed = self._kept_rows.get((i, name))
+            if homed is None:
+                left[name] = x
+                continue
+            spec = spec_of(self.plan, homed[0])
+            if spec.interleave is not None:
+                a, b = self.spans[i]
+                x = sample_major(x, spec, b - a)
+            y = assembled.get(homed[0].slot)
+            rows = homed[0].src_rows(spec)
+            if y is None and len(homed) == 1 and homed[0].samples == self.local and (
+                    rows == (0, x.shape[spec.batch_dim or 0])):
+                assembled[homed[0].slot] = x  # the whole local batch as it is: no copy
+                continue
+            if y is None:
+                y = assembled[homed[0].slot] = torch.empty(
+                    spec.shape_for(self.local), dtype=dtype_of(spec), device=self.device)
+            for t in homed:
+                take(y, spec, t.dst_rows(spec)).copy_(take(x, spec, t.src_rows(spec)))
+            if (i, name) in self._sent_rows:
+                left[name] = outs[name]
+        return left
+
+    def gather(self, outputs: dict[int, dict[str, torch.Tensor]],
+               assembled: dict[int, torch.Tensor]) -> dict[int, Any]:
         """Batched model outputs (``outputs[i][name]``, detached, of every stage this rank
-        runs) to their owner ranks.
+        runs) to their owner ranks; the rows this rank kept are in ``assembled`` already
+        (``home``).
 
         An interleaved output moves in sample-major order and is interleaved again for the
         local samples, as the model would have laid it out for the local batch alone.
@@ -142,12 +186,14 @@ class Outputs:
             spec = ref.spec
             if spec.kind != "tensor" or spec.batch_dim is None or self.plan.tail_output(ref.index):
                 continue
-            parts = [
-                (t, recv[t] if not t.local else take(source(t), spec, t.src_rows(spec)))
-                for t in self.routes.outputs
-                if t.dst == me and t.slot == ref.index
-            ]
-            y = assemble(parts, spec, self.local, self.device)
+            parts = [(t, recv[t]) for t in self.routes.outputs
+                     if t.dst == me and t.slot == ref.index and not t.local]
+            y = assembled.get(ref.index)
+            if y is None:
+                y = assemble(parts, spec, self.local, self.device)
+            else:
+                for t, piece in parts:
+                    take(y, spec, t.dst_rows(spec)).copy_(piece)
             results[ref.index] = y if spec.interleave is None else interleave(y, spec, self.local)
         return results
 

@@ -97,6 +97,12 @@ class StageRunner:
         self.sends_cuts = any(self._sends(t) for ts in routes.cuts for t in ts)
         self.sends_grads = any(self._sends(t) for ts in routes.grads for t in ts)
         self.kept = outputs.kept
+        # model outputs alone: no other stage, no tail, no backward reads them (a batched
+        # output is never seeded: the caller gets it detached)
+        tail_pos = set(self.tail.pos) if self.tail is not None else set()
+        batched = {r.spec.name for r in outputs.mine if r.spec.batch_dim is not None}
+        self._model_only = {p for p in self.kept if stage.outputs[p] in batched
+                            and stage.outputs[p] not in self.cuts and p not in tail_pos}
         self.trace: Recorder | None = None  # set by the executor when tracing
         # storages the step writes in place while sends may still be in flight: a buffer the
         # forward updates (BufferSync restores it before the next micro-batch)
@@ -313,12 +319,17 @@ class StageRunner:
         self.outputs.accumulate(i, outs, step.reduced)
         if self.tail is not None:
             self.tail.keep(step, i, outs)
-        step.model_outs[i] = {self.stage.outputs[p]: outs[p].detach() for p in self.kept
-                              if _is_tensor(outs[p])}
+        model = {self.stage.outputs[p]: outs[p].detach() for p in self.kept
+                 if _is_tensor(outs[p])}
+        step.model_outs[i] = left = self.outputs.home(i, model, step.assembled)
         if step.grad:
             step.args[i] = args
         if self.sends_cuts or (step.grad and not self.recompute):
-            step.outs[i] = outs
+            # an output all of whose rows went into this rank's local batch, and that no
+            # other stage, the tail or a backward reads, is not held until the backward
+            step.outs[i] = tuple(None if p in self._model_only and name not in left else o
+                                 for p, (name, o) in enumerate(zip(self.stage.outputs, outs,
+                                                                   strict=True)))
 
     def recompute_one(self, step: StepState, i: int) -> None:
         """R: micro-batch i's forward again, with gradients, as its F ran it."""

@@ -41,6 +41,8 @@ class StepState:
     args: dict[int, list[Any]] = field(default_factory=dict)
     outs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # for the backward
     model_outs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # for GATHER
+    # the local batch of each batched model output, this rank's own rows in it (``home``)
+    assembled: dict[int, torch.Tensor] = field(default_factory=dict)
     rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     sends: list[Pending] = field(default_factory=list)
     # each send by ("F" or "B", micro-batch), so the executor can wait for it mid-step
